@@ -1,0 +1,251 @@
+"""The FourSight compensated linear layer: quantization of its parts and the PyTorch reference.
+
+A compensated layer with weight ``W`` [N, K] and BF16 channel set ``S`` (k sorted indices) holds
+
+* the NVFP4 encoding of ``W`` with the columns in ``S`` zeroed (so the FP4 part is plain NVFP4),
+* ``weight_bf16 = W[:, S]`` in BF16,
+
+and computes ``Y = deq(Q(X with S zeroed)) · deq(Wq)ᵀ + X[:, S] · W[:, S]ᵀ (+ bias)``.
+
+:func:`reference_linear` is the oracle for every kernel and engine adapter. The engines call
+:func:`foursight_linear`, which dispatches to the Triton kernels on CUDA and to the reference
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foursight.nvfp4 import (
+    NVFP4Error,
+    check_finite,
+    check_k,
+    dequantize_nvfp4,
+    global_scale_from_amax,
+    quantize_nvfp4,
+)
+
+
+@dataclass
+class QuantizedWeight:
+    """The tensors of one compensated linear layer (one checkpoint module).
+
+    Attributes:
+        weight_packed: uint8 [N, K/2], NVFP4 codes of ``W`` with the ``S`` columns zeroed.
+        weight_scale: float8_e4m3fn [N, K/16].
+        weight_global_scale: float32 [1] (per tensor) or [N] (one per output row, e.g. after
+            fusing shards that each had their own per-tensor scale).
+        bf16_channels: int32 [k], sorted, unique, in [0, K).
+        weight_bf16: bfloat16 [N, k] = ``W[:, S]``.
+    """
+
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_global_scale: torch.Tensor
+    bf16_channels: torch.Tensor
+    weight_bf16: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_packed.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight_packed.shape[1] * 2
+
+    @property
+    def num_channels(self) -> int:
+        return int(self.bf16_channels.numel())
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        return QuantizedWeight(*(t.to(device) for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight_packed, self.weight_scale, self.weight_global_scale, self.bf16_channels, self.weight_bf16)
+
+
+def check_channels(channels: torch.Tensor, k_dim: int, name: str = "layer") -> torch.Tensor:
+    """Validate a channel set and return it as sorted int32 [k].
+
+    Raises :class:`NVFP4Error` if indices are out of range, repeated, or ``k >= K``.
+    """
+    ch = torch.as_tensor(channels).flatten().to(torch.int64)
+    if ch.numel() >= k_dim:
+        raise NVFP4Error(f"{name}: {ch.numel()} BF16 channels requested but K={k_dim}; k must be < K")
+    if ch.numel():
+        if int(ch.min()) < 0 or int(ch.max()) >= k_dim:
+            raise NVFP4Error(f"{name}: bf16_channels out of range [0, {k_dim}): min={int(ch.min())} max={int(ch.max())}")
+        if torch.unique(ch).numel() != ch.numel():
+            raise NVFP4Error(f"{name}: bf16_channels has repeated indices")
+    return torch.sort(ch).values.to(torch.int32)
+
+
+def zero_columns(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """Return a copy of ``x`` [..., K] with the columns in ``channels`` [k] set to zero."""
+    out = x.clone()
+    if channels.numel():
+        out[..., channels.long()] = 0
+    return out
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    channels: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    name: str = "weight",
+) -> QuantizedWeight:
+    """Quantize a linear weight into a FourSight layer.
+
+    Args:
+        weight: [N, K] float (bf16 usually), finite, K a multiple of 16.
+        channels: int [k] indices of the input channels kept in BF16 (k < K; 0 gives plain NVFP4).
+        global_scale: optional float32 [1]; by default ``448*6/amax`` of the weight with the
+            ``S`` columns zeroed.
+        name: layer name for error messages.
+    Returns:
+        A :class:`QuantizedWeight` with ``weight_global_scale`` of shape [1].
+    """
+    if weight.dim() != 2:
+        raise NVFP4Error(f"{name}: expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
+    n, k_dim = weight.shape
+    check_k(k_dim, name)
+    check_finite(weight, name)
+    ch = check_channels(channels, k_dim, name).to(weight.device)
+    w0 = zero_columns(weight, ch)
+    gs = global_scale_from_amax(w0.float().abs().amax()).reshape(1) if global_scale is None else global_scale.float().reshape(1)
+    packed, scale = quantize_nvfp4(w0, gs.to(weight.device), name)
+    return QuantizedWeight(
+        weight_packed=packed,
+        weight_scale=scale,
+        weight_global_scale=gs.to(weight.device),
+        bf16_channels=ch,
+        weight_bf16=weight[:, ch.long()].to(torch.bfloat16).contiguous(),
+    )
+
+
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32, include_bf16: bool = True) -> torch.Tensor:
+    """Dense [N, K] weight of a FourSight layer: dequantized FP4 part, plus the BF16 columns if asked."""
+    w = dequantize_nvfp4(qw.weight_packed, qw.weight_scale, _row_gs(qw.weight_global_scale, qw.out_features), torch.float32)
+    if include_bf16 and qw.num_channels:
+        w[:, qw.bf16_channels.long()] = qw.weight_bf16.float()
+    return w.to(dtype)
+
+
+def _row_gs(gs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Broadcast a global scale of shape [], [1] or [rows] to float32 [rows, 1]."""
+    gs = gs.float().reshape(-1)
+    if gs.numel() == 1:
+        return gs.expand(rows).reshape(rows, 1)
+    if gs.numel() != rows:
+        raise NVFP4Error(f"global scale has {gs.numel()} entries, expected 1 or {rows}")
+    return gs.reshape(rows, 1)
+
+
+@dataclass
+class QuantizedActivation:
+    """Activation operand of SpliceGEMM.
+
+    Attributes:
+        packed: uint8 [M, K/2] codes of X with the S columns zeroed.
+        scale: float8_e4m3fn [M, K/16].
+        global_scale: float32 [M] (one per row; all equal when a static scale was given).
+        x_bf16: [M, k] = X[:, S] in the input dtype.
+    """
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    x_bf16: torch.Tensor
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    channels: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    name: str = "input",
+) -> QuantizedActivation:
+    """Quantize activations X [M, K] for SpliceGEMM.
+
+    The S columns are zeroed before any amax is taken. The global scale is the given static
+    (calibrated) float32 scalar, or, when ``global_scale`` is None, computed per row as
+    ``448*6/rowamax`` (dynamic, batch-invariant: a row's codes do not depend on other rows).
+
+    Args:
+        x: [M, K] bf16/fp16/fp32.
+        channels: int32 [k] sorted indices.
+        global_scale: optional float32 scalar/[1].
+    Returns:
+        :class:`QuantizedActivation`.
+    """
+    if x.dim() != 2:
+        raise NVFP4Error(f"{name}: expected [M, K], got shape {tuple(x.shape)}")
+    m, k_dim = x.shape
+    check_k(k_dim, name)
+    ch = channels.to(x.device).long()
+    x0 = zero_columns(x, ch)
+    if global_scale is None:
+        gs = global_scale_from_amax(x0.float().abs().amax(dim=1, keepdim=True))  # [M, 1]
+    else:
+        gs = global_scale.float().reshape(1, 1).to(x.device).expand(m, 1)
+    packed, scale = quantize_nvfp4(x0, gs, name)
+    return QuantizedActivation(packed=packed, scale=scale, global_scale=gs.reshape(m).contiguous(), x_bf16=x[:, ch].contiguous())
+
+
+def reference_linear(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    input_global_scale: torch.Tensor | None = None,
+    act_quant: bool = True,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """PyTorch reference of the compensated layer (the oracle for kernels and engines).
+
+    Args:
+        x: [..., K] activations (bf16/fp16/fp32).
+        qw: the layer's tensors.
+        bias: optional [N].
+        input_global_scale: static activation global scale, or None for dynamic per-row scales.
+        act_quant: True for W4A4; False for W4A16 (activations stay in their dtype).
+        out_dtype: output dtype, default ``x.dtype``.
+    Returns:
+        [..., N], computed in float32 and cast to ``out_dtype``.
+    """
+    k_dim = qw.in_features
+    if x.shape[-1] != k_dim:
+        raise NVFP4Error(f"input: last dim {x.shape[-1]} != layer in_features {k_dim}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k_dim)
+    w = dequantize_weight(qw, torch.float32, include_bf16=False)
+    ch = qw.bf16_channels.long()
+    if act_quant:
+        qa = quantize_activation(x2, qw.bf16_channels, input_global_scale)
+        xd = dequantize_nvfp4(qa.packed, qa.scale, qa.global_scale, torch.float32)
+    else:
+        xd = zero_columns(x2.float(), ch)
+    y = xd @ w.t()
+    if ch.numel():
+        y = y + x2[:, ch].to(torch.bfloat16).float() @ qw.weight_bf16.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).reshape(*lead, qw.out_features)
+
+
+def foursight_linear(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    input_global_scale: torch.Tensor | None = None,
+    act_quant: bool = True,
+) -> torch.Tensor:
+    """Run a compensated layer: Triton SpliceGEMM on CUDA when available, else :func:`reference_linear`."""
+    if x.is_cuda:
+        try:
+            from foursight.kernels import splice_linear  # noqa: WPS433 (optional dependency)
+        except ImportError:  # kernels not built/available: fall back, numerics are identical
+            splice_linear = None
+        if splice_linear is not None:
+            return splice_linear(x, qw, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
+    return reference_linear(x, qw, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)

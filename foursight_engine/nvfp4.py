@@ -1,0 +1,183 @@
+"""NVFP4 numerics in plain PyTorch (CPU and GPU).
+
+Conventions (bit-compatible with compressed-tensors' ``nvfp4-pack-quantized`` format):
+
+* Element format E2M1: magnitudes ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` have codes 0..7,
+  the sign is bit 3 (code ``8 | m`` is ``-value(m)``).
+* Two codes per byte, the even column in the low nibble, the odd column in the high nibble.
+* One E4M3 (``torch.float8_e4m3fn``) block scale per 16 consecutive values along K.
+* One FP32 *global scale* ``gs = 448 * 6 / amax`` per tensor (compressed-tensors' convention,
+  the reciprocal of ModelOpt's ``weight_scale_2``).
+* Block scale ``s = fp8(gs * block_amax / 6)``; element ``q = e2m1(x * gs / s)`` rounded to
+  the nearest E2M1 value, ties to even; dequantization is ``x ≈ q * s / gs``.
+
+All functions take and return tensors on the input's device; none of them keeps state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_SIZE: int = 16
+FP4_MAX: float = 6.0
+FP8_E4M3_MAX: float = 448.0
+# Smallest positive E4M3 value (a subnormal, 2**-9).
+FP8_E4M3_MIN_POS: float = 2.0**-9
+#: compressed-tensors replaces a block scale that is zero in E4M3 by E4M3's eps.
+ZERO_SCALE_REPLACEMENT: float = 0.125
+
+#: E2M1 value of each 4-bit code (index = code).
+E2M1_VALUES: torch.Tensor = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+
+# Decision boundaries between consecutive magnitudes and whether a tie rounds up.
+# Ties go to the value with an even mantissa bit: 0.25->0, 0.75->1, 1.25->1, 1.75->2,
+# 2.5->2, 3.5->4, 5->4.
+_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+
+
+class NVFP4Error(ValueError):
+    """Invalid input for an NVFP4 operation (shape, dtype or non-finite values)."""
+
+
+def check_k(k: int, name: str = "tensor") -> None:
+    """Raise :class:`NVFP4Error` unless ``k`` (the reduction dim) is a positive multiple of 16."""
+    if k <= 0 or k % BLOCK_SIZE:
+        raise NVFP4Error(f"{name}: K={k} is not a positive multiple of the NVFP4 block size {BLOCK_SIZE}")
+
+
+def check_finite(x: torch.Tensor, name: str = "tensor") -> None:
+    """Raise :class:`NVFP4Error` naming ``name`` if ``x`` holds NaN or Inf."""
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise NVFP4Error(f"{name}: {bad} non-finite value(s) (NaN/Inf) in a tensor of shape {tuple(x.shape)}")
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E2M1 value (ties to even) and return its 4-bit code.
+
+    Args:
+        x: any shape, float; values are expected in [-6, 6] (larger magnitudes saturate to 6).
+    Returns:
+        uint8 tensor of the same shape holding codes 0..15 (sign in bit 3).
+    """
+    xf = x.float()
+    mag = xf.abs()
+    bounds = _BOUNDS.to(x.device)
+    # number of boundaries strictly below (or, for tie-up boundaries, at or below) mag
+    above = (mag.unsqueeze(-1) > bounds) | ((mag.unsqueeze(-1) == bounds) & _TIE_UP.to(x.device))
+    idx = above.sum(-1).to(torch.uint8)
+    # compressed-tensors keeps the sign of values that round to zero (code 8 = -0).
+    sign = torch.signbit(xf).to(torch.uint8) << 3
+    return idx | sign
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Map 4-bit codes (uint8, any shape) to their float32 E2M1 values."""
+    return E2M1_VALUES.to(codes.device)[codes.long()]
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` onto the E2M1 grid (ties to even, saturating at ±6); float32 out, same shape."""
+    return e2m1_values(e2m1_codes(x))
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes uint8 [..., K] (K even) into bytes uint8 [..., K/2]; even column in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise NVFP4Error(f"pack_fp4: last dim {codes.shape[-1]} is odd")
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`: uint8 [..., K/2] -> codes uint8 [..., K]."""
+    if packed.dtype != torch.uint8:
+        raise NVFP4Error(f"unpack_fp4: expected uint8, got {packed.dtype}")
+    lo = packed & 0xF
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def global_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """FP32 global scale ``448 * 6 / amax`` (compressed-tensors' ``generate_gparam``).
+
+    ``amax`` may be a scalar or any shape (e.g. [M, 1] for per-row scales). Where the division
+    overflows (amax == 0 or tiny) the scale is 1.0, as in compressed-tensors.
+    """
+    amax = torch.clamp(amax.float(), min=torch.finfo(torch.float32).tiny)
+    gs = (FP8_E4M3_MAX * FP4_MAX) / amax
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def block_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales of ``x``.
+
+    Args:
+        x: [R, K] float, K a multiple of 16.
+        global_scale: float32 scalar or [R, 1].
+    Returns:
+        float8_e4m3fn [R, K/16]: ``fp8(clamp(gs * block_amax / 6, max=448))``; a scale that is
+        zero after the cast becomes 0.125 (E4M3's eps), as compressed-tensors does, so that no
+        division by zero can occur.
+    """
+    r, k = x.shape
+    check_k(k)
+    amax = x.float().abs().reshape(r, k // BLOCK_SIZE, BLOCK_SIZE).amax(-1)
+    s = global_scale.float() * (amax / FP4_MAX)
+    s = torch.clamp(s, min=-FP8_E4M3_MAX, max=FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    s = torch.where(s == 0, torch.full_like(s, ZERO_SCALE_REPLACEMENT), s)
+    return s.to(torch.float8_e4m3fn)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: torch.Tensor, name: str = "tensor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` [R, K] to NVFP4 with a given global scale.
+
+    Args:
+        x: [R, K] float (bf16/fp16/fp32), finite, K a multiple of 16.
+        global_scale: float32 scalar (per tensor) or [R, 1] (per row).
+        name: used in error messages.
+    Returns:
+        ``(packed, scale)``: uint8 [R, K/2] and float8_e4m3fn [R, K/16].
+    """
+    if x.dim() != 2:
+        raise NVFP4Error(f"{name}: expected a 2-D tensor [R, K], got shape {tuple(x.shape)}")
+    r, k = x.shape
+    check_k(k, name)
+    check_finite(x, name)
+    gs = global_scale.float().to(x.device)
+    scale = block_scales(x, gs)
+    s32 = scale.float()
+    # x * gs / s computed as x / (s / gs), the order compressed-tensors uses.
+    eff = (s32 / gs).repeat_interleave(BLOCK_SIZE, dim=1)
+    scaled = torch.clamp(x.float() / eff, -FP4_MAX, FP4_MAX)
+    return pack_fp4(e2m1_codes(scaled)), scale
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantize NVFP4: ``q * (s / gs)`` (the operation order of compressed-tensors).
+
+    Args:
+        packed: uint8 [R, K/2].
+        scale: float8_e4m3fn [R, K/16].
+        global_scale: float32 scalar, [R, 1] or [R] (one per row).
+        dtype: output dtype.
+    Returns:
+        [R, K] tensor of ``dtype`` (computed in float32).
+    """
+    q = e2m1_values(unpack_fp4(packed))
+    gs = global_scale.float().to(packed.device)
+    if gs.dim() == 1:
+        gs = gs.unsqueeze(1)
+    eff = (scale.float() / gs).repeat_interleave(BLOCK_SIZE, dim=1)
+    return (q * eff).to(dtype)
