@@ -8,8 +8,8 @@ A compensated layer with weight ``W`` [N, K] and BF16 channel set ``S`` (k sorte
 and computes ``Y = deq(Q(X with S zeroed)) · deq(Wq)ᵀ + X[:, S] · W[:, S]ᵀ (+ bias)``.
 
 :func:`reference_linear` is the oracle for every kernel and engine adapter. The engines call
-:func:`foursight_linear`, which dispatches to the Triton kernels on CUDA and to the reference
-elsewhere.
+:func:`prepare_weight` once after loading and :func:`foursight_linear` per forward; these
+dispatch to the Triton kernels on CUDA and to the (cached) reference elsewhere.
 """
 
 from __future__ import annotations
@@ -200,6 +200,7 @@ def reference_linear(
     input_global_scale: torch.Tensor | None = None,
     act_quant: bool = True,
     out_dtype: torch.dtype | None = None,
+    w_deq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of the compensated layer (the oracle for kernels and engines).
 
@@ -210,6 +211,8 @@ def reference_linear(
         input_global_scale: static activation global scale, or None for dynamic per-row scales.
         act_quant: True for W4A4; False for W4A16 (activations stay in their dtype).
         out_dtype: output dtype, default ``x.dtype``.
+        w_deq: optional cached ``dequantize_weight(qw, float32, include_bf16=False)`` [N, K]
+            (see :class:`PreparedReference`); recomputed when None.
     Returns:
         [..., N], computed in float32 and cast to ``out_dtype``.
     """
@@ -218,7 +221,7 @@ def reference_linear(
         raise NVFP4Error(f"input: last dim {x.shape[-1]} != layer in_features {k_dim}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k_dim)
-    w = dequantize_weight(qw, torch.float32, include_bf16=False)
+    w = dequantize_weight(qw, torch.float32, include_bf16=False) if w_deq is None else w_deq
     ch = qw.bf16_channels.long()
     if act_quant:
         qa = quantize_activation(x2, qw.bf16_channels, input_global_scale)
@@ -233,19 +236,50 @@ def reference_linear(
     return y.to(out_dtype or x.dtype).reshape(*lead, qw.out_features)
 
 
+class PreparedReference:
+    """CPU execution form of a layer: the reference with the dequantized FP4 weight cached.
+
+    Numerically identical to :func:`reference_linear` (the cache is exactly what it would
+    recompute), but the weight is dequantized once, after loading, instead of per call.
+    Building it twice from the same ``qw`` gives the same object state (idempotent).
+    """
+
+    def __init__(self, qw: QuantizedWeight):
+        self.qw = qw
+        self.w_deq = dequantize_weight(qw, torch.float32, include_bf16=False)
+
+    def __call__(self, x, bias=None, input_global_scale=None, act_quant=True) -> torch.Tensor:
+        return reference_linear(x, self.qw, bias, input_global_scale, act_quant, w_deq=self.w_deq)
+
+
+def prepare_weight(qw: QuantizedWeight):
+    """Execution form of ``qw`` for its device: the Triton kernels' layout on CUDA, else
+    :class:`PreparedReference`. Call once after loading (and again after a weight update)."""
+    if qw.weight_packed.is_cuda:
+        try:
+            from foursight.kernels import prepare_weight as _prep_cuda
+        except ImportError:
+            _prep_cuda = None
+        if _prep_cuda is not None:
+            return _prep_cuda(qw)
+    return PreparedReference(qw)
+
+
 def foursight_linear(
     x: torch.Tensor,
-    qw: QuantizedWeight,
+    prepared,
     bias: torch.Tensor | None = None,
     input_global_scale: torch.Tensor | None = None,
     act_quant: bool = True,
 ) -> torch.Tensor:
-    """Run a compensated layer: Triton SpliceGEMM on CUDA when available, else :func:`reference_linear`."""
-    if x.is_cuda:
-        try:
-            from foursight.kernels import splice_linear  # noqa: WPS433 (optional dependency)
-        except ImportError:  # kernels not built/available: fall back, numerics are identical
-            splice_linear = None
-        if splice_linear is not None:
-            return splice_linear(x, qw, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
-    return reference_linear(x, qw, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
+    """Run a compensated layer given its :func:`prepare_weight` form (or a raw :class:`QuantizedWeight`).
+
+    On CUDA with the Triton kernels available this is SpliceGEMM; elsewhere the PyTorch reference.
+    """
+    if isinstance(prepared, QuantizedWeight):
+        prepared = prepare_weight(prepared)
+    if isinstance(prepared, PreparedReference):
+        return prepared(x, bias, input_global_scale, act_quant)
+    from foursight.kernels import splice_linear
+
+    return splice_linear(x, prepared, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
