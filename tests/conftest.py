@@ -1,0 +1,65 @@
+"""Shared pytest fixtures: tiny random models, the packaged SmolLM2 model, engine environment.
+
+GPU tests are marked ``gpu`` and skip on a machine without CUDA; engine tests skip only when
+the engine is not importable in the running venv (the README's test command runs each suite in
+the venv that has its engine, so nothing is skipped there).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Engines on CPU: small KV cache, in-process engine core, no inductor compile (see docs/vllm.md).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_cache_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-cache")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (hidden 128, 2 layers, head_dim 32) with an offline BPE tokenizer."""
+    from foursight.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "model", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 (q/k/v biases) with an offline BPE tokenizer."""
+    from foursight.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2") / "model", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The packaged SmolLM2-135M-Instruct as a BF16 HF folder (converted once, cached)."""
+    from foursight.models import prepare_smollm2
+
+    try:
+        return prepare_smollm2()
+    except RuntimeError as e:  # the wheel is part of the README install; say so loudly
+        pytest.fail(str(e))
