@@ -1,0 +1,354 @@
+"""Writing and reading FourSight checkpoints (``foursight quantize``).
+
+A checkpoint is an HF folder: ``config.json`` with ``quantization_config`` (see
+:class:`foursight.schema.FourSightConfig`), safetensors with the tensors named in
+:mod:`foursight.schema`, the tokenizer, ``foursight_layers.json`` (the per-layer error table)
+and ``foursight_channels.json`` (channel sets + calibrated input amax, reusable for online
+quantization). It is written to a temporary folder beside the destination and renamed at the
+end, so a failure never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from foursight import schema
+from foursight.calibration import (
+    InputGroup,
+    budget_candidates,
+    collect_stats,
+    load_calibration_texts,
+    select_channels,
+)
+from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
+from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
+from foursight.schema import CheckpointError, FourSightConfig
+
+SHARD_BYTES = 2 * 1024**3
+
+
+@dataclass
+class LayerReport:
+    """One row of the per-layer table (relative output error on calibration activations)."""
+
+    name: str
+    group: str
+    in_features: int
+    out_features: int
+    k: int
+    err_nvfp4: float
+    err_foursight: float
+    outlier_share: float  # share of the input's total variance held by the selected channels
+
+    @property
+    def reduction(self) -> float:
+        return 1.0 - self.err_foursight / self.err_nvfp4 if self.err_nvfp4 > 0 else 0.0
+
+
+def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
+    """‖y − y_ref‖ / ‖y_ref‖ in float64 (0 when y_ref is zero)."""
+    ref = y_ref.double()
+    den = float(ref.norm())
+    return float((y.double() - ref).norm()) / den if den > 0 else 0.0
+
+
+def _layer_error(rows: torch.Tensor, weight: torch.Tensor, qw: QuantizedWeight) -> float:
+    """Relative output error of the quantized layer (W4A4, dynamic activation scales) on ``rows``."""
+    y_ref = rows.float() @ weight.float().t()
+    return relative_error(reference_linear(rows, qw, out_dtype=torch.float32), y_ref)
+
+
+def find_linears(model: nn.Module, cfg: FourSightConfig) -> list[str]:
+    """Names of the ``nn.Linear`` modules to quantize (not matched by ``cfg.ignore``), in model order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
+
+
+def check_model_quantizable(model: nn.Module, names: list[str]) -> None:
+    """Fail before any work if a layer has K not a multiple of 16 or non-finite weights (names it)."""
+    mods = dict(model.named_modules())
+    for n in names:
+        w = mods[n].weight
+        if w.shape[1] % BLOCK_SIZE:
+            raise CheckpointError(
+                f"layer {n}: in_features={w.shape[1]} is not a multiple of {BLOCK_SIZE}; add it to --ignore"
+            )
+        if not bool(torch.isfinite(w).all()):
+            raise CheckpointError(f"layer {n}: weight has non-finite values (NaN/Inf)")
+
+
+def _choose_k(group: InputGroup, weights: list[torch.Tensor], spec: str, error_target: float | None, max_k: int | None) -> int:
+    """k for a group: fixed by ``spec`` or, with ``error_target``, the smallest candidate whose
+    worst member error on the sample rows is ≤ target (the largest candidate if none is)."""
+    kdim = group.in_features
+    if error_target is None:
+        return schema.parse_channel_budget(spec, kdim, layer=group.members[0])
+    if group.rows is None or group.rows.shape[0] == 0:
+        raise CheckpointError(f"layer {group.members[0]}: no calibration rows for --error-target")
+    best = 0
+    for k in budget_candidates(kdim, max_k):
+        ch = select_channels(group.stats.variance, k)
+        err = max(_layer_error(group.rows, w, quantize_weight(w, ch)) for w in weights)
+        best = k
+        if err <= error_target:
+            break
+    return best
+
+
+@dataclass
+class QuantizeResult:
+    out_dir: Path
+    config: FourSightConfig
+    layers: list[LayerReport]
+
+
+def quantize_model(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    channels: str | int = "32",
+    calib: str | Path | None = None,
+    ignore: tuple[str, ...] | list[str] = ("lm_head",),
+    error_target: float | None = None,
+    max_k: int | None = None,
+    activation_dtype: str = "nvfp4",
+    activation_scale: str = "dynamic",
+    batch_size: int = 8,
+    max_length: int = 256,
+    force: bool = False,
+    progress: bool = True,
+) -> QuantizeResult:
+    """Calibrate, select channels, quantize and write a FourSight checkpoint.
+
+    Args:
+        model_dir: a BF16 HF causal-LM folder.
+        out_dir: destination (must not exist unless ``force``).
+        channels: k per input group: an integer or a percentage of K (``"2%"``); ``0`` = plain NVFP4.
+        calib: JSONL calibration file (``{"text": ...}`` per line); None uses the built-in texts.
+        ignore: module names / suffixes / ``re:`` patterns left unquantized.
+        error_target: if set, per-group k is the smallest of 0, 16, 32, 64, ... whose relative
+            output error on calibration rows is ≤ this target (``channels`` is then ignored).
+        max_k: cap for ``error_target``.
+    Returns:
+        :class:`QuantizeResult` with the per-layer table.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tqdm.auto import tqdm
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+    cfg = FourSightConfig.parse(
+        {
+            "ignore": list(ignore),
+            "activation_dtype": activation_dtype,
+            "activation_scale": activation_scale,
+            "channel_budget": f"error-target:{error_target}" if error_target is not None else str(channels),
+        }
+    )
+    texts = load_calibration_texts(calib)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model.eval()
+    names = find_linears(model, cfg)
+    if not names:
+        raise CheckpointError(f"{model_dir}: no linear layers left to quantize (ignore={list(ignore)})")
+    check_model_quantizable(model, names)
+    # validate the channel spec against every layer before the slow part
+    if error_target is None:
+        mods0 = dict(model.named_modules())
+        for n in names:
+            schema.parse_channel_budget(channels, mods0[n].weight.shape[1], layer=n)
+
+    groups = collect_stats(model, tok, texts, names, batch_size=batch_size, max_length=max_length, progress=progress)
+    mods = dict(model.named_modules())
+    missing = [n for n in names if not any(n in g.members for g in groups.values())]
+    if missing:
+        raise CheckpointError(f"layers never called during calibration: {missing[:5]}")
+
+    tensors: dict[str, torch.Tensor] = {}
+    reports: list[LayerReport] = []
+    channel_sets: dict[str, list[int]] = {}
+    input_amax: dict[str, float] = {}
+    for g in tqdm(list(groups.values()), desc="quantizing", unit="group", disable=not progress):
+        weights = [mods[n].weight.detach() for n in g.members]
+        k = _choose_k(g, weights, str(channels), error_target, max_k)
+        ch = select_channels(g.stats.variance, k)
+        amax_rest = g.stats.amax.clone()
+        if k:
+            amax_rest[ch.long()] = 0
+        in_gs = global_scale_from_amax(amax_rest.amax()).reshape(1)
+        var = g.stats.variance
+        share = float(var[ch.long()].sum() / var.sum()) if k and float(var.sum()) > 0 else 0.0
+        for n, w in zip(g.members, weights):
+            qw = quantize_weight(w, ch, name=n)
+            base = quantize_weight(w, ch[:0], name=n) if k else qw
+            rows = g.rows if g.rows is not None else torch.zeros(0, w.shape[1], dtype=torch.bfloat16)
+            e_fs = _layer_error(rows, w, qw) if rows.shape[0] else float("nan")
+            e_fp4 = _layer_error(rows, w, base) if rows.shape[0] else float("nan")
+            reports.append(LayerReport(n, g.key, w.shape[1], w.shape[0], k, e_fp4, e_fs, share))
+            tensors[f"{n}.{schema.WEIGHT_PACKED}"] = qw.weight_packed
+            tensors[f"{n}.{schema.WEIGHT_SCALE}"] = qw.weight_scale
+            tensors[f"{n}.{schema.WEIGHT_GLOBAL_SCALE}"] = qw.weight_global_scale.float().reshape(1)
+            tensors[f"{n}.{schema.INPUT_GLOBAL_SCALE}"] = in_gs.clone()
+            tensors[f"{n}.{schema.BF16_CHANNELS}"] = qw.bf16_channels
+            tensors[f"{n}.{schema.WEIGHT_BF16}"] = qw.weight_bf16
+            if mods[n].bias is not None:
+                tensors[f"{n}.{schema.BIAS}"] = mods[n].bias.detach().to(torch.bfloat16)
+            cfg.channels[n] = k
+            channel_sets[n] = [int(c) for c in ch]
+            input_amax[n] = float(g.stats.amax.amax())
+    cfg.channel_selection = "calibration" if any(cfg.channels.values()) else "none"
+
+    quantized = set(names)
+    for pname, p in model.state_dict().items():
+        mod = pname.rsplit(".", 1)[0]
+        if mod in quantized:
+            continue
+        if pname == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+            continue
+        tensors[pname] = p.detach().contiguous()
+
+    _write_checkpoint(model, tok, model_dir, out_dir, cfg, tensors, reports, channel_sets, input_amax, force)
+    return QuantizeResult(out_dir, cfg, reports)
+
+
+def _write_checkpoint(model, tok, model_dir, out_dir, cfg, tensors, reports, channel_sets, input_amax, force) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        names = list(tensors)
+        shards: list[list[str]] = [[]]
+        size = 0
+        for n in names:
+            b = tensors[n].numel() * tensors[n].element_size()
+            if shards[-1] and size + b > SHARD_BYTES:
+                shards.append([])
+                size = 0
+            shards[-1].append(n)
+            size += b
+        meta = {"format": "pt", "quant_method": schema.QUANT_METHOD, "format_version": str(schema.FORMAT_VERSION)}
+        if len(shards) == 1:
+            save_file({n: tensors[n].contiguous() for n in shards[0]}, str(tmp / "model.safetensors"), metadata=meta)
+        else:
+            weight_map = {}
+            for i, sh in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: tensors[n].contiguous() for n in sh}, str(tmp / fname), metadata=meta)
+                weight_map.update({n: fname for n in sh})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
+        hf_cfg = model.config.to_dict()
+        hf_cfg["quantization_config"] = cfg.model_dump()
+        hf_cfg["torch_dtype"] = "bfloat16"
+        hf_cfg.pop("dtype", None)
+        hf_cfg["dtype"] = "bfloat16"
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / schema.LAYER_REPORT_FILE).write_text(
+            json.dumps(
+                [dict(r.__dict__, reduction=r.reduction) for r in reports],
+                indent=1,
+                default=lambda v: None if isinstance(v, float) and math.isnan(v) else v,
+            )
+        )
+        (tmp / schema.CHANNELS_FILE).write_text(
+            json.dumps({"format_version": schema.FORMAT_VERSION, "channels": channel_sets, "input_amax": input_amax})
+        )
+        if out_dir.exists() and force:
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
+    """Parse and validate ``config.json["quantization_config"]`` (CheckpointError names the field)."""
+    path = Path(ckpt_dir) / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{ckpt_dir}: no config.json")
+    raw = json.loads(path.read_text()).get("quantization_config")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: no quantization_config object")
+    if raw.get("quant_method") != schema.QUANT_METHOD:
+        raise CheckpointError(f"{path}: quantization_config.quant_method is {raw.get('quant_method')!r}, not 'foursight'")
+    return FourSightConfig.parse(raw)
+
+
+def read_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (single file or sharded with an index)."""
+    from safetensors.torch import load_file
+
+    d = Path(ckpt_dir)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{d}: no .safetensors files")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def split_modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Split a flat state dict into FourSight modules (prefix → {suffix: tensor}) and the rest."""
+    mods: dict[str, dict[str, torch.Tensor]] = {}
+    prefixes = {n[: -len(schema.WEIGHT_PACKED) - 1] for n in tensors if n.endswith("." + schema.WEIGHT_PACKED)}
+    rest: dict[str, torch.Tensor] = {}
+    for n, t in tensors.items():
+        pre, _, suf = n.rpartition(".")
+        if pre in prefixes and (suf in schema.TENSOR_SUFFIXES or suf == schema.BIAS):
+            mods.setdefault(pre, {})[suf] = t
+        else:
+            rest[n] = t
+    return mods, rest
+
+
+def load_quantized_weight(name: str, t: dict[str, torch.Tensor], out_features: int, in_features: int, k: int) -> QuantizedWeight:
+    """Validate one module's tensors (shared validator) and wrap them as a :class:`QuantizedWeight`."""
+    schema.validate_module_tensors(name, t, out_features, in_features, k)
+    return QuantizedWeight(
+        weight_packed=t[schema.WEIGHT_PACKED],
+        weight_scale=t[schema.WEIGHT_SCALE],
+        weight_global_scale=t[schema.WEIGHT_GLOBAL_SCALE].float(),
+        bf16_channels=t[schema.BF16_CHANNELS],
+        weight_bf16=t[schema.WEIGHT_BF16],
+    )
+
+
+__all__ = [
+    "LayerReport",
+    "QuantizeResult",
+    "quantize_model",
+    "read_quant_config",
+    "read_tensors",
+    "split_modules",
+    "load_quantized_weight",
+    "relative_error",
+    "NVFP4Error",
+]
+
+
+def load_quantized_tensors(ckpt_dir: str | Path) -> tuple[FourSightConfig, dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """``(config, modules, rest)`` of a checkpoint: the validated config, the FourSight modules
+    (prefix → {suffix: tensor}) and every other tensor (plain BF16 params)."""
+    cfg = read_quant_config(ckpt_dir)
+    mods, rest = split_modules(read_tensors(ckpt_dir))
+    return cfg, mods, rest

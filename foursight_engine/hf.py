@@ -1,0 +1,156 @@
+"""FourSight layers inside Hugging Face models: the PyTorch reference model of a checkpoint,
+in-memory quantization of a BF16 model, and restoring layers to BF16.
+
+The HF model with :class:`FourSightLinear` modules swapped in is the reference every engine
+adapter is compared with (teacher-forced logprobs), and the "HF engine" used on the GPU, where
+``foursight_linear`` runs the Triton SpliceGEMM kernels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from foursight import schema
+from foursight.checkpoint import load_quantized_tensors, load_quantized_weight
+from foursight.layer import QuantizedWeight, foursight_linear, prepare_weight, quantize_weight
+from foursight.schema import CheckpointError, FourSightConfig
+
+
+class FourSightLinear(nn.Module):
+    """Drop-in replacement for ``nn.Linear`` computing the compensated layer.
+
+    Holds the :class:`QuantizedWeight` tensors as buffers and their execution form
+    (:func:`foursight.layer.prepare_weight`), rebuilt by :meth:`refresh` after any change.
+    """
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, act_quant: bool = True,
+                 input_global_scale: torch.Tensor | None = None, name: str = ""):
+        super().__init__()
+        self.in_features, self.out_features = qw.in_features, qw.out_features
+        self.name = name
+        self.act_quant = act_quant
+        for key, t in zip(("weight_packed", "weight_scale", "weight_global_scale", "bf16_channels", "weight_bf16"), qw.tensors()):
+            self.register_buffer(key, t)
+        self.register_buffer("bias", bias)
+        self.register_buffer("input_global_scale", input_global_scale)
+        self.refresh()
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.bf16_channels, self.weight_bf16)
+
+    def refresh(self) -> None:
+        """Rebuild the execution form from the buffers (idempotent)."""
+        self._prepared = prepare_weight(self.qweight)
+
+    def _apply(self, fn, *args, **kwargs):  # keep the execution form on the buffers' device
+        out = super()._apply(fn, *args, **kwargs)
+        self.refresh()
+        return out
+
+    def set_weight(self, weight: torch.Tensor, channels: torch.Tensor | None = None) -> None:
+        """Re-quantize from a new BF16 weight [N, K] in place (same channel set by default)."""
+        ch = self.bf16_channels if channels is None else channels
+        qw = quantize_weight(weight.to(self.weight_packed.device), ch, name=self.name)
+        for key, t in zip(("weight_packed", "weight_scale", "weight_global_scale", "bf16_channels", "weight_bf16"), qw.tensors()):
+            setattr(self, key, t)
+        self.refresh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return foursight_linear(x, self._prepared, self.bias, self.input_global_scale, self.act_quant)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, k={self.bf16_channels.numel()}, act_quant={self.act_quant}"
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    parent, _, child = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = getattr(owner, child)
+    setattr(owner, child, new)
+    return old
+
+
+def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Build the HF model of a FourSight checkpoint with :class:`FourSightLinear` layers.
+
+    Every FourSight tensor is checked by the shared validator (a missing or mis-shaped tensor
+    raises :class:`CheckpointError` naming it); every other parameter must be present too.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt_dir = Path(ckpt_dir)
+    cfg, mods, rest = load_quantized_tensors(ckpt_dir)
+    raw = json.loads((ckpt_dir / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    hf_cfg = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    act_quant = cfg.activation_dtype == "nvfp4"
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
+    for n in names:
+        lin = model.get_submodule(n)
+        if n not in mods:
+            raise CheckpointError(f"missing tensor {n}.{schema.WEIGHT_PACKED} (layer {n} is not in ignore)")
+        t = mods.pop(n)
+        qw = load_quantized_weight(n, t, lin.out_features, lin.in_features, cfg.channels_for(n))
+        if (lin.bias is not None) != (schema.BIAS in t):
+            raise CheckpointError(f"layer {n}: bias {'missing' if lin.bias is not None else 'unexpected'} ({n}.bias)")
+        igs = t[schema.INPUT_GLOBAL_SCALE].float() if cfg.activation_scale == "static" else None
+        _set_module(model, n, FourSightLinear(qw, t.get(schema.BIAS), act_quant, igs, name=n))
+    if mods:
+        raise CheckpointError(f"unexpected FourSight tensors for modules {sorted(mods)[:5]} (not linear layers of this model)")
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    fs_buffers = {f"{n}.{s}" for n in names for s in ("weight_packed", "weight_scale", "weight_global_scale", "bf16_channels", "weight_bf16", "bias", "input_global_scale")}
+    missing = [m for m in missing if m not in fs_buffers and not (m == "lm_head.weight" and hf_cfg.tie_word_embeddings)]
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} in checkpoint")
+    if hf_cfg.tie_word_embeddings:
+        model.tie_weights()
+    # rotary inv_freq etc. are non-persistent buffers that to_empty left uninitialised
+    _reinit_rotary(model)
+    return model.to(device).eval()
+
+
+def _reinit_rotary(model: nn.Module) -> None:
+    for m in model.modules():
+        if hasattr(m, "inv_freq") and hasattr(m, "rope_init_fn"):
+            inv_freq, scaling = m.rope_init_fn(m.config, m.inv_freq.device)
+            m.inv_freq = inv_freq
+            if hasattr(m, "original_inv_freq"):
+                m.original_inv_freq = inv_freq
+            if hasattr(m, "attention_scaling"):
+                m.attention_scaling = scaling
+
+
+def quantize_hf_model(model: nn.Module, channels: dict[str, torch.Tensor], ignore=("lm_head",), act_quant: bool = True) -> nn.Module:
+    """Swap every non-ignored ``nn.Linear`` of a BF16 HF model for a :class:`FourSightLinear`, in place.
+
+    Args:
+        channels: module name → int32 channel set (missing names get k=0, plain NVFP4).
+    """
+    cfg = FourSightConfig(ignore=list(ignore))
+    for n, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and not cfg.is_ignored(n):
+            ch = channels.get(n, torch.zeros(0, dtype=torch.int32))
+            qw = quantize_weight(m.weight.detach(), ch, name=n)
+            b = None if m.bias is None else m.bias.detach().clone()
+            _set_module(model, n, FourSightLinear(qw, b, act_quant, name=n))
+    return model
+
+
+def restore_bf16(model: nn.Module, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """Put a plain BF16 ``nn.Linear`` back at ``name`` (used by per-layer attribution); returns the removed module."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    return _set_module(model, name, lin)
