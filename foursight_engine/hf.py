@@ -88,9 +88,7 @@ def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu
     raw = json.loads((ckpt_dir / "config.json").read_text())
     raw.pop("quantization_config", None)
     hf_cfg = AutoConfig.for_model(**raw)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
-    model = model.to_empty(device="cpu")
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
     act_quant = cfg.activation_dtype == "nvfp4"
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
     for n in names:
@@ -114,20 +112,7 @@ def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu
         raise CheckpointError(f"unexpected tensor {unexpected[0]} in checkpoint")
     if hf_cfg.tie_word_embeddings:
         model.tie_weights()
-    # rotary inv_freq etc. are non-persistent buffers that to_empty left uninitialised
-    _reinit_rotary(model)
     return model.to(device).eval()
-
-
-def _reinit_rotary(model: nn.Module) -> None:
-    for m in model.modules():
-        if hasattr(m, "inv_freq") and hasattr(m, "rope_init_fn"):
-            inv_freq, scaling = m.rope_init_fn(m.config, m.inv_freq.device)
-            m.inv_freq = inv_freq
-            if hasattr(m, "original_inv_freq"):
-                m.original_inv_freq = inv_freq
-            if hasattr(m, "attention_scaling"):
-                m.attention_scaling = scaling
 
 
 def quantize_hf_model(model: nn.Module, channels: dict[str, torch.Tensor], ignore=("lm_head",), act_quant: bool = True) -> nn.Module:
