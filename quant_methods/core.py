@@ -1,0 +1,771 @@
+"""Engine-agnostic adapter core shared by the vLLM and SGLang integrations.
+
+Nothing here imports an engine. An engine adapter (``vllm_method.py``, ``sglang_method.py``)
+does four thin things and calls this module for everything else:
+
+1. **create_weights**: build a :class:`LayerPlan` (``LayerPlan.for_layer``), then for each
+   :class:`ParamSpec` of ``plan.param_specs(params_dtype)`` register a parameter of that shape /
+   dtype with the spec's ``attrs`` (``input_dim``/``output_dim``/``packed_dim``/``packed_factor``)
+   and the loader ``plan.make_loader(spec, engine_loader)`` (``engine_loader`` is the layer's own
+   column/row/QKV/merged loader; the plan wraps it with dtype checks, error messages that name
+   the checkpoint tensor, and bookkeeping of what was loaded).
+2. **process_weights_after_loading**: ``layer.foursight_state = plan.process(params, tp)`` where
+   ``params`` maps the spec names to the layer's (unchanged) parameters. It is *idempotent*: it
+   never modifies or replaces the loaded parameters, it rebuilds the execution state from them
+   every time (so a second call, or a call after a weight reload, cannot double-apply a
+   transform -- the class of bug of sglang#30761 / verl#7519).
+3. **apply**: ``apply_linear(layer.foursight_state, x, bias)`` → :func:`foursight.layer.foursight_linear`
+   (SpliceGEMM on CUDA, the PyTorch reference on CPU).
+4. **TP**: pass a :class:`TPContext` whose collectives are the engine's (identity at TP=1).
+
+Two load modes (``LayerPlan.mode``):
+
+* ``"checkpoint"``: a FourSight checkpoint. Parameters per fused layer (N = sum of the local
+  output shards, K_loc = the local input size, k = BF16 channels, S = number of shards, e.g.
+  3 for q/k/v):
+
+  ============================  ====================  ===========  ===================================
+  name                          shape                 dtype        loading
+  ============================  ====================  ===========  ===================================
+  ``weight_packed``             [N, K_loc/2]          uint8        engine loader (output_dim 0,
+                                                                   input_dim 1, packed_dim 1, factor 2)
+  ``weight_scale``              [N, K_loc/16]         float8_e4m3  engine loader (output_dim 0, input_dim 1)
+  ``weight_bf16``               [N, k]                bfloat16     engine loader (output_dim 0; never
+                                                                   split along K: kept whole, see TP)
+  ``weight_global_scale``       [S]                   float32      per-shard row (``shard_id``)
+  ``input_global_scale``        [S]                   float32      per-shard row
+  ``bf16_channels``             [S, k]                int32        per-shard row; all rows must match
+  ============================  ====================  ===========  ===================================
+
+* ``"online"``: a BF16 checkpoint quantized at load (``--quantization foursight`` on a plain HF
+  model, and the RL weight-update path). One parameter ``weight`` [N, K_loc] in the model dtype,
+  loaded by the engine's loader; :meth:`LayerPlan.process` quantizes each shard with its own
+  global scale and the shared channel set from a channels file or, failing that, the weight.
+
+Fused layers: each shard keeps its own per-tensor ``weight_global_scale`` (as in the checkpoint);
+the execution form gets a per-output-row vector (``QuantizedWeight.weight_global_scale`` [N]).
+All shards of a fused layer share one input, so they must have identical ``bf16_channels``; a
+mismatch is a :class:`~foursight.schema.CheckpointError` naming the layer.
+
+Tensor parallelism:
+
+* column-parallel layers (q/k/v, gate/up) split N: nothing special, every rank keeps all k
+  channels and the rows of ``weight_bf16`` of its N shard;
+* row-parallel layers (o_proj, down_proj) split K: rank r holds K columns
+  ``[r*K_loc, (r+1)*K_loc)``; it keeps only the BF16 channels that fall into its K shard,
+  re-indexed locally (``localize_channels``), and the matching columns of ``weight_bf16``. The
+  global scales stay shared (they are per tensor). The rank outputs sum (engine all-reduce)
+  to the unsharded result; with dynamic activation scales each rank's per-row activation global
+  scale is taken over its own K shard (the FP4 block scales do not change), so TP>1 is within
+  NVFP4 rounding of TP=1 rather than bit-identical; with static scales it is exact up to
+  float32 summation order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from foursight.layer import (
+    QuantizedWeight,
+    check_channels,
+    foursight_linear,
+    prepare_weight,
+    quantize_weight,
+)
+from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
+from foursight.schema import (
+    BF16_CHANNELS,
+    CHANNELS_FILE,
+    INPUT_GLOBAL_SCALE,
+    WEIGHT_BF16,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+    CheckpointError,
+    FourSightConfig,
+    parse_channel_budget,
+    validate_module_tensors,
+)
+
+logger = logging.getLogger("foursight.quant_methods")
+
+#: Name of the BF16 weight parameter in online mode (the HF name, so ``load_weights`` finds it).
+WEIGHT = "weight"
+
+#: Environment variables read by the online path (every engine process inherits them).
+ENV_CHANNELS_FILE = "FOURSIGHT_CHANNELS_FILE"
+ENV_CHANNEL_BUDGET = "FOURSIGHT_CHANNEL_BUDGET"
+ENV_ACTIVATION_DTYPE = "FOURSIGHT_ACTIVATION_DTYPE"
+ENV_ACTIVATION_SCALE = "FOURSIGHT_ACTIVATION_SCALE"
+ENV_IGNORE = "FOURSIGHT_IGNORE"
+#: Budget used when neither a channels file nor ``FOURSIGHT_CHANNEL_BUDGET`` is given.
+DEFAULT_ONLINE_BUDGET = "2%"
+
+LoadMode = Literal["checkpoint", "online"]
+
+# vLLM / SGLang shard ids of fused layers.
+_QKV_IDS = {"q": 0, "k": 1, "v": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_index(shard_id: Any, num_shards: int, layer: str = "layer") -> int:
+    """Map an engine shard id (``None``, ``"q"``/``"k"``/``"v"``, or an int) to 0..num_shards-1."""
+    if shard_id is None:
+        idx = 0
+    elif isinstance(shard_id, str):
+        if shard_id not in _QKV_IDS:
+            raise CheckpointError(f"{layer}: unknown shard id {shard_id!r}")
+        idx = _QKV_IDS[shard_id]
+    elif isinstance(shard_id, int):
+        idx = shard_id
+    else:
+        raise CheckpointError(f"{layer}: unsupported shard id {shard_id!r} (already-fused tensors on disk are not supported)")
+    if not 0 <= idx < num_shards:
+        raise CheckpointError(f"{layer}: shard id {shard_id!r} out of range for {num_shards} shard(s)")
+    return idx
+
+
+def shard_names(prefix: str, packed_modules_mapping: dict[str, list[str]] | None) -> list[str]:
+    """Checkpoint module names of the shards of engine layer ``prefix``.
+
+    ``model.layers.0.self_attn.qkv_proj`` with ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``
+    gives ``[model.layers.0.self_attn.q_proj, ...k_proj, ...v_proj]``; an unfused layer gives
+    ``[prefix]``.
+    """
+    parent, _, last = prefix.rpartition(".")
+    mapping = packed_modules_mapping or {}
+    if last in mapping:
+        return [f"{parent}.{s}" if parent else s for s in mapping[last]]
+    return [prefix]
+
+
+def localize_channels(channels: torch.Tensor, k_start: int, k_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Restrict a global channel set to one K shard and re-index it locally.
+
+    Args:
+        channels: int [k] sorted global indices in [0, K).
+        k_start: first global column of this rank's K shard.
+        k_local: width of the shard.
+    Returns:
+        ``(local, keep)``: int32 [k_r] local indices in [0, k_local) (sorted), and int64 [k_r]
+        positions in ``channels`` of the kept entries (to select columns of ``weight_bf16``).
+    """
+    ch = channels.to(torch.int64).reshape(-1)
+    mask = (ch >= k_start) & (ch < k_start + k_local)
+    keep = torch.nonzero(mask, as_tuple=False).reshape(-1)
+    return (ch[keep] - k_start).to(torch.int32), keep
+
+
+def shard_quantized_weight(qw: QuantizedWeight, tp_rank: int, tp_size: int, dim: Literal["N", "K"]) -> QuantizedWeight:
+    """The part of an unsharded layer that TP rank ``tp_rank`` of ``tp_size`` holds.
+
+    ``dim="N"`` (column parallel): rows ``[r*N/tp, (r+1)*N/tp)`` of every [N, ...] tensor, all
+    channels, per-row global scales sliced (a [1] scale stays shared).
+    ``dim="K"`` (row parallel): columns of the packed weight and block scales of the K shard,
+    the BF16 channels inside that shard re-indexed locally (:func:`localize_channels`), the
+    global scale unchanged (shared). This is the same slicing the engines' loaders plus
+    :meth:`LayerPlan.process` perform; it exists to test them against the unsharded reference.
+    """
+    n, k_dim = qw.out_features, qw.in_features
+    if dim == "N":
+        if n % tp_size:
+            raise NVFP4Error(f"N={n} not divisible by tp_size={tp_size}")
+        step = n // tp_size
+        rows = slice(tp_rank * step, (tp_rank + 1) * step)
+        gs = qw.weight_global_scale
+        gs = gs if gs.numel() == 1 else gs.reshape(-1)[rows]
+        return QuantizedWeight(qw.weight_packed[rows], qw.weight_scale[rows], gs, qw.bf16_channels, qw.weight_bf16[rows])
+    if k_dim % (tp_size * BLOCK_SIZE):
+        raise NVFP4Error(f"K={k_dim} not divisible into {tp_size} shards of whole {BLOCK_SIZE}-blocks")
+    kl = k_dim // tp_size
+    k0 = tp_rank * kl
+    local, keep = localize_channels(qw.bf16_channels, k0, kl)
+    return QuantizedWeight(
+        qw.weight_packed[:, k0 // 2 : (k0 + kl) // 2].contiguous(),
+        qw.weight_scale[:, k0 // BLOCK_SIZE : (k0 + kl) // BLOCK_SIZE].contiguous(),
+        qw.weight_global_scale,
+        local,
+        qw.weight_bf16[:, keep].contiguous(),
+    )
+
+
+def concat_shards(parts: Sequence[QuantizedWeight], layer: str = "layer") -> QuantizedWeight:
+    """Fuse shards (q/k/v or gate/up) of one input into one layer along N.
+
+    Each part's global scale ([1] or [rows]) becomes a per-row vector, so every shard keeps its
+    own scale: the result has ``weight_global_scale`` float32 [sum N] (or [1] if a single part
+    with a [1] scale). All parts must have identical ``bf16_channels`` (same input).
+    """
+    if not parts:
+        raise CheckpointError(f"{layer}: no shards")
+    ch0 = parts[0].bf16_channels
+    for i, p in enumerate(parts[1:], 1):
+        if p.bf16_channels.shape != ch0.shape or not torch.equal(p.bf16_channels.cpu(), ch0.cpu()):
+            raise CheckpointError(
+                f"{layer}: bf16_channels differ between fused shards 0 and {i} "
+                f"({ch0.tolist()[:8]}... vs {p.bf16_channels.tolist()[:8]}...); shards that share an input must share S"
+            )
+    if len(parts) == 1:
+        return parts[0]
+    gs = torch.cat([p.weight_global_scale.float().reshape(-1).expand(p.out_features) if p.weight_global_scale.numel() == 1 else p.weight_global_scale.float().reshape(-1) for p in parts])
+    return QuantizedWeight(
+        torch.cat([p.weight_packed for p in parts]),
+        torch.cat([p.weight_scale for p in parts]),
+        gs.contiguous(),
+        ch0,
+        torch.cat([p.weight_bf16 for p in parts]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor parallel context (engine supplies the collectives)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TPContext:
+    """The engine's tensor-parallel group as seen by the core.
+
+    Attributes:
+        rank, size: this rank and the TP world size (0, 1 without TP).
+        all_reduce_max: in-place max all-reduce over the TP group of a float32 tensor
+            (only called when size > 1).
+        all_gather_cat: concatenation along dim 0 of a tensor from every rank, in rank order
+            (only called when size > 1).
+    """
+
+    rank: int = 0
+    size: int = 1
+    all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+    all_gather_cat: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size == 1 or self.all_reduce_max is None:
+            return t
+        return self.all_reduce_max(t)
+
+    def gather_cat(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size == 1 or self.all_gather_cat is None:
+            return t
+        return self.all_gather_cat(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# online quantization settings: channels file, budget, fallback
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChannelsFile:
+    """Parsed ``foursight_channels.json`` (written by ``foursight calibrate``).
+
+    Attributes:
+        channels: module name -> sorted list of input-channel indices.
+        input_amax: module name -> calibrated activation amax (for static activation scales).
+        path: where it was read from.
+    """
+
+    channels: dict[str, list[int]]
+    input_amax: dict[str, float]
+    path: str = ""
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "ChannelsFile":
+        """Read and validate a channels file; raise :class:`CheckpointError` naming the field."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / CHANNELS_FILE
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"channels file {p} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"channels file {p}: invalid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"channels file {p}: expected a JSON object")
+        if data.get("format_version") != 1:
+            raise CheckpointError(f"channels file {p}: format_version {data.get('format_version')!r}, expected 1")
+        ch = data.get("channels")
+        if not isinstance(ch, dict):
+            raise CheckpointError(f"channels file {p}: field 'channels' must be an object module -> [indices]")
+        out: dict[str, list[int]] = {}
+        for name, idx in ch.items():
+            if not isinstance(idx, list) or not all(isinstance(i, int) for i in idx):
+                raise CheckpointError(f"channels file {p}: channels[{name!r}] must be a list of ints")
+            out[name] = sorted(idx)
+        amax = data.get("input_amax", {}) or {}
+        if not isinstance(amax, dict):
+            raise CheckpointError(f"channels file {p}: field 'input_amax' must be an object")
+        return cls(out, {k: float(v) for k, v in amax.items()}, str(p))
+
+
+@dataclass
+class OnlineSettings:
+    """How BF16 weights are quantized at load (``--quantization foursight`` on a BF16 model).
+
+    Attributes:
+        channels_file: parsed channels file, or None (weight-based fallback).
+        budget: ``--channels``-style budget ("32" or "2%") for the fallback.
+        act_quant: W4A4 (True) or W4A16 (False).
+        static_act_scale: use ``input_amax`` of the channels file as a static activation scale.
+        ignore: module names / suffixes / ``re:`` patterns left unquantized.
+    """
+
+    channels_file: ChannelsFile | None = None
+    budget: str = DEFAULT_ONLINE_BUDGET
+    act_quant: bool = True
+    static_act_scale: bool = False
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    @classmethod
+    def from_env(cls, channels_file: str | None = None) -> "OnlineSettings":
+        """Settings from the ``FOURSIGHT_*`` environment variables (an explicit path wins)."""
+        path = channels_file or os.environ.get(ENV_CHANNELS_FILE) or None
+        cf = ChannelsFile.read(path) if path else None
+        act = os.environ.get(ENV_ACTIVATION_DTYPE, "nvfp4")
+        if act not in ("nvfp4", "bf16"):
+            raise CheckpointError(f"{ENV_ACTIVATION_DTYPE}={act!r}: expected 'nvfp4' or 'bf16'")
+        sc = os.environ.get(ENV_ACTIVATION_SCALE, "dynamic")
+        if sc not in ("dynamic", "static"):
+            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}={sc!r}: expected 'dynamic' or 'static'")
+        if sc == "static" and (cf is None or not cf.input_amax):
+            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}=static needs a channels file with 'input_amax'")
+        ignore = [s for s in os.environ.get(ENV_IGNORE, "lm_head").split(",") if s]
+        budget = os.environ.get(ENV_CHANNEL_BUDGET, DEFAULT_ONLINE_BUDGET)
+        return cls(cf, budget, act == "nvfp4", sc == "static", ignore)
+
+    def as_config(self) -> FourSightConfig:
+        """A :class:`FourSightConfig` describing these settings (``channels`` filled lazily)."""
+        return FourSightConfig(
+            activation_dtype="nvfp4" if self.act_quant else "bf16",
+            activation_scale="static" if self.static_act_scale else "dynamic",
+            ignore=list(self.ignore),
+            channel_selection="calibration" if self.channels_file else "weight",
+            channel_budget=self.budget,
+        )
+
+
+_warned_fallback: set[str] = set()
+
+
+def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | None = None, k_split: bool = False) -> torch.Tensor:
+    """Fallback channel selection from the weight alone: the k input channels with the largest
+    column amax ``max_n |W[n, c]|``.
+
+    Args:
+        weight_rows: [N_loc, K_loc] the (local part of the) fused weight of all shards.
+        k: number of channels.
+        tp: TP context. Column-parallel (``k_split=False``): the column amax is max-reduced over
+            ranks. Row-parallel (``k_split=True``): each rank's K slice is gathered.
+        k_split: whether this layer's K is split across ranks.
+    Returns:
+        int32 [k] sorted global channel indices (ties broken by the lower index).
+    """
+    tp = tp or TPContext()
+    score = weight_rows.float().abs().amax(dim=0)  # [K_loc]
+    if tp.size > 1:
+        score = tp.gather_cat(score.contiguous()) if k_split else tp.reduce_max(score.contiguous())
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int32)
+    # stable ordering: sort by (-score, index)
+    order = torch.sort(-score.cpu(), stable=True).indices[:k]
+    return torch.sort(order).values.to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-layer plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParamSpec:
+    """One parameter an engine must register in ``create_weights``.
+
+    Attributes:
+        name: attribute name on the layer (= checkpoint tensor suffix).
+        shape, dtype: allocation.
+        attrs: engine weight attributes (``input_dim``, ``output_dim``, ``packed_dim``,
+            ``packed_factor``); the engine adds its ``weight_loader``.
+        per_shard: True if the parameter holds one row per fused shard and is filled by the
+            core's own per-shard loader (the engine loader is not used).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    attrs: dict[str, Any]
+    per_shard: bool = False
+
+
+@dataclass
+class LayerState:
+    """Execution state of one layer, rebuilt by :meth:`LayerPlan.process`.
+
+    Attributes:
+        qw: the local :class:`QuantizedWeight` (fused shards, local TP part).
+        prepared: ``foursight.layer.prepare_weight(qw)``.
+        input_global_scale: float32 [1] static activation scale, or None (dynamic).
+        act_quant: W4A4 (True) or W4A16 (False).
+        channels: the (global) channel set of the layer, int32 [k].
+        generation: how many times the layer has been processed (1 after the first load).
+    """
+
+    qw: QuantizedWeight
+    prepared: Any
+    input_global_scale: torch.Tensor | None
+    act_quant: bool
+    channels: torch.Tensor
+    generation: int
+
+
+@dataclass
+class LayerPlan:
+    """Everything the core needs to know about one engine linear layer.
+
+    Attributes:
+        prefix: engine module name (``model.layers.0.self_attn.qkv_proj``).
+        shard_names: checkpoint module names of its shards (``[...q_proj, ...k_proj, ...v_proj]``).
+        shard_sizes: local output rows of each shard (this rank).
+        input_size: global K.
+        input_size_per_partition: local K (== K unless the layer is row-parallel with TP>1).
+        tp_rank, tp_size: the layer's TP position (0, 1 for replicated layers).
+        mode: ``"checkpoint"`` or ``"online"``.
+        k: BF16 channels per shard (checkpoint mode; online mode resolves it at process time).
+        act_quant: W4A4 or W4A16.
+        static_act_scale: use ``input_global_scale`` (checkpoint) / channels-file amax (online).
+        online: online settings (online mode only).
+        loaded: ``(tensor suffix, shard index)`` pairs seen by the loaders (for missing-tensor checks).
+    """
+
+    prefix: str
+    shard_names: list[str]
+    shard_sizes: list[int]
+    input_size: int
+    input_size_per_partition: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    mode: LoadMode = "checkpoint"
+    k: int = 0
+    act_quant: bool = True
+    static_act_scale: bool = False
+    online: OnlineSettings | None = None
+    loaded: set[tuple[str, int]] = field(default_factory=set)
+    generation: int = 0
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def for_layer(
+        cls,
+        prefix: str,
+        output_partition_sizes: Sequence[int],
+        input_size: int,
+        input_size_per_partition: int,
+        config: FourSightConfig,
+        packed_modules_mapping: dict[str, list[str]] | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        mode: LoadMode = "checkpoint",
+        online: OnlineSettings | None = None,
+    ) -> "LayerPlan":
+        """Plan for an engine layer. In checkpoint mode, k is read from ``config.channels`` for
+        every shard name; shards with different k raise :class:`CheckpointError` naming the layer."""
+        names = shard_names(prefix, packed_modules_mapping)
+        sizes = list(output_partition_sizes)
+        if len(names) != len(sizes):
+            if len(sizes) == 1:
+                names = [prefix]
+            else:
+                raise CheckpointError(f"{prefix}: {len(sizes)} output shards but packed_modules_mapping gives {names}")
+        if input_size % BLOCK_SIZE or input_size_per_partition % BLOCK_SIZE:
+            raise CheckpointError(
+                f"{prefix}: input size {input_size} (local {input_size_per_partition}) is not a multiple of {BLOCK_SIZE}; "
+                "NVFP4 needs whole 16-blocks per TP shard"
+            )
+        k = 0
+        if mode == "checkpoint":
+            ks = {n: config.channels_for(n) for n in names}
+            if len(set(ks.values())) > 1:
+                raise CheckpointError(f"{prefix}: fused shards have different channel counts in quantization_config.channels: {ks}")
+            k = next(iter(ks.values()))
+            if k >= input_size:
+                raise CheckpointError(f"{prefix}: quantization_config.channels gives k={k} but K={input_size}")
+        return cls(
+            prefix=prefix,
+            shard_names=names,
+            shard_sizes=sizes,
+            input_size=input_size,
+            input_size_per_partition=input_size_per_partition,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            mode=mode,
+            k=k,
+            act_quant=config.activation_dtype == "nvfp4",
+            static_act_scale=config.activation_scale == "static",
+            online=online,
+        )
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_sizes)
+
+    @property
+    def out_local(self) -> int:
+        return sum(self.shard_sizes)
+
+    @property
+    def k_split(self) -> bool:
+        """True if K is split across ranks (row-parallel with TP>1)."""
+        return self.input_size_per_partition != self.input_size
+
+    @property
+    def k_start(self) -> int:
+        return self.tp_rank * self.input_size_per_partition if self.k_split else 0
+
+    def param_specs(self, params_dtype: torch.dtype = torch.bfloat16) -> list[ParamSpec]:
+        """Parameters to register (see the module docstring's table)."""
+        n, kl, s = self.out_local, self.input_size_per_partition, self.num_shards
+        if self.mode == "online":
+            return [ParamSpec(WEIGHT, (n, kl), params_dtype, {"input_dim": 1, "output_dim": 0})]
+        return [
+            ParamSpec(WEIGHT_PACKED, (n, kl // 2), torch.uint8, {"input_dim": 1, "output_dim": 0, "packed_dim": 1, "packed_factor": 2}),
+            ParamSpec(WEIGHT_SCALE, (n, kl // BLOCK_SIZE), torch.float8_e4m3fn, {"input_dim": 1, "output_dim": 0}),
+            ParamSpec(WEIGHT_BF16, (n, self.k), torch.bfloat16, {"output_dim": 0}),
+            ParamSpec(WEIGHT_GLOBAL_SCALE, (s,), torch.float32, {}, per_shard=True),
+            ParamSpec(INPUT_GLOBAL_SCALE, (s,), torch.float32, {}, per_shard=True),
+            ParamSpec(BF16_CHANNELS, (s, self.k), torch.int32, {}, per_shard=True),
+        ]
+
+    def init_value(self, spec: ParamSpec) -> float:
+        """Fill value for a fresh parameter (scales 1.0 so an unloaded layer is still finite)."""
+        return 1.0 if spec.name in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE) else 0.0
+
+    def tensor_name(self, suffix: str, shard: int | None) -> str:
+        """Checkpoint name of a tensor of this layer, e.g. ``model.layers.0.self_attn.k_proj.weight_scale``."""
+        if shard is None:
+            base = self.shard_names[0] if self.num_shards == 1 else self.prefix
+        else:
+            base = self.shard_names[shard]
+        return f"{base}.{suffix}"
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def make_loader(self, spec: ParamSpec, engine_loader: Callable | None) -> Callable:
+        """Weight loader for ``spec``: ``loader(param, loaded_weight, shard_id=None)``.
+
+        Checks the checkpoint dtype (``weight`` in online mode accepts any float dtype), records
+        the load, and delegates: per-shard parameters are copied into their shard row here;
+        others go to ``engine_loader`` (the engine's column/row/fused loader). Shape errors
+        become :class:`CheckpointError` naming the checkpoint tensor.
+        """
+        plan = self
+
+        def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None, *args: Any, **kw: Any) -> None:
+            idx = shard_index(shard_id, plan.num_shards, plan.prefix)
+            name = plan.tensor_name(spec.name, idx if (shard_id is not None or plan.num_shards == 1) else None)
+            if spec.name == WEIGHT:
+                if not loaded_weight.is_floating_point():
+                    raise CheckpointError(f"tensor {name} has dtype {loaded_weight.dtype}, expected a float dtype")
+            elif loaded_weight.dtype != spec.dtype:
+                raise CheckpointError(f"tensor {name} has dtype {loaded_weight.dtype}, expected {spec.dtype}")
+            if spec.per_shard:
+                plan._load_per_shard(param, loaded_weight, idx, name)
+            else:
+                if engine_loader is None:
+                    raise RuntimeError(f"{plan.prefix}: no engine loader for {spec.name}")
+                try:
+                    if shard_id is None:
+                        engine_loader(param, loaded_weight, *args, **kw)
+                    else:
+                        engine_loader(param, loaded_weight, shard_id, *args, **kw)
+                except (AssertionError, RuntimeError, IndexError) as e:
+                    raise CheckpointError(
+                        f"tensor {name} has shape {list(loaded_weight.shape)}, which does not fit parameter "
+                        f"{plan.prefix}.{spec.name} of local shape {list(param.shape)} (shard {shard_id!r}): {e}"
+                    ) from None
+            if shard_id is None and plan.num_shards > 1 and not spec.per_shard:
+                plan.loaded.update((spec.name, i) for i in range(plan.num_shards))
+            else:
+                plan.loaded.add((spec.name, idx))
+
+        return loader
+
+    def _load_per_shard(self, param: torch.Tensor, loaded: torch.Tensor, idx: int, name: str) -> None:
+        row = param.data[idx]
+        lw = loaded.reshape(1) if loaded.dim() == 0 else loaded
+        if tuple(lw.shape) != tuple(row.shape):
+            raise CheckpointError(f"tensor {name} has shape {list(loaded.shape)}, expected {list(row.shape)}")
+        row.copy_(lw)
+
+    def missing(self, specs: Sequence[ParamSpec]) -> list[str]:
+        """Checkpoint names of tensors no loader has seen (empty when complete).
+
+        ``input_global_scale`` is only required when static activation scales are used.
+        """
+        out = []
+        for spec in specs:
+            if spec.name == INPUT_GLOBAL_SCALE and not self.static_act_scale:
+                continue
+            for i in range(self.num_shards):
+                if (spec.name, i) not in self.loaded:
+                    out.append(self.tensor_name(spec.name, i))
+        return out
+
+    # ---- post-load processing --------------------------------------------------------------
+
+    def process(self, params: dict[str, torch.Tensor], tp: TPContext | None = None, check_complete: bool = True) -> LayerState:
+        """Build the execution state from the loaded parameters (idempotent, pure).
+
+        Args:
+            params: spec name -> the layer's parameter tensor (never modified here).
+            tp: the engine's TP collectives (needed for online quantization with TP>1).
+            check_complete: raise :class:`CheckpointError` naming the first missing tensor.
+        Returns:
+            A fresh :class:`LayerState`; calling twice on the same parameters gives equal states.
+        """
+        tp = tp or TPContext(self.tp_rank, self.tp_size)
+        self.generation += 1
+        if self.mode == "online":
+            qw, igs, channels = self._quantize_online(params[WEIGHT], tp)
+        else:
+            if check_complete:
+                miss = self.missing(self.param_specs())
+                if miss:
+                    raise CheckpointError(f"missing tensor {miss[0]}" + (f" (and {len(miss) - 1} more)" if len(miss) > 1 else ""))
+            qw, igs, channels = self._from_checkpoint(params)
+        return LayerState(qw, prepare_weight(qw), igs, self.act_quant, channels, self.generation)
+
+    def _from_checkpoint(self, params: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor]:
+        packed, scale, wbf = params[WEIGHT_PACKED].data, params[WEIGHT_SCALE].data, params[WEIGHT_BF16].data
+        gs_all, igs_all, ch_all = params[WEIGHT_GLOBAL_SCALE].data, params[INPUT_GLOBAL_SCALE].data, params[BF16_CHANNELS].data
+        parts: list[QuantizedWeight] = []
+        off = 0
+        kl = self.input_size_per_partition
+        for i, (name, rows) in enumerate(zip(self.shard_names, self.shard_sizes)):
+            t = {
+                WEIGHT_PACKED: packed[off : off + rows],
+                WEIGHT_SCALE: scale[off : off + rows],
+                WEIGHT_GLOBAL_SCALE: gs_all[i : i + 1],
+                INPUT_GLOBAL_SCALE: igs_all[i : i + 1],
+                BF16_CHANNELS: ch_all[i],
+                WEIGHT_BF16: wbf[off : off + rows],
+            }
+            # channel values are global indices: validate against the global K
+            validate_module_tensors(name, {**t, WEIGHT_PACKED: _fake_cols(t[WEIGHT_PACKED], self.input_size // 2), WEIGHT_SCALE: _fake_cols(t[WEIGHT_SCALE], self.input_size // BLOCK_SIZE)}, rows, self.input_size, self.k)
+            parts.append(QuantizedWeight(t[WEIGHT_PACKED], t[WEIGHT_SCALE], t[WEIGHT_GLOBAL_SCALE].float(), t[BF16_CHANNELS], t[WEIGHT_BF16]))
+            off += rows
+        qw = concat_shards(parts, self.prefix)
+        channels = qw.bf16_channels.clone()
+        if self.k_split:
+            local, keep = localize_channels(qw.bf16_channels, self.k_start, kl)
+            qw = QuantizedWeight(qw.weight_packed, qw.weight_scale, qw.weight_global_scale, local.to(packed.device), qw.weight_bf16[:, keep.to(wbf.device)].contiguous())
+        igs = None
+        if self.static_act_scale:
+            igs = _shared_input_scale(igs_all, self.prefix)
+        return qw, igs, channels
+
+    def resolve_online_channels(self, weight: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        """Global channel set (int32 [k], sorted) for online quantization of this layer.
+
+        From the channels file when it lists the layer's shards (they must agree), else the
+        weight-based fallback with the budget, with a warning logged once per process.
+        """
+        st = self.online or OnlineSettings()
+        cf = st.channels_file
+        if cf is not None:
+            sets = [cf.channels.get(n) for n in self.shard_names]
+            if all(s is not None for s in sets):
+                if any(s != sets[0] for s in sets[1:]):
+                    raise CheckpointError(f"{self.prefix}: channels file {cf.path} lists different channels for the fused shards {self.shard_names}")
+                return check_channels(torch.tensor(sets[0], dtype=torch.int64), self.input_size, self.prefix)
+            missing = [n for n, s in zip(self.shard_names, sets) if s is None]
+            key = f"missing:{cf.path}"
+            if key not in _warned_fallback:
+                _warned_fallback.add(key)
+                logger.warning("FourSight: channels file %s has no entry for %s (and maybe others); using weight-based channel selection for those layers", cf.path, missing[0])
+        else:
+            if "nofile" not in _warned_fallback:
+                _warned_fallback.add("nofile")
+                logger.warning(
+                    "FourSight: no channels file (set %s or pass one to the quantization config); selecting BF16 channels from the weights "
+                    "(largest column amax, budget %s). Calibrated channels from `foursight calibrate` are better.",
+                    ENV_CHANNELS_FILE,
+                    st.budget,
+                )
+        k = parse_channel_budget(st.budget, self.input_size, self.prefix)
+        return weight_based_channels(weight, k, tp, self.k_split)
+
+    def _quantize_online(self, weight: torch.Tensor, tp: TPContext) -> tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor]:
+        w = weight.data
+        if not bool(torch.isfinite(w).all()):
+            raise CheckpointError(f"tensor {self.prefix}.weight holds NaN/Inf")
+        channels = self.resolve_online_channels(w, tp).to(w.device)
+        kl = self.input_size_per_partition
+        if self.k_split:
+            local, keep = localize_channels(channels, self.k_start, kl)
+        else:
+            local = channels
+        parts: list[QuantizedWeight] = []
+        off = 0
+        for rows in self.shard_sizes:
+            ws = w[off : off + rows]
+            w0 = ws.float().clone()
+            if local.numel():
+                w0[:, local.long()] = 0
+            amax = tp.reduce_max(w0.abs().amax().reshape(1).contiguous())  # shared per-tensor scale across ranks
+            gs = global_scale_from_amax(amax).reshape(1)
+            parts.append(quantize_weight(ws, local, global_scale=gs, name=self.prefix))
+            off += rows
+        qw = concat_shards(parts, self.prefix)
+        igs = None
+        if self.static_act_scale:
+            st = self.online
+            amaxes = [st.channels_file.input_amax.get(n) for n in self.shard_names] if st and st.channels_file else [None]
+            if any(a is None for a in amaxes):
+                raise CheckpointError(f"{self.prefix}: static activation scale requested but the channels file has no input_amax for {self.shard_names}")
+            igs = global_scale_from_amax(torch.tensor(max(amaxes))).reshape(1)
+        return qw, igs, channels.to(torch.int32)
+
+
+def _fake_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """A zero-cost stand-in with the global column count (row-parallel local tensors are
+    validated against global K only through their channel indices; shapes were checked by the
+    engine loader)."""
+    if t.shape[1] == cols:
+        return t
+    return torch.empty((t.shape[0], cols), dtype=t.dtype, device="meta")
+
+
+def _shared_input_scale(igs: torch.Tensor, layer: str) -> torch.Tensor:
+    """One static activation scale for a fused layer: the smallest per-shard scale (the
+    largest calibrated amax, so no shard's input clips); warns if the shards disagree."""
+    v = igs.float().reshape(-1)
+    if v.numel() > 1 and not bool((v == v[0]).all()):
+        logger.warning("FourSight: %s: shards have different input_global_scale %s; using the smallest", layer, v.tolist())
+    return v.min().reshape(1)
+
+
+def apply_linear(state: LayerState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward of a processed layer: x [..., K_loc] → [..., N_loc] in x's dtype.
+
+    Raises RuntimeError if the layer was never processed (``process`` not called).
+    """
+    if state is None:
+        raise RuntimeError("FourSight layer used before process_weights_after_loading")
+    return foursight_linear(x, state.prepared, bias=bias, input_global_scale=state.input_global_scale, act_quant=state.act_quant)
+
+
+def layer_params(layer: Any, plan: LayerPlan) -> dict[str, torch.Tensor]:
+    """``{spec name: getattr(layer, spec name)}`` for a plan's parameters."""
+    return {s.name: getattr(layer, s.name) for s in plan.param_specs()}
