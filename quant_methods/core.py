@@ -72,6 +72,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from foursight.calibration import select_channels
 from foursight.layer import (
     QuantizedWeight,
     check_channels,
@@ -376,11 +377,8 @@ def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | Non
     score = weight_rows.float().abs().amax(dim=0)  # [K_loc]
     if tp.size > 1:
         score = tp.gather_cat(score.contiguous()) if k_split else tp.reduce_max(score.contiguous())
-    if k == 0:
-        return torch.zeros(0, dtype=torch.int32)
-    # stable ordering: sort by (-score, index)
-    order = torch.sort(-score.cpu(), stable=True).indices[:k]
-    return torch.sort(order).values.to(torch.int32)
+    # same ranking as the offline fallback (foursight.calibration.weight_based_channels)
+    return select_channels(score.cpu(), k)
 
 
 # ---------------------------------------------------------------------------------------------
