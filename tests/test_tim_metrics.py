@@ -1,0 +1,213 @@
+"""TIM metrics and filters against an independent NumPy re-implementation (hypothesis) and hand values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from foursight.trainer_bridge.filters import FilterConfig, apply_filter
+from foursight.trainer_bridge.metrics import TIMError, compute_tim_metrics, tail_concentration
+
+SB = 20.0
+
+
+# ---------------------------------------------------------------------------------------------
+# NumPy reference: loops over sequences, written from the definitions in docs/tim.md
+# ---------------------------------------------------------------------------------------------
+def np_metrics(lt: np.ndarray, lr: np.ndarray, mask: np.ndarray, tau: float, cap: float) -> dict[str, float]:
+    seqs = []
+    for b in range(lt.shape[0]):
+        sel = mask[b].astype(bool)
+        if sel.any():
+            seqs.append((lt[b][sel].astype(np.float64), lr[b][sel].astype(np.float64)))
+    r_all = np.concatenate([a - c for a, c in seqs]) if seqs else np.zeros(0)
+    n = r_all.size
+    out: dict[str, float] = {}
+
+    def mean(x):
+        return float(np.mean(x)) if np.size(x) else 0.0
+
+    rho = np.exp(np.clip(r_all, -SB, SB))
+    out["tim/abs_log_ratio_mean"] = mean(np.abs(r_all))
+    out["tim/abs_log_ratio_max"] = float(np.max(np.abs(r_all))) if n else 0.0
+    out["tim/k1_mean"] = mean(-r_all)
+    out["tim/k2_mean"] = mean(0.5 * r_all**2)
+    out["tim/k3_mean"] = mean(rho - 1 - np.clip(r_all, -SB, SB))
+    seq_max = [float(np.max(np.abs(a - c))) for a, c in seqs]
+    seq_mean = [float(np.mean(a - c)) for a, c in seqs]
+    seq_tail = [int(np.sum(np.abs(a - c) > tau)) for a, c in seqs]
+    out["tim/seq_max_abs_log_ratio_mean"] = mean(seq_max)
+    out["tim/seq_mean_log_ratio_mean"] = mean(seq_mean)
+    out["tim/seq_geo_mean_ratio_mean"] = mean(np.exp(np.clip(seq_mean, -SB, SB)))
+    out["tim/tail_tokens"] = float(sum(seq_tail))
+    out["tim/tail_token_fraction"] = sum(seq_tail) / n if n else 0.0
+    out["tim/tail_seq_fraction"] = mean([t > 0 for t in seq_tail])
+    for frac, key in ((0.01, "tim/tail_share_worst_1pct"), (0.05, "tim/tail_share_worst_5pct")):
+        tot = sum(seq_tail)
+        if tot == 0:
+            out[key] = 0.0
+        else:
+            k = max(1, math.ceil(frac * len(seq_tail)))
+            out[key] = sum(sorted(seq_tail, reverse=True)[:k]) / tot
+    out["rollout_corr/kl"] = mean(np.concatenate([c - a for a, c in seqs]) if seqs else [])
+    out["rollout_corr/k3_kl"] = out["tim/k3_mean"]
+    out["rollout_corr/training_log_ppl"] = mean([-np.mean(a) for a, c in seqs])
+    out["rollout_corr/rollout_log_ppl"] = mean([-np.mean(c) for a, c in seqs])
+    out["rollout_corr/log_ppl_diff"] = mean([np.mean(c) - np.mean(a) for a, c in seqs])
+    out["rollout_corr/ppl_ratio"] = mean([np.exp(np.clip(np.mean(c) - np.mean(a), -SB, SB)) for a, c in seqs])
+    out["rollout_corr/chi2_token"] = mean(rho**2) - 1 if n else 0.0
+    out["rollout_corr/chi2_seq"] = mean([np.exp(2 * np.clip(np.sum(a - c), -SB, SB)) for a, c in seqs]) - 1 if seqs else 0.0
+    w = np.clip(rho, 1 / cap, cap)
+    out["rollout_corr/rollout_is_mean"] = mean(w)
+    out["rollout_corr/rollout_is_eff_sample_size"] = float(np.sum(w) ** 2 / (n * np.sum(w**2))) if n else 1.0
+    out["rollout_corr/rollout_is_ratio_fraction_high"] = mean(rho > cap)
+    return out
+
+
+def np_keep(lt, lr, mask, cfg: FilterConfig) -> np.ndarray:
+    B = lt.shape[0]
+    keep = np.ones(B, dtype=bool)
+    stats = []
+    for b in range(B):
+        sel = mask[b].astype(bool)
+        if not sel.any():
+            stats.append(None)
+            continue
+        r = lt[b][sel].astype(np.float64) - lr[b][sel].astype(np.float64)
+        stats.append(r)
+        if cfg.policy == "max_token":
+            keep[b] = not np.any(np.abs(r) > cfg.tau)
+        elif cfg.policy == "tail_count":
+            keep[b] = np.sum(np.abs(r) > cfg.tau) <= cfg.max_tail_tokens
+        elif cfg.policy == "geo_mean":
+            k1 = -np.mean(r)
+            keep[b] = math.log(cfg.geo_lo) <= k1 <= math.log(cfg.geo_hi)
+    if cfg.policy == "quantile":
+        valid = [b for b in range(B) if stats[b] is not None]
+        k = int(math.floor(cfg.quantile * len(valid)))
+        # largest max|r| first; among ties the later index first
+        ranked = sorted(valid, key=lambda b: (-float(np.max(np.abs(stats[b]))), -b))
+        for b in ranked[:k]:
+            keep[b] = False
+    return keep
+
+
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 9))
+    T = draw(st.integers(1, 12))
+    floats = st.floats(-12.0, 0.0, allow_nan=False, width=32)
+    lr = np.array(draw(st.lists(floats, min_size=B * T, max_size=B * T)), dtype=np.float32).reshape(B, T)
+    noise = st.one_of(st.just(0.0), st.floats(-3.0, 3.0, allow_nan=False, width=32), st.floats(-0.0009765625, 0.0009765625, width=32))
+    d = np.array(draw(st.lists(noise, min_size=B * T, max_size=B * T)), dtype=np.float32).reshape(B, T)
+    lt = lr + d
+    mask = np.array(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).reshape(B, T)
+    # padded positions hold garbage (NaN) that must be ignored
+    lt = np.where(mask, lt, np.nan).astype(np.float32)
+    return lt, lr, mask
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), st.sampled_from([0.05, math.log(2.0), math.log(3.0)]), st.sampled_from([2.0, 3.0]))
+def test_metrics_match_numpy(batch, tau, cap):
+    lt, lr, mask = batch
+    got = compute_tim_metrics(torch.from_numpy(lt), torch.from_numpy(lr), torch.from_numpy(mask), tail_threshold=tau, is_cap=cap)
+    ref = np_metrics(lt, lr, mask, tau, cap)
+    for k, v in ref.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-9), k
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batches(),
+    st.sampled_from(
+        [
+            FilterConfig(policy="max_token", tau=0.5),
+            FilterConfig(policy="tail_count", tau=0.2, max_tail_tokens=1),
+            FilterConfig(policy="geo_mean"),
+            FilterConfig(policy="geo_mean", geo_lo=0.5, geo_hi=2.0),
+            FilterConfig(policy="quantile", quantile=0.3),
+            FilterConfig(policy="quantile", quantile=0.5, tis_cap=2.0),
+        ]
+    ),
+)
+def test_filters_match_numpy(batch, cfg):
+    lt, lr, mask = batch
+    res = apply_filter(torch.from_numpy(lt), torch.from_numpy(lr), torch.from_numpy(mask), cfg)
+    keep = np_keep(lt, lr, mask, cfg)
+    assert res.keep.numpy().tolist() == keep.tolist()
+    expected_lm = (mask & keep[:, None]).astype(np.float32)
+    np.testing.assert_array_equal(res.loss_mask.numpy(), expected_lm)
+    if cfg.tis_cap is not None:
+        r = np.where(mask, lt.astype(np.float64) - lr.astype(np.float64), 0.0)
+        w = np.minimum(np.exp(np.clip(r, -SB, SB)), cfg.tis_cap) * expected_lm
+        np.testing.assert_allclose(res.is_weights.numpy(), w.astype(np.float32), rtol=1e-6)
+    else:
+        assert res.is_weights is None
+    n_valid = int(mask.any(axis=1).sum())
+    dropped = int((~keep & mask.any(axis=1)).sum())
+    assert res.metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(dropped / n_valid if n_valid else 0.0)
+
+
+def test_hand_computed_values():
+    # one sequence, r = [ln 2, -ln 2, 0]; padded fourth position
+    lr = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
+    lt = lr + torch.tensor([[math.log(2), -math.log(2), 0.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    m = compute_tim_metrics(lt, lr, mask, tail_threshold=0.5, is_cap=3.0)
+    assert m["tim/num_tokens"] == 3
+    assert m["tim/abs_log_ratio_mean"] == pytest.approx(2 * math.log(2) / 3)
+    assert m["tim/k1_mean"] == pytest.approx(0.0, abs=1e-7)
+    assert m["tim/k2_mean"] == pytest.approx(math.log(2) ** 2 / 3)
+    # k3 = (2 - 1 - ln2) + (0.5 - 1 + ln2) + 0 = 0.5
+    assert m["tim/k3_mean"] == pytest.approx(0.5 / 3)
+    assert m["tim/tail_tokens"] == 2 and m["tim/tail_seq_fraction"] == 1.0
+    assert m["rollout_corr/chi2_token"] == pytest.approx((4 + 0.25 + 1) / 3 - 1)
+    assert m["rollout_corr/chi2_seq"] == pytest.approx(0.0, abs=1e-6)
+    assert m["tim/seq_geo_mean_ratio_mean"] == pytest.approx(1.0)
+
+
+def test_tail_concentration_hand():
+    tc = torch.tensor([10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] * 5)  # 100 sequences
+    # worst 1% = 1 sequence holding 10 of 100 tail tokens; worst 5% = the five 10s = 50 of 100
+    assert tail_concentration(tc, 0.01) == pytest.approx(0.10)
+    assert tail_concentration(tc, 0.05) == pytest.approx(0.50)
+    assert tail_concentration(torch.zeros(7, dtype=torch.long), 0.05) == 0.0
+
+
+def test_planted_drift_removed_by_each_policy():
+    g = torch.Generator().manual_seed(0)
+    B, T = 64, 40
+    lr = -torch.rand(B, T, generator=g) * 6
+    lt = lr + torch.randn(B, T, generator=g) * 1e-4  # near-identical policies
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[::3, 30:] = False
+    planted = [5, 17, 42]
+    for b in planted:
+        lt[b, 3:12] -= 1.5  # a burst of drifted tokens
+    for cfg in (
+        FilterConfig(policy="max_token"),
+        FilterConfig(policy="tail_count", max_tail_tokens=2),
+        FilterConfig(policy="geo_mean"),
+        FilterConfig(policy="quantile", quantile=3 / 64 + 1e-9),
+    ):
+        res = apply_filter(lt, lr, mask, cfg)
+        assert sorted((~res.keep).nonzero().flatten().tolist()) == planted, cfg.policy
+        assert res.loss_mask[planted].sum() == 0
+        assert res.metrics["filter/dropped_sequences"] == 3
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(TIMError, match="logp_rollout"):
+        compute_tim_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+    with pytest.raises(TIMError, match="logp_train"):
+        compute_tim_metrics(torch.tensor([[float("nan")]]), torch.zeros(1, 1), torch.ones(1, 1))
+    with pytest.raises(ValueError, match="geo_lo"):
+        FilterConfig(geo_lo=1.1, geo_hi=1.0)
+    with pytest.raises(ValueError, match="polic"):
+        FilterConfig(policy="nope")
