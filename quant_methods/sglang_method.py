@@ -1,0 +1,276 @@
+"""SGLang adapter: ``--quantization foursight`` (FourSight NVFP4 + sparse BF16 channels).
+
+Thin glue between SGLang's quantization interface and the engine-neutral core
+(:mod:`foursight.quant_methods.core`). Everything numerical and every checkpoint check lives
+in the core (``LayerPlan`` / ``apply_linear``) and in :mod:`foursight.layer` /
+:mod:`foursight.schema`, shared with the vLLM adapter, so the same checkpoint loads unchanged
+on both engines and a bad one fails with the same message.
+
+What is SGLang-specific here:
+
+* :class:`FourSightSGLangConfig` -- SGLang's ``QuantizationConfig``. ``from_config`` receives
+  ``config.json["quantization_config"]`` (plus SGLang's ``packed_modules_mapping`` /
+  ``hf_config`` keys, stripped before the strict schema parse). With no quantization config in
+  the model (a BF16 model served with ``--quantization foursight``) SGLang calls the class with
+  no arguments: that is online quantization, configured by ``FOURSIGHT_*`` environment variables
+  (see ``core.OnlineSettings``) and, if present, the model folder's ``foursight_channels.json``.
+* :class:`FourSightSGLangLinearMethod` -- SGLang's ``LinearMethodBase``. Parameters get the
+  core's loaders wrapped around SGLang's own v1 column/row/QKV/merged loader.
+* The RL weight update. SGLang's ``update_weights_from_tensor`` calls ``model.load_weights``
+  but not ``process_weights_after_loading``; every loader here marks its layer stale and the
+  next ``apply`` rebuilds the execution state (the core's ``process`` is idempotent and never
+  touches the loaded parameters). :func:`refresh_foursight_layers` does the same eagerly, and
+  :func:`load_weights_and_refresh` is a SGLang custom weight loader
+  (``--custom-weight-loader foursight.quant_methods.sglang_method.load_weights_and_refresh``,
+  then ``update_weights_from_tensor(..., load_format=<that path>)``) for GPU engines that
+  capture CUDA graphs and must not rebuild inside a forward.
+
+Registration with SGLang happens in :mod:`foursight.quant_methods.sglang_plugin` (entry point
+``sglang.srt.plugins``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+from sglang.srt.utils import set_weight_attrs
+
+from foursight.quant_methods.core import (
+    ENV_CHANNELS_FILE,
+    LayerPlan,
+    OnlineSettings,
+    TPContext,
+    apply_linear,
+    layer_params,
+    shard_names,
+)
+from foursight.schema import CHANNELS_FILE, QUANT_METHOD, FourSightConfig
+
+logger = logging.getLogger("foursight.quant_methods.sglang")
+
+#: Keys SGLang adds to the checkpoint's quantization_config before ``from_config``.
+_SGLANG_EXTRA_KEYS = ("packed_modules_mapping", "hf_config")
+
+
+def _model_path_from_sglang() -> str | None:
+    """The served model folder, from SGLang's global server args (None outside an engine)."""
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return getattr(get_global_server_args(), "model_path", None)
+    except Exception:  # not set yet / not in an engine process
+        return None
+
+
+def _default_online_settings() -> OnlineSettings:
+    """Online settings: ``FOURSIGHT_*`` env vars; the channels file is ``$FOURSIGHT_CHANNELS_FILE``
+    or, when unset, ``<model>/foursight_channels.json`` if that file exists."""
+    path = os.environ.get(ENV_CHANNELS_FILE) or None
+    if path is None:
+        model = _model_path_from_sglang()
+        if model and (Path(model) / CHANNELS_FILE).is_file():
+            path = str(Path(model) / CHANNELS_FILE)
+    return OnlineSettings.from_env(path)
+
+
+class FourSightSGLangConfig(QuantizationConfig):
+    """SGLang ``QuantizationConfig`` for FourSight checkpoints and online quantization.
+
+    Args:
+        config: the parsed checkpoint config; None means online quantization of a BF16 model.
+        online: online settings (default: from the environment, see module docstring).
+    """
+
+    def __init__(self, config: FourSightConfig | None = None, online: OnlineSettings | None = None):
+        super().__init__()
+        self.mode = "checkpoint" if config is not None else "online"
+        self.online = None if config is not None else (online or _default_online_settings())
+        self.fs_config = config if config is not None else self.online.as_config()
+
+    def __repr__(self) -> str:
+        return f"FourSightSGLangConfig(mode={self.mode}, activation={self.fs_config.activation_dtype}/{self.fs_config.activation_scale}, ignore={self.fs_config.ignore})"
+
+    # ---- SGLang interface ---------------------------------------------------------------
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # CPU runs the PyTorch reference; on CUDA the Triton kernels need no FP4 tensor cores.
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Checkpoints carry their config in config.json (read by SGLang before this is asked);
+        # an empty list makes SGLang call ``cls()`` for a BF16 model: online quantization.
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "FourSightSGLangConfig":
+        """Parse ``config.json["quantization_config"]`` with the shared strict schema."""
+        raw = {k: v for k, v in config.items() if k not in _SGLANG_EXTRA_KEYS}
+        out = cls(FourSightConfig.parse(raw))
+        if config.get("packed_modules_mapping"):
+            out.packed_modules_mapping = dict(config["packed_modules_mapping"])
+        return out
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[LinearMethodBase]:
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings / lm_head (ParallelLMHead) / MoE stay unquantized
+        names = shard_names(prefix, self._packed_mapping())
+        ignored = [self.fs_config.is_ignored(n) for n in names]
+        if all(ignored):
+            return UnquantizedLinearMethod()
+        if any(ignored):
+            from foursight.schema import CheckpointError
+
+            raise CheckpointError(f"{prefix}: ignore list covers only some of the fused shards {names}")
+        return FourSightSGLangLinearMethod(self, prefix)
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _packed_mapping(self) -> dict[str, list[str]]:
+        """SGLang's fused-module map, falling back to the standard Llama/Qwen one."""
+        return self.packed_modules_mapping or {
+            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+            "gate_up_proj": ["gate_proj", "up_proj"],
+        }
+
+
+def _tp_context(layer: torch.nn.Module) -> TPContext:
+    """The layer's TP group as a core :class:`TPContext` (identity at TP=1)."""
+    from sglang.srt.distributed.utils import get_group_rank_size
+
+    group = getattr(layer, "tp_group", None)
+    rank, size = get_group_rank_size(group)
+    if size == 1:
+        return TPContext()
+
+    def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group.device_group)
+        return t
+
+    def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+        return group.all_gather(t, dim=0)
+
+    return TPContext(rank, size, all_reduce_max, all_gather_cat)
+
+
+class FourSightSGLangLinearMethod(LinearMethodBase):
+    """SGLang ``LinearMethodBase`` for one FourSight layer (fused q/k/v and gate/up included)."""
+
+    def __init__(self, quant_config: FourSightSGLangConfig, prefix: str):
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        qc = self.quant_config
+        tp = _tp_context(layer)
+        plan = LayerPlan.for_layer(
+            self.prefix,
+            output_partition_sizes,
+            input_size,
+            input_size_per_partition,
+            qc.fs_config,
+            qc._packed_mapping(),
+            tp_rank=tp.rank,
+            tp_size=tp.size,
+            mode=qc.mode,
+            online=qc.online,
+        )
+        layer.foursight_plan = plan
+        layer.foursight_state = None
+        layer.foursight_stale = True
+        engine_loader = extra_weight_attrs.get("weight_loader")
+        attrs = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
+        for spec in plan.param_specs(params_dtype):
+            param = torch.nn.Parameter(
+                torch.full(spec.shape, plan.init_value(spec), dtype=torch.float32).to(spec.dtype),
+                requires_grad=False,
+            )
+            set_weight_attrs(param, {**spec.attrs, **attrs, "weight_loader": _marking_loader(layer, plan.make_loader(spec, engine_loader))})
+            layer.register_parameter(spec.name, param)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Rebuild the execution state from the loaded parameters (idempotent; params untouched)."""
+        plan: LayerPlan = layer.foursight_plan
+        layer.foursight_state = plan.process(layer_params(layer, plan), _tp_context(layer))
+        layer.foursight_stale = False
+
+    def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
+        # Parameters keep their checkpoint layout (process never rewrites them): nothing to undo.
+        layer.foursight_stale = True
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if layer.foursight_stale:
+            self.process_weights_after_loading(layer)
+        return apply_linear(layer.foursight_state, x, bias)
+
+
+def _marking_loader(layer: torch.nn.Module, loader):
+    """Wrap a core loader so that any (re)load marks the layer's execution state stale."""
+
+    def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loader(param, loaded_weight, *args, **kwargs)
+        layer.foursight_stale = True
+
+    return weight_loader
+
+
+def foursight_layers(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every FourSight layer of an SGLang model."""
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "quant_method", None), FourSightSGLangLinearMethod):
+            yield name, m
+
+
+def refresh_foursight_layers(model: torch.nn.Module, only_stale: bool = True) -> int:
+    """Rebuild the execution state of (stale) FourSight layers now; returns how many were rebuilt."""
+    n = 0
+    for _, m in foursight_layers(model):
+        if m.foursight_stale or not only_stale:
+            m.quant_method.process_weights_after_loading(m)
+            n += 1
+    return n
+
+
+def load_weights_and_refresh(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang custom weight loader for the RL weight update: load, then rebuild touched layers.
+
+    Use with ``--custom-weight-loader foursight.quant_methods.sglang_method.load_weights_and_refresh``
+    and ``update_weights_from_tensor(named_tensors, load_format=<the same path>)``.
+    """
+    model.load_weights(named_tensors)
+    refresh_foursight_layers(model)
+
+
+__all__ = [
+    "FourSightSGLangConfig",
+    "FourSightSGLangLinearMethod",
+    "foursight_layers",
+    "refresh_foursight_layers",
+    "load_weights_and_refresh",
+]
