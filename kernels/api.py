@@ -1,0 +1,407 @@
+"""Python entry points of the FourSight Triton kernels.
+
+* :func:`prepare_weight` — the CUDA execution form (:class:`PreparedWeight`) of a
+  :class:`foursight.layer.QuantizedWeight`.
+* :func:`quantize_activation` — fused NVFP4 activation quantization, bit-exact with
+  :func:`foursight.layer.quantize_activation`.
+* :func:`splice_gemm` — the GEMM on already-quantized operands (lower level).
+* :func:`splice_linear` — activation quantization + SpliceGEMM, dispatching the decode or the
+  prefill datapath by M; ``act_quant=False`` is the W4A16 mode.
+
+The kernels run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests). On CUDA
+the tile configuration is chosen by a small in-process autotuner (median time of each candidate,
+cached per datapath / shape / mode); under the interpreter a fixed small configuration is used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from foursight.layer import QuantizedActivation, QuantizedWeight, check_channels
+from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
+
+from .act_quant import MAX_ONEPASS_K, _act_quant_kernel
+from .splice_gemm import _splice_gemm_kernel
+
+#: M up to this uses the decode datapath (BLOCK_M = 16, narrow N tiles, FP4 activations
+#: decoded in registers); above it the prefill datapath. Set from the H200 measurements in
+#: benchmarks/results/splice_gemm.md (see docs/kernels.md).
+DECODE_MAX_M: int = 16
+
+
+#: Match PyTorch-on-CUDA's ``tensor / 6.0`` (multiplication by fp32(1/6)) in the block scales, so
+#: that the kernel is bit-exact with foursight.layer run on the same CUDA device.
+DIV6_RECIP_ON_CUDA: bool = True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --------------------------------------------------------------------------------------------
+# prepared weight
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedWeight:
+    """CUDA execution form of one compensated linear layer.
+
+    Attributes:
+        weight_packed: uint8 [N, K/2] contiguous; the nibbles of the S columns are forced to 0
+            (so the W4A16 mode can feed X with its S columns unzeroed).
+        weight_scale: uint8 [N, K/16] contiguous, the E4M3 bytes of the block scales.
+        weight_global_scale: float32 [N] (the [1] per-tensor scale broadcast, or the per-row one).
+        bf16_channels: int32 [k] sorted.
+        channel_mask: uint8 [K], 1 at the S columns.
+        weight_bf16: bfloat16 [N, k] contiguous.
+        out_features, in_features: N, K.
+    """
+
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_global_scale: torch.Tensor
+    bf16_channels: torch.Tensor
+    channel_mask: torch.Tensor
+    weight_bf16: torch.Tensor
+    out_features: int
+    in_features: int
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_channels(self) -> int:
+        return int(self.bf16_channels.numel())
+
+
+def _zero_channel_nibbles(packed: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """Copy of packed [N, K/2] with the 4-bit codes of ``channels`` set to 0."""
+    out = packed.clone()
+    if channels.numel():
+        ch = channels.long()
+        even = ch[ch % 2 == 0] // 2
+        odd = ch[ch % 2 == 1] // 2
+        if even.numel():
+            out[:, even] &= 0xF0
+        if odd.numel():
+            out[:, odd] &= 0x0F
+    return out
+
+
+def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
+    """Build the execution form of ``qw`` (idempotent; ``qw`` is not modified).
+
+    Raises :class:`NVFP4Error` naming the tensor when a shape or dtype is wrong.
+    """
+    wp, ws, wgs, ch, wb = qw.tensors()
+    if wp.dtype != torch.uint8 or wp.dim() != 2:
+        raise NVFP4Error(f"{name}.weight_packed: expected uint8 [N, K/2], got {wp.dtype} {tuple(wp.shape)}")
+    n, kh = wp.shape
+    k_dim = kh * 2
+    check_k(k_dim, f"{name}.weight_packed")
+    if ws.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(ws.shape) != (n, k_dim // BLOCK_SIZE):
+        raise NVFP4Error(f"{name}.weight_scale: expected float8_e4m3fn [{n}, {k_dim // BLOCK_SIZE}], got {ws.dtype} {tuple(ws.shape)}")
+    g = wgs.float().reshape(-1)
+    if g.numel() not in (1, n):
+        raise NVFP4Error(f"{name}.weight_global_scale: expected [1] or [{n}], got {tuple(wgs.shape)}")
+    ch32 = check_channels(ch, k_dim, f"{name}.bf16_channels").to(wp.device)
+    kk = ch32.numel()
+    if tuple(wb.shape) != (n, kk):
+        raise NVFP4Error(f"{name}.weight_bf16: expected [{n}, {kk}], got {tuple(wb.shape)}")
+    mask = torch.zeros(k_dim, dtype=torch.uint8, device=wp.device)
+    if kk:
+        mask[ch32.long()] = 1
+    return PreparedWeight(
+        weight_packed=_zero_channel_nibbles(wp.contiguous(), ch32),
+        weight_scale=ws.contiguous().view(torch.uint8).clone(),
+        weight_global_scale=g.expand(n).contiguous().clone() if g.numel() == 1 else g.contiguous().clone(),
+        bf16_channels=ch32.contiguous(),
+        channel_mask=mask,
+        weight_bf16=wb.to(torch.bfloat16).contiguous(),
+        out_features=n,
+        in_features=k_dim,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# activation quantization
+# --------------------------------------------------------------------------------------------
+
+
+def _act_quant_launch(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    channels: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    write_packed: bool,
+    write_deq: bool,
+    write_xs: bool,
+):
+    m, k_dim = x.shape
+    kk = channels.numel()
+    dev = x.device
+    packed = torch.empty((m, k_dim // 2), dtype=torch.uint8, device=dev) if write_packed else None
+    scale = torch.empty((m, k_dim // BLOCK_SIZE), dtype=torch.uint8, device=dev) if write_packed else None
+    deq = torch.empty((m, k_dim), dtype=torch.float16, device=dev) if write_deq else None
+    gs_out = torch.empty((m,), dtype=torch.float32, device=dev)
+    xs = torch.empty((m, kk), dtype=x.dtype, device=dev) if write_xs else None
+    if global_scale is not None:
+        gs_in = global_scale.reshape(-1).to(device=dev, dtype=torch.float32)
+        if gs_in.numel() != 1:
+            raise NVFP4Error(f"input_global_scale: expected a scalar or [1], got shape {tuple(global_scale.shape)}")
+    else:
+        gs_in = gs_out
+    one_pass = k_dim <= MAX_ONEPASS_K
+    block_k = triton.next_power_of_2(k_dim) if one_pass else 4096
+    nw = 4 if block_k <= 2048 else (8 if block_k <= 8192 else 16)
+    if _interpreting():
+        nw = 4
+    dummy = gs_out
+    if m:
+        _act_quant_kernel[(m,)](
+            x, x.stride(0), x.stride(1),
+            mask, channels if kk else mask, gs_in,
+            packed if write_packed else dummy, scale if write_packed else dummy,
+            deq if write_deq else dummy, gs_out, xs if write_xs else dummy,
+            k_dim, kk,
+            BLOCK_K=block_k, ONE_PASS=one_pass, HAS_CH=kk > 0, STATIC_GS=global_scale is not None,
+            WRITE_PACKED=write_packed, WRITE_DEQ=write_deq, WRITE_XS=write_xs and kk > 0,
+            BLOCK_KS=min(256, max(16, triton.next_power_of_2(max(kk, 1)))),
+            DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False,
+            num_warps=nw,
+        )
+    return packed, scale, deq, gs_out, xs
+
+
+def _check_act(x: torch.Tensor, k_dim: int | None, name: str) -> None:
+    if x.dim() != 2:
+        raise NVFP4Error(f"{name}: expected [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise NVFP4Error(f"{name}: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
+    check_k(x.shape[1], name)
+    if k_dim is not None and x.shape[1] != k_dim:
+        raise NVFP4Error(f"{name}: last dim {x.shape[1]} != layer in_features {k_dim}")
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    channels: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    name: str = "input",
+) -> QuantizedActivation:
+    """Triton twin of :func:`foursight.layer.quantize_activation` (bit-exact).
+
+    Args:
+        x: [M, K] bf16/fp16/fp32, any strides; finite (not checked here, to avoid a host sync).
+        channels: int [k] sorted unique indices of the BF16 channels S.
+        global_scale: optional static float32 scalar/[1]; None = dynamic ``448*6/rowamax``.
+    Returns:
+        QuantizedActivation(packed uint8 [M, K/2], scale float8_e4m3fn [M, K/16],
+        global_scale float32 [M], x_bf16 [M, k] in x's dtype).
+    """
+    _check_act(x, None, name)
+    m, k_dim = x.shape
+    ch = check_channels(channels, k_dim, f"{name}.channels").to(x.device)
+    mask = torch.zeros(k_dim, dtype=torch.uint8, device=x.device)
+    if ch.numel():
+        mask[ch.long()] = 1
+    packed, scale, _, gs, xs = _act_quant_launch(x, mask, ch, global_scale, True, False, True)
+    if xs is None:
+        xs = torch.empty((m, 0), dtype=x.dtype, device=x.device)
+    return QuantizedActivation(packed=packed, scale=scale.view(torch.float8_e4m3fn), global_scale=gs, x_bf16=xs)
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM configuration
+# --------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+DECODE_CONFIGS = [
+    (16, 16, 256, 4, 4),
+    (16, 32, 256, 4, 4),
+    (16, 32, 512, 4, 3),
+    (16, 64, 256, 4, 4),
+    (16, 64, 512, 4, 3),
+    (16, 128, 256, 8, 3),
+]
+MID_CONFIGS = [
+    (32, 64, 256, 4, 3),
+    (64, 64, 128, 4, 4),
+    (64, 128, 128, 8, 3),
+    (32, 128, 128, 4, 4),
+]
+PREFILL_CONFIGS = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (64, 128, 128, 4, 4),
+    (128, 64, 128, 4, 4),
+]
+_INTERP_CONFIGS = {"decode": (16, 16, 64, 4, 1), "mid": (32, 32, 32, 4, 1), "prefill": (32, 32, 32, 4, 1)}
+
+#: chosen configuration per key, filled by the autotuner (benchmark writes it out)
+TUNED: dict = {}
+
+
+def datapath_for(m: int) -> str:
+    """Datapath name for M rows: ``decode`` (M <= DECODE_MAX_M), ``mid`` (<= 128) or ``prefill``."""
+    if m <= DECODE_MAX_M:
+        return "decode"
+    return "mid" if m <= 128 else "prefill"
+
+
+def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant, a_fp4, dot_bf16):
+    bm, bn, bk, nw, ns = cfg
+    n, k_dim = pw.out_features, pw.in_features
+    kk = pw.num_channels
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    dummy = pw.weight_global_scale
+    _splice_gemm_kernel[grid](
+        a, a.stride(0), a.stride(1) if a.dim() == 2 else 1,
+        a_s if a_s is not None else dummy, a_s.stride(0) if a_s is not None else 0,
+        a_gs if a_gs is not None else dummy,
+        x, x.stride(0), x.stride(1),
+        pw.bf16_channels if kk else pw.channel_mask,
+        pw.weight_packed, pw.weight_packed.stride(0),
+        pw.weight_scale, pw.weight_scale.stride(0),
+        pw.weight_global_scale,
+        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
+        bias if bias is not None else dummy,
+        out, out.stride(0), out.stride(1),
+        m, n, k_dim, kk,
+        A_QUANT=a_quant, A_FP4=a_fp4, DOT_BF16=dot_bf16, HAS_BIAS=bias is not None,
+        EVEN_K=(k_dim % bk == 0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+        GROUP_M=8,
+        INTERP=_interpreting(),
+        num_warps=nw, num_stages=ns,
+    )
+
+
+def _pick_config(path: str, key: tuple, run) -> tuple:
+    """Return the cached best config for ``key``; on first use time each candidate (CUDA only)."""
+    if _interpreting() or not torch.cuda.is_available():
+        return _INTERP_CONFIGS[path]
+    if key in TUNED:
+        return TUNED[key]
+    cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
+    from triton.testing import do_bench
+
+    best, best_t = None, float("inf")
+    for cfg in cands:
+        try:
+            t = do_bench(lambda: run(cfg), warmup=5, rep=15, return_mode="median")
+        except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+            if os.environ.get("FOURSIGHT_KERNELS_DEBUG"):
+                print(f"[foursight.kernels] config {cfg} failed for {key}: {type(e).__name__}: {e}")
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    if best is None:
+        raise RuntimeError(f"foursight.kernels: no tile configuration compiled for {key}")
+    TUNED[key] = best
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM entry points
+# --------------------------------------------------------------------------------------------
+
+
+def splice_gemm(
+    x: torch.Tensor,
+    prepared: PreparedWeight,
+    qa: tuple | None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    path: str | None = None,
+) -> torch.Tensor:
+    """SpliceGEMM on prepared operands.
+
+    Args:
+        x: [M, K] bf16/fp16 activations (the BF16 segment gathers ``x[:, S]`` from it; in W4A16
+            mode it is also the A operand).
+        prepared: :class:`PreparedWeight`.
+        qa: None for W4A16, else ``(a, a_scale, a_gs)``: either the packed activation (uint8
+            [M, K/2], uint8 [M, K/16], fp32 [M]) or the dequantized one (fp16 [M, K] = q*s, None,
+            fp32 [M]).
+        bias: optional [N].
+        out_dtype: default x.dtype.
+        path: force ``decode`` / ``mid`` / ``prefill`` (benchmarks); default by M.
+    Returns:
+        [M, N] of ``out_dtype``.
+    """
+    m = x.shape[0]
+    n = prepared.out_features
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out
+    path = path or datapath_for(m)
+    if qa is None:
+        a, a_s, a_gs = x, None, None
+        a_quant, a_fp4 = False, False
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise NVFP4Error(f"input: W4A16 mode needs bf16 or fp16 activations, got {x.dtype}")
+        dot_bf16 = x.dtype == torch.bfloat16
+    else:
+        a, a_s, a_gs = qa
+        a_quant, a_fp4, dot_bf16 = True, a.dtype == torch.uint8, False
+    key = (path, n, prepared.in_features, prepared.num_channels > 0, a_quant, a_fp4, dot_bf16, bias is not None, out.dtype)
+
+    def run(cfg):
+        _gemm_launch(cfg, a, a_s, a_gs, x, prepared, bias, out, m, a_quant, a_fp4, dot_bf16)
+
+    cfg = _pick_config(path, key, run)
+    run(cfg)
+    return out
+
+
+def splice_linear(
+    x: torch.Tensor,
+    prepared: PreparedWeight,
+    bias: torch.Tensor | None = None,
+    input_global_scale: torch.Tensor | None = None,
+    act_quant: bool = True,
+    path: str | None = None,
+) -> torch.Tensor:
+    """FourSight linear: fused activation quantization + SpliceGEMM.
+
+    Args:
+        x: [..., K] bf16 or fp16 (fp32 is accepted in W4A4 mode only).
+        prepared: from :func:`prepare_weight`.
+        bias: optional [N].
+        input_global_scale: static activation global scale (float32 scalar/[1]) or None (dynamic,
+            per row).
+        act_quant: True = W4A4; False = W4A16 (activations stay in x's dtype).
+        path: force a datapath (benchmarks/tests); default: decode if M <= DECODE_MAX_M.
+    Returns:
+        [..., N] in x's dtype; equals :func:`foursight.layer.reference_linear` up to fp32
+        accumulation order.
+    """
+    k_dim = prepared.in_features
+    if x.shape[-1] != k_dim:
+        raise NVFP4Error(f"input: last dim {x.shape[-1]} != layer in_features {k_dim}")
+    if bias is not None and tuple(bias.shape) != (prepared.out_features,):
+        raise NVFP4Error(f"bias: expected [{prepared.out_features}], got {tuple(bias.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k_dim)
+    _check_act(x2, k_dim, "input")
+    m = x2.shape[0]
+    path = path or datapath_for(m)
+    if act_quant:
+        fp4_a = path == "decode"
+        packed, scale, deq, gs, _ = _act_quant_launch(
+            x2, prepared.channel_mask, prepared.bf16_channels, input_global_scale, fp4_a, not fp4_a, False
+        )
+        qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
+        xg = x2 if x2.dtype != torch.float32 else x2
+    else:
+        qa = None
+        xg = x2
+    y = splice_gemm(xg, prepared, qa, bias=bias, out_dtype=x.dtype, path=path)
+    return y.reshape(*lead, prepared.out_features)

@@ -1,0 +1,192 @@
+"""SpliceGEMM (Triton): NVFP4 x NVFP4 (or BF16/FP16 x NVFP4) GEMM with the BF16 channel segment
+spliced into the same K loop and the same fp32 accumulator.
+
+``Y[M, N] = deq(A) · deq(W)ᵀ + X[:, S] · W_bf16ᵀ (+ bias)``
+
+Layout and numerics
+-------------------
+* The kernel computes the transposed tile ``Yᵀ[BN, BM]`` ("swap AB"): the weight, dequantized in
+  registers, is the left operand of the MMA (on Hopper the register operand of ``wgmma``), the
+  activation tile the right operand. For decode (M <= 16) this puts the large dimension N on the
+  MMA's M side, so a 16-row activation costs no padding to 64.
+* FP4 tiles are decoded with integer ops into fp16 holding ``e2m1 * 2^-14`` (E2M1 bits placed in
+  fp16's exponent/mantissa; the code 1 becomes an fp16 subnormal), then multiplied by the E4M3
+  block scale (decoded the same way). All of these products are exact in fp16: the MMA sees the
+  exact ``q * s`` values (times a power of two) and accumulates in fp32.
+* The global scales (per-row activation ``gs_a[m]``, per-output-row weight ``gs_w[n]``) are
+  applied once to the accumulator after the FP4 K-tiles; the loop then continues over the BF16
+  channel segment (``k`` gathered columns of X against ``W_bf16``) into the same accumulator;
+  the bias is added last. The order of operations is the reference's (FP4 part, + BF16 part,
+  + bias, in fp32).
+
+Operand modes (constexpr)
+-------------------------
+* ``A_QUANT and A_FP4``: A is the packed NVFP4 activation (uint8 [M, K/2] + E4M3 [M, K/16]),
+  decoded in registers like W (decode datapath).
+* ``A_QUANT and not A_FP4``: A is the dequantized activation ``q * s`` in fp16 [M, K] written by the
+  activation-quantization kernel (exact values; prefill datapath, where re-decoding A in every
+  N tile would double the decode work).
+* ``not A_QUANT``: W4A16, A is X itself (bf16 or fp16; the FP4 weight is decoded to X's dtype).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp4_tile(p, sb, R: tl.constexpr, BK: tl.constexpr):
+    """Decode an NVFP4 tile.
+
+    Args:
+        p: int32 [R, BK/16, 8] packed bytes (low nibble = even column).
+        sb: int32 [R, BK/16] E4M3 scale bytes (non-negative scales).
+    Returns:
+        fp16 [R, BK] holding ``e2m1 * scale * 2^-14`` exactly.
+    """
+    s16 = ((sb << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
+    lo = (((p << 9) & 0x0E00) | ((p << 12) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((p << 5) & 0x0E00) | ((p << 8) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
+    v = tl.interleave(lo, hi)  # [R, BK/16, 16]
+    v = (v * s16[:, :, None]).to(tl.float16)
+    return tl.reshape(v, (R, BK))
+
+
+@triton.jit
+def _mma(a, b, acc, INTERP: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation. Triton's CPU interpreter multiplies bf16 operands as
+    raw integers (triton 3.9), so under the interpreter the (exact) operands are widened to fp32."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _bf16_rne(x, INTERP: tl.constexpr):
+    """Round fp32 ``x`` to bf16 (nearest, ties to even). Triton's interpreter (3.9) truncates in
+    ``.to(tl.bfloat16)``, so there the rounding is done on the bits (finite inputs) and the result
+    is returned as the fp32 value; on the GPU the native conversion is used."""
+    if INTERP:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _splice_gemm_kernel(
+    a_ptr, stride_am, stride_ak,  # A: fp16 deq / X [M, K], or packed uint8 [M, K/2] (A_FP4)
+    as_ptr, stride_asm,  # A scale bytes uint8 [M, K/16] (A_FP4)
+    a_gs_ptr,  # fp32 [M] activation global scale (A_QUANT)
+    x_ptr, stride_xm, stride_xk,  # X [M, K], source of the BF16 segment
+    ch_ptr,  # int32 [KS] channel indices
+    wp_ptr, stride_wpn,  # W packed uint8 [N, K/2]
+    ws_ptr, stride_wsn,  # W scale bytes uint8 [N, K/16]
+    w_gs_ptr,  # fp32 [N] weight global scale per output row
+    wb_ptr, stride_wbn,  # W_bf16 [N, KS]
+    bias_ptr,  # [N]
+    out_ptr, stride_om, stride_on,  # [M, N]
+    M, N, K, KS,
+    A_QUANT: tl.constexpr,
+    A_FP4: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KS: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % gsize
+    pid_n = (pid % per_group) // gsize
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (offs_m % M).to(tl.int64)  # wrapped rows: loads need no mask along M/N
+    rn = (offs_n % N).to(tl.int64)
+
+    G: tl.constexpr = BLOCK_K // 16
+    g = tl.arange(0, G)
+    j8 = tl.arange(0, 8)
+    KG = K // 16
+
+    w_ptrs = wp_ptr + rn[:, None, None] * stride_wpn + g[None, :, None] * 8 + j8[None, None, :]
+    ws_ptrs = ws_ptr + rn[:, None] * stride_wsn + g[None, :]
+    if A_FP4:
+        a_ptrs = a_ptr + rm[:, None, None] * stride_am + g[None, :, None] * 8 + j8[None, None, :]
+        as_ptrs = as_ptr + rm[:, None] * stride_asm + g[None, :]
+    else:
+        k16 = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rm[:, None] * stride_am + k16[None, :] * stride_ak
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kg0 in range(0, KG, G):
+        if EVEN_K:
+            p = tl.load(w_ptrs).to(tl.int32)
+            sb = tl.load(ws_ptrs).to(tl.int32)
+        else:
+            gm = (kg0 + g) < KG
+            p = tl.load(w_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
+            sb = tl.load(ws_ptrs, mask=gm[None, :], other=0).to(tl.int32)
+        w = _fp4_tile(p, sb, BLOCK_N, BLOCK_K)
+        if A_FP4:
+            if EVEN_K:
+                pa = tl.load(a_ptrs).to(tl.int32)
+                sa = tl.load(as_ptrs).to(tl.int32)
+            else:
+                pa = tl.load(a_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
+                sa = tl.load(as_ptrs, mask=gm[None, :], other=0).to(tl.int32)
+            a = _fp4_tile(pa, sa, BLOCK_M, BLOCK_K)
+            a_ptrs += G * 8
+            as_ptrs += G
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(kg0 * 16 + k16)[None, :] < K, other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
+            if DOT_BF16:
+                w = w.to(tl.bfloat16)
+        acc = _mma(w, tl.trans(a), acc, INTERP)
+        w_ptrs += G * 8
+        ws_ptrs += G
+
+    # global scales, once per tile: products carried 2^-14 per FP4-decoded operand
+    wgs = tl.load(w_gs_ptr + rn)
+    if A_QUANT:
+        ags = tl.load(a_gs_ptr + rm)
+        if A_FP4:
+            acc = acc * (268435456.0 / (wgs[:, None] * ags[None, :]))
+        else:
+            acc = acc * (16384.0 / (wgs[:, None] * ags[None, :]))
+    else:
+        acc = acc * (16384.0 / wgs)[:, None]
+
+    # the spliced BF16 channel segment: more K-steps into the same accumulator
+    offs_c = tl.arange(0, BLOCK_KS)
+    for c0 in range(0, KS, BLOCK_KS):
+        cm = (c0 + offs_c) < KS
+        ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
+        xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :] * stride_xk, mask=cm[None, :], other=0.0)
+        wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
+        acc = _mma(wb, tl.trans(_bf16_rne(xs.to(tl.float32), INTERP)), acc, INTERP)
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64) * stride_on
+    omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+        acc = _bf16_rne(acc, INTERP)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -1,0 +1,252 @@
+"""Triton kernels under TRITON_INTERPRET=1 (CPU) against the PyTorch reference (foursight.layer).
+
+* activation quantization: bit-exact (codes, E4M3 scale bytes, global scales, gathered channels);
+* SpliceGEMM: within fp32-accumulation tolerance of ``reference_linear`` (fp32 output, so the
+  comparison is not hidden behind a bf16 rounding), over M in {1, 3, 16, 17, 64}, K with and
+  without a ragged last tile, k in {0, 16, 128}, bias, non-contiguous inputs, static/dynamic
+  activation scales, per-tensor/per-row weight scales, W4A16 (bf16 and fp16).
+
+The interpreter is slow: shapes are small and each kernel configuration is a fixed small tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+
+import pytest
+import torch
+
+import foursight.kernels as fk
+import foursight.kernels.api as fk_api
+from foursight.layer import QuantizedWeight, quantize_activation, quantize_weight, reference_linear
+from foursight.nvfp4 import NVFP4Error
+
+pytestmark = pytest.mark.skipif(
+    not fk_api._interpreting(), reason="triton was imported before TRITON_INTERPRET=1 was set"
+)
+
+
+def _channels(K: int, k: int, g: torch.Generator) -> torch.Tensor:
+    return torch.sort(torch.randperm(K, generator=g)[:k]).values.to(torch.int32)
+
+
+def _act(M: int, K: int, g: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(1, K, generator=g))  # per-channel spread
+    x[:, :: max(1, K // 5)] *= 20.0  # a few outlier channels
+    return x.to(dtype)
+
+
+def _assert_qa_equal(a, r):
+    assert torch.equal(a.packed, r.packed), "packed codes differ"
+    assert torch.equal(a.scale.view(torch.uint8), r.scale.view(torch.uint8)), "E4M3 scale bytes differ"
+    assert torch.equal(a.global_scale, r.global_scale), "global scales differ"
+    assert a.x_bf16.dtype == r.x_bf16.dtype and torch.equal(a.x_bf16, r.x_bf16), "gathered channels differ"
+
+
+# ---------------------------------------------------------------------------------------------
+# activation quantization: bit-exact
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("K,k", [(192, 0), (208, 16), (208, 128), (160, 16)])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_activation_bit_exact(M, K, k, static):
+    g = torch.Generator().manual_seed(1000 * M + K + k + static)
+    x = _act(M, K, g)
+    ch = _channels(K, k, g)
+    gs = torch.tensor([37.5]) if static else None
+    _assert_qa_equal(fk.quantize_activation(x, ch, gs), quantize_activation(x, ch, gs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quantize_activation_dtypes_and_noncontiguous(dtype):
+    g = torch.Generator().manual_seed(7)
+    base = _act(96, 33, g, dtype)  # [K, M] storage -> transpose gives a non-contiguous [M, K]
+    x = base.t()
+    assert not x.is_contiguous()
+    ch = _channels(96, 16, g)
+    _assert_qa_equal(fk.quantize_activation(x, ch), quantize_activation(x, ch))
+
+
+def test_quantize_activation_ties_zero_rows_and_zero_blocks():
+    # row 0: block amax 6 -> gs = 448, s = 448, x / (s/gs) = x: every E2M1 decision boundary (ties)
+    ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
+    x = torch.zeros(4, 64)
+    x[0, :16] = ties
+    x[0, 16:32] = ties * 1e-3  # small block in the same row
+    # row 1 stays all zero (gs -> 1.0); row 2 has an all-zero block (scale 0 -> 0.125)
+    x[2, 16:] = torch.linspace(-3, 3, 48)
+    x[3] = torch.linspace(-1e-30, 1e-30, 64)  # tiny values: E4M3 subnormal scales
+    for ch in (torch.tensor([], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)):
+        _assert_qa_equal(fk.quantize_activation(x, ch), quantize_activation(x, ch))
+        _assert_qa_equal(fk.quantize_activation(x.bfloat16(), ch), quantize_activation(x.bfloat16(), ch))
+
+
+def test_quantize_activation_multipass(monkeypatch):
+    """Rows longer than MAX_ONEPASS_K take the two-pass (amax, then quantize) loop."""
+    monkeypatch.setattr(fk_api, "MAX_ONEPASS_K", 32)
+    g = torch.Generator().manual_seed(3)
+    x = _act(5, 4160, g)  # 4160 is not a multiple of the 4096-wide loop chunk: ragged last chunk
+    ch = _channels(4160, 16, g)
+    for gs in (None, torch.tensor([11.0])):
+        _assert_qa_equal(fk.quantize_activation(x, ch, gs), quantize_activation(x, ch, gs))
+
+
+def test_quantize_activation_errors():
+    with pytest.raises(NVFP4Error, match="input"):
+        fk.quantize_activation(torch.randn(2, 40), torch.tensor([1]))  # K not a multiple of 16
+    with pytest.raises(NVFP4Error, match="input"):
+        fk.quantize_activation(torch.randn(2, 3, 32), torch.tensor([1]))
+    with pytest.raises(NVFP4Error, match="channels"):
+        fk.quantize_activation(torch.randn(2, 32), torch.tensor([40]))
+    with pytest.raises(NVFP4Error, match="input_global_scale"):
+        fk.quantize_activation(torch.randn(2, 32), torch.tensor([1]), torch.ones(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# SpliceGEMM
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer(N: int, K: int, k: int, g: torch.Generator, per_row_gs: bool = False) -> QuantizedWeight:
+    w = torch.randn(N, K, generator=g) * 0.05
+    ch = _channels(K, k, g)
+    qw = quantize_weight(w, ch)
+    if per_row_gs:  # e.g. a fused q/k/v shard: each row block with its own global scale
+        qw = QuantizedWeight(qw.weight_packed, qw.weight_scale, qw.weight_global_scale.expand(N) * torch.linspace(0.5, 2.0, N),
+                             qw.bf16_channels, qw.weight_bf16)
+    return qw
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert torch.isfinite(y).all()
+    scale = ref.abs().max().item() + 1e-6
+    err = (y.float() - ref.float()).abs().max().item()
+    assert err <= 2e-5 * scale, f"max abs err {err:.3e} vs output scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("K", [192, 208])  # 208: ragged last 64-wide K tile
+@pytest.mark.parametrize("k", [0, 16, 128])
+def test_splice_linear_w4a4(M, K, k):
+    if k >= K:
+        pytest.skip("k must be < K")
+    g = torch.Generator().manual_seed(M * 7 + K + k)
+    N = 48
+    qw = _layer(N, K, k, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, K, g, torch.float32).bfloat16().float()  # fp32 in -> fp32 out: a tight comparison
+    bias = torch.randn(N, generator=g)
+    y = fk.splice_linear(x, pw, bias=bias)
+    _check(y, reference_linear(x, qw, bias=bias))
+
+
+@pytest.mark.parametrize("path", ["decode", "mid", "prefill"])
+def test_splice_linear_each_datapath_static_scale_per_row_gs(path):
+    g = torch.Generator().manual_seed(11)
+    N, K, k, M = 40, 96, 16, 19
+    qw = _layer(N, K, k, g, per_row_gs=True)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, K, g, torch.float32)
+    gs = torch.tensor([21.0])
+    y = fk.splice_linear(x, pw, input_global_scale=gs, path=path)
+    _check(y, reference_linear(x, qw, input_global_scale=gs))
+
+
+def test_splice_linear_bf16_out_and_leading_dims_noncontiguous():
+    g = torch.Generator().manual_seed(5)
+    N, K, k = 32, 64, 16
+    qw = _layer(N, K, k, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(2 * 3 * 2, K, g).reshape(2, 3, 2, K)[:, :, 1, :]  # [2, 3, K], non-contiguous
+    assert not x.is_contiguous()
+    bias = torch.randn(N, generator=g).bfloat16()
+    y = fk.splice_linear(x, pw, bias=bias)
+    ref = reference_linear(x, qw, bias=bias, out_dtype=torch.float32)
+    assert y.shape == (2, 3, N) and y.dtype == torch.bfloat16
+    # bf16 output: within one bf16 rounding of the fp32 reference
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,path", [(1, "decode"), (17, "mid"), (33, "prefill")])
+def test_splice_gemm_w4a16(dtype, M, path):
+    g = torch.Generator().manual_seed(M)
+    N, K, k = 40, 160, 16
+    qw = _layer(N, K, k, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, K, g, dtype)
+    bias = torch.randn(N, generator=g)
+    y = fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, path=path)
+    _check(y, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
+    # the user-facing call returns x's dtype
+    y2 = fk.splice_linear(x, pw, bias=bias, act_quant=False)
+    assert y2.dtype == dtype
+
+
+def test_w4a16_ignores_nonzero_fp4_codes_in_bf16_channels():
+    """A checkpoint whose FP4 part has codes in S columns: the reference zeroes X[:, S] in W4A16;
+    prepare_weight zeroes those nibbles, so the kernel agrees."""
+    g = torch.Generator().manual_seed(9)
+    N, K = 32, 64
+    w = torch.randn(N, K, generator=g)
+    ch = torch.tensor([3, 10, 33], dtype=torch.int32)
+    q_full = quantize_weight(w, torch.tensor([], dtype=torch.int32))
+    qw = QuantizedWeight(q_full.weight_packed, q_full.weight_scale, q_full.weight_global_scale, ch, w[:, ch.long()].bfloat16())
+    pw = fk.prepare_weight(qw)
+    x = _act(3, K, g)
+    y = fk.splice_gemm(x, pw, None, out_dtype=torch.float32)
+    _check(y, reference_linear(x, qw, act_quant=False, out_dtype=torch.float32))
+
+
+def test_prepare_weight_idempotent_and_does_not_mutate():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 64, generator=g)
+    q_full = quantize_weight(w, torch.tensor([], dtype=torch.int32))
+    qw = QuantizedWeight(q_full.weight_packed, q_full.weight_scale, q_full.weight_global_scale,
+                         torch.tensor([1, 6], dtype=torch.int32), w[:, [1, 6]].bfloat16())
+    before = [t.clone() for t in qw.tensors()]
+    p1, p2 = fk.prepare_weight(qw), fk.prepare_weight(qw)
+    for a, b in zip(qw.tensors(), before):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    for name in ("weight_packed", "weight_scale", "weight_global_scale", "bf16_channels", "channel_mask", "weight_bf16"):
+        assert torch.equal(getattr(p1, name), getattr(p2, name)), name
+    assert p1.weight_global_scale.shape == (16,)
+    # the S nibbles are zero in the prepared copy (column 1: high nibble of byte 0; column 6: low of byte 3)
+    assert int((p1.weight_packed[:, 0] >> 4).max()) == 0 and int((p1.weight_packed[:, 3] & 0xF).max()) == 0
+
+
+def test_splice_linear_errors():
+    g = torch.Generator().manual_seed(4)
+    qw = _layer(16, 64, 16, g)
+    pw = fk.prepare_weight(qw)
+    with pytest.raises(NVFP4Error, match="input"):
+        fk.splice_linear(torch.randn(2, 48), pw)
+    with pytest.raises(NVFP4Error, match="bias"):
+        fk.splice_linear(torch.randn(2, 64), pw, bias=torch.randn(15))
+    with pytest.raises(NVFP4Error, match="W4A16"):
+        fk.splice_linear(torch.randn(2, 64), pw, act_quant=False)  # fp32 activations in W4A16
+    bad = QuantizedWeight(qw.weight_packed, qw.weight_scale, torch.ones(3), qw.bf16_channels, qw.weight_bf16)
+    with pytest.raises(NVFP4Error, match="weight_global_scale"):
+        fk.prepare_weight(bad)
+    bad = QuantizedWeight(qw.weight_packed, qw.weight_scale[:, :2], qw.weight_global_scale, qw.bf16_channels, qw.weight_bf16)
+    with pytest.raises(NVFP4Error, match="weight_scale"):
+        fk.prepare_weight(bad)
+    bad = QuantizedWeight(qw.weight_packed, qw.weight_scale, qw.weight_global_scale, qw.bf16_channels, qw.weight_bf16[:, :3])
+    with pytest.raises(NVFP4Error, match="weight_bf16"):
+        fk.prepare_weight(bad)
+
+
+def test_empty_batch():
+    g = torch.Generator().manual_seed(8)
+    pw = fk.prepare_weight(_layer(16, 64, 16, g))
+    assert fk.splice_linear(torch.randn(0, 64).bfloat16(), pw).shape == (0, 16)
+
+
+def test_blackwell_path_not_taken_here():
+    assert fk.blackwell_fp4_available() is False
