@@ -444,6 +444,9 @@ class LayerPlan:
         static_act_scale: use ``input_global_scale`` (checkpoint) / channels-file amax (online).
         online: online settings (online mode only).
         loaded: ``(tensor suffix, shard index)`` pairs seen by the loaders (for missing-tensor checks).
+        generation: number of :meth:`process` calls so far.
+        load_events: number of tensors loaded so far (a weight update compares it before/after
+            to find the layers it touched).
     """
 
     prefix: str
@@ -460,6 +463,7 @@ class LayerPlan:
     online: OnlineSettings | None = None
     loaded: set[tuple[str, int]] = field(default_factory=set)
     generation: int = 0
+    load_events: int = 0
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -592,6 +596,7 @@ class LayerPlan:
                         f"tensor {name} has shape {list(loaded_weight.shape)}, which does not fit parameter "
                         f"{plan.prefix}.{spec.name} of local shape {list(param.shape)} (shard {shard_id!r}): {e}"
                     ) from None
+            plan.load_events += 1
             if shard_id is None and plan.num_shards > 1 and not spec.per_shard:
                 plan.loaded.update((spec.name, i) for i in range(plan.num_shards))
             else:
@@ -601,10 +606,14 @@ class LayerPlan:
 
     def _load_per_shard(self, param: torch.Tensor, loaded: torch.Tensor, idx: int, name: str) -> None:
         row = param.data[idx]
-        lw = loaded.reshape(1) if loaded.dim() == 0 else loaded
-        if tuple(lw.shape) != tuple(row.shape):
+        if row.dim() == 0:  # per-shard scalar: the checkpoint holds [1] (or a bare scalar)
+            if tuple(loaded.shape) not in ((), (1,)):
+                raise CheckpointError(f"tensor {name} has shape {list(loaded.shape)}, expected [1]")
+            row.copy_(loaded.reshape(()))
+            return
+        if tuple(loaded.shape) != tuple(row.shape):
             raise CheckpointError(f"tensor {name} has shape {list(loaded.shape)}, expected {list(row.shape)}")
-        row.copy_(lw)
+        row.copy_(loaded)
 
     def missing(self, specs: Sequence[ParamSpec]) -> list[str]:
         """Checkpoint names of tensors no loader has seen (empty when complete).

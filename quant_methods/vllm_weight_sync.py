@@ -1,0 +1,177 @@
+"""RL weight updates into a running vLLM engine serving FourSight (no restart).
+
+:class:`FourSightWorkerExtension` is mixed into vLLM's worker class with
+``--worker-extension-cls foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension``
+(``LLM(..., worker_extension_cls=...)`` offline); its methods are then callable on every worker
+through ``collective_rpc``:
+
+* offline: ``llm.collective_rpc("foursight_update_weights", args=(path, version))``;
+* online: ``POST /collective_rpc`` with ``{"method": "foursight_update_weights", "args": [path, "7"]}``
+  (vLLM mounts it only with ``VLLM_SERVER_DEV_MODE=1``; it passes string arguments only).
+
+After an update, reset the prefix cache (``llm.reset_prefix_cache()`` / ``POST /reset_prefix_cache``)
+so that no KV block computed with the old weights is reused.
+
+How an update is applied (``apply_weight_update``):
+
+1. read the BF16 tensors (HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``) from a
+   safetensors file;
+2. for FourSight layers loaded from a *quantized checkpoint* (they hold no BF16 weight), each
+   ``<module>.weight`` is quantized here into the checkpoint tensors (``weight_packed``,
+   ``weight_scale``, ``weight_global_scale``, ``bf16_channels``, ``weight_bf16``) with the layer's
+   current channel set; for layers in *online* mode and every other parameter (norms,
+   embeddings, lm_head, biases) the tensor goes through unchanged;
+3. everything is loaded through the model's own ``load_weights`` (vLLM's name mapping, fused
+   q/k/v and gate/up shards, TP slicing);
+4. the idempotent post-load processing (``LayerPlan.process``) of every FourSight layer that
+   received a tensor rebuilds its quantized execution state (online layers re-quantize their
+   BF16 weight; with the weight-based channel fallback the channels are re-selected from the
+   new weights, so an update equals a fresh load of the same weights).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from foursight.layer import quantize_weight
+from foursight.quant_methods.core import WEIGHT, LayerPlan, layer_params
+from foursight.schema import (
+    BF16_CHANNELS,
+    WEIGHT_BF16,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+    CheckpointError,
+)
+
+
+def foursight_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Engine module name -> module, for every layer with a FourSight plan."""
+    return {n: m for n, m in model.named_modules() if getattr(m, "foursight_plan", None) is not None}
+
+
+def checkpoint_shard_index(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, int]]:
+    """Checkpoint module name (``...q_proj``) -> (engine layer, shard index) for checkpoint-mode layers."""
+    out = {}
+    for m in foursight_layers(model).values():
+        plan: LayerPlan = m.foursight_plan
+        if plan.mode == "checkpoint":
+            for i, n in enumerate(plan.shard_names):
+                out[n] = (m, i)
+    return out
+
+
+def read_update_file(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of a safetensors file, lazily, in file order. Raises FileNotFoundError naming the path."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"weight update file {p} does not exist")
+    with safe_open(str(p), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def to_engine_tensors(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn BF16 HF tensors into what the loaded model expects (see the module docstring, step 2)."""
+    index = checkpoint_shard_index(model)
+    for name, t in weights:
+        mod, _, suffix = name.rpartition(".")
+        if suffix == WEIGHT and mod in index:
+            layer, shard = index[mod]
+            state = layer.foursight_state
+            if state is None:
+                raise RuntimeError(f"{mod}: layer not processed yet")
+            if not t.is_floating_point() or t.dim() != 2:
+                raise CheckpointError(f"tensor {name}: expected a 2-D float weight, got {t.dtype} {list(t.shape)}")
+            if t.shape[1] != layer.foursight_plan.input_size:
+                raise CheckpointError(f"tensor {name} has shape {list(t.shape)}; the layer has K={layer.foursight_plan.input_size}")
+            qw = quantize_weight(t, state.channels.cpu(), name=mod)
+            yield f"{mod}.{WEIGHT_PACKED}", qw.weight_packed
+            yield f"{mod}.{WEIGHT_SCALE}", qw.weight_scale
+            yield f"{mod}.{WEIGHT_GLOBAL_SCALE}", qw.weight_global_scale.float().reshape(1)
+            yield f"{mod}.{BF16_CHANNELS}", qw.bf16_channels
+            yield f"{mod}.{WEIGHT_BF16}", qw.weight_bf16
+        else:
+            yield name, t
+
+
+def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tp_context=None) -> dict:
+    """Load new BF16 weights into a FourSight vLLM model and re-quantize the touched layers.
+
+    Args:
+        model: the engine's model (``worker.model_runner.model``).
+        weights: ``(HF name, tensor)`` pairs.
+        tp_context: callable layer -> TPContext (vLLM's by default).
+    Returns:
+        ``{"updated_tensors": int, "requantized_layers": int}``.
+    """
+    from foursight.quant_methods.vllm_method import _tp_context
+
+    tp_context = tp_context or _tp_context
+    layers = foursight_layers(model)
+    before = {n: m.foursight_plan.load_events for n, m in layers.items()}
+    count = 0
+
+    def counted(it):
+        nonlocal count
+        for item in it:
+            count += 1
+            yield item
+
+    model.load_weights(weights=counted(to_engine_tensors(model, weights)))
+    touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
+    for n in touched:
+        m = layers[n]
+        plan: LayerPlan = m.foursight_plan
+        m.foursight_state = plan.process(layer_params(m, plan), tp_context(m))
+    refresh_unquantized_embeddings(model)
+    return {"updated_tensors": count, "requantized_layers": len(touched)}
+
+
+def refresh_unquantized_embeddings(model: torch.nn.Module) -> int:
+    """Re-run the post-load step of the unquantized embedding / lm_head layers.
+
+    On CPU vLLM pre-packs their weights for its GEMM (``dispatch_cpu_unquantized_gemm``, the
+    weight itself is kept), so a new ``embed_tokens``/``lm_head`` weight (or a tied one) is only
+    used after this; the step is idempotent and a no-op on GPU. Returns the number of layers.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    n = 0
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        if isinstance(qm, UnquantizedEmbeddingMethod) and getattr(m, "weight", None) is not None and m.weight.numel():
+            qm.process_weights_after_loading(m)
+            n += 1
+    return n
+
+
+class FourSightWorkerExtension:
+    """vLLM worker extension (``--worker-extension-cls``) with the FourSight weight-update RPCs."""
+
+    def _foursight_model(self) -> torch.nn.Module:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def foursight_update_weights(self, path: str, version: int | str) -> dict:
+        """Re-quantize the engine in place from BF16 tensors (HF names) in the safetensors file
+        ``path`` and set the weight version to ``version`` (an int or its string, as the HTTP
+        endpoint sends strings). Returns ``{"version", "updated_tensors", "requantized_layers",
+        "seconds"}``."""
+        t0 = time.perf_counter()
+        v = int(version)
+        with torch.no_grad():
+            info = apply_weight_update(self._foursight_model(), read_update_file(path))
+        self._foursight_version = v
+        info.update(version=v, seconds=round(time.perf_counter() - t0, 3))
+        return info
+
+    def foursight_weight_version(self) -> int:
+        """The version set by the last update (0 before any update)."""
+        return int(getattr(self, "_foursight_version", 0))
