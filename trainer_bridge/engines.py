@@ -1,0 +1,464 @@
+"""Engine backends of the rollout bridge: vLLM HTTP, SGLang HTTP ``/generate``, in-process HF.
+
+Each backend turns one (prompt token ids, sampling params) into one sample with the log-prob
+of every sampled token, reports its health, and applies a versioned BF16 weight update. The
+bridge (server.py) owns scheduling, version tagging and error events; backends only raise
+:class:`EngineError` (or let httpx/asyncio errors through, which the bridge reports the same way).
+
+Numerics of a FourSight-quantized model live in :mod:`foursight.layer` / :mod:`foursight.hf`;
+the HF backend re-quantizes through ``FourSightLinear.set_weight`` and never duplicates them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from foursight.trainer_bridge.protocol import Prompt, SamplingParams
+
+
+class EngineError(RuntimeError):
+    """An engine refused or failed a call; the message says which engine and why."""
+
+
+@dataclass
+class GenerateResult:
+    """One finished sample: ``token_ids`` [T] and their ``logprobs`` [T], and why it stopped."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class LocalTokenizer:
+    """Prompt -> token ids with a local HF tokenizer (chat template applied for ``messages``)."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        self.path = str(path)
+        self.tok = AutoTokenizer.from_pretrained(self.path)
+        self._lock = threading.Lock()  # HF fast tokenizers are not safe across threads
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        with self._lock:
+            if prompt.token_ids is not None:
+                return list(prompt.token_ids)
+            if prompt.text is not None:
+                return list(self.tok.encode(prompt.text, add_special_tokens=True))
+            msgs = [m.model_dump() for m in prompt.messages or []]
+            out = self.tok.apply_chat_template(msgs, add_generation_prompt=prompt.add_generation_prompt, tokenize=True)
+            if isinstance(out, dict) or hasattr(out, "keys"):
+                out = out["input_ids"]
+            return [int(t) for t in out]
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        if self.tok.eos_token_id is not None:
+            ids.add(int(self.tok.eos_token_id))
+        return ids
+
+
+class Engine(ABC):
+    """Abstract backend. ``name`` identifies the engine instance in events and metrics."""
+
+    kind: str = "engine"
+    name: str = "engine"
+    #: what the engine's per-token logprobs are (see protocol.Rollout)
+    logprobs_mode: str = "raw_logprobs"
+    tokenizer: LocalTokenizer | None = None
+
+    async def start(self) -> None:
+        """Connect / load. Called once by the server at startup."""
+
+    async def aclose(self) -> None:
+        """Release connections."""
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """Prompt -> token ids (local tokenizer by default)."""
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
+        if self.tokenizer is None:
+            raise EngineError(f"{self.name}: text/chat prompts need a tokenizer (pass --tokenizer or --model)")
+        return await asyncio.to_thread(self.tokenizer.encode, prompt)
+
+    @abstractmethod
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> GenerateResult:
+        """Sample one continuation of ``prompt_ids`` with the sampled tokens' logprobs."""
+
+    @abstractmethod
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        """Load new BF16 weights (HF names, safetensors ``path``), re-quantize, return an ack dict with ``version``."""
+
+    @abstractmethod
+    async def health(self) -> bool:
+        """True when the engine answers."""
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM (OpenAI-compatible server)
+# ---------------------------------------------------------------------------------------------
+class VLLMHTTPEngine(Engine):
+    """A vLLM OpenAI server: ``POST /v1/completions`` with token-id prompts and ``logprobs=0``.
+
+    ``return_tokens_as_token_ids`` makes vLLM name each sampled token ``"token_id:<id>"``, so ids
+    are exact (no detokenize/retokenize round trip). Weight updates go through vLLM's
+    ``POST /collective_rpc`` (server started with ``VLLM_SERVER_DEV_MODE=1`` and the FourSight
+    worker extension, see docs/vllm.md), then ``POST /reset_prefix_cache``.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, url: str, model: str | None = None, tokenizer: str | Path | None = None,
+                 api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.name = f"vllm@{self.url}"
+        self.logprobs_mode = logprobs_mode
+        self.tokenizer = LocalTokenizer(tokenizer) if tokenizer else None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
+        if self.model is None:
+            r = await self.client.get("/v1/models", timeout=30.0)
+            if r.status_code != 200:
+                raise EngineError(f"{self.name}: GET /v1/models -> {r.status_code} {r.text[:200]}")
+            self.model = r.json()["data"][0]["id"]
+
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        if prompt.token_ids is not None or self.tokenizer is not None:
+            return await super().tokenize(prompt)
+        body: dict[str, Any] = {"model": self.model}
+        if prompt.text is not None:
+            body["prompt"] = prompt.text
+        else:
+            body["messages"] = [m.model_dump() for m in prompt.messages or []]
+            body["add_generation_prompt"] = prompt.add_generation_prompt
+        r = await self.client.post("/tokenize", json=body)
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /tokenize -> {r.status_code} {r.text[:200]}")
+        return list(r.json()["tokens"])
+
+    def completion_body(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
+        """The exact ``/v1/completions`` body the bridge sends for one sample (tests reuse it)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "min_tokens": params.min_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "n": 1,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": params.ignore_eos,
+            "stream": False,
+        }
+        if params.stop_token_ids:
+            body["stop_token_ids"] = list(params.stop_token_ids)
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    @staticmethod
+    def parse_completion(data: dict[str, Any], name: str = "vllm") -> GenerateResult:
+        """Sampled token ids and logprobs from a ``/v1/completions`` response (``logprobs=0``, token-id names)."""
+        try:
+            ch = data["choices"][0]
+            lp = ch["logprobs"]
+            ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+            vals = [float(v) for v in lp["token_logprobs"]]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{name}: malformed /v1/completions response ({type(e).__name__}: {e})") from None
+        if len(ids) != len(vals):
+            raise EngineError(f"{name}: {len(ids)} tokens but {len(vals)} logprobs")
+        return GenerateResult(ids, vals, str(ch.get("finish_reason") or "unknown"))
+
+    async def generate(self, prompt_ids, params, max_tokens, seed) -> GenerateResult:
+        r = await self.client.post("/v1/completions", json=self.completion_body(prompt_ids, params, max_tokens, seed))
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /v1/completions -> {r.status_code} {r.text[:300]}")
+        return self.parse_completion(r.json(), self.name)
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        r = await self.client.post("/collective_rpc", json={"method": "foursight_update_weights", "args": [path, str(version)]})
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /collective_rpc foursight_update_weights -> {r.status_code} {r.text[:300]}")
+        results = r.json().get("results", [])
+        r2 = await self.client.post("/reset_prefix_cache")
+        if r2.status_code != 200:
+            raise EngineError(f"{self.name}: /reset_prefix_cache -> {r2.status_code} {r2.text[:200]}")
+        r3 = await self.client.post("/collective_rpc", json={"method": "foursight_weight_version"})
+        versions = [int(v) for v in r3.json().get("results", [])] if r3.status_code == 200 else []
+        if not versions or any(v != version for v in versions):
+            raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
+        return {"engine": self.name, "version": version, "workers": results, "seconds": time.monotonic() - t0}
+
+    async def health(self) -> bool:
+        try:
+            r = await self.client.get("/health", timeout=5.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang (native /generate)
+# ---------------------------------------------------------------------------------------------
+class SGLangHTTPEngine(Engine):
+    """An SGLang server: ``POST /generate`` with ``input_ids`` and ``return_logprob``.
+
+    ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, text|null], ...]``;
+    ``meta_info.finish_reason`` is ``{"type": "stop"|"length"|"abort", ...}``. Weight updates use
+    ``POST /update_weights_from_disk`` with ``model_path`` and ``weight_version``.
+    (Exercised against a recorded-format stand-in only in this repo's CPU tests; see docs/bridge.md.)
+    """
+
+    kind = "sglang"
+
+    def __init__(self, url: str, tokenizer: str | Path | None = None, api_key: str | None = None,
+                 logprobs_mode: str = "processed_logprobs", max_connections: int = 512):
+        self.url = url.rstrip("/")
+        self.name = f"sglang@{self.url}"
+        self.logprobs_mode = logprobs_mode
+        self.tokenizer = LocalTokenizer(tokenizer) if tokenizer else None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
+
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    def generate_body(self, prompt_ids, params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
+        sp: dict[str, Any] = {
+            "max_new_tokens": max_tokens,
+            "min_new_tokens": params.min_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "ignore_eos": params.ignore_eos,
+        }
+        if params.stop_token_ids:
+            sp["stop_token_ids"] = list(params.stop_token_ids)
+        if seed is not None:
+            sp["sampling_seed"] = seed
+        return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
+
+    @staticmethod
+    def parse_generate(data: dict[str, Any], name: str = "sglang") -> GenerateResult:
+        try:
+            meta = data["meta_info"]
+            rows = meta["output_token_logprobs"]
+            ids = [int(row[1]) for row in rows]
+            vals = [float(row[0]) for row in rows]
+            fr = meta.get("finish_reason")
+            reason = fr.get("type") if isinstance(fr, dict) else str(fr)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{name}: malformed /generate response ({type(e).__name__}: {e})") from None
+        if reason == "abort":
+            raise EngineError(f"{name}: request aborted by the engine: {data['meta_info'].get('finish_reason')}")
+        return GenerateResult(ids, vals, reason or "unknown")
+
+    async def generate(self, prompt_ids, params, max_tokens, seed) -> GenerateResult:
+        r = await self.client.post("/generate", json=self.generate_body(prompt_ids, params, max_tokens, seed))
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /generate -> {r.status_code} {r.text[:300]}")
+        return self.parse_generate(r.json(), self.name)
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        r = await self.client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": str(version)})
+        if r.status_code != 200 or not r.json().get("success", False):
+            raise EngineError(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")
+        return {"engine": self.name, "version": version, "response": r.json(), "seconds": time.monotonic() - t0}
+
+    async def health(self) -> bool:
+        try:
+            r = await self.client.get("/health", timeout=5.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process Hugging Face model (BF16, or a FourSight checkpoint through foursight.hf)
+# ---------------------------------------------------------------------------------------------
+def read_safetensors(path: str | Path) -> dict[str, Any]:
+    """All tensors of a safetensors file, or of every ``*.safetensors`` file in a folder."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"weights path {p} holds no *.safetensors file")
+    elif p.is_file():
+        files = [p]
+    else:
+        raise EngineError(f"weights path {p} does not exist")
+    out: dict[str, Any] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+class HFEngine(Engine):
+    """A Hugging Face causal LM in this process (CPU or CUDA), one sample at a time.
+
+    Loads ``model_dir`` as BF16, or, when its ``config.json`` has a FourSight
+    ``quantization_config``, as the FourSight reference model (:func:`foursight.hf.load_reference_model`).
+    Logprobs are the raw ones (log-softmax of the unprocessed logits, ``raw_logprobs``).
+    A weight update copies BF16 tensors in and re-quantizes FourSight layers via ``FourSightLinear.set_weight``.
+    """
+
+    kind = "hf"
+
+    def __init__(self, model_dir: str | Path | None = None, model: Any = None, tokenizer: str | Path | None = None, device: str = "cpu"):
+        if (model_dir is None) == (model is None):
+            raise EngineError("HFEngine: give exactly one of model_dir, model")
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.model = model
+        self.device = device
+        self.name = f"hf@{self.model_dir.name if self.model_dir else type(model).__name__}"
+        tok = tokenizer or self.model_dir
+        self.tokenizer = LocalTokenizer(tok) if tok else None
+        self._lock = threading.Lock()
+        self.logprobs_mode = "raw_logprobs"
+
+    def _load(self) -> None:
+        import json
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        qc = cfg.get("quantization_config") or {}
+        if qc.get("quant_method") == "foursight":
+            from foursight.hf import load_reference_model
+
+            self.model = load_reference_model(self.model_dir, device=self.device)
+            self.name = f"hf-foursight@{self.model_dir.name}"
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16).to(self.device).eval()
+
+    async def start(self) -> None:
+        if self.model is None:
+            await asyncio.to_thread(self._load)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        e = getattr(self.model.generation_config, "eos_token_id", None)
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(int(x) for x in e)
+        return ids
+
+    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> GenerateResult:
+        """Blocking generation (runs under a lock: one sample at a time)."""
+        import torch
+
+        with self._lock, torch.no_grad():
+            ids = torch.tensor([prompt_ids], device=self.device)
+            eos = sorted(self._eos_ids() | set(params.stop_token_ids)) if not params.ignore_eos else sorted(set(params.stop_token_ids))
+            kw: dict[str, Any] = dict(
+                max_new_tokens=max_tokens,
+                min_new_tokens=params.min_tokens or None,
+                do_sample=params.temperature > 0,
+                output_logits=True,
+                return_dict_in_generate=True,
+                eos_token_id=eos or None,
+                pad_token_id=(eos[0] if eos else 0),
+            )
+            if params.temperature > 0:
+                kw.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0)
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            new = out.sequences[0, ids.shape[1]:]
+            logits = torch.stack(out.logits, 0)[:, 0].float()  # [T, V] raw logits, before any processor
+            lp = torch.log_softmax(logits, -1).gather(-1, new[: logits.shape[0], None])[:, 0]
+            toks = new.tolist()
+            # HF pads finished sequences; a sequence stops at its first EOS
+            reason = "length"
+            for i, t in enumerate(toks):
+                if t in eos:
+                    toks, lp = toks[: i + 1], lp[: i + 1]
+                    reason = "stop"
+                    break
+            return GenerateResult([int(t) for t in toks], [float(v) for v in lp], reason)
+
+    async def generate(self, prompt_ids, params, max_tokens, seed) -> GenerateResult:
+        return await asyncio.to_thread(self.generate_sync, prompt_ids, params, max_tokens, seed)
+
+    def update_weights_sync(self, path: str, version: int) -> dict[str, Any]:
+        """Load BF16 tensors (HF names); all are checked before any is applied."""
+        import torch
+
+        from foursight.hf import FourSightLinear
+
+        t0 = time.monotonic()
+        tensors = read_safetensors(path)
+        modules = dict(self.model.named_modules())
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        plan: list[tuple[str, Any, Any]] = []
+        for name, t in tensors.items():
+            prefix, _, leaf = name.rpartition(".")
+            mod = modules.get(prefix)
+            if isinstance(mod, FourSightLinear) and leaf == "weight":
+                if tuple(t.shape) != (mod.out_features, mod.in_features):
+                    raise EngineError(f"tensor {name} has shape {list(t.shape)}, expected {[mod.out_features, mod.in_features]}")
+                if not bool(torch.isfinite(t.float()).all()):
+                    raise EngineError(f"tensor {name} holds NaN/Inf")
+                plan.append(("requant", mod, t))
+            elif name in params or name in buffers:
+                dst = params.get(name, buffers.get(name))
+                if tuple(dst.shape) != tuple(t.shape):
+                    raise EngineError(f"tensor {name} has shape {list(t.shape)}, expected {list(dst.shape)}")
+                plan.append(("copy", dst, t))
+            else:
+                raise EngineError(f"tensor {name} does not match any parameter of the model")
+        with self._lock, torch.no_grad():
+            n_req = 0
+            for op, dst, t in plan:
+                if op == "requant":
+                    dst.set_weight(t.to(torch.bfloat16))
+                    n_req += 1
+                else:
+                    dst.copy_(t.to(dst.dtype))
+        return {"engine": self.name, "version": version, "updated_tensors": len(plan), "requantized_layers": n_req, "seconds": time.monotonic() - t0}
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        return await asyncio.to_thread(self.update_weights_sync, path, version)
+
+    async def health(self) -> bool:
+        return self.model is not None
+
+
+def shm_path(name: str) -> str:
+    """Path of a shared-memory weights file (``/dev/shm/<name>``)."""
+    base = os.environ.get("FOURSIGHT_SHM_DIR", "/dev/shm")
+    return str(Path(base) / name)

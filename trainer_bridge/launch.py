@@ -1,0 +1,118 @@
+"""Process helpers: start a vLLM OpenAI server and run a bridge app in a background thread.
+
+Used by the tests and handy in scripts. Servers bind 127.0.0.1 on a free port; callers stop them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "server") -> None:
+    """Poll ``url`` until it answers 200; raise ``RuntimeError`` on timeout or if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} not healthy at {url} after {timeout_s} s")
+
+
+class VLLMServer:
+    """``python -m vllm.entrypoints.openai.api_server`` as a child process (own process group).
+
+    Args:
+        model: model folder.
+        extra_args: more CLI args (e.g. ``["--quantization", "foursight"]``).
+        env: extra environment (``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_SERVER_DEV_MODE=1`` are set by default).
+        log_path: where stdout/stderr go (default: a file next to nothing, i.e. DEVNULL).
+    """
+
+    def __init__(self, model: str | Path, port: int | None = None, max_model_len: int = 512, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None, python: str = sys.executable):
+        self.model = str(model)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+                    "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+                    *extra_args]
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 240.0) -> "VLLMServer":
+        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_http_ok(self.url + "/health", timeout_s, self.proc, what=f"vLLM server ({self.log_path or 'no log'})")
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole server process group (engine core and workers too)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, then SIGKILL after 20 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            self.kill()
+
+
+class BridgeThread:
+    """Run a FastAPI app with uvicorn in a daemon thread on 127.0.0.1 (tests, notebooks)."""
+
+    def __init__(self, app, port: int | None = None, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> "BridgeThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("bridge server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -1,0 +1,186 @@
+"""Wire protocol of the rollout bridge (pydantic models shared by server and client).
+
+``POST /v1/rollouts`` takes a :class:`RolloutRequest` and streams one event per line (NDJSON) or
+per SSE ``data:`` frame: a :class:`SampleEvent` for each finished sample, an :class:`ErrorEvent`
+for each sample that could not be finished, and exactly one final :class:`EndEvent`. A stream
+without its end event was cut: the client raises. See docs/bridge.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1)
+    content: str
+
+
+class Prompt(_Strict):
+    """One prompt: exactly one of ``token_ids``, ``text`` or ``messages`` (chat, template applied by the bridge).
+
+    ``max_tokens`` optionally overrides the request's ``sampling.max_tokens`` for this prompt.
+    """
+
+    token_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    max_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "Prompt":
+        given = [k for k in ("token_ids", "text", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of token_ids, text, messages (got {given or 'none'})")
+        if self.token_ids is not None:
+            if not self.token_ids:
+                raise ValueError("token_ids must not be empty")
+            if min(self.token_ids) < 0:
+                raise ValueError("token_ids must be non-negative")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.text is not None and not self.text:
+            raise ValueError("text must not be empty")
+        return self
+
+
+class SamplingParams(_Strict):
+    """Sampling parameters, applied to every sample of a request (vLLM/SGLang semantics).
+
+    ``temperature=0`` is greedy. ``top_k`` of 0 or -1 disables top-k. With ``seed`` set, sample
+    ``j`` of prompt ``i`` uses seed ``seed + i * n + j`` so that samples differ yet are reproducible.
+    """
+
+    max_tokens: int = Field(64, ge=1, le=1 << 20)
+    min_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=0)
+
+
+class RolloutRequest(_Strict):
+    """Body of ``POST /v1/rollouts``."""
+
+    prompts: list[Prompt] = Field(min_length=1, max_length=65536)
+    n: int = Field(1, ge=1, le=1024)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stream_format: Literal["ndjson", "sse"] = "ndjson"
+    request_id: str | None = Field(None, max_length=200)
+    #: per-sample deadline in seconds (engine call); None uses the server's default
+    timeout_s: float | None = Field(None, gt=0)
+
+
+class Timing(_Strict):
+    """Per-sample timing in seconds, measured by the bridge (monotonic clock)."""
+
+    queued_s: float  # request accepted -> engine call started
+    engine_s: float  # engine call duration
+    total_s: float  # request accepted -> sample event emitted
+
+
+class Rollout(_Strict):
+    """One finished sample, as streamed and as returned by :class:`~foursight.trainer_bridge.client.RolloutClient`.
+
+    ``logprobs[t]`` is the engine's log-probability of ``token_ids[t]`` in the engine's
+    ``logprobs_mode`` (``raw_logprobs``: log-softmax of the unprocessed logits, no temperature,
+    no top-p/top-k; ``processed_logprobs``: after temperature and truncation).
+    """
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    engine: str
+    weight_version: int
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    timing: Timing | None = None
+
+
+class SampleEvent(Rollout):
+    type: Literal["sample"] = "sample"
+
+
+class ErrorEvent(_Strict):
+    """A sample that did not finish (engine died, timed out, or rejected it)."""
+
+    type: Literal["error"] = "error"
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    error: str
+    engine: str
+    weight_version: int
+
+
+class EndEvent(_Strict):
+    """The last event of every stream. ``status`` is "ok" only when every sample finished."""
+
+    type: Literal["end"] = "end"
+    request_id: str
+    status: Literal["ok", "error"]
+    num_samples: int
+    num_errors: int
+    weight_version: int
+    elapsed_s: float
+
+
+Event = Union[SampleEvent, ErrorEvent, EndEvent]
+
+
+def parse_event(data: dict[str, Any]) -> Event:
+    """Turn one decoded event dict into its model (raises ``ValueError`` on an unknown type)."""
+    kind = data.get("type")
+    if kind == "sample":
+        return SampleEvent.model_validate(data)
+    if kind == "error":
+        return ErrorEvent.model_validate(data)
+    if kind == "end":
+        return EndEvent.model_validate(data)
+    raise ValueError(f"unknown event type {kind!r}")
+
+
+class WeightUpdateRequest(_Strict):
+    """Body of ``POST /v1/weights``: new BF16 weights (HF tensor names) and their version.
+
+    Exactly one of ``path`` (a safetensors file or a folder of them, readable by the engine) or
+    ``shm_name`` (a safetensors file in ``/dev/shm``, e.g. written by the trainer) is given.
+    ``version`` must be greater than the current version.
+    """
+
+    path: str | None = None
+    shm_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]+$")
+    version: int = Field(ge=0)
+    #: seconds to wait for in-flight streams to finish before the update is refused (409)
+    drain_timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "WeightUpdateRequest":
+        if (self.path is None) == (self.shm_name is None):
+            raise ValueError("give exactly one of path, shm_name")
+        return self
+
+
+class WeightUpdateResponse(_Strict):
+    version: int
+    previous_version: int
+    engines: list[dict[str, Any]]
+    elapsed_s: float

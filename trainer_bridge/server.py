@@ -1,0 +1,386 @@
+"""The rollout bridge: a FastAPI service in front of one or more engine servers.
+
+Endpoints (docs/bridge.md has the full protocol):
+
+* ``POST /v1/rollouts`` — stream one event per sample as soon as that sample finishes, then an
+  end event. Each stream holds the weight version it started under; a weight update waits
+  until the streams started under the old version have finished (so no stream mixes versions).
+* ``POST /v1/weights`` — versioned BF16 weight update (engines re-quantize); ``GET /v1/weights``.
+* ``GET /v1/health`` — engine liveness (503 when an engine is down); ``GET /metrics`` — Prometheus.
+
+The API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is required on ``/v1/rollouts``
+and ``/v1/weights`` when the server has one. Backpressure: at most ``max_concurrency`` engine
+calls run at once, and finished samples wait in a bounded queue (``max_queue``) per stream, so a
+slow reader slows its own stream's engine calls instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections import deque
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from foursight.trainer_bridge.engines import Engine, shm_path
+from foursight.trainer_bridge.protocol import (
+    EndEvent,
+    ErrorEvent,
+    RolloutRequest,
+    SampleEvent,
+    Timing,
+    WeightUpdateRequest,
+    WeightUpdateResponse,
+)
+
+log = logging.getLogger("foursight.bridge")
+
+#: most samples (len(prompts) * n) one request may ask for
+MAX_SAMPLES_PER_REQUEST = 100_000
+
+
+class DrainTimeout(RuntimeError):
+    pass
+
+
+class UpdateInProgress(RuntimeError):
+    pass
+
+
+class VersionGate:
+    """Readers (streams) hold the current weight version; a writer (update) waits for them to drain.
+
+    While an update waits or runs, new streams wait, so every sample of a stream is produced
+    under the version the stream reports.
+    """
+
+    def __init__(self, version: int = 0):
+        self.version = version
+        self.readers = 0
+        self.writer = False
+        self._cond = asyncio.Condition()
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[int]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.writer)
+            self.readers += 1
+            v = self.version
+        try:
+            yield v
+        finally:
+            async with self._cond:
+                self.readers -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def write(self, drain_timeout_s: float) -> AsyncIterator[None]:
+        async with self._cond:
+            if self.writer:
+                raise UpdateInProgress("another weight update is in progress")
+            self.writer = True
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self.readers == 0), drain_timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):
+                self.writer = False
+                self._cond.notify_all()
+                raise DrainTimeout(f"{self.readers} stream(s) still running after {drain_timeout_s} s") from None
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.writer = False
+                self._cond.notify_all()
+
+
+class BridgeMetrics:
+    """Prometheus metrics of one bridge app (own registry, so several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.active_streams = Gauge("foursight_bridge_active_streams", "Rollout streams open", registry=r)
+        self.samples = Counter("foursight_bridge_samples", "Samples emitted", ["status"], registry=r)
+        self.tokens = Counter("foursight_bridge_generated_tokens", "Generated tokens streamed", registry=r)
+        self.tokens_per_s = Gauge("foursight_bridge_tokens_per_second", "Generated tokens/s over the last 10 s", registry=r)
+        self.pending = Gauge("foursight_bridge_pending_samples", "Samples waiting for an engine slot or running", registry=r)
+        self.queue_depth = Gauge("foursight_bridge_queue_depth", "Finished samples waiting to be sent", registry=r)
+        self.errors = Counter("foursight_bridge_errors", "Errors", ["kind"], registry=r)
+        self.latency = Histogram("foursight_bridge_sample_seconds", "Engine time per sample", registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+        self.version = Gauge("foursight_bridge_weight_version", "Current weight version", registry=r)
+        self.engine_up = Gauge("foursight_bridge_engine_up", "Engine answered the last health check", ["engine"], registry=r)
+        self._window: deque[tuple[float, int]] = deque()
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens.inc(n)
+        now = time.monotonic()
+        self._window.append((now, n))
+
+    def refresh_rate(self, window_s: float = 10.0) -> None:
+        now = time.monotonic()
+        while self._window and self._window[0][0] < now - window_s:
+            self._window.popleft()
+        self.tokens_per_s.set(sum(n for _, n in self._window) / window_s)
+
+
+class BridgeState:
+    def __init__(self, engines: Sequence[Engine], api_key: str | None, max_concurrency: int, max_queue: int,
+                 sample_timeout_s: float, initial_version: int):
+        if not engines:
+            raise ValueError("the bridge needs at least one engine")
+        self.engines = list(engines)
+        self.api_key = api_key
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.sample_timeout_s = sample_timeout_s
+        self.initial_version = initial_version
+        self.inflight = {e.name: 0 for e in self.engines}
+        self.metrics = BridgeMetrics()
+        self.gate: VersionGate | None = None
+        self.sem: asyncio.Semaphore | None = None
+
+    def pick_engine(self) -> Engine:
+        """The engine with the fewest calls in flight (first one on ties)."""
+        return min(self.engines, key=lambda e: self.inflight[e.name])
+
+
+def _field_name(loc: Sequence[Any]) -> str:
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
+    return out or "<body>"
+
+
+def _encode(ev, fmt: str) -> bytes:
+    data = ev.model_dump_json()
+    if fmt == "sse":
+        return f"event: {ev.type}\ndata: {data}\n\n".encode()
+    return (data + "\n").encode()
+
+
+def create_app(
+    engines: Sequence[Engine],
+    api_key: str | None = None,
+    max_concurrency: int = 64,
+    max_queue: int = 256,
+    sample_timeout_s: float = 600.0,
+    initial_version: int = 0,
+) -> FastAPI:
+    """Build the bridge app.
+
+    Args:
+        engines: backends (all serve the same model; calls go to the least-loaded one).
+        api_key: required on /v1/rollouts and /v1/weights when set.
+        max_concurrency: engine calls in flight at once, over all streams.
+        max_queue: finished-but-unsent samples buffered per stream.
+        sample_timeout_s: default per-sample deadline (a request may set ``timeout_s``).
+        initial_version: weight version reported before the first update.
+    """
+    state = BridgeState(engines, api_key, max_concurrency, max_queue, sample_timeout_s, initial_version)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.gate = VersionGate(initial_version)
+        state.sem = asyncio.Semaphore(max_concurrency)
+        state.metrics.version.set(initial_version)
+        for e in state.engines:
+            await e.start()
+        try:
+            yield
+        finally:
+            for e in state.engines:
+                await e.aclose()
+
+    app = FastAPI(title="FourSight rollout bridge", lifespan=lifespan)
+    app.state.bridge = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        fields = [{"field": _field_name(e.get("loc", ())), "message": e.get("msg", "")} for e in exc.errors()]
+        state.metrics.errors.labels(kind="bad_request").inc()
+        msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+        return JSONResponse(status_code=422, content={"error": f"invalid request: {msg}", "fields": fields})
+
+    async def require_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not given or not secrets.compare_digest(given.encode(), state.api_key.encode()):
+            state.metrics.errors.labels(kind="unauthorized").inc()
+            from fastapi import HTTPException
+
+            raise HTTPException(status_code=401, detail="missing or wrong API key (Authorization: Bearer KEY or X-API-Key)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.post("/v1/rollouts", dependencies=[Depends(require_key)])
+    async def rollouts(req: RolloutRequest):
+        total = len(req.prompts) * req.n
+        if total > MAX_SAMPLES_PER_REQUEST:
+            return JSONResponse(status_code=422, content={"error": f"invalid request: n: len(prompts) * n = {total} exceeds {MAX_SAMPLES_PER_REQUEST}",
+                                                          "fields": [{"field": "n", "message": "too many samples"}]})
+        prompt_ids: list[list[int]] = []
+        for i, p in enumerate(req.prompts):
+            try:
+                prompt_ids.append(await state.engines[0].tokenize(p))
+            except Exception as e:  # noqa: BLE001 - reported to the caller, naming the prompt
+                return JSONResponse(status_code=422, content={"error": f"invalid request: prompts[{i}]: cannot tokenize: {e}",
+                                                              "fields": [{"field": f"prompts[{i}]", "message": str(e)}]})
+            if not prompt_ids[-1]:
+                return JSONResponse(status_code=422, content={"error": f"invalid request: prompts[{i}]: empty after tokenization",
+                                                              "fields": [{"field": f"prompts[{i}]", "message": "empty"}]})
+        rid = req.request_id or uuid.uuid4().hex
+        media = "text/event-stream" if req.stream_format == "sse" else "application/x-ndjson"
+        return StreamingResponse(_stream(req, rid, prompt_ids), media_type=media, headers={"X-Request-Id": rid})
+
+    async def _stream(req: RolloutRequest, rid: str, prompt_ids: list[list[int]]) -> AsyncIterator[bytes]:
+        m = state.metrics
+        t_accept = time.monotonic()
+        sp = req.sampling
+        timeout = req.timeout_s or state.sample_timeout_s
+        total = len(prompt_ids) * req.n
+        async with state.gate.read() as version:
+            m.active_streams.inc()
+            queue: asyncio.Queue = asyncio.Queue(maxsize=state.max_queue)
+
+            async def one(pi: int, j: int) -> None:
+                idx = pi * req.n + j
+                seed = None if sp.seed is None else sp.seed + idx
+                max_tokens = req.prompts[pi].max_tokens or sp.max_tokens
+                m.pending.inc()
+                engine = None
+                try:
+                    async with state.sem:
+                        engine = state.pick_engine()
+                        state.inflight[engine.name] += 1
+                        t0 = time.monotonic()
+                        try:
+                            res = await asyncio.wait_for(engine.generate(prompt_ids[pi], sp, max_tokens, seed), timeout)
+                            t1 = time.monotonic()
+                            m.latency.observe(t1 - t0)
+                            ev: Any = SampleEvent(
+                                request_id=rid, prompt_index=pi, sample_index=j, prompt_ids=prompt_ids[pi],
+                                token_ids=res.token_ids, logprobs=res.logprobs, finish_reason=res.finish_reason,
+                                engine=engine.name, weight_version=version, logprobs_mode=engine.logprobs_mode,
+                                temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                                timing=Timing(queued_s=t0 - t_accept, engine_s=t1 - t0, total_s=t1 - t_accept),
+                            )
+                        except (asyncio.TimeoutError, TimeoutError):
+                            ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
+                                            error=f"timeout: the engine did not finish the sample within {timeout} s")
+                            m.errors.labels(kind="timeout").inc()
+                        except asyncio.CancelledError:
+                            raise
+                        except Exception as e:  # noqa: BLE001 - every engine failure becomes an error event
+                            ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
+                                            error=f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                            m.errors.labels(kind="engine").inc()
+                        finally:
+                            state.inflight[engine.name] -= 1
+                finally:
+                    m.pending.dec()
+                await queue.put(ev)  # bounded: a slow reader holds back this task (backpressure)
+                m.queue_depth.inc()
+
+            tasks = [asyncio.create_task(one(pi, j)) for pi in range(len(prompt_ids)) for j in range(req.n)]
+            n_ok = n_err = 0
+            try:
+                for _ in range(total):
+                    ev = await queue.get()
+                    m.queue_depth.dec()
+                    if ev.type == "sample":
+                        n_ok += 1
+                        m.samples.labels(status="ok").inc()
+                        m.add_tokens(len(ev.token_ids))
+                    else:
+                        n_err += 1
+                        m.samples.labels(status="error").inc()
+                    yield _encode(ev, req.stream_format)
+                end = EndEvent(request_id=rid, status="ok" if n_err == 0 else "error", num_samples=n_ok, num_errors=n_err,
+                               weight_version=version, elapsed_s=time.monotonic() - t_accept)
+                yield _encode(end, req.stream_format)
+            finally:
+                pending = [t for t in tasks if not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    m.errors.labels(kind="client_disconnect").inc()
+                m.active_streams.dec()
+
+    @app.post("/v1/weights", dependencies=[Depends(require_key)])
+    async def weights(req: WeightUpdateRequest):
+        path = req.path if req.path is not None else shm_path(req.shm_name)
+        field = "path" if req.path is not None else "shm_name"
+        if any(e.kind == "hf" for e in state.engines) and not Path(path).exists():
+            return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {path} does not exist",
+                                                          "fields": [{"field": field, "message": "does not exist"}]})
+        prev = state.gate.version
+        if req.version <= prev:
+            return JSONResponse(status_code=409, content={"error": f"version: {req.version} is not greater than the current version {prev}",
+                                                          "fields": [{"field": "version", "message": "not increasing"}]})
+        t0 = time.monotonic()
+        try:
+            async with state.gate.write(req.drain_timeout_s):
+                acks = []
+                for e in state.engines:
+                    try:
+                        acks.append(await e.update_weights(path, req.version))
+                    except Exception as ex:  # noqa: BLE001
+                        state.metrics.errors.labels(kind="weight_update").inc()
+                        done = [a.get("engine") for a in acks]
+                        return JSONResponse(status_code=502, content={
+                            "error": f"engine {e.name} failed the update to version {req.version}: {type(ex).__name__}: {ex}",
+                            "version": prev, "updated_engines": done})
+                state.gate.version = req.version
+                state.metrics.version.set(req.version)
+        except (DrainTimeout, UpdateInProgress) as ex:
+            return JSONResponse(status_code=409, content={"error": f"weight update refused: {ex}", "version": prev})
+        return WeightUpdateResponse(version=req.version, previous_version=prev, engines=acks, elapsed_s=time.monotonic() - t0)
+
+    @app.get("/v1/weights")
+    async def weight_version():
+        return {"version": state.gate.version, "update_in_progress": state.gate.writer, "streams_open": state.gate.readers}
+
+    @app.get("/v1/health")
+    async def health():
+        ups = await asyncio.gather(*(e.health() for e in state.engines))
+        for e, up in zip(state.engines, ups):
+            state.metrics.engine_up.labels(engine=e.name).set(1 if up else 0)
+        body = {
+            "status": "ok" if all(ups) else "degraded",
+            "weight_version": state.gate.version,
+            "engines": [{"name": e.name, "kind": e.kind, "up": bool(u), "logprobs_mode": e.logprobs_mode} for e, u in zip(state.engines, ups)],
+            "active_streams": state.gate.readers,
+        }
+        return JSONResponse(status_code=200 if all(ups) else 503, content=body)
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.refresh_rate()
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(engines: Sequence[Engine], host: str = "127.0.0.1", port: int = 8100, **kwargs) -> None:
+    """Run the bridge with uvicorn (blocking)."""
+    import uvicorn
+
+    uvicorn.run(create_app(engines, **kwargs), host=host, port=port, log_level="info")
+
+
+def dumps(obj: Any) -> str:  # small helper for scripts
+    return json.dumps(obj, indent=2, sort_keys=True)
