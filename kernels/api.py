@@ -260,7 +260,7 @@ def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant
     kk = pw.num_channels
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     dummy = pw.weight_global_scale
-    _splice_gemm_kernel[grid](
+    return _splice_gemm_kernel[grid](
         a, a.stride(0), a.stride(1) if a.dim() == 2 else 1,
         a_s if a_s is not None else dummy, a_s.stride(0) if a_s is not None else 0,
         a_gs if a_gs is not None else dummy,
@@ -290,6 +290,9 @@ def _pick_config(path: str, key: tuple, run) -> tuple:
     if key in TUNED:
         return TUNED[key]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
+    if os.environ.get("FOURSIGHT_KERNELS_AUTOTUNE", "1") == "0":
+        TUNED[key] = cands[0]
+        return cands[0]
     from triton.testing import do_bench
 
     best, best_t = None, float("inf")
@@ -320,6 +323,7 @@ def splice_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     path: str | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """SpliceGEMM on prepared operands.
 
@@ -333,6 +337,8 @@ def splice_gemm(
         bias: optional [N].
         out_dtype: default x.dtype.
         path: force ``decode`` / ``mid`` / ``prefill`` (benchmarks); default by M.
+        config: force a tile configuration ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``
+            (tests, benchmarks); default: autotuned on CUDA, a fixed small tile in the interpreter.
     Returns:
         [M, N] of ``out_dtype``.
     """
@@ -351,12 +357,13 @@ def splice_gemm(
     else:
         a, a_s, a_gs = qa
         a_quant, a_fp4, dot_bf16 = True, a.dtype == torch.uint8, False
-    key = (path, n, prepared.in_features, prepared.num_channels > 0, a_quant, a_fp4, dot_bf16, bias is not None, out.dtype)
+    mb = 16 if path == "decode" else min(triton.next_power_of_2(m), 4096)
+    key = (path, mb, n, prepared.in_features, prepared.num_channels > 0, a_quant, a_fp4, dot_bf16, bias is not None, out.dtype)
 
     def run(cfg):
         _gemm_launch(cfg, a, a_s, a_gs, x, prepared, bias, out, m, a_quant, a_fp4, dot_bf16)
 
-    cfg = _pick_config(path, key, run)
+    cfg = config or _pick_config(path, key, run)
     run(cfg)
     return out
 
@@ -368,6 +375,7 @@ def splice_linear(
     input_global_scale: torch.Tensor | None = None,
     act_quant: bool = True,
     path: str | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """FourSight linear: fused activation quantization + SpliceGEMM.
 
@@ -379,6 +387,7 @@ def splice_linear(
             per row).
         act_quant: True = W4A4; False = W4A16 (activations stay in x's dtype).
         path: force a datapath (benchmarks/tests); default: decode if M <= DECODE_MAX_M.
+        config: force a tile configuration (see :func:`splice_gemm`).
     Returns:
         [..., N] in x's dtype; equals :func:`foursight.layer.reference_linear` up to fp32
         accumulation order.
@@ -399,9 +408,9 @@ def splice_linear(
             x2, prepared.channel_mask, prepared.bf16_channels, input_global_scale, fp4_a, not fp4_a, False
         )
         qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
-        xg = x2 if x2.dtype != torch.float32 else x2
+        xg = x2
     else:
         qa = None
         xg = x2
-    y = splice_gemm(xg, prepared, qa, bias=bias, out_dtype=x.dtype, path=path)
+    y = splice_gemm(xg, prepared, qa, bias=bias, out_dtype=x.dtype, path=path, config=config)
     return y.reshape(*lead, prepared.out_features)
