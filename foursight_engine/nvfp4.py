@@ -67,9 +67,11 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     mag = xf.abs()
     bounds = _BOUNDS.to(x.device)
-    # number of boundaries strictly below (or, for tie-up boundaries, at or below) mag
-    above = (mag.unsqueeze(-1) > bounds) | ((mag.unsqueeze(-1) == bounds) & _TIE_UP.to(x.device))
-    idx = above.sum(-1).to(torch.uint8)
+    # bucketize counts the boundaries strictly below mag; a tie on a tie-up boundary adds one
+    idx = torch.bucketize(mag, bounds, right=False)
+    at = idx.clamp(max=len(_BOUNDS) - 1)
+    idx = idx + ((mag == bounds[at]) & _TIE_UP.to(x.device)[at]).to(idx.dtype)
+    idx = idx.to(torch.uint8)
     # compressed-tensors keeps the sign of values that round to zero (code 8 = -0).
     sign = torch.signbit(xf).to(torch.uint8) << 3
     return idx | sign
@@ -127,6 +129,11 @@ def block_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     r, k = x.shape
     check_k(k)
     amax = x.float().abs().reshape(r, k // BLOCK_SIZE, BLOCK_SIZE).amax(-1)
+    return scales_from_block_amax(amax, global_scale)
+
+
+def scales_from_block_amax(amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales from block amax [R, K/16] (float32) and a global scale (scalar or [R, 1])."""
     s = global_scale.float() * (amax / FP4_MAX)
     s = torch.clamp(s, min=-FP8_E4M3_MAX, max=FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
     s = torch.where(s == 0, torch.full_like(s, ZERO_SCALE_REPLACEMENT), s)
@@ -149,9 +156,11 @@ def quantize_nvfp4(
         raise NVFP4Error(f"{name}: expected a 2-D tensor [R, K], got shape {tuple(x.shape)}")
     r, k = x.shape
     check_k(k, name)
-    check_finite(x, name)
     gs = global_scale.float().to(x.device)
-    scale = block_scales(x, gs)
+    amax = x.float().abs().reshape(r, k // BLOCK_SIZE, BLOCK_SIZE).amax(-1)
+    if r and not bool(torch.isfinite(amax).all()):  # amax propagates NaN/Inf: one pass checks both
+        check_finite(x, name)
+    scale = scales_from_block_amax(amax, gs)
     s32 = scale.float()
     # x * gs / s computed as x / (s / gs), the order compressed-tensors uses.
     eff = (s32 / gs).repeat_interleave(BLOCK_SIZE, dim=1)

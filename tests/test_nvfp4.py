@@ -1,0 +1,148 @@
+"""NVFP4 format: hand-computed values, edge cases, and bit-exactness with compressed-tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foursight import nvfp4 as n
+
+# value -> code, by the E2M1 definition: sign in bit 3, magnitudes 0,.5,1,1.5,2,3,4,6 = codes 0..7
+HAND = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7,
+        -0.5: 9, -1.0: 10, -1.5: 11, -2.0: 12, -3.0: 13, -4.0: 14, -6.0: 15}
+
+
+def test_every_e2m1_code_round_trips():
+    vals = torch.tensor(list(HAND))
+    codes = n.e2m1_codes(vals)
+    assert codes.tolist() == list(HAND.values())
+    assert n.e2m1_values(codes).tolist() == list(HAND)
+    # all 16 codes decode (code 8 is -0)
+    all_codes = torch.arange(16, dtype=torch.uint8)
+    dec = n.e2m1_values(all_codes)
+    assert torch.equal(n.e2m1_codes(dec)[dec != 0], all_codes[dec != 0])
+    assert dec[8].item() == 0.0 and torch.signbit(dec[8])
+
+
+@pytest.mark.parametrize(
+    "x,expected",
+    [
+        (0.25, 0.0), (0.26, 0.5), (0.75, 1.0), (0.74, 0.5), (1.25, 1.0), (1.26, 1.5),
+        (1.75, 2.0), (2.5, 2.0), (2.51, 3.0), (3.5, 4.0), (3.49, 3.0), (5.0, 4.0), (5.01, 6.0),
+        (7.0, 6.0), (100.0, 6.0), (-2.5, -2.0), (-3.5, -4.0), (-0.25, -0.0),
+    ],
+)
+def test_round_to_nearest_even(x, expected):
+    """Ties go to the even mantissa: 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4."""
+    got = n.round_to_e2m1(torch.tensor([x]))[0].item()
+    assert got == expected
+
+
+def test_pack_layout_even_column_low_nibble():
+    codes = torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8)
+    packed = n.pack_fp4(codes)
+    assert packed.tolist() == [[0x21, 0x8F]]
+    assert torch.equal(n.unpack_fp4(packed), codes)
+
+
+def test_global_scale_convention():
+    assert n.global_scale_from_amax(torch.tensor(6.0)).item() == pytest.approx(448.0)
+    assert n.global_scale_from_amax(torch.tensor(2688.0)).item() == pytest.approx(1.0)
+    assert n.global_scale_from_amax(torch.tensor(0.0)).item() == 1.0  # compressed-tensors' fallback
+
+
+def test_hand_computed_block():
+    """One block, amax 6 with gs=1: scale = fp8(1) = 1, codes are the values themselves."""
+    x = torch.tensor([[6.0, -4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0, -6.0, 0.3, -0.7, 2.6, 5.5, -5.5, 0.2, -1.3]])
+    packed, scale = n.quantize_nvfp4(x, torch.tensor([1.0]))
+    assert scale.float().tolist() == [[1.0]]
+    expect = torch.tensor([[6.0, -4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0, -6.0, 0.5, -0.5, 3.0, 6.0, -6.0, 0.0, -1.5]])
+    assert torch.equal(n.dequantize_nvfp4(packed, scale, torch.tensor([1.0])), expect)
+
+
+def test_max_value_and_scale_saturation():
+    # a block whose scale would exceed 448 is clamped to 448 and saturates to ±6*448/gs
+    x = torch.full((1, 16), 1000.0)
+    packed, scale = n.quantize_nvfp4(x, torch.tensor([448.0 * 6 / 1.0]))  # gs for amax=1
+    assert scale.float().max().item() == 448.0
+    assert n.dequantize_nvfp4(packed, scale, torch.tensor([2688.0])).max().item() == pytest.approx(1.0)
+
+
+def test_subnormal_e4m3_scales():
+    """Blocks far below the tensor amax get subnormal E4M3 scales (< 2^-6) and still round-trip."""
+    gs = torch.tensor([1.0])
+    x = torch.zeros(1, 32)
+    x[0, :16] = 0.01 * 6  # scale = 0.01 -> subnormal e4m3 (step 2^-9)
+    x[0, 16:] = 6.0
+    packed, scale = n.quantize_nvfp4(x, gs)
+    s0 = scale.float()[0, 0].item()
+    assert 0 < s0 < 2**-6
+    assert s0 == pytest.approx(0.009765625)  # 5 * 2^-9, the nearest e4m3 subnormal to 0.01
+    deq = n.dequantize_nvfp4(packed, scale, gs)
+    assert torch.allclose(deq[0, :16], torch.full((16,), 6 * s0))
+
+
+def test_zero_block_gets_eps_scale_and_zero_codes():
+    x = torch.zeros(2, 16)
+    packed, scale = n.quantize_nvfp4(x, torch.tensor([1.0]))
+    assert scale.float().unique().tolist() == [0.125]
+    assert packed.unique().tolist() == [0]
+
+
+@pytest.mark.parametrize("bad_k", [8, 24, 0])
+def test_k_not_multiple_of_16_is_named(bad_k):
+    with pytest.raises(n.NVFP4Error, match="my.layer: K=.* multiple of the NVFP4 block size 16"):
+        n.quantize_nvfp4(torch.ones(2, bad_k) if bad_k else torch.ones(2, 0), torch.tensor([1.0]), name="my.layer")
+
+
+def test_non_finite_is_named():
+    x = torch.ones(2, 16)
+    x[1, 3] = float("nan")
+    with pytest.raises(n.NVFP4Error, match="w.q: 1 non-finite"):
+        n.quantize_nvfp4(x, torch.tensor([1.0]), name="w.q")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bit_exact_with_compressed_tensors(dtype, seed):
+    """Our codes, packing and scales equal compressed-tensors' quantize + pack_fp4_to_uint8."""
+    ct_helpers = pytest.importorskip("compressed_tensors.compressors.nvfp4.helpers")
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(48, 96, generator=g) * torch.logspace(-3, 1, 96)).to(dtype)  # wide dynamic range
+    w[0, :16] = 0  # a zero block
+    amax = w.float().abs().amax()
+    gs_ct = generate_gparam(-amax.reshape(1), amax.reshape(1))
+    gs = n.global_scale_from_amax(amax).reshape(1)
+    assert torch.equal(gs, gs_ct)
+    packed, scale = n.quantize_nvfp4(w, gs)
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True)
+    # compressed-tensors' scale computation: gs * amax/6 -> fp8, zeros -> eps
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    blk = w.float().reshape(48, 6, 16)
+    args_s = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
+                              scale_dtype=torch.float8_e4m3fn)
+    ct_scale, _ = calculate_qparams(blk.amin(-1), blk.amax(-1), args_s, global_scale=gs_ct)
+    assert torch.equal(scale.float(), ct_scale.float())
+    q = quantize(x=w, scale=ct_scale.float(), global_scale=gs_ct, zero_point=None, args=args)
+    assert torch.equal(packed, ct_helpers.pack_fp4_to_uint8(q))
+    # and decoding agrees with theirs
+    unpacked = ct_helpers.unpack_fp4_from_uint8(packed, 48, 96, dtype=torch.float32)
+    assert torch.equal(unpacked, n.e2m1_values(n.unpack_fp4(packed)))
+    ours = n.dequantize_nvfp4(packed, scale, gs, torch.float32)
+    theirs = dequantize(x_q=unpacked, scale=scale.float(), global_scale=gs_ct, dtype=torch.float32)
+    assert torch.equal(ours, theirs)
+
+
+def test_per_row_global_scale_is_row_local():
+    """Dynamic per-row scales: a row's encoding does not depend on the other rows (batch invariance)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g)
+    gs = n.global_scale_from_amax(x.abs().amax(1, keepdim=True))
+    p_all, s_all = n.quantize_nvfp4(x, gs)
+    p_one, s_one = n.quantize_nvfp4(x[2:3], gs[2:3])
+    assert torch.equal(p_all[2:3], p_one) and torch.equal(s_all[2:3].float(), s_one.float())
