@@ -1,0 +1,186 @@
+"""`foursight quantize` checkpoints: round trip, config schema, and errors that name the culprit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from foursight import schema
+from foursight.checkpoint import quantize_model, read_quant_config
+from foursight.hf import load_reference_model, quantize_hf_model
+from foursight.schema import CheckpointError, FourSightConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny_qwen2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-fs"
+    res = quantize_model(tiny_qwen2_dir, out, channels=16, progress=False)
+    return res
+
+
+def _copy(ckpt: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def test_checkpoint_layout_and_config(tiny_ckpt):
+    out = tiny_ckpt.out_dir
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "foursight" and cfg["group_size"] == 16 and cfg["format_version"] == 1
+    assert cfg["ignore"] == ["lm_head"]
+    t = load_file(str(out / "model.safetensors"))
+    p = "model.layers.0.self_attn.q_proj"
+    assert t[f"{p}.weight_packed"].dtype == torch.uint8 and t[f"{p}.weight_packed"].shape == (128, 64)
+    assert t[f"{p}.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{p}.weight_scale"].shape == (128, 8)
+    assert t[f"{p}.weight_global_scale"].shape == (1,) and t[f"{p}.input_global_scale"].shape == (1,)
+    assert t[f"{p}.bf16_channels"].dtype == torch.int32 and t[f"{p}.bf16_channels"].numel() == 16
+    assert t[f"{p}.weight_bf16"].shape == (128, 16) and f"{p}.bias" in t  # qwen2 has q/k/v bias
+    assert "lm_head.weight" in t and "lm_head.weight_packed" not in t  # ignored stays BF16
+    assert f"{p}.weight" not in t
+    # q/k/v share one channel set, gate/up share one
+    for a, b in [("k_proj", "q_proj"), ("v_proj", "q_proj")]:
+        assert torch.equal(t[f"model.layers.0.self_attn.{a}.bf16_channels"], t[f"model.layers.0.self_attn.{b}.bf16_channels"])
+    assert torch.equal(t["model.layers.1.mlp.gate_proj.bf16_channels"], t["model.layers.1.mlp.up_proj.bf16_channels"])
+    assert not torch.equal(t["model.layers.1.mlp.down_proj.bf16_channels"], t["model.layers.1.mlp.up_proj.bf16_channels"])
+    for f in ("tokenizer.json", "foursight_layers.json", "foursight_channels.json"):
+        assert (out / f).exists()
+    assert not list(out.parent.glob("*.tmp-*"))
+
+
+def test_tiny_outlier_channels_are_found_and_help(tiny_ckpt):
+    """The tiny model plants 4 outlier channels in the residual stream (RMSNorm gains of 12)."""
+    rows = [r for r in tiny_ckpt.layers if r.name.endswith(("q_proj", "gate_proj"))]
+    for r in rows:
+        assert r.err_foursight < 0.7 * r.err_nvfp4, r
+
+
+def test_round_trip_equals_in_memory_quantization(tiny_ckpt, tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    ref = load_reference_model(tiny_ckpt.out_dir)
+    mem = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.bfloat16)
+    chans = json.loads((tiny_ckpt.out_dir / schema.CHANNELS_FILE).read_text())["channels"]
+    quantize_hf_model(mem, {k: torch.tensor(v, dtype=torch.int32) for k, v in chans.items()})
+    ids = torch.randint(0, 400, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, mem(ids).logits)
+
+
+def test_plain_nvfp4_with_zero_channels(tiny_qwen2_dir, tmp_path):
+    res = quantize_model(tiny_qwen2_dir, tmp_path / "fp4", channels=0, progress=False)
+    assert all(r.k == 0 for r in res.layers)
+    assert read_quant_config(res.out_dir).channel_selection == "none"
+    t = load_file(str(res.out_dir / "model.safetensors"))
+    assert t["model.layers.0.mlp.up_proj.weight_bf16"].shape == (256, 0)
+
+
+def test_error_target_gives_per_layer_budgets(tiny_qwen2_dir, tmp_path):
+    res = quantize_model(tiny_qwen2_dir, tmp_path / "et", error_target=0.08, max_k=64, progress=False)
+    ks = {r.k for r in res.layers}
+    assert len(ks) > 1, ks  # layers with heavier outliers got more channels
+    for r in res.layers:
+        assert r.err_foursight <= 0.08 or r.k == 64
+
+
+def test_percentage_budget(tiny_qwen2_dir, tmp_path):
+    res = quantize_model(tiny_qwen2_dir, tmp_path / "pct", channels="10%", progress=False)
+    by = {r.name: r.k for r in res.layers}
+    assert by["model.layers.0.self_attn.q_proj"] == 16  # 10% of 128 = 12.8 -> one block of 16
+    assert by["model.layers.0.mlp.down_proj"] == 32  # 10% of 256 = 25.6 -> 32
+
+
+# ---- bad input: clear errors, nothing half-written --------------------------------------------
+
+
+def test_k_not_multiple_of_16_names_layer(tmp_path):
+    from foursight.models import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "odd", hidden_size=40, intermediate_size=64, num_heads=4, num_kv_heads=2)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj: in_features=40 is not a multiple of 16"):
+        quantize_model(src, tmp_path / "out", channels=0, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_weights_name_layer(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight[3, 5] = float("inf")
+    src = tmp_path / "bad"
+    m.save_pretrained(src)
+    shutil.copy(tiny_llama_dir / "tokenizer.json", src)
+    shutil.copy(tiny_llama_dir / "tokenizer_config.json", src)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj: weight has non-finite"):
+        quantize_model(src, tmp_path / "out", channels=16, progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+
+
+def test_k_at_least_K_is_rejected(tiny_llama_dir, tmp_path):
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj: --channels 128 gives k=128 but the layer has K=128"):
+        quantize_model(tiny_llama_dir, tmp_path / "out", channels=128, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_not_clobbered(tiny_ckpt, tiny_qwen2_dir):
+    with pytest.raises(FileExistsError):
+        quantize_model(tiny_qwen2_dir, tiny_ckpt.out_dir, channels=0, progress=False)
+
+
+@pytest.mark.parametrize(
+    "patch,msg",
+    [
+        ({"format_version": 7}, "quantization_config.format_version: .*unsupported FourSight format_version 7"),
+        ({"bf16_channels_per_layer": 3}, "quantization_config.bf16_channels_per_layer: Extra inputs are not permitted"),
+        ({"group_size": 32}, "quantization_config.group_size"),
+    ],
+)
+def test_bad_config_names_field(tiny_ckpt, tmp_path, patch, msg):
+    d = _copy(tiny_ckpt.out_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"].update(patch)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=msg):
+        load_reference_model(d)
+
+
+def _edit_tensors(d: Path, fn):
+    t = load_file(str(d / "model.safetensors"))
+    fn(t)
+    save_file(t, str(d / "model.safetensors"))
+
+
+def test_missing_tensor_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt.out_dir, tmp_path)
+    _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight_scale"):
+        load_reference_model(d)
+
+
+def test_wrong_shape_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt.out_dir, tmp_path)
+    _edit_tensors(d, lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.weight_bf16", torch.zeros(128, 8, dtype=torch.bfloat16)))
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.self_attn\.o_proj\.weight_bf16 has shape \[128, 8\], expected \[128, 16\]"):
+        load_reference_model(d)
+
+
+def test_missing_plain_tensor_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt.out_dir, tmp_path)
+    _edit_tensors(d, lambda t: t.pop("model.layers.0.input_layernorm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.input_layernorm\.weight"):
+        load_reference_model(d)
+
+
+def test_config_parse_roundtrip():
+    c = FourSightConfig(channels={"a.q_proj": 16}, ignore=["lm_head", "re:.*gate$"])
+    assert FourSightConfig.parse(c.model_dump()) == c
+    assert c.is_ignored("lm_head") and c.is_ignored("model.lm_head") and c.is_ignored("mlp.gate")
+    assert not c.is_ignored("mlp.gate_proj")
+    with pytest.raises(CheckpointError, match="channels"):
+        FourSightConfig.parse({"channels": {"x": -1}})
