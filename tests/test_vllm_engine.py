@@ -1,0 +1,274 @@
+"""FourSight inside the real vLLM engine (CPU build, in-process), on the tiny random models.
+
+Oracle: the PyTorch reference model of the same checkpoint (``foursight.hf.load_reference_model``)
+and ``foursight.layer.quantize_weight`` / ``reference_linear``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from foursight.checkpoint import quantize_model  # noqa: E402
+from foursight.hf import load_reference_model  # noqa: E402
+from foursight.layer import quantize_weight  # noqa: E402
+from foursight.models import builtin_texts  # noqa: E402
+from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences, hf_prompt_logprobs  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
+
+
+def make_llm(model: str | Path, **kw):
+    from vllm import LLM
+
+    args = dict(enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, worker_extension_cls=EXT)
+    args.update(kw)
+    return LLM(model=str(model), **args)
+
+
+def engine_model(llm) -> torch.nn.Module:
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def close(llm) -> None:
+    del llm
+    gc.collect()
+
+
+def perturbed_copy(src: Path, dst: Path, seed: int = 1, scale: float = 0.05) -> Path:
+    """A copy of a BF16 model folder with every 2-D weight perturbed by ``scale`` of its std."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in sd.items():
+        if v.dim() == 2:
+            v = (v.float() + scale * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
+        out[k] = v.contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny_llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("vllm-ckpt") / "tiny-fs16"
+    return quantize_model(tiny_llama_dir, out, channels="16", progress=False).out_dir
+
+
+@pytest.fixture(scope="module")
+def seqs(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt)
+    return fixed_sequences(tok, builtin_texts()[:4], 32)
+
+
+@pytest.fixture(scope="module")
+def llm_fs(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, quantization="foursight")
+    yield llm
+    close(llm)
+
+
+def capture_layer_io(llm, prompt_ids):
+    """Run one prompt and record (input, output) of every FourSight layer of the engine."""
+    from vllm import SamplingParams, TokensPrompt
+
+    model = engine_model(llm)
+    rec, hooks = {}, []
+    for name, mod in model.named_modules():
+        if getattr(mod, "foursight_plan", None) is not None:
+            def hook(m, inp, out, name=name):
+                y = out[0] if isinstance(out, tuple) else out
+                rec.setdefault(name, (inp[0].detach().clone(), y.detach().clone(), m))
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rec
+
+
+def test_checkpoint_generates_and_every_layer_matches_reference(llm_fs, tiny_ckpt, seqs):
+    """LLM(model=ckpt, quantization="foursight") generates, and every engine layer (fused
+    q/k/v and gate/up, row-parallel o/down) computes exactly what the reference layers compute
+    on the same input."""
+    from vllm import SamplingParams
+
+    out = llm_fs.generate(["Hello"], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    ref = load_reference_model(tiny_ckpt)
+    rec = capture_layer_io(llm_fs, seqs[0])
+    assert len(rec) == 2 * 4  # qkv, o, gate_up, down per layer
+    for name, (x, y, mod) in rec.items():
+        plan = mod.foursight_plan
+        with torch.no_grad():
+            y_ref = torch.cat([ref.get_submodule(n)(x) for n in plan.shard_names], dim=-1)
+        assert y.shape == y_ref.shape, name
+        d = (y.float() - y_ref.float()).abs()
+        # identical math; fused vs separate fp32 GEMMs may flip the last bf16 bit of a few outputs
+        assert float(d.max()) <= 2**-7 * float(y_ref.float().abs().max()), name
+        assert float((d == 0).float().mean()) > 0.98, name
+
+
+def test_teacher_forced_logprobs_close_to_reference(llm_fs, tiny_ckpt, seqs, tiny_llama_dir):
+    """Whole-model teacher-forced logprobs: engine FourSight vs the reference model of the same
+    checkpoint. Only the non-quantized parts differ (vLLM's fused RMSNorm / rotary / attention in
+    BF16 vs HF's); FP4 activation rounding amplifies those BF16 differences, so the bound is
+    set relative to the quantization effect being measured: the engine-vs-reference gap must be
+    well below the FourSight-vs-BF16 gap of the reference itself."""
+    from transformers import AutoModelForCausalLM
+
+    eng = engine_prompt_logprobs(llm_fs, seqs)
+    ref = hf_prompt_logprobs(load_reference_model(tiny_ckpt), seqs)
+    bf = hf_prompt_logprobs(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16), seqs)
+    gap = abs_diff_stats(eng, ref)
+    effect = abs_diff_stats(ref, bf)
+    print(f"\ntiny llama k=16: engine vs reference |Δ| mean {gap['mean']:.4f} max {gap['max']:.4f}; reference FourSight vs BF16 mean {effect['mean']:.4f}")
+    assert gap["mean"] < 0.6 * effect["mean"]
+
+
+def test_post_load_processing_is_idempotent(llm_fs, seqs):
+    """Running process_weights_after_loading again (as a reload would) changes nothing."""
+    a = engine_prompt_logprobs(llm_fs, seqs[:2])
+    model = engine_model(llm_fs)
+    params_before = {n: p.detach().clone() for n, p in model.named_parameters() if "weight_packed" in n}
+    for mod in model.modules():
+        if getattr(mod, "foursight_plan", None) is not None:
+            mod.quant_method.process_weights_after_loading(mod)
+            mod.quant_method.process_weights_after_loading(mod)
+    for n, p in model.named_parameters():
+        if n in params_before:
+            assert torch.equal(p, params_before[n]), n
+    llm_fs.reset_prefix_cache()
+    b = engine_prompt_logprobs(llm_fs, seqs[:2])
+    assert abs_diff_stats(a, b)["max"] == 0.0
+
+
+def test_weight_update_in_checkpoint_mode(llm_fs, tiny_llama_dir, tmp_path):
+    """BF16 update into an engine loaded from a FourSight checkpoint: every layer becomes
+    quantize_weight(new W, same channels), the version is returned, nothing restarts."""
+    pert = perturbed_copy(Path(tiny_llama_dir), tmp_path / "pert")
+    res = llm_fs.collective_rpc("foursight_update_weights", args=(str(pert / "model.safetensors"), 5))
+    assert res[0]["version"] == 5 and res[0]["requantized_layers"] == 8
+    assert llm_fs.collective_rpc("foursight_weight_version") == [5]
+    from safetensors.torch import load_file
+
+    sd = load_file(str(pert / "model.safetensors"))
+    model = engine_model(llm_fs)
+    for mod in model.modules():
+        plan = getattr(mod, "foursight_plan", None)
+        if plan is None:
+            continue
+        st = mod.foursight_state
+        parts = [quantize_weight(sd[f"{n}.weight"], st.channels) for n in plan.shard_names]
+        exp_packed = torch.cat([p.weight_packed for p in parts])
+        assert torch.equal(st.qw.weight_packed, exp_packed), plan.prefix
+        exp_gs = torch.cat([p.weight_global_scale.expand(p.out_features) for p in parts])
+        assert torch.equal(st.qw.weight_global_scale.reshape(-1).expand(exp_gs.numel()), exp_gs), plan.prefix
+        assert torch.equal(st.qw.weight_bf16, torch.cat([p.weight_bf16 for p in parts])), plan.prefix
+
+
+def test_online_quantization_update_matches_fresh_load(tiny_llama_dir, tiny_ckpt, seqs, tmp_path, monkeypatch):
+    """BF16 model + --quantization foursight with the checkpoint's channels file gives the same
+    logprobs as the checkpoint; updating it with a perturbed copy gives the same logprobs as a
+    fresh load of the perturbed weights."""
+    monkeypatch.setenv("FOURSIGHT_CHANNELS_FILE", str(tiny_ckpt / "foursight_channels.json"))
+    pert = perturbed_copy(Path(tiny_llama_dir), tmp_path / "pert")
+    llm = make_llm(tiny_llama_dir, quantization="foursight")
+    a = engine_prompt_logprobs(llm, seqs)
+    ck = make_llm(tiny_ckpt)  # same process: a second engine
+    assert abs_diff_stats(a, engine_prompt_logprobs(ck, seqs))["max"] == 0.0
+    close(ck)
+    res = llm.collective_rpc("foursight_update_weights", args=(str(pert / "model.safetensors"), "2"))
+    assert res[0]["version"] == 2
+    llm.reset_prefix_cache()
+    b = engine_prompt_logprobs(llm, seqs)
+    assert abs_diff_stats(a, b)["mean"] > 1e-3  # the outputs changed
+    close(llm)
+    fresh = make_llm(pert, quantization="foursight")
+    c = engine_prompt_logprobs(fresh, seqs)
+    close(fresh)
+    assert abs_diff_stats(b, c)["max"] == 0.0
+
+
+def test_online_fallback_without_channels_file(tiny_llama_dir, seqs, monkeypatch, tmp_path):
+    """No channels file: weight-based channels (budget from FOURSIGHT_CHANNEL_BUDGET), equal to
+    the offline fallback selection; k=0 is plain NVFP4."""
+    from foursight.calibration import weight_based_channels
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv("FOURSIGHT_CHANNELS_FILE", raising=False)
+    monkeypatch.setenv("FOURSIGHT_CHANNEL_BUDGET", "16")
+    sd = load_file(str(Path(tiny_llama_dir) / "model.safetensors"))
+    llm = make_llm(tiny_llama_dir, quantization="foursight")
+    for mod in engine_model(llm).modules():
+        plan = getattr(mod, "foursight_plan", None)
+        if plan is not None:
+            exp = weight_based_channels([sd[f"{n}.weight"] for n in plan.shard_names], 16)
+            assert mod.foursight_state.channels.tolist() == exp.tolist(), plan.prefix
+    close(llm)
+
+
+def test_zero_channels_is_plain_nvfp4(tiny_llama_dir, tmp_path):
+    """k=0: no BF16 channels anywhere; each layer equals compressed-tensors-style plain NVFP4."""
+    ck = quantize_model(tiny_llama_dir, tmp_path / "k0", channels="0", progress=False).out_dir
+    llm = make_llm(ck)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(Path(tiny_llama_dir) / "model.safetensors"))
+    for mod in engine_model(llm).modules():
+        plan = getattr(mod, "foursight_plan", None)
+        if plan is not None:
+            st = mod.foursight_state
+            assert st.qw.bf16_channels.numel() == 0 and st.qw.weight_bf16.shape[1] == 0
+            exp = torch.cat([quantize_weight(sd[f"{n}.weight"], torch.zeros(0, dtype=torch.int32)).weight_packed for n in plan.shard_names])
+            assert torch.equal(st.qw.weight_packed, exp), plan.prefix
+    close(llm)
+
+
+def _broken(src: Path, dst: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_bad_checkpoints_fail_naming_the_tensor(tiny_ckpt, tmp_path):
+    from foursight.schema import CheckpointError
+
+    miss = _broken(tiny_ckpt, tmp_path / "missing", lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight_scale"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.self_attn\.k_proj\.weight_scale"):
+        make_llm(miss)
+
+    def bad_shape(sd):
+        sd["model.layers.0.mlp.down_proj.weight_packed"] = sd["model.layers.0.mlp.down_proj.weight_packed"][:, :-8].contiguous()
+
+    shp = _broken(tiny_ckpt, tmp_path / "shape", bad_shape)
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight_packed has shape"):
+        make_llm(shp)
+
+    ver = tmp_path / "version"
+    shutil.copytree(tiny_ckpt, ver)
+    cfg = json.loads((ver / "config.json").read_text())
+    cfg["quantization_config"]["format_version"] = 7
+    (ver / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=r"quantization_config\.format_version: .*unsupported FourSight format_version 7"):
+        make_llm(ver)
