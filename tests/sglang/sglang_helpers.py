@@ -1,0 +1,155 @@
+"""Helpers for the SGLang test suite: engine settings for CPU, teacher-forced logprobs from
+SGLang and from the PyTorch reference model, and a free port.
+
+Engine settings on a CPU-only machine (see docs/sglang.md): ``SGLANG_USE_CPU_ENGINE=1``,
+``device="cpu"``, ``attention_backend="torch_native"``; SGLang's CPU kernel package is replaced
+by the test-harness stand-in in tests/sglang_harness (installed by scripts/setup_sglang.sh).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: Keyword arguments of ``sglang.Engine`` for this CPU machine (small KV pool, no graphs).
+#: ``enable_fp32_lm_head``: logits in float32 (the reference does the same), so that BF16
+#: rounding of logits (step ~0.03-0.06 at |logit| ~ 8) does not mask the comparison.
+ENGINE_KW = dict(
+    device="cpu",
+    attention_backend="torch_native",
+    log_level="error",
+    mem_fraction_static=0.05,
+    disable_cuda_graph=True,
+    random_seed=0,
+    enable_fp32_lm_head=True,
+)
+
+#: The same as ``python -m sglang.launch_server`` flags.
+SERVER_ARGS = [
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--log-level", "error",
+    "--mem-fraction-static", "0.05",
+    "--disable-cuda-graph",
+    "--random-seed", "0",
+    "--enable-fp32-lm-head",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_ids(model_dir: str | Path, n: int = 4, max_len: int = 48) -> list[list[int]]:
+    """Token ids of ``n`` built-in texts (BOS first), truncated to ``max_len`` tokens."""
+    from transformers import AutoTokenizer
+
+    from foursight.models import builtin_texts
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    for text in builtin_texts()[:n]:
+        ids = tok(text, add_special_tokens=False)["input_ids"][: max_len - 1]
+        bos = tok.bos_token_id if tok.bos_token_id is not None else ids[0]
+        out.append([bos] + ids)
+    return out
+
+
+def sglang_prompt_logprobs(meta_info: dict) -> list[float]:
+    """Teacher-forced logprobs of prompt tokens 1..L-1 from SGLang's ``meta_info``
+    (``return_logprob=True, logprob_start_len=0``; entry 0 is ``[None, bos, None]``)."""
+    lp = meta_info["input_token_logprobs"]
+    if lp[0][0] is not None:
+        raise AssertionError(f"expected no logprob for the first prompt token, got {lp[0]}")
+    return [float(x[0]) for x in lp[1:]]
+
+
+def engine_prompt_logprobs(engine, prompts: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced prompt logprobs from an ``sglang.Engine`` (one greedy token generated)."""
+    outs = engine.generate(
+        input_ids=prompts,
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    return [sglang_prompt_logprobs(o["meta_info"]) for o in outs]
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[float]]:
+    """Teacher-forced logprobs ``log p(t_i | t_<i)``, i = 1..L-1, of an HF causal LM.
+
+    The final hidden states come from the model in its dtype (BF16); the LM head and the
+    softmax run in float32, as SGLang's with ``enable_fp32_lm_head``.
+    """
+    head = model.get_output_embeddings()
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        h = model.model(input_ids=x).last_hidden_state[0]
+        logits = h.float() @ head.weight.float().t()
+        if getattr(head, "bias", None) is not None:
+            logits = logits + head.bias.float()
+        lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, x[0, 1:, None])[:, 0]
+        out.append(lp.tolist())
+    return out
+
+
+def reference_model(ckpt_dir: str | Path) -> torch.nn.Module:
+    """The PyTorch reference model of a FourSight checkpoint (HF model, FourSight linears)."""
+    from foursight.hf import load_reference_model
+
+    return load_reference_model(ckpt_dir)
+
+
+def bf16_model(model_dir: str | Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+
+
+def abs_diffs(a: list[list[float]], b: list[list[float]]) -> torch.Tensor:
+    """Flat |a - b| over all positions of all prompts (lengths must match)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if len(x) != len(y):
+            raise AssertionError(f"prompt {i}: {len(x)} vs {len(y)} logprobs")
+    return torch.tensor([abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y)])
+
+
+def set_eager_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch an HF model to the eager (non-SDPA) attention implementation, in place."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = "eager"
+    return model
+
+
+def noise_floor(model: torch.nn.Module, prompts: list[list[int]], sdpa_logprobs: list[list[float]]) -> torch.Tensor:
+    """|Δ| between two equally valid BF16 implementations of the *same* model: HF with SDPA
+    attention (``sdpa_logprobs``) vs HF with eager attention. Modifies ``model`` (eager after).
+
+    This is the spread that BF16 rounding alone produces in this model; with W4A4 it is large
+    because a rounding difference in a layer input can move an activation across an FP4
+    rounding boundary. An engine implementing the checkpoint correctly lands at this floor.
+    """
+    return abs_diffs(sdpa_logprobs, hf_prompt_logprobs(set_eager_attention(model), prompts))
+
+
+def within_floor(d: torch.Tensor, floor: torch.Tensor) -> tuple[bool, str]:
+    """The acceptance rule of the engine-vs-reference tests (see docs/sglang.md):
+    mean |Δ| ≤ 1.5·mean(floor) + 0.005 and max |Δ| ≤ 2·max(floor) + 0.05."""
+    mean_tol = 1.5 * float(floor.mean()) + 0.005
+    max_tol = 2.0 * float(floor.max()) + 0.05
+    ok = float(d.mean()) <= mean_tol and float(d.max()) <= max_tol
+    msg = (f"mean |Δ| {float(d.mean()):.5f} (tol {mean_tol:.5f}), max |Δ| {float(d.max()):.5f} (tol {max_tol:.5f}); "
+           f"floor sdpa-vs-eager mean {float(floor.mean()):.5f} max {float(floor.max()):.5f}; {d.numel()} tokens")
+    return ok, msg

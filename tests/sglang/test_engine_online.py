@@ -1,0 +1,103 @@
+"""Online quantization and the RL weight update on the real ``sglang.Engine`` (CPU).
+
+``sglang.Engine(model_path=BF16_MODEL, quantization="foursight")`` quantizes the BF16 weights at
+load with the channel sets of a ``foursight_channels.json`` (here: the one ``quantize_model``
+wrote next to the tiny checkpoint, passed through ``FOURSIGHT_CHANNELS_FILE``). Same channels and
+the same per-tensor global scale convention as the checkpoint writer, so the engine must match
+the PyTorch reference model *of the checkpoint* (tolerance: the measured noise floor, see
+test_server.py and ``sglang_helpers.within_floor``).
+
+Then ``engine.update_weights_from_tensor`` streams the BF16 weights of another model (the "new
+policy" of an RL step) in HF naming: SGLang calls ``model.load_weights`` only, the FourSight
+layers are marked stale by their loaders and re-quantized (same channel sets) before the next
+forward; the logprobs must follow the reference of the new policy quantized with those channels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from sglang_helpers import (
+    ENGINE_KW,
+    abs_diffs,
+    bf16_model,
+    engine_prompt_logprobs,
+    hf_prompt_logprobs,
+    noise_floor,
+    prompt_ids,
+    reference_model,
+    within_floor,
+)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+SEPARATION = 1.5
+
+
+@pytest.fixture(scope="module")
+def online_engine(tiny_llama_dir, tiny_ckpt):
+    import sglang as sgl
+
+    old = os.environ.get("FOURSIGHT_CHANNELS_FILE")
+    os.environ["FOURSIGHT_CHANNELS_FILE"] = str(tiny_ckpt / "foursight_channels.json")
+    eng = sgl.Engine(model_path=str(tiny_llama_dir), quantization="foursight", **ENGINE_KW)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+        if old is None:
+            os.environ.pop("FOURSIGHT_CHANNELS_FILE", None)
+        else:
+            os.environ["FOURSIGHT_CHANNELS_FILE"] = old
+
+
+def _rep(name, d):
+    return f"{name}: mean |Δ| {d.mean():.5f}, max |Δ| {d.max():.5f} over {d.numel()} tokens"
+
+
+def test_online_quantization_matches_checkpoint_reference(online_engine, tiny_ckpt, tiny_llama_dir):
+    prompts = prompt_ids(tiny_ckpt, n=4)
+    eng = engine_prompt_logprobs(online_engine, prompts)
+    ref_model = reference_model(tiny_ckpt)
+    ref = hf_prompt_logprobs(ref_model, prompts)
+    bf16 = hf_prompt_logprobs(bf16_model(tiny_llama_dir), prompts)
+    d, d_bf16 = abs_diffs(eng, ref), abs_diffs(eng, bf16)
+    ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref))
+    msg = f"online engine vs checkpoint reference: {msg}; " + _rep("online engine vs bf16", d_bf16)
+    print(msg)
+    assert ok, msg
+    assert float(d.mean()) * SEPARATION <= float(d_bf16.mean()), msg
+
+
+def test_generate_with_output_logprobs(online_engine, tiny_ckpt):
+    ids = prompt_ids(tiny_ckpt, n=1)[0]
+    out = online_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, "temperature": 0.0}, return_logprob=True)
+    toks = out["meta_info"]["output_token_logprobs"]
+    assert len(toks) == 5 and all(lp <= 0 for lp, _, _ in toks)
+    assert [t[1] for t in toks] == out["output_ids"]
+
+
+def test_weight_update_from_tensor_requantizes(online_engine, tiny_ckpt, tiny_llama_b_dir):
+    from safetensors.torch import load_file
+
+    from foursight.hf import quantize_hf_model
+
+    prompts = prompt_ids(tiny_ckpt, n=2)
+    before = engine_prompt_logprobs(online_engine, prompts)
+    new = load_file(str(tiny_llama_b_dir / "model.safetensors"))
+    ok, msg = online_engine.update_weights_from_tensor(list(new.items()))
+    assert ok, msg
+    after = engine_prompt_logprobs(online_engine, prompts)
+    chans = json.loads((tiny_ckpt / "foursight_channels.json").read_text())["channels"]
+    ref_model = quantize_hf_model(bf16_model(tiny_llama_b_dir), {k: torch.tensor(v, dtype=torch.int32) for k, v in chans.items()})
+    ref = hf_prompt_logprobs(ref_model, prompts)
+    d, moved = abs_diffs(after, ref), abs_diffs(after, before)
+    ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref))
+    m = f"after update vs reference of new policy: {msg}; " + _rep("after vs before", moved)
+    print(m)
+    assert ok, m
+    assert float(moved.mean()) >= SEPARATION * float(d.mean()), m

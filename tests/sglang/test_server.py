@@ -1,0 +1,191 @@
+"""A FourSight checkpoint served by the real SGLang HTTP server on CPU.
+
+``python -m sglang.launch_server --model-path CKPT --quantization foursight`` (the method comes
+from FourSight's ``sglang.srt.plugins`` entry point; nothing is patched), then:
+
+* ``/generate`` answers with per-token logprobs (``return_logprob``, ``logprob_start_len``);
+* its teacher-forced prompt logprobs match the PyTorch reference model of the same checkpoint
+  (:func:`foursight.hf.load_reference_model`);
+* ``/update_weights_from_disk`` with another FourSight checkpoint swaps the policy (the
+  idempotent post-load processing runs again) and the logprobs follow the new reference;
+* a checkpoint with a missing tensor fails at load with the shared validator's message.
+
+Tolerance (teacher-forced logprobs, engine vs reference). Both run the same FourSight layer
+function (``foursight.layer.foursight_linear`` → the PyTorch reference on CPU), but everything
+between the linears differs: SGLang's torch-native attention, RMSNorm, RoPE and residual adds in
+BF16 vs the HF modules. A BF16 rounding difference in a layer input can move an activation across
+an FP4 rounding boundary, which later layers amplify. So the tolerance is measured, not guessed:
+the *noise floor* is the |Δ| between two equally valid HF implementations of the same checkpoint
+(SDPA vs eager attention), and the engine must satisfy mean |Δ| ≤ 1.5·floor_mean + 0.005 and
+max |Δ| ≤ 2·floor_max + 0.05 (``sglang_helpers.within_floor``). On the tiny model the floor is
+≈0.12 mean / 0.5 max nats for W4A4 (≈0.012 / 0.06 for W4A16); the figures of a run are printed.
+So that the check can fail for a wrong layer, the engine must also be at least 2.5x closer
+(mean |Δ|) to the FourSight reference than that reference is to the plain NVFP4 (k=0) reference
+of the same model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sglang_helpers import (
+    SERVER_ARGS,
+    abs_diffs,
+    free_port,
+    hf_prompt_logprobs,
+    prompt_ids,
+    noise_floor,
+    reference_model,
+    sglang_prompt_logprobs,
+    within_floor,
+)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+SEPARATION = 2.5
+STARTUP_TIMEOUT = 240
+
+
+def _launch(model: Path, port: int, log: Path, extra: list[str] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--quantization", "foursight",
+           "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *extra]
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    t0 = time.time()
+    while time.time() - t0 < STARTUP_TIMEOUT:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"server not ready after {STARTUP_TIMEOUT}s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("sglang-server") / "server.log"
+    proc = _launch(tiny_ckpt, port, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url, log)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _generate(url: str, ids: list[int], max_new_tokens: int = 1, start: int = 0) -> dict:
+    r = httpx.post(
+        f"{url}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+              "return_logprob": True, "logprob_start_len": start},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _server_logprobs(url: str, prompts: list[list[int]]) -> list[list[float]]:
+    return [sglang_prompt_logprobs(_generate(url, ids)["meta_info"]) for ids in prompts]
+
+
+def _report(name: str, d) -> str:
+    return f"{name}: mean |Δ| {d.mean():.5f}, max |Δ| {d.max():.5f} over {d.numel()} tokens"
+
+
+def test_generate_returns_logprobs(server, tiny_ckpt):
+    ids = prompt_ids(tiny_ckpt, n=1)[0]
+    out = _generate(server, ids, max_new_tokens=6, start=-1)
+    meta = out["meta_info"]
+    toks = meta["output_token_logprobs"]
+    assert len(toks) == meta["completion_tokens"] > 0
+    for lp, tid, _ in toks:
+        assert lp <= 0.0 and isinstance(tid, int)
+    # greedy decoding: each generated token's logprob is the max of its distribution, so it
+    # equals the teacher-forced logprob of that token when the continuation is fed back
+    gen = [t[1] for t in toks]
+    tf = sglang_prompt_logprobs(_generate(server, ids + gen)["meta_info"])[len(ids) - 1:]
+    d = abs_diffs([[t[0] for t in toks]], [tf])
+    assert float(d.max()) < 5e-2, _report("decode vs prefill", d)
+
+
+def test_logprobs_match_reference_model(server, tiny_ckpt, tiny_nvfp4_ckpt, record_property):
+    prompts = prompt_ids(tiny_ckpt, n=4)
+    eng = _server_logprobs(server, prompts)
+    ref_model = reference_model(tiny_ckpt)
+    ref = hf_prompt_logprobs(ref_model, prompts)
+    fp4 = hf_prompt_logprobs(reference_model(tiny_nvfp4_ckpt), prompts)
+    d, d_fp4 = abs_diffs(eng, ref), abs_diffs(ref, fp4)
+    ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref))
+    msg = f"sglang vs reference: {msg}; " + _report("reference vs nvfp4 reference", d_fp4)
+    record_property("sglang_vs_reference", msg)
+    print(msg)
+    assert ok, msg
+    assert float(d.mean()) * SEPARATION <= float(d_fp4.mean()), msg
+
+
+def test_update_weights_from_disk_follows_new_policy(server, tiny_ckpt, tiny_ckpt_b):
+    prompts = prompt_ids(tiny_ckpt, n=2)
+    before = _server_logprobs(server, prompts)
+    try:
+        r = httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(tiny_ckpt_b)}, timeout=300)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        after = _server_logprobs(server, prompts)
+        ref_model = reference_model(tiny_ckpt_b)
+        ref_b = hf_prompt_logprobs(ref_model, prompts)
+        d = abs_diffs(after, ref_b)
+        moved = abs_diffs(after, before)
+        ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref_b))
+        print("after update vs reference B:", msg)
+        assert ok, msg
+        assert float(moved.mean()) >= SEPARATION * float(d.mean()), _report("after vs before", moved)
+    finally:  # restore policy A for any later test of this module
+        httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(tiny_ckpt)}, timeout=300)
+
+
+def test_missing_tensor_fails_at_load_naming_it(tiny_ckpt, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    del t["model.layers.1.self_attn.k_proj.weight_scale"]
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    log = tmp_path / "bad.log"
+    proc = _launch(bad, free_port(), log)
+    try:
+        proc.wait(STARTUP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        raise AssertionError(f"server with a bad checkpoint did not exit:\n{log.read_text()[-3000:]}")
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert proc.returncode != 0
+    assert "CheckpointError: missing tensor model.layers.1.self_attn.k_proj.weight_scale" in text, text[-3000:]
