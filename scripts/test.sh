@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run the whole test suite: the main suite in .venv (format, calibration, checkpoints, Triton
+# kernels under TRITON_INTERPRET=1, vLLM CPU engine, trainer bridge, compare), then the SGLang
+# suite in .venv-sglang. GPU-only tests are marked `gpu` and skip on a machine without CUDA.
+# Extra arguments go to both pytest runs (e.g. -x, -k expr).
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+VENV="${FOURSIGHT_VENV:-$REPO/.venv}"
+SGL_VENV="${SGLANG_VENV:-$REPO/.venv-sglang}"
+
+"$VENV/bin/python" -m pytest tests --ignore=tests/sglang --ignore=tests/sglang_harness -p no:cacheprovider --timeout=900 "$@"
+rc_main=$?
+
+rc_sgl=0
+if [ "${FOURSIGHT_SKIP_SGLANG:-0}" = "1" ]; then
+    echo "[test] SGLang suite skipped (FOURSIGHT_SKIP_SGLANG=1)"
+else
+    "$SGL_VENV/bin/python" -m pytest tests/sglang -p no:cacheprovider --timeout=900 "$@"
+    rc_sgl=$?
+fi
+echo "[test] main suite exit $rc_main, SGLang suite exit $rc_sgl"
+[ "$rc_main" -eq 0 ] && [ "$rc_sgl" -eq 0 ]
