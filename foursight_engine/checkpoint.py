@@ -29,7 +29,7 @@ from foursight.calibration import (
     load_calibration_texts,
     select_channels,
 )
-from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
+from foursight.layer import QuantizedWeight, dequantize_weight, dequantized_activation, quantize_weight, splice_matmul
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
 from foursight.schema import CheckpointError, FourSightConfig
 
@@ -61,10 +61,15 @@ def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm()) / den if den > 0 else 0.0
 
 
-def _layer_error(rows: torch.Tensor, weight: torch.Tensor, qw: QuantizedWeight) -> float:
-    """Relative output error of the quantized layer (W4A4, dynamic activation scales) on ``rows``."""
+def _layer_error(rows: torch.Tensor, weight: torch.Tensor, qw: QuantizedWeight, xd: torch.Tensor | None = None) -> float:
+    """Relative output error of the quantized layer (W4A4, dynamic activation scales) on ``rows``.
+
+    ``xd`` optionally caches ``dequantized_activation(rows, qw.bf16_channels)`` (shared by a group)."""
     y_ref = rows.float() @ weight.float().t()
-    return relative_error(reference_linear(rows, qw, out_dtype=torch.float32), y_ref)
+    if xd is None:
+        xd = dequantized_activation(rows, qw.bf16_channels)
+    y = splice_matmul(xd, rows, qw, dequantize_weight(qw, torch.float32, include_bf16=False))
+    return relative_error(y, y_ref)
 
 
 def find_linears(model: nn.Module, cfg: FourSightConfig) -> list[str]:
@@ -187,12 +192,14 @@ def quantize_model(
         in_gs = global_scale_from_amax(amax_rest.amax()).reshape(1)
         var = g.stats.variance
         share = float(var[ch.long()].sum() / var.sum()) if k and float(var.sum()) > 0 else 0.0
+        rows = g.rows if g.rows is not None else torch.zeros(0, g.in_features, dtype=torch.bfloat16)
+        xd_fs = dequantized_activation(rows, ch) if rows.shape[0] else None
+        xd_0 = dequantized_activation(rows, ch[:0]) if rows.shape[0] and k else xd_fs
         for n, w in zip(g.members, weights):
             qw = quantize_weight(w, ch, name=n)
             base = quantize_weight(w, ch[:0], name=n) if k else qw
-            rows = g.rows if g.rows is not None else torch.zeros(0, w.shape[1], dtype=torch.bfloat16)
-            e_fs = _layer_error(rows, w, qw) if rows.shape[0] else float("nan")
-            e_fp4 = _layer_error(rows, w, base) if rows.shape[0] else float("nan")
+            e_fs = _layer_error(rows, w, qw, xd_fs) if rows.shape[0] else float("nan")
+            e_fp4 = _layer_error(rows, w, base, xd_0) if rows.shape[0] else float("nan")
             reports.append(LayerReport(n, g.key, w.shape[1], w.shape[0], k, e_fp4, e_fs, share))
             tensors[f"{n}.{schema.WEIGHT_PACKED}"] = qw.weight_packed
             tensors[f"{n}.{schema.WEIGHT_SCALE}"] = qw.weight_scale

@@ -222,18 +222,39 @@ def reference_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k_dim)
     w = dequantize_weight(qw, torch.float32, include_bf16=False) if w_deq is None else w_deq
-    ch = qw.bf16_channels.long()
+    xd = dequantized_activation(x2, qw.bf16_channels, input_global_scale, act_quant)
+    y = splice_matmul(xd, x2, qw, w, bias)
+    return y.to(out_dtype or x.dtype).reshape(*lead, qw.out_features)
+
+
+def dequantized_activation(
+    x: torch.Tensor, channels: torch.Tensor, input_global_scale: torch.Tensor | None = None, act_quant: bool = True
+) -> torch.Tensor:
+    """The FP4 operand of the layer as float32 [M, K]: ``deq(Q(X with S zeroed))`` (W4A4) or
+    ``X with S zeroed`` (W4A16). ``x`` is [M, K]."""
     if act_quant:
-        qa = quantize_activation(x2, qw.bf16_channels, input_global_scale)
-        xd = dequantize_nvfp4(qa.packed, qa.scale, qa.global_scale, torch.float32)
-    else:
-        xd = zero_columns(x2.float(), ch)
-    y = xd @ w.t()
+        qa = quantize_activation(x, channels, input_global_scale)
+        return dequantize_nvfp4(qa.packed, qa.scale, qa.global_scale, torch.float32)
+    return zero_columns(x.float(), channels.long())
+
+
+def splice_matmul(
+    xd: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, w_deq: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``xd · w_deqᵀ + X[:, S] · W_bf16ᵀ (+ bias)`` in float32 [M, N].
+
+    Args:
+        xd: float32 [M, K], from :func:`dequantized_activation`.
+        x: the original activations [M, K] (for the BF16 channels).
+        w_deq: float32 [N, K], the dequantized FP4 weight (S columns zero).
+    """
+    y = xd @ w_deq.t()
+    ch = qw.bf16_channels.long()
     if ch.numel():
-        y = y + x2[:, ch].to(torch.bfloat16).float() @ qw.weight_bf16.float().t()
+        y = y + x[:, ch].to(torch.bfloat16).float() @ qw.weight_bf16.float().t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(out_dtype or x.dtype).reshape(*lead, qw.out_features)
+    return y
 
 
 class PreparedReference:
