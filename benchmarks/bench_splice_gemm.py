@@ -191,12 +191,31 @@ def run(args) -> dict:
     print("quant exactness:", diag, flush=True)
     res["ceilings"] = measure_ceilings()
     print("ceilings:", res["ceilings"], flush=True)
+    # SASS of the first prefill and decode candidates (4096 x 4096, k = 128): HGMMA or not
+    N = K = 4096
+    w = torch.randn(N, K, device="cuda") * 0.02
+    ch = torch.sort(torch.randperm(K, device="cuda")[:128]).values.to(torch.int32)
+    pw = fk.prepare_weight(quantize_weight(w, ch))
+    for M, tag, cfg in ((4096, "prefill", fk_api.PREFILL_CONFIGS[0]), (1, "decode", fk_api.DECODE_CONFIGS[0])):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        fp4_a = fk_api.DECODE_FP4_A and tag == "decode"
+        packed, scale, deq, gs, _ = fk_api._act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, fp4_a, not fp4_a, False)
+        qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        try:
+            compiled = fk_api._gemm_launch(cfg, qa[0], qa[1], qa[2], x, pw, None, out, M, True, fp4_a, False)
+            res["sass"].append(dict(sass_report(compiled, tag, out_dir), config=list(cfg)))
+        except Exception as e:  # report, do not lose the run
+            res["sass"].append({"tag": tag, "config": list(cfg), "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(res["sass"][-1]), flush=True)
     torch.manual_seed(0)
     shapes = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192)]
     ms = [1, 4, 16, 64, 256, 1024, 4096]
-    ks = [0, 64, 128, 256]
+    ks_all = [0, 64, 128, 256]
     if args.quick:
-        shapes, ms, ks = [(4096, 4096), (14336, 4096)], [1, 16, 64, 256, 4096], [0, 128]
+        shapes, ms = [(4096, 4096), (14336, 4096)], [1, 16, 64, 256, 4096]
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
     t_start = time.time()
     for (N, K) in shapes:
         w = torch.randn(N, K, device="cuda") * 0.02
@@ -204,8 +223,8 @@ def run(args) -> dict:
         bytes_bf16 = N * K * 2
         for M in ms:
             if time.time() - t_start > args.budget_s:
-                print("time budget reached; stopping", flush=True)
-                return res
+                print("time budget reached; stopping the grid", flush=True)
+                break
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             r_cub = _rotations(bytes_bf16 + M * K * 2)
             ws = [w_bf16] + [w_bf16.clone() for _ in range(r_cub - 1)]
@@ -213,6 +232,7 @@ def run(args) -> dict:
             del ws
             t_naive = None
             row_base = {"N": N, "K": K, "M": M, "cublas_ms": t_cublas}
+            ks = ks_all if (N, K) == shapes[0] and M in (1, 4096) else [0, 128]
             for k in ks:
                 ch = torch.sort(torch.randperm(K, device="cuda")[:k]).values.to(torch.int32)
                 qw = quantize_weight(w, ch)
@@ -227,13 +247,19 @@ def run(args) -> dict:
                 row = dict(row_base, k=k, ours_ms=t_ours, rel_err_vs_reference=rel, rotations=r,
                            path=fk.datapath_for(M))
                 # GEMM alone (activation already quantized)
-                fp4_a = fk.datapath_for(M) == "decode"
+                fp4_a = fk_api.DECODE_FP4_A and fk.datapath_for(M) == "decode"
                 packed, scale, deq, gs, _ = fk_api._act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, fp4_a, not fp4_a, False)
                 qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
                 row["gemm_only_ms"] = _graph_ms([lambda p=p: fk.splice_gemm(x, p, qa) for p in pws])
+                if k == 128 and fk.datapath_for(M) == "decode":  # the other activation operand form, for the record
+                    packed, scale, deq, gs, _ = fk_api._act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, not fp4_a, fp4_a, False)
+                    qa2 = (packed, scale, gs) if not fp4_a else (deq, None, gs)
+                    fk.splice_gemm(x, pw, qa2)
+                    row["gemm_other_A_form_ms"] = _graph_ms([lambda p=p: fk.splice_gemm(x, p, qa2) for p in pws])
                 row["quant_only_ms"] = _graph_ms([lambda: fk_api._act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, fp4_a, not fp4_a, False)])
-                if k == 128 or (k == ks[-1] and 128 not in ks):
-                    row["w4a16_ms"] = _graph_ms([lambda p=p: fk.splice_linear(x, p, act_quant=False) for p in pws])
+                if k == 128:
+                    if M in (1, 16, 4096):
+                        row["w4a16_ms"] = _graph_ms([lambda p=p: fk.splice_linear(x, p, act_quant=False) for p in pws])
                     if t_naive is None:
                         naive_emulation(x, qw)
                         t_naive = do_bench(lambda: naive_emulation(x, qw), warmup=5, rep=max(20, int(20 * M / 256)), return_mode="median")
@@ -250,7 +276,9 @@ def run(args) -> dict:
             if K not in {q["K"] for q in res["quant"] if q["M"] == M}:
                 ch = torch.sort(torch.randperm(K, device="cuda")[:128]).values.to(torch.int32)
                 xs = [x] + [x.clone() for _ in range(_rotations(M * K * 2) - 1)]
-                t_q = _graph_ms([lambda xi=xi: fk.quantize_activation(xi, ch) for xi in xs])
+                maskq = torch.zeros(K, dtype=torch.uint8, device="cuda")
+                maskq[ch.long()] = 1
+                t_q = _graph_ms([lambda xi=xi: fk_api._act_quant_launch(xi, maskq, ch, None, True, False, True) for xi in xs])
                 qa_k = fk.quantize_activation(x, ch)
                 qa_r = ref_quantize_activation(x, ch)
                 exact = bool(torch.equal(qa_k.packed, qa_r.packed) and torch.equal(qa_k.scale.view(torch.uint8), qa_r.scale.view(torch.uint8)))
@@ -259,12 +287,14 @@ def run(args) -> dict:
                                      "TBps": qbytes / (t_q * 1e-3) / 1e12, "bit_exact_vs_reference": exact})
         _write(res, out_dir)
     # datapath sweep around the decode/prefill threshold
-    for (N, K) in [(4096, 4096), (14336, 4096)]:
+    if time.time() - t_start > args.budget_s + 60:
+        return res
+    for (N, K) in [(4096, 4096), (14336, 4096)] if not args.quick else [(4096, 4096)]:
         w = torch.randn(N, K, device="cuda") * 0.02
         ch = torch.sort(torch.randperm(K, device="cuda")[:128]).values.to(torch.int32)
         pw = fk.prepare_weight(quantize_weight(w, ch))
         pws = [pw] + [_clone_prepared(pw) for _ in range(_rotations(N * K // 2) - 1)]
-        for M in ([8, 16, 32, 64, 128] if not args.quick else [16, 32, 64]):
+        for M in ([8, 16, 32, 64, 128] if not args.quick else [16, 64]):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             entry = {"N": N, "K": K, "M": M, "k": 128}
             for path in ("decode", "mid", "prefill"):
@@ -272,22 +302,6 @@ def run(args) -> dict:
                 entry[f"{path}_ms"] = _graph_ms([lambda p=p: fk.splice_linear(x, p, path=path) for p in pws])
             res["datapaths"].append(entry)
             print(json.dumps(entry), flush=True)
-    # SASS of the tuned kernels (prefill and decode) for the (4096, 4096) shape
-    N = K = 4096
-    w = torch.randn(N, K, device="cuda") * 0.02
-    ch = torch.sort(torch.randperm(K, device="cuda")[:128]).values.to(torch.int32)
-    pw = fk.prepare_weight(quantize_weight(w, ch))
-    for M, tag in ((4096, "prefill"), (1, "decode")):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        fk.splice_linear(x, pw)
-        key = next(kk for kk in fk.TUNED if kk[0] == fk.datapath_for(M) and kk[2] == N and kk[3] == K and kk[4])
-        fp4_a = tag == "decode"
-        packed, scale, deq, gs, _ = fk_api._act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, fp4_a, not fp4_a, False)
-        qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
-        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        compiled = fk_api._gemm_launch(fk.TUNED[key], qa[0], qa[1], qa[2], x, pw, None, out, M, True, fp4_a, False)
-        res["sass"].append(dict(sass_report(compiled, tag, out_dir), config=list(fk.TUNED[key])))
-        print(json.dumps(res["sass"][-1]), flush=True)
     return res
 
 
@@ -353,6 +367,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ms", default="", help="comma-separated M values (default: 1,4,16,64,256,1024,4096)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new shapes after this many seconds")
     args = ap.parse_args()
     if not torch.cuda.is_available():

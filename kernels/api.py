@@ -25,12 +25,17 @@ from foursight.layer import QuantizedActivation, QuantizedWeight, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
 
 from .act_quant import MAX_ONEPASS_K, _act_quant_kernel
-from .splice_gemm import _splice_gemm_kernel
+from .splice_gemm import _split_reduce_kernel, _splice_gemm_kernel
 
 #: M up to this uses the decode datapath (BLOCK_M = 16, narrow N tiles, FP4 activations
 #: decoded in registers); above it the prefill datapath. Set from the H200 measurements in
 #: benchmarks/results/splice_gemm.md (see docs/kernels.md).
 DECODE_MAX_M: int = 16
+
+#: Decode datapath: feed the GEMM the packed FP4 activation (decoded in registers by every program)
+#: instead of the exact fp16 ``q*s`` written by the quantization kernel. Off: on the H200 the FP4-A
+#: variant cost more ALU time than the extra activation bytes (benchmarks/kernel_notes.md).
+DECODE_FP4_A: bool = False
 
 
 #: Match PyTorch-on-CUDA's ``tensor / 6.0`` (multiplication by fp32(1/6)) in the block scales, so
@@ -218,30 +223,54 @@ def quantize_activation(
 # GEMM configuration
 # --------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); SPLIT_K = 0 means "automatic":
+# split K until the grid has ~4 programs per SM (decode and small-M shapes are otherwise short of
+# memory-level parallelism: measured on the H200, one K loop per 64-row tile reached 0.26 TB/s).
 DECODE_CONFIGS = [
-    (16, 16, 256, 4, 4),
-    (16, 32, 256, 4, 4),
-    (16, 32, 512, 4, 3),
-    (16, 64, 256, 4, 4),
-    (16, 64, 512, 4, 3),
-    (16, 128, 256, 8, 3),
+    (16, 64, 256, 4, 3, 0),
+    (16, 32, 256, 4, 3, 0),
+    (16, 64, 512, 4, 3, 0),
+    (16, 64, 256, 4, 3, 1),
 ]
 MID_CONFIGS = [
-    (32, 64, 256, 4, 3),
-    (64, 64, 128, 4, 4),
-    (64, 128, 128, 8, 3),
-    (32, 128, 128, 4, 4),
+    (64, 128, 128, 8, 3, 0),
+    (32, 64, 256, 4, 3, 0),
+    (64, 64, 128, 4, 4, 0),
 ]
 PREFILL_CONFIGS = [
-    (128, 128, 64, 8, 3),
-    (128, 128, 128, 8, 3),
-    (128, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
-    (64, 128, 128, 4, 4),
-    (128, 64, 128, 4, 4),
+    (128, 128, 64, 8, 3, 0),
+    (128, 128, 128, 8, 3, 0),
+    (128, 256, 64, 8, 3, 0),
+    (64, 128, 128, 4, 4, 0),
 ]
-_INTERP_CONFIGS = {"decode": (16, 16, 64, 4, 1), "mid": (32, 32, 32, 4, 1), "prefill": (32, 32, 32, 4, 1)}
+_INTERP_CONFIGS = {"decode": (16, 16, 64, 4, 1, 0), "mid": (32, 32, 32, 4, 1, 1), "prefill": (32, 32, 32, 4, 1, 0)}
+
+_SM_COUNT: dict = {}
+
+
+def _programs_target(device: torch.device) -> int:
+    """About 4 programs per SM (8 under the interpreter, so that CPU tests exercise split-K)."""
+    if _interpreting() or device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return 4 * _SM_COUNT[idx]
+
+
+def _split_plan(m: int, n: int, k_dim: int, bm: int, bn: int, bk: int, split: int, device) -> tuple[int, int]:
+    """(number of K splits, K/16-groups per split). ``split`` 0 = automatic, 1 = no split."""
+    kg, g = k_dim // BLOCK_SIZE, bk // BLOCK_SIZE
+    steps = triton.cdiv(kg, g)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if split == 0:
+        target = _programs_target(device)
+        split = 1 if 2 * tiles >= target else min(triton.cdiv(target, tiles), steps)
+        split = max(1, min(split, (256 * 2**20) // max(1, 4 * m * n)))  # workspace <= 256 MB
+    split = max(1, min(split, steps))
+    gps = triton.cdiv(steps, split) * g
+    return triton.cdiv(kg, gps), gps
+
 
 #: chosen configuration per key, filled by the autotuner (benchmark writes it out)
 TUNED: dict = {}
@@ -255,12 +284,14 @@ def datapath_for(m: int) -> str:
 
 
 def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant, a_fp4, dot_bf16):
-    bm, bn, bk, nw, ns = cfg
+    bm, bn, bk, nw, ns = cfg[:5]
     n, k_dim = pw.out_features, pw.in_features
     kk = pw.num_channels
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    splits, gps = _split_plan(m, n, k_dim, bm, bn, bk, cfg[5] if len(cfg) > 5 else 0, out.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), splits)
     dummy = pw.weight_global_scale
-    return _splice_gemm_kernel[grid](
+    target = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    compiled = _splice_gemm_kernel[grid](
         a, a.stride(0), a.stride(1) if a.dim() == 2 else 1,
         a_s if a_s is not None else dummy, a_s.stride(0) if a_s is not None else 0,
         a_gs if a_gs is not None else dummy,
@@ -271,9 +302,9 @@ def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant
         pw.weight_global_scale,
         pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
         bias if bias is not None else dummy,
-        out, out.stride(0), out.stride(1),
-        m, n, k_dim, kk,
-        A_QUANT=a_quant, A_FP4=a_fp4, DOT_BF16=dot_bf16, HAS_BIAS=bias is not None,
+        target, out.stride(0), out.stride(1),
+        m, n, k_dim, kk, gps,
+        A_QUANT=a_quant, A_FP4=a_fp4, DOT_BF16=dot_bf16, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1,
         EVEN_K=(k_dim % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
@@ -281,6 +312,13 @@ def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant
         INTERP=_interpreting(),
         num_warps=nw, num_stages=ns,
     )
+    if splits > 1:
+        blk = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, blk),)](
+            target, bias if bias is not None else dummy, out, out.stride(0), out.stride(1), m, n, splits,
+            HAS_BIAS=bias is not None, BLOCK=blk, INTERP=_interpreting(), num_warps=4,
+        )
+    return compiled
 
 
 def _pick_config(path: str, key: tuple, run) -> tuple:
@@ -403,7 +441,7 @@ def splice_linear(
     m = x2.shape[0]
     path = path or datapath_for(m)
     if act_quant:
-        fp4_a = path == "decode"
+        fp4_a = DECODE_FP4_A and path == "decode"
         packed, scale, deq, gs, _ = _act_quant_launch(
             x2, prepared.channel_mask, prepared.bf16_channels, input_global_scale, fp4_a, not fp4_a, False
         )

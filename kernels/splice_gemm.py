@@ -88,12 +88,15 @@ def _splice_gemm_kernel(
     w_gs_ptr,  # fp32 [N] weight global scale per output row
     wb_ptr, stride_wbn,  # W_bf16 [N, KS]
     bias_ptr,  # [N]
-    out_ptr, stride_om, stride_on,  # [M, N]
+    out_ptr, stride_om, stride_on,  # [M, N] (or the fp32 split-K workspace [SPLIT, M, N] when SPLIT)
     M, N, K, KS,
+    GROUPS_PER_SPLIT,  # K/16-groups per split (a multiple of BLOCK_K/16); grid axis 1 = split index
     A_QUANT: tl.constexpr,
     A_FP4: tl.constexpr,
     DOT_BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_KS: tl.constexpr,
+    SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -103,6 +106,7 @@ def _splice_gemm_kernel(
     INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -121,18 +125,22 @@ def _splice_gemm_kernel(
     g = tl.arange(0, G)
     j8 = tl.arange(0, 8)
     KG = K // 16
+    kg_start = pid_k * GROUPS_PER_SPLIT
+    kg_end = tl.minimum(KG, kg_start + GROUPS_PER_SPLIT)
 
     w_ptrs = wp_ptr + rn[:, None, None] * stride_wpn + g[None, :, None] * 8 + j8[None, None, :]
     ws_ptrs = ws_ptr + rn[:, None] * stride_wsn + g[None, :]
+    w_ptrs += kg_start * 8
+    ws_ptrs += kg_start
     if A_FP4:
-        a_ptrs = a_ptr + rm[:, None, None] * stride_am + g[None, :, None] * 8 + j8[None, None, :]
-        as_ptrs = as_ptr + rm[:, None] * stride_asm + g[None, :]
+        a_ptrs = a_ptr + rm[:, None, None] * stride_am + g[None, :, None] * 8 + j8[None, None, :] + kg_start * 8
+        as_ptrs = as_ptr + rm[:, None] * stride_asm + g[None, :] + kg_start
     else:
         k16 = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rm[:, None] * stride_am + k16[None, :] * stride_ak
+        a_ptrs = a_ptr + rm[:, None] * stride_am + (kg_start * 16 + k16)[None, :] * stride_ak
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kg0 in range(0, KG, G):
+    for kg0 in range(kg_start, kg_end, G):
         if EVEN_K:
             p = tl.load(w_ptrs).to(tl.int32)
             sb = tl.load(ws_ptrs).to(tl.int32)
@@ -175,18 +183,42 @@ def _splice_gemm_kernel(
         acc = acc * (16384.0 / wgs)[:, None]
 
     # the spliced BF16 channel segment: more K-steps into the same accumulator
-    offs_c = tl.arange(0, BLOCK_KS)
-    for c0 in range(0, KS, BLOCK_KS):
-        cm = (c0 + offs_c) < KS
-        ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
-        xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :] * stride_xk, mask=cm[None, :], other=0.0)
-        wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-        acc = _mma(wb, tl.trans(_bf16_rne(xs.to(tl.float32), INTERP)), acc, INTERP)
+    if HAS_KS:
+        if pid_k == 0:
+            offs_c = tl.arange(0, BLOCK_KS)
+            for c0 in range(0, KS, BLOCK_KS):
+                cm = (c0 + offs_c) < KS
+                ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
+                xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :] * stride_xk, mask=cm[None, :], other=0.0)
+                wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
+                acc = _mma(wb, tl.trans(_bf16_rne(xs.to(tl.float32), INTERP)), acc, INTERP)
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64) * stride_on
     omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    if SPLIT:
+        # fp32 partial of this K split; _split_reduce_kernel sums the splits, adds the bias, casts
+        part = out_ptr + pid_k.to(tl.int64) * M * N + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(part, acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64) * stride_on
+        if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+            acc = _bf16_rne(acc, INTERP)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+@triton.jit
+def _split_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, stride_on, M, N, SPLITS,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    """out[m, n] = sum_s ws[s, m, n] (+ bias[n]), cast to out's dtype. ws: fp32 [SPLITS, M, N]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    m = offs // N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
         acc = _bf16_rne(acc, INTERP)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)

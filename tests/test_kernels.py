@@ -250,3 +250,16 @@ def test_empty_batch():
 
 def test_blackwell_path_not_taken_here():
     assert fk.blackwell_fp4_available() is False
+
+
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_splice_gemm_packed_fp4_activation(M):
+    """The A_FP4 operand mode (packed activation decoded in registers) against the reference."""
+    g = torch.Generator().manual_seed(30 + M)
+    N, K, k = 32, 208, 16
+    qw = _layer(N, K, k, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, K, g, torch.float32)
+    qa = fk.quantize_activation(x, qw.bf16_channels)
+    y = fk.splice_gemm(x, pw, (qa.packed, qa.scale.view(torch.uint8), qa.global_scale), out_dtype=torch.float32)
+    _check(y, reference_linear(x, qw))

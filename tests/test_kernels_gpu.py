@@ -131,12 +131,23 @@ def test_small_block_scales_fp16_subnormals_gpu():
     w[:, 0] = 1.0
     qw = quantize_weight(w, torch.tensor([], dtype=torch.int32, device=DEV))
     pw = fk.prepare_weight(qw)
-    x = torch.randn(64, K, generator=g, device=DEV)
+    x = torch.randn(64, K, generator=g, device=DEV).bfloat16()
     x[:, :16] = 0
     for M in (8, 64):
         xm = x[:M].contiguous()
-        _check(fk.splice_gemm(xm, pw, None, out_dtype=torch.float32), reference_linear(xm, qw, act_quant=False))
-        _check(fk.splice_linear(xm, pw), reference_linear(xm, qw))
+        _check(fk.splice_gemm(xm, pw, None, out_dtype=torch.float32), reference_linear(xm, qw, act_quant=False, out_dtype=torch.float32))
+        _check(fk.splice_linear(xm.float(), pw), reference_linear(xm.float(), qw))
+
+
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_splice_gemm_packed_fp4_activation_gpu(M):
+    g = _gen(40 + M)
+    qw = _layer(4096, 4096, 128, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, 4096, g, torch.float32)
+    qa = fk.quantize_activation(x, qw.bf16_channels)
+    y = fk.splice_gemm(x, pw, (qa.packed, qa.scale.view(torch.uint8), qa.global_scale), out_dtype=torch.float32)
+    _check(y, reference_linear(x, qw))
 
 
 def test_prepare_weight_idempotent_gpu():
