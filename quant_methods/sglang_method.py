@@ -16,14 +16,13 @@ What is SGLang-specific here:
   (see ``core.OnlineSettings``) and, if present, the model folder's ``foursight_channels.json``.
 * :class:`FourSightSGLangLinearMethod` -- SGLang's ``LinearMethodBase``. Parameters get the
   core's loaders wrapped around SGLang's own v1 column/row/QKV/merged loader.
-* The RL weight update. SGLang's ``update_weights_from_tensor`` calls ``model.load_weights``
-  but not ``process_weights_after_loading``; every loader here marks its layer stale and the
-  next ``apply`` rebuilds the execution state (the core's ``process`` is idempotent and never
-  touches the loaded parameters). :func:`refresh_foursight_layers` does the same eagerly, and
-  :func:`load_weights_and_refresh` is a SGLang custom weight loader
-  (``--custom-weight-loader foursight.quant_methods.sglang_method.load_weights_and_refresh``,
-  then ``update_weights_from_tensor(..., load_format=<that path>)``) for GPU engines that
-  capture CUDA graphs and must not rebuild inside a forward.
+* The RL weight update. SGLang 0.5.23 wraps ``update_weights_from_tensor`` /
+  ``update_weights_from_distributed`` in a ``begin_weight_update`` / ``end_weight_update``
+  session whose end runs ``process_weights_after_loading`` (and ``update_weights_from_disk``
+  runs it too); the core's processing is idempotent and never touches the loaded parameters,
+  so this simply rebuilds the execution state. As a safety net for code that calls
+  ``model.load_weights`` directly, every loader also marks its layer stale and ``apply``
+  rebuilds a stale layer before use (:func:`refresh_foursight_layers` does it eagerly).
 
 Registration with SGLang happens in :mod:`foursight.quant_methods.sglang_plugin` (entry point
 ``sglang.srt.plugins``).
@@ -257,20 +256,9 @@ def refresh_foursight_layers(model: torch.nn.Module, only_stale: bool = True) ->
     return n
 
 
-def load_weights_and_refresh(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """SGLang custom weight loader for the RL weight update: load, then rebuild touched layers.
-
-    Use with ``--custom-weight-loader foursight.quant_methods.sglang_method.load_weights_and_refresh``
-    and ``update_weights_from_tensor(named_tensors, load_format=<the same path>)``.
-    """
-    model.load_weights(named_tensors)
-    refresh_foursight_layers(model)
-
-
 __all__ = [
     "FourSightSGLangConfig",
     "FourSightSGLangLinearMethod",
     "foursight_layers",
     "refresh_foursight_layers",
-    "load_weights_and_refresh",
 ]

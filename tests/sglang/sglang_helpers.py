@@ -146,8 +146,8 @@ def noise_floor(model: torch.nn.Module, prompts: list[list[int]], sdpa_logprobs:
 
 def within_floor(d: torch.Tensor, floor: torch.Tensor) -> tuple[bool, str]:
     """The acceptance rule of the engine-vs-reference tests (see docs/sglang.md):
-    mean |Δ| ≤ 1.5·mean(floor) + 0.005 and max |Δ| ≤ 2·max(floor) + 0.05."""
-    mean_tol = 1.5 * float(floor.mean()) + 0.005
+    mean |Δ| ≤ 2·mean(floor) + 0.01 and max |Δ| ≤ 2·max(floor) + 0.05."""
+    mean_tol = 2.0 * float(floor.mean()) + 0.01
     max_tol = 2.0 * float(floor.max()) + 0.05
     ok = float(d.mean()) <= mean_tol and float(d.max()) <= max_tol
     msg = (f"mean |Δ| {float(d.mean()):.5f} (tol {mean_tol:.5f}), max |Δ| {float(d.max()):.5f} (tol {max_tol:.5f}); "

@@ -7,10 +7,12 @@ the same per-tensor global scale convention as the checkpoint writer, so the eng
 the PyTorch reference model *of the checkpoint* (tolerance: the measured noise floor, see
 test_server.py and ``sglang_helpers.within_floor``).
 
-Then ``engine.update_weights_from_tensor`` streams the BF16 weights of another model (the "new
-policy" of an RL step) in HF naming: SGLang calls ``model.load_weights`` only, the FourSight
-layers are marked stale by their loaders and re-quantized (same channel sets) before the next
-forward; the logprobs must follow the reference of the new policy quantized with those channels.
+Then ``engine.update_weights_from_tensor`` (inside SGLang's ``begin_weight_update`` /
+``end_weight_update`` session) streams the BF16 weights of another model (the "new policy" of an
+RL step) in HF naming; ``end_weight_update`` runs the post-load processing, which re-quantizes
+the FourSight layers with the same channel sets; the logprobs must follow the reference of the
+new policy quantized with those channels. ``update_weights_from_disk`` with a folder of BF16
+tensors (the rollout bridge's contract) brings policy A back.
 """
 
 from __future__ import annotations
@@ -86,10 +88,16 @@ def test_weight_update_from_tensor_requantizes(online_engine, tiny_ckpt, tiny_ll
 
     from foursight.hf import quantize_hf_model
 
-    prompts = prompt_ids(tiny_ckpt, n=2)
+    prompts = prompt_ids(tiny_ckpt, n=4)
     before = engine_prompt_logprobs(online_engine, prompts)
     new = load_file(str(tiny_llama_b_dir / "model.safetensors"))
+    # SGLang 0.5.23's session: begin (restore_weights_before_loading) -> tensors (load_weights)
+    # -> end (process_weights_after_loading: the FourSight layers are re-quantized)
+    ok, msg = online_engine.begin_weight_update()
+    assert ok, msg
     ok, msg = online_engine.update_weights_from_tensor(list(new.items()))
+    assert ok, msg
+    ok, msg = online_engine.end_weight_update()
     assert ok, msg
     after = engine_prompt_logprobs(online_engine, prompts)
     chans = json.loads((tiny_ckpt / "foursight_channels.json").read_text())["channels"]
@@ -101,3 +109,24 @@ def test_weight_update_from_tensor_requantizes(online_engine, tiny_ckpt, tiny_ll
     print(m)
     assert ok, m
     assert float(moved.mean()) >= SEPARATION * float(d.mean()), m
+
+
+def test_weight_update_from_disk_folder_of_bf16_tensors(online_engine, tiny_ckpt, tiny_llama_dir, tmp_path):
+    """The rollout bridge's contract: a folder holding only ``*.safetensors`` of BF16 tensors in HF
+    naming, loaded with ``update_weights_from_disk`` (full post-load processing). Back to policy A:
+    the logprobs must again match the checkpoint reference of A."""
+    import shutil
+
+    upd = tmp_path / "update-a"
+    upd.mkdir()
+    shutil.copy(tiny_llama_dir / "model.safetensors", upd / "model.safetensors")
+    out = online_engine.update_weights_from_disk(str(upd))
+    ok, msg = out[0], out[1]
+    assert ok, msg
+    prompts = prompt_ids(tiny_ckpt, n=4)
+    eng = engine_prompt_logprobs(online_engine, prompts)
+    ref_model = reference_model(tiny_ckpt)
+    ref = hf_prompt_logprobs(ref_model, prompts)
+    ok, m = within_floor(abs_diffs(eng, ref), noise_floor(ref_model, prompts, ref))
+    print("after disk update back to A vs checkpoint reference:", m)
+    assert ok, m

@@ -16,7 +16,7 @@ between the linears differs: SGLang's torch-native attention, RMSNorm, RoPE and 
 BF16 vs the HF modules. A BF16 rounding difference in a layer input can move an activation across
 an FP4 rounding boundary, which later layers amplify. So the tolerance is measured, not guessed:
 the *noise floor* is the |Δ| between two equally valid HF implementations of the same checkpoint
-(SDPA vs eager attention), and the engine must satisfy mean |Δ| ≤ 1.5·floor_mean + 0.005 and
+(SDPA vs eager attention), and the engine must satisfy mean |Δ| ≤ 2·floor_mean + 0.01 and
 max |Δ| ≤ 2·floor_max + 0.05 (``sglang_helpers.within_floor``). On the tiny model the floor is
 ≈0.12 mean / 0.5 max nats for W4A4 (≈0.012 / 0.06 for W4A16); the figures of a run are printed.
 So that the check can fail for a wrong layer, the engine must also be at least 2.5x closer
@@ -149,7 +149,7 @@ def test_logprobs_match_reference_model(server, tiny_ckpt, tiny_nvfp4_ckpt, reco
 
 
 def test_update_weights_from_disk_follows_new_policy(server, tiny_ckpt, tiny_ckpt_b):
-    prompts = prompt_ids(tiny_ckpt, n=2)
+    prompts = prompt_ids(tiny_ckpt, n=4)
     before = _server_logprobs(server, prompts)
     try:
         r = httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(tiny_ckpt_b)}, timeout=300)
@@ -180,7 +180,9 @@ def test_missing_tensor_fails_at_load_naming_it(tiny_ckpt, tmp_path):
     log = tmp_path / "bad.log"
     proc = _launch(bad, free_port(), log)
     try:
+        t0 = time.time()
         proc.wait(STARTUP_TIMEOUT)
+        print(f"bad checkpoint: server exited after {time.time() - t0:.0f} s")
     except subprocess.TimeoutExpired:
         _stop(proc)
         raise AssertionError(f"server with a bad checkpoint did not exit:\n{log.read_text()[-3000:]}")
