@@ -523,12 +523,12 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"Mismatch vs learner ({LEARNER}), {result['num_tokens']} tokens")
-    t.add_column("engine")
+    t.add_column("engine", no_wrap=True)
     for _, lbl in SUMMARY_KEYS:
-        t.add_column(lbl, justify="right")
+        t.add_column(lbl, justify="right", no_wrap=True)
     for name, m in result["engines"].items():
         t.add_row(name, *(_fmt(k, m.get(k, float("nan"))) for k, _ in SUMMARY_KEYS))
-    Console().print(t)
+    Console(width=max(Console().width, 150)).print(t)
 
 
 # ---------------------------------------------------------------------------------------------

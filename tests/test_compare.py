@@ -1,0 +1,61 @@
+"""`foursight compare` end to end on the real vLLM CPU engine with the tiny model, and its parts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from foursight.compare import CompareError, EngineSpec, engine_metrics, pairwise, parse_engine_urls, parse_engines
+
+
+def test_engine_spec_parsing_names_the_flag():
+    assert [e.name for e in parse_engines("hf:bf16, vllm:foursight")] == ["hf:bf16", "vllm:foursight"]
+    with pytest.raises(CompareError, match="--engines: 'vllm:fp8'"):
+        parse_engines("vllm:fp8")
+    with pytest.raises(CompareError, match="repeated"):
+        parse_engines("hf:bf16,hf:bf16")
+    assert parse_engine_urls(["vllm:bf16=http://127.0.0.1:8000/"]) == {"vllm:bf16": "http://127.0.0.1:8000"}
+    with pytest.raises(CompareError, match="--engine-url"):
+        parse_engine_urls(["vllm:bf16"])
+
+
+def test_metrics_against_hand_values():
+    learner = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    engine = [torch.tensor([-1.5, -2.0]), torch.tensor([-0.5])]
+    m = engine_metrics(learner, engine, tail_threshold=0.4)
+    assert m["tim/abs_log_ratio_mean"] == pytest.approx(0.5 / 3)
+    assert m["tim/abs_log_ratio_max"] == pytest.approx(0.5)
+    assert m["tim/tail_tokens"] == 1 and m["tim/tail_seq_fraction"] == pytest.approx(0.5)
+    # k3 = rho - 1 - log rho with rho = exp(r), r = learner - engine = 0.5 on one token
+    assert m["tim/k3_mean"] == pytest.approx((torch.exp(torch.tensor(0.5)) - 1 - 0.5).item() / 3, rel=1e-6)
+    pw = pairwise({"a": learner, "b": engine})
+    assert pw["a"]["a"] == 0 and pw["a"]["b"] == pytest.approx(0.5 / 3)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_compare_end_to_end_vllm(tiny_llama_dir, tmp_path):
+    pytest.importorskip("vllm")
+    from foursight.compare import run_compare
+
+    out = tmp_path / "report"
+    res = run_compare(tiny_llama_dir, parse_engines("vllm:bf16,hf:bf16,vllm:foursight,vllm:nvfp4"), out, n=12, max_tokens=24,
+                      channels="16", max_model_len=256, seed=1)
+    m = res["engines"]
+    bf = m["vllm:bf16"]["tim/abs_log_ratio_mean"]
+    fs = m["vllm:foursight"]["tim/abs_log_ratio_mean"]
+    fp4 = m["vllm:nvfp4"]["tim/abs_log_ratio_mean"]
+    print(f"mean |dlogp| vs HF BF16: vllm:bf16 {bf:.5f}  vllm:foursight {fs:.5f}  vllm:nvfp4 {fp4:.5f}")
+    assert bf < fp4 / 5, (bf, fp4)  # BF16 engine vs BF16 learner: far below NVFP4 vs BF16
+    assert fs < fp4, (fs, fp4)  # compensation helps
+    assert res["generator_self_check"]["mean_abs"] < 0.05  # sampling logprobs == teacher-forced scoring
+    # the report files exist and parse
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["engines"]) == {"vllm:bf16", "vllm:foursight", "vllm:nvfp4"}
+    assert metrics["num_tokens"] > 50
+    md = (out / "report.md").read_text()
+    assert "| vllm:foursight |" in md and "cdf_abs_dlogp.png" in md
+    for png in ("cdf_abs_dlogp.png", "seq_max_hist.png", "dlogp_vs_position.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
