@@ -47,7 +47,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 import foursight.kernels as fk
 import foursight.kernels.api as fk_api
 from foursight.layer import QuantizedWeight, quantize_activation as ref_quantize_activation, quantize_weight, reference_linear
-from foursight.nvfp4 import BLOCK_SIZE, block_scales, dequantize_nvfp4, global_scale_from_amax, round_to_e2m1
+from foursight.kernels.reference import naive_emulation
 
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 240 * 2**20  # bytes streamed per graph replay, >= 4x L2
@@ -56,25 +56,6 @@ ROTATE_BYTES = 240 * 2**20  # bytes streamed per graph replay, >= 4x L2
 # ---------------------------------------------------------------------------------------------
 # baselines
 # ---------------------------------------------------------------------------------------------
-
-
-def naive_emulation(x: torch.Tensor, qw: QuantizedWeight, bias=None) -> torch.Tensor:
-    """Fake-quantize X in PyTorch, dequantize the FP4 weight to bf16, bf16 matmuls (what a user
-    without kernels writes). Numerically the reference up to bf16 rounding of the operands."""
-    ch = qw.bf16_channels.long()
-    x0 = x.clone()
-    x0[:, ch] = 0
-    gs = global_scale_from_amax(x0.float().abs().amax(dim=1, keepdim=True))
-    s = block_scales(x0, gs).float()
-    eff = (s / gs).repeat_interleave(BLOCK_SIZE, dim=1)
-    xd = (round_to_e2m1(torch.clamp(x0.float() / eff, -6, 6)) * eff).to(torch.bfloat16)
-    wd = dequantize_nvfp4(qw.weight_packed, qw.weight_scale, qw.weight_global_scale, torch.bfloat16)
-    y = xd @ wd.t()
-    if ch.numel():
-        y = y + x[:, ch] @ qw.weight_bf16.t()
-    if bias is not None:
-        y = y + bias
-    return y
 
 
 # ---------------------------------------------------------------------------------------------

@@ -301,8 +301,8 @@ class SGLangServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                    "--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16", "--mem-fraction-static", "0.3",
-                    "--max-total-tokens", "8192", "--disable-cuda-graph", *extra]
+                    "--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16", "--mem-fraction-static", "0.05",
+                    "--disable-cuda-graph", "--random-seed", "0", *extra]
         self.env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         self.log_path = log_path
         self.proc = None

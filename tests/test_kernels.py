@@ -263,3 +263,15 @@ def test_splice_gemm_packed_fp4_activation(M):
     qa = fk.quantize_activation(x, qw.bf16_channels)
     y = fk.splice_gemm(x, pw, (qa.packed, qa.scale.view(torch.uint8), qa.global_scale), out_dtype=torch.float32)
     _check(y, reference_linear(x, qw))
+
+
+def test_naive_emulation_baseline_matches_reference():
+    """The benchmark's naive baseline computes the same function (up to bf16 operand rounding)."""
+    from foursight.kernels.reference import naive_emulation
+
+    g = torch.Generator().manual_seed(12)
+    qw = _layer(32, 128, 16, g)
+    x = _act(5, 128, g)
+    ref = reference_linear(x, qw, out_dtype=torch.float32)
+    y = naive_emulation(x, qw).float()
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-2
