@@ -145,14 +145,14 @@ class BridgeState:
         self.max_queue = max_queue
         self.sample_timeout_s = sample_timeout_s
         self.initial_version = initial_version
-        self.inflight = {e.name: 0 for e in self.engines}
+        self.inflight = {id(e): 0 for e in self.engines}  # keyed by object: a name may change at start()
         self.metrics = BridgeMetrics()
         self.gate: VersionGate | None = None
         self.sem: asyncio.Semaphore | None = None
 
     def pick_engine(self) -> Engine:
         """The engine with the fewest calls in flight (first one on ties)."""
-        return min(self.engines, key=lambda e: self.inflight[e.name])
+        return min(self.engines, key=lambda e: self.inflight[id(e)])
 
 
 def _field_name(loc: Sequence[Any]) -> str:
@@ -264,7 +264,7 @@ def create_app(
                 try:
                     async with state.sem:
                         engine = state.pick_engine()
-                        state.inflight[engine.name] += 1
+                        state.inflight[id(engine)] += 1
                         t0 = time.monotonic()
                         try:
                             res = await asyncio.wait_for(engine.generate(prompt_ids[pi], sp, max_tokens, seed), timeout)
@@ -288,7 +288,14 @@ def create_app(
                                             error=f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
                             m.errors.labels(kind="engine").inc()
                         finally:
-                            state.inflight[engine.name] -= 1
+                            state.inflight[id(engine)] -= 1
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - a bridge bug must still end in an error event, never a hang
+                    log.exception("rollout task failed")
+                    ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=getattr(engine, "name", "?"),
+                                    weight_version=version, error=f"bridge error: {type(e).__name__}: {e}")
+                    m.errors.labels(kind="bridge").inc()
                 finally:
                     m.pending.dec()
                 await queue.put(ev)  # bounded: a slow reader holds back this task (backpressure)

@@ -1,0 +1,180 @@
+"""The bridge with the in-process HF engine: versioned weight updates (BF16 and FourSight
+re-quantization), version tags, timeouts and bad updates."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient, RolloutError
+from foursight.trainer_bridge.engines import HFEngine
+from foursight.trainer_bridge.launch import BridgeThread
+from foursight.trainer_bridge.scoring import pad_rollouts, score
+from foursight.trainer_bridge.server import create_app
+
+KEY = "k"
+
+
+def _perturbed_state(model_dir, seed: int = 0) -> dict[str, torch.Tensor]:
+    """New BF16 weights (HF names): every linear weight moved by 50 % of its std, lm_head doubled."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, p in m.named_parameters():
+        if n.endswith("proj.weight"):
+            out[n] = (p.float() + 0.5 * p.float().std() * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
+        elif n == "lm_head.weight":
+            out[n] = (2 * p.float()).to(torch.bfloat16)
+    return out
+
+
+def _bf16_model_with(model_dir, state):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    m.load_state_dict(state, strict=False)
+    return m
+
+
+@pytest.fixture(scope="module")
+def hf_bridge(tiny_llama_dir):
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=KEY, sample_timeout_s=120)).start()
+    yield b
+    b.stop()
+
+
+def test_hf_engine_logprobs_are_the_models(hf_bridge, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    with RolloutClient(hf_bridge.url, api_key=KEY) as c:
+        rs = c.generate([[5, 6, 7, 8], "hello world"], {"max_tokens": 12, "temperature": 1.0, "top_k": 50, "seed": 1}, n=2)
+    assert len(rs) == 4 and all(len(r.token_ids) == 12 and r.engine.startswith("hf@") for r in rs)
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    lt, lr, mask = pad_rollouts(rs, score(m, rs))
+    # KV-cached decode vs one teacher-forced forward of the same BF16 model
+    assert float((lt - lr)[mask].abs().max()) < 0.1
+
+
+def test_weight_update_versions_and_ordering(hf_bridge, tiny_llama_dir, tmp_path):
+    """A stream started under version 0 finishes under 0; the update waits for it; later streams are 1
+    and their logprobs are those of the new weights."""
+    state = _perturbed_state(tiny_llama_dir)
+    path = tmp_path / "new.safetensors"
+    save_file(state, str(path))
+    c = RolloutClient(hf_bridge.url, api_key=KEY)
+    assert c.weight_version() == 0
+    first_event = threading.Event()
+    stream_events, t_stream_end = [], []
+
+    def long_stream():
+        for r in c.stream([[5, 6, 7]], {"max_tokens": 40, "ignore_eos": True, "seed": 2}, n=4):
+            stream_events.append(r)
+            first_event.set()
+        t_stream_end.append(time.monotonic())
+
+    th = threading.Thread(target=long_stream)
+    th.start()
+    assert first_event.wait(120)
+    c2 = RolloutClient(hf_bridge.url, api_key=KEY)
+    ack = c2.update_weights(version=1, path=str(path))
+    t_update_done = time.monotonic()
+    th.join(120)
+    assert ack["version"] == 1 and ack["previous_version"] == 0
+    assert ack["engines"][0]["updated_tensors"] == len(state)
+    assert t_stream_end and t_stream_end[0] <= t_update_done  # the update waited for the old stream
+    assert len(stream_events) == 4 and {r.weight_version for r in stream_events} == {0}
+    assert c.weight_version() == 1
+
+    new = c.generate([[5, 6, 7], [9, 10]], {"max_tokens": 16, "seed": 3}, n=2)
+    assert {r.weight_version for r in new} == {1}
+    lt_new, lr, mask = pad_rollouts(new, score(_bf16_model_with(tiny_llama_dir, state), new))
+    from transformers import AutoModelForCausalLM
+
+    lt_old, _, _ = pad_rollouts(new, score(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval(), new))
+    err_new = float((lt_new - lr)[mask].abs().mean())
+    err_old = float((lt_old - lr)[mask].abs().mean())
+    assert err_new < 0.02 < err_old, (err_new, err_old)
+    # versions only move forward
+    with pytest.raises(BridgeHTTPError) as ei:
+        c.update_weights(version=1, path=str(path))
+    assert ei.value.status == 409
+    c.close()
+    c2.close()
+
+
+def test_bad_weight_update_names_the_tensor(hf_bridge, tmp_path):
+    c = RolloutClient(hf_bridge.url, api_key=KEY)
+    v = c.weight_version()
+    bad = tmp_path / "bad.safetensors"
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3, dtype=torch.bfloat16)}, str(bad))
+    with pytest.raises(BridgeHTTPError) as ei:
+        c.update_weights(version=v + 1, path=str(bad))
+    assert ei.value.status == 502 and "model.layers.0.self_attn.q_proj.weight" in str(ei.value)
+    unknown = tmp_path / "unknown.safetensors"
+    save_file({"model.layers.0.nope.weight": torch.zeros(3, dtype=torch.bfloat16)}, str(unknown))
+    with pytest.raises(BridgeHTTPError, match="model.layers.0.nope.weight"):
+        c.update_weights(version=v + 1, path=str(unknown))
+    with pytest.raises(BridgeHTTPError) as ei:
+        c.update_weights(version=v + 1, path=str(tmp_path / "missing.safetensors"))
+    assert ei.value.status == 422 and "path" in str(ei.value)
+    r = httpx.post(hf_bridge.url + "/v1/weights", json={"version": v + 1}, headers={"X-API-Key": KEY})
+    assert r.status_code == 422 and "path, shm_name" in r.json()["error"]
+    assert c.weight_version() == v
+    c.close()
+
+
+def test_sample_timeout_gives_error_events(tiny_llama_dir):
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], sample_timeout_s=120)).start()
+    try:
+        with RolloutClient(b.url) as c:
+            with pytest.raises(RolloutError) as ei:
+                c.generate([[5, 6, 7]], {"max_tokens": 400, "ignore_eos": True}, n=2, timeout_s=0.05)
+            assert len(ei.value.errors) == 2 and all("timeout" in e.error for e in ei.value.errors)
+            assert ei.value.end.status == "error" and ei.value.end.num_errors == 2
+            out = list(c.stream([[5, 6, 7]], {"max_tokens": 400, "ignore_eos": True}, n=1, raise_on_error=False, timeout_s=0.05))
+            assert len(out) == 1 and out[0].type == "error"
+    finally:
+        b.stop()
+
+
+def test_foursight_hf_engine_requantizes_on_update(tiny_llama_dir, tmp_path):
+    """HF engine on a FourSight checkpoint: after /v1/weights (via shared memory) its logprobs are those
+    of the FourSight reference model built from the new BF16 weights with the same channels."""
+    import os
+
+    from foursight.checkpoint import quantize_model
+    from foursight.hf import FourSightLinear, load_reference_model
+
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", progress=False).out_dir
+    b = BridgeThread(create_app([HFEngine(ckpt, tokenizer=tiny_llama_dir)])).start()
+    shm_name = f"foursight-test-{os.getpid()}.safetensors"
+    shm_file = f"/dev/shm/{shm_name}"
+    try:
+        state = _perturbed_state(tiny_llama_dir, seed=1)
+        save_file(state, shm_file)
+        with RolloutClient(b.url) as c:
+            assert c.health()["engines"][0]["name"].startswith("hf-foursight@")
+            ack = c.update_weights(version=5, shm_name=shm_name)
+            n_lin = sum(1 for k in state if k.endswith("proj.weight"))
+            assert ack["engines"][0]["requantized_layers"] == n_lin
+            rs = c.generate([[5, 6, 7, 8], [11, 12]], {"max_tokens": 12, "seed": 4}, n=2)
+        assert {r.weight_version for r in rs} == {5}
+        # independent reference: load the checkpoint, re-quantize each layer from the new weights
+        ref = load_reference_model(ckpt)
+        for n, mod in ref.named_modules():
+            if isinstance(mod, FourSightLinear):
+                mod.set_weight(state[n + ".weight"])
+        ref.load_state_dict({"lm_head.weight": state["lm_head.weight"]}, strict=False)
+        lt, lr, mask = pad_rollouts(rs, score(ref, rs))
+        assert float((lt - lr)[mask].abs().mean()) < 0.02
+    finally:
+        b.stop()
+        if os.path.exists(shm_file):
+            os.remove(shm_file)

@@ -1,0 +1,117 @@
+"""TRL adapter: the filter on a GRPO batch in TRL's own format (trl 1.16.0 installed; no vLLM server
+or training run here — the batch is synthetic, shaped like ``_generate_and_score_completions``'s)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from foursight.trainer_bridge.filters import FilterConfig  # noqa: E402
+from foursight.trainer_bridge.trl import apply_filter_to_trl_batch, check_trl_args  # noqa: E402
+
+
+def _batch(B=8, T=10, drifted=(1, 6), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    samp = -torch.rand(B, T, generator=g) * 5
+    old = samp + torch.randn(B, T, generator=g) * 1e-4
+    cm = torch.ones(B, T, dtype=torch.long)
+    cm[0, 7:] = 0
+    cm[3, 4:] = 0
+    for b in drifted:
+        old[b, 2] += 2.0  # learner assigns e^2 more probability than the engine: a tail token
+    return {
+        "prompt_ids": torch.zeros(B, 3, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": cm,
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": samp,
+        "importance_sampling_ratio": torch.ones(B, 1),
+        "advantages": torch.zeros(B),
+    }
+
+
+def test_filter_replaces_trl_is_ratio():
+    batch = _batch()
+    cm_before = batch["completion_mask"].clone()
+    out, metrics = apply_filter_to_trl_batch(batch, FilterConfig(policy="max_token"))
+    keep = out["foursight_keep"]
+    assert (~keep).nonzero().flatten().tolist() == [1, 6]
+    w = out["importance_sampling_ratio"]
+    assert w.shape == (8, 10)
+    expected = cm_before.float() * keep[:, None].float()
+    assert torch.equal(w, expected)
+    assert torch.equal(out["completion_mask"], cm_before)  # attention mask untouched
+    assert metrics["tim/tail_tokens"] == 2 and metrics["filter/dropped_sequences"] == 2
+    assert "rollout_corr/k3_kl" in metrics and metrics["filter/nan_sampling_logps"] == 0
+
+
+def test_filter_with_tis_and_nan_sampling_logps():
+    batch = _batch(drifted=())
+    batch["sampling_per_token_logps"][2, 5] = float("nan")  # vLLM could not score this token
+    batch["old_per_token_logps"][4, 1] = batch["sampling_per_token_logps"][4, 1] + math.log(2.5)
+    out, metrics = apply_filter_to_trl_batch(batch, FilterConfig(policy="max_token", tis_cap=2.0))
+    assert bool(out["foursight_keep"].all())
+    w = out["importance_sampling_ratio"]
+    assert w[4, 1] == pytest.approx(2.0)  # truncated at the cap
+    assert w[2, 5] == pytest.approx(1.0)  # NaN -> r = 0 -> weight 1, as TRL does
+    assert float(w[0, 7:].abs().sum()) == 0.0  # padding
+    assert metrics["filter/nan_sampling_logps"] == 1 and metrics["filter/tis_clip_fraction"] > 0
+
+
+def test_missing_keys_are_named():
+    b = _batch()
+    del b["sampling_per_token_logps"]
+    with pytest.raises(KeyError, match="sampling_per_token_logps"):
+        apply_filter_to_trl_batch(b)
+
+
+def test_trl_still_multiplies_the_ratio_into_the_loss():
+    """The hook relies on TRL's documented behaviour; fail loudly if a TRL upgrade changes it."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    src = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'per_token_loss * inputs["importance_sampling_ratio"]' in src
+    gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for key in ('"old_per_token_logps"', '"sampling_per_token_logps"', '"importance_sampling_ratio"'):
+        assert key in gen
+    fields = GRPOConfig.__dataclass_fields__
+    assert fields["vllm_importance_sampling_clip_max"].default == 3.0
+    assert fields["vllm_importance_sampling_mode"].default == "sequence_mask"
+
+
+def test_trainer_subclass_hook(monkeypatch):
+    from trl import GRPOTrainer
+
+    from foursight.trainer_bridge.trl import FourSightGRPOTrainer
+
+    assert issubclass(FourSightGRPOTrainer, GRPOTrainer)
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", lambda self, inputs: _batch())
+    tr = object.__new__(FourSightGRPOTrainer)  # no model / vLLM server needed to exercise the hook
+    tr.foursight_filter = FilterConfig(policy="tail_count", max_tail_tokens=0)
+    tr._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    tr.model = torch.nn.Linear(1, 1)
+    out = tr._generate_and_score_completions([{}])
+    assert (~out["foursight_keep"]).nonzero().flatten().tolist() == [1, 6]
+    assert tr._metrics["train"]["foursight/filter/dropped_sequences"] == [2.0]
+    assert "foursight/rollout_corr/kl" in tr._metrics["train"]
+
+
+def test_check_trl_args():
+    class A:
+        use_vllm = False
+
+    with pytest.raises(ValueError, match="use_vllm"):
+        check_trl_args(A())
+
+    class B:
+        use_vllm = True
+        vllm_importance_sampling_correction = False
+
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):
+        check_trl_args(B())

@@ -1,0 +1,85 @@
+"""``foursight bridge ...`` commands (a ``typer.Typer`` named ``app``; the main CLI mounts it as ``bridge``).
+
+Example::
+
+    foursight bridge serve --engine vllm --engine-url http://127.0.0.1:8000 --tokenizer MODEL_DIR --port 8100
+    foursight bridge serve --engine hf --model CKPT_DIR --api-key "$KEY"
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="The FourSight rollout bridge (streaming rollouts with per-token logprobs, weight sync).", no_args_is_help=True)
+
+ENGINES = ("vllm", "sglang", "hf")
+
+
+def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], tokenizer: Optional[Path],
+                  engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu") -> list:
+    """Engine objects for the CLI options (raises ``typer.BadParameter`` naming the option)."""
+    from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
+
+    if engine not in ENGINES:
+        raise typer.BadParameter(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    tok = tokenizer or model
+    if engine == "hf":
+        if model is None:
+            raise typer.BadParameter("--engine hf needs --model DIR (a BF16 HF folder or a FourSight checkpoint)")
+        if engine_urls:
+            raise typer.BadParameter("--engine-url is for --engine vllm|sglang; --engine hf runs the model in-process")
+        return [HFEngine(model, tokenizer=tokenizer, device=device)]
+    if not engine_urls:
+        raise typer.BadParameter(f"--engine {engine} needs at least one --engine-url URL")
+    if engine == "vllm":
+        return [VLLMHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "raw_logprobs") for u in engine_urls]
+    return [SGLangHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "processed_logprobs") for u in engine_urls]
+
+
+@app.command()
+def serve(
+    engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | hf"),
+    engine_url: list[str] = typer.Option([], "--engine-url", help="engine server URL (repeat for several engines)"),
+    model: Optional[Path] = typer.Option(None, "--model", help="model folder (hf engine; also the tokenizer by default)"),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer folder for text/chat prompts"),
+    host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
+    port: int = typer.Option(8100, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FOURSIGHT_BRIDGE_API_KEY",
+                                          help="required on /v1/rollouts and /v1/weights (header Authorization: Bearer KEY)"),
+    engine_api_key: Optional[str] = typer.Option(None, "--engine-api-key", envvar="FOURSIGHT_ENGINE_API_KEY"),
+    max_concurrency: int = typer.Option(64, "--max-concurrency", min=1, help="engine calls in flight at once"),
+    max_queue: int = typer.Option(256, "--max-queue", min=1, help="finished samples buffered per stream"),
+    sample_timeout: float = typer.Option(600.0, "--sample-timeout", min=0.001, help="seconds per sample before an error event"),
+    logprobs_mode: Optional[str] = typer.Option(None, "--logprobs-mode", help="what the engine's logprobs are: raw_logprobs | processed_logprobs"),
+    initial_version: int = typer.Option(0, "--initial-version", min=0),
+    device: str = typer.Option("cpu", "--device", help="hf engine device"),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="allow a non-loopback --host (requires --api-key)"),
+) -> None:
+    """Run the rollout bridge in front of engine servers (or an in-process HF model)."""
+    if logprobs_mode not in (None, "raw_logprobs", "processed_logprobs"):
+        raise typer.BadParameter(f"--logprobs-mode must be raw_logprobs or processed_logprobs, got {logprobs_mode!r}")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        if not allow_remote:
+            raise typer.BadParameter(f"--host {host} is not loopback; pass --allow-remote (and --api-key) to expose the bridge")
+        if not api_key:
+            raise typer.BadParameter("--allow-remote needs --api-key (or FOURSIGHT_BRIDGE_API_KEY)")
+    engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device)
+    from foursight.trainer_bridge.server import serve as _serve
+
+    typer.echo(f"FourSight bridge on http://{host}:{port} -> {', '.join(e.name for e in engines)}"
+               f"{' (API key required)' if api_key else ''}", err=True)
+    _serve(engines, host=host, port=port, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
+           sample_timeout_s=sample_timeout, initial_version=initial_version)
+
+
+def main() -> None:  # ``python -m foursight.trainer_bridge.cli``
+    app()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
