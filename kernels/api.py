@@ -44,7 +44,12 @@ DIV6_RECIP_ON_CUDA: bool = True
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return isinstance(_splice_gemm_kernel, InterpretedFunction)
 
 
 # --------------------------------------------------------------------------------------------
