@@ -115,3 +115,33 @@ def test_check_trl_args():
 
     with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):
         check_trl_args(B())
+
+
+# ---- verl adapter (verl is not installed: a DataProto-shaped stand-in with a dict .batch) ----
+def test_verl_batch_filter_and_hook(monkeypatch):
+    import sys
+    import types
+
+    from foursight.trainer_bridge.verl import apply_to_verl_batch, install_verl_hook
+
+    b = _batch()
+    proto = types.SimpleNamespace(batch={"old_log_probs": b["old_per_token_logps"], "rollout_log_probs": b["sampling_per_token_logps"],
+                                         "response_mask": b["completion_mask"].clone()})
+    out, metrics = apply_to_verl_batch(proto, {"policy": "max_token", "tis_cap": 2.0})
+    assert out.batch["response_mask"][[1, 6]].sum() == 0 and out.batch["response_mask"].dtype == torch.long
+    assert torch.equal(out.batch["response_mask"][0], b["completion_mask"][0])
+    assert out.batch["rollout_is_weights"].shape == (8, 10)
+    assert all(k.startswith("rollout_corr/") for k in metrics)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 8)
+    # the hook swaps the function verl's trainer imports at call time
+    helper = types.ModuleType("verl.trainer.ppo.rollout_corr_helper")
+    helper.compute_rollout_correction_and_add_to_batch = lambda batch, cfg: (batch, {})
+    for name in ("verl", "verl.trainer", "verl.trainer.ppo"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo.rollout_corr_helper", helper)
+    sys.modules["verl.trainer.ppo"].rollout_corr_helper = helper
+    install_verl_hook({"policy": "max_token"})
+    proto2 = types.SimpleNamespace(batch={"old_log_probs": b["old_per_token_logps"], "rollout_log_probs": b["sampling_per_token_logps"],
+                                          "response_mask": b["completion_mask"].clone()})
+    _, m2 = helper.compute_rollout_correction_and_add_to_batch(proto2, {"rollout_is": None})
+    assert m2["rollout_corr/filter/dropped_sequences"] == 2
