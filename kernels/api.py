@@ -333,7 +333,9 @@ def _pick_config(path: str, key: tuple, run) -> tuple:
     if key in TUNED:
         return TUNED[key]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
-    if os.environ.get("FOURSIGHT_KERNELS_AUTOTUNE", "1") == "0":
+    if os.environ.get("FOURSIGHT_KERNELS_AUTOTUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        # no timing runs inside a CUDA-graph capture (an engine capturing a batch size it never ran
+        # eagerly): take the first candidate, and keep it so eager and graph calls agree
         TUNED[key] = cands[0]
         return cands[0]
     from triton.testing import do_bench
