@@ -19,6 +19,11 @@ app = typer.Typer(help="The FourSight rollout bridge (streaming rollouts with pe
 ENGINES = ("vllm", "sglang", "hf")
 
 
+@app.callback()
+def _group() -> None:
+    """The FourSight rollout bridge (keeps ``serve`` a sub-command even while it is the only one)."""
+
+
 def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], tokenizer: Optional[Path],
                   engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu") -> list:
     """Engine objects for the CLI options (raises ``typer.BadParameter`` naming the option)."""

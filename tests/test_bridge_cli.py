@@ -1,0 +1,45 @@
+"""`foursight bridge serve` option handling (typer app; the server itself is covered elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from foursight.trainer_bridge.cli import app, build_engines
+from foursight.trainer_bridge.engines import HFEngine, VLLMHTTPEngine
+
+
+def test_serve_help_lists_options():
+    r = CliRunner().invoke(app, ["serve", "--help"])
+    assert r.exit_code == 0
+    for opt in ("--engine", "--engine-url", "--model", "--api-key", "--max-queue", "--host"):
+        assert opt in r.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["serve", "--engine", "vllm"], "--engine-url"),
+        (["serve", "--engine", "hf"], "--model"),
+        (["serve", "--engine", "tpu", "--engine-url", "http://x"], "--engine"),
+        (["serve", "--engine-url", "http://x", "--host", "0.0.0.0"], "--allow-remote"),
+        (["serve", "--engine-url", "http://x", "--host", "0.0.0.0", "--allow-remote"], "--api-key"),
+        (["serve", "--engine-url", "http://x", "--logprobs-mode", "weird"], "--logprobs-mode"),
+    ],
+)
+def test_serve_rejects_bad_options(args, message, monkeypatch):
+    monkeypatch.delenv("FOURSIGHT_BRIDGE_API_KEY", raising=False)
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert r.exit_code != 0
+    text = " ".join(r.output.replace("│", " ").split())
+    assert message in text, text
+
+
+def test_build_engines(tiny_llama_dir):
+    e = build_engines("vllm", ["http://127.0.0.1:1", "http://127.0.0.1:2"], None, tiny_llama_dir, None, None)
+    assert [type(x) for x in e] == [VLLMHTTPEngine, VLLMHTTPEngine] and e[0].logprobs_mode == "raw_logprobs"
+    h = build_engines("hf", [], tiny_llama_dir, None, None, None)
+    assert isinstance(h[0], HFEngine)
+    with pytest.raises(typer.BadParameter, match="--engine-url"):
+        build_engines("hf", ["http://x"], tiny_llama_dir, None, None, None)
