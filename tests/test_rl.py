@@ -1,0 +1,246 @@
+"""The RL experiment (foursight.rl / foursight.rl_tasks): GRPO numerics against hand values,
+weight sync against the shared quantizer, engine logprobs against teacher forcing, tasks, and
+short end-to-end runs on the tiny model (HF engine; the vLLM CPU engine under the ``vllm`` mark)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from foursight import rl_tasks
+from foursight.rl import (
+    HFRollout,
+    RLConfig,
+    RLError,
+    grpo_loss,
+    group_advantages,
+    hf_generate,
+    prompt_ids,
+    run_rl,
+    state_dict_sha256,
+    token_logprobs,
+)
+
+
+# ------------------------------------------------------------------------------- numerics
+def test_group_advantages_hand_values():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    a = group_advantages(r, 4, eps=0.0 + 1e-12)
+    # group 1: mean 0.25, population std sqrt(3)/4
+    s = math.sqrt(3) / 4
+    assert torch.allclose(a[:4], torch.tensor([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s]), atol=1e-5)
+    assert torch.equal(a[4:], torch.zeros(4))  # equal rewards: no signal
+    a2 = group_advantages(r, 4, scale=False)
+    assert torch.allclose(a2[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    with pytest.raises(RLError, match="group_size"):
+        group_advantages(r, 3)
+
+
+def test_grpo_loss_hand_values_and_mask():
+    # two sequences, two tokens each; second token of seq 1 is padding / filtered
+    lp_new = torch.tensor([[math.log(0.5), math.log(0.2)], [math.log(0.3), math.log(0.9)]], requires_grad=True)
+    lp_old = torch.log(torch.tensor([[0.25, 0.2], [0.3, 0.3]]))
+    adv = torch.tensor([1.0, -2.0])
+    w = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, st = grpo_loss(lp_new, lp_old, adv, w, clip_eps=0.2)
+    # token ratios: 2.0 (A=+1 -> clipped at 1.2), 1.0 (A=+1), 1.0 (A=-2); masked token ignored
+    expected = -(1.2 * 1 + 1.0 * 1 + 1.0 * -2) / 3
+    assert float(loss) == pytest.approx(expected, abs=1e-6)
+    assert st["clip_fraction"] == pytest.approx(1 / 3)
+    assert st["loss_tokens"] == 3
+    loss.backward()
+    g = lp_new.grad
+    assert float(g[0, 0]) == 0.0  # clipped token: no gradient
+    assert float(g[0, 1]) == pytest.approx(-1 / 3, abs=1e-6)  # d(-ratio*A)/dlogp = -ratio*A/n
+    assert float(g[1, 0]) == pytest.approx(2 / 3, abs=1e-6)
+    assert float(g[1, 1]) == 0.0  # masked by the filter
+    # a fully masked batch gives 0 and no NaN
+    loss0, _ = grpo_loss(lp_new.detach().requires_grad_(), lp_old, adv, torch.zeros_like(w))
+    assert float(loss0) == 0.0
+
+
+def test_grpo_loss_kl_term_and_errors():
+    lp = torch.log(torch.tensor([[0.5]]))
+    ref = torch.log(torch.tensor([[0.25]]))
+    loss, st = grpo_loss(lp, lp, torch.zeros(1), torch.ones(1, 1), logp_ref=ref, kl_coef=0.5)
+    d = math.log(0.25) - math.log(0.5)
+    assert float(loss) == pytest.approx(0.5 * (math.exp(d) - 1 - d), abs=1e-6)
+    with pytest.raises(RLError, match="advantages"):
+        grpo_loss(lp, lp, torch.zeros(2), torch.ones(1, 1))
+    with pytest.raises(RLError, match="shape mismatch"):
+        grpo_loss(lp, lp, torch.zeros(1), torch.ones(1, 2))
+
+
+# ------------------------------------------------------------------------------- tasks
+def test_tasks_rewards_and_splits():
+    p = rl_tasks.make_problem("add", 3)
+    assert p == rl_tasks.make_problem("add", 3)  # deterministic
+    a, b = (int(x) for x in p.question.removeprefix("What is ").rstrip("?").split(" + "))
+    assert p.answer == str(a + b)
+    assert rl_tasks.reward(f"Answer: {a + b}", p) == 1.0
+    assert rl_tasks.reward(f"Answer: {a + b}.\nmore", p) == 1.0
+    assert rl_tasks.reward(f"Answer: {a + b + 1}", p) == pytest.approx(0.1)
+    assert rl_tasks.reward(f"The answer is {a + b}", p) == 0.0
+    assert rl_tasks.reward(f"Answer: {a + b} because", p) == 0.0  # strict format
+    s = rl_tasks.Problem("sort", "q", "3, 15, 42, 77")
+    assert rl_tasks.is_correct("Answer: 3,15 ,42, 77", s)
+    assert not rl_tasks.is_correct("Answer: 3, 42, 15, 77", s)
+    c = rl_tasks.make_problem("count", 1)
+    word, letter = c.question.split("'")[3], c.question.split("'")[1]
+    assert c.answer == str(word.count(letter))
+    ev = rl_tasks.eval_set("add", 64)
+    assert len({e.question for e in ev}) == 64
+    excl = {e.question for e in ev}
+    for step in range(5):
+        assert not excl & {q.question for q in rl_tasks.train_problems("add", step, 16, exclude=excl)}
+    assert rl_tasks.train_problems("add", 7, 8) == rl_tasks.train_problems("add", 7, 8)
+    with pytest.raises(rl_tasks.TaskError, match="nope"):
+        rl_tasks.make_problem("nope", 0)
+
+
+def test_config_errors_name_the_option():
+    for kw, name in [({"rollout_precision": "fp8"}, "--rollout-precision"), ({"filter": "x"}, "--filter"),
+                     ({"task": "x"}, "--task"), ({"group_size": 1}, "--group-size"), ({"engine": "trt"}, "--engine"),
+                     ({"steps": 0}, "--steps")]:
+        with pytest.raises(RLError, match=name):
+            RLConfig(**kw).validate()
+
+
+# ------------------------------------------------------------------------------- engine pieces
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    return tok, model
+
+
+def test_sync_requantizes_like_the_shared_quantizer(tiny):
+    """After a learner update, every rollout layer holds exactly quantize_weight(new BF16 weight, S),
+    for both the in-process path and the bridge's HFEngine file path."""
+    import copy
+
+    from foursight.hf import FourSightLinear
+    from foursight.layer import quantize_weight
+
+    tok, model = tiny
+    learner = copy.deepcopy(model)
+    chans = {n: torch.tensor([1, 5, 9, 40], dtype=torch.int32) for n, m in learner.named_modules()
+             if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    engines = [HFRollout(learner, tok, "foursight", chans, sync=s) for s in ("inproc", "file")]
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    infos = [e.sync(learner, 3) for e in engines]
+    assert infos[0]["requantized_layers"] == len(chans) == infos[1]["requantized_layers"]
+    for name, lin in learner.named_modules():
+        if name not in chans:
+            continue
+        ref = quantize_weight(lin.weight.detach().to(torch.bfloat16), chans[name])
+        for e in engines:
+            m = e.model.get_submodule(name)
+            assert isinstance(m, FourSightLinear)
+            for a, b in zip(m.qweight.tensors(), ref.tensors()):
+                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), name
+    emb = learner.model.embed_tokens.weight.detach().to(torch.bfloat16)
+    for e in engines:
+        assert torch.equal(e.model.model.embed_tokens.weight, emb)
+        assert e.version == 3
+
+
+def test_rollout_logprobs_match_teacher_forcing(tiny):
+    """The engine's raw logprobs of sampled tokens equal the same model's teacher-forced log-softmax
+    (fp32 model: up to KV-cache / batching rounding)."""
+    tok, model = tiny
+    model = model.eval()
+    probs = rl_tasks.train_problems("add", 0, 3)
+    ids = prompt_ids(tok, probs, "plain", "Answer:")
+    samples = hf_generate(model, tok, ids, 6, greedy=False, seed=1)
+    assert all(len(s.token_ids) == len(s.logprobs) > 0 for s in samples)
+    with torch.no_grad():
+        lp, mask = token_logprobs(model, [s.prompt_ids for s in samples], [s.token_ids for s in samples], torch.device("cpu"))
+    for b, s in enumerate(samples):
+        got = torch.tensor(s.logprobs)
+        # token_logprobs runs under bf16 autocast: compare with a bf16-sized tolerance
+        assert torch.allclose(got, lp[b, : len(s.token_ids)], atol=0.15), (got, lp[b])
+    assert int(mask.sum()) == sum(len(s.token_ids) for s in samples)
+
+
+def test_state_dict_sha256_detects_changes(tmp_path, tiny_llama_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    h0 = state_dict_sha256(d)
+    f = next(d.glob("*.safetensors"))
+    sd = load_file(str(f))
+    save_file(dict(reversed(list(sd.items()))), str(f))  # same tensors, other layout
+    assert state_dict_sha256(d) == h0
+    k = next(iter(sd))
+    sd[k] = sd[k].clone()
+    sd[k].view(-1)[0] += 1
+    save_file(sd, str(f))
+    assert state_dict_sha256(d) != h0
+
+
+# ------------------------------------------------------------------------------- end to end
+def _read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir):
+    out = tmp_path / "fs.jsonl"
+    run_rl(RLConfig(model=str(tiny_llama_dir), rollout_precision="foursight", filter="max_token", steps=2,
+                    prompts_per_step=2, group_size=4, max_new_tokens=4, eval_every=2, eval_size=4, channels="16",
+                    out=str(out), device="cpu"), log=lambda s: None)
+    recs = _read(out)
+    assert recs[0]["type"] == "config" and recs[0]["channels_k"] == [16]
+    steps = [r for r in recs if r["type"] == "step"]
+    evals = [r for r in recs if r["type"] == "eval"]
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
+    for r in steps:
+        assert r["requantized_layers"] == 14  # 2 layers x 7 linears, re-quantized every step
+        for k in ("reward", "tim/abs_log_ratio_mean", "rollout_corr/kl", "filtered_fraction", "time/rollout",
+                  "time/score", "time/update", "time/sync", "loss", "clip_fraction"):
+            assert k in r and math.isfinite(r[k]), k
+        # filter bookkeeping: max_token drops exactly the sequences with max|r| > tau
+        assert 0.0 <= r["filtered_fraction"] <= 1.0
+        assert r["filtered_fraction"] == pytest.approx(r["filter/dropped_sequences"] / 8)
+        assert r["time/step"] == pytest.approx(r["time/sync"] + r["time/rollout"] + r["time/score"] + r["time/update"], rel=1e-6)
+        assert r["tim/abs_log_ratio_mean"] > 0  # quantized rollouts differ from the BF16 learner
+
+
+def test_bf16_rollouts_have_small_mismatch(tmp_path, tiny_llama_dir):
+    """BF16 rollouts of the same weights: |r| only from bf16 rounding (much smaller than NVFP4's)."""
+    res = {}
+    for prec in ("bf16", "nvfp4"):
+        out = tmp_path / f"{prec}.jsonl"
+        run_rl(RLConfig(model=str(tiny_llama_dir), rollout_precision=prec, steps=1, prompts_per_step=2, group_size=4,
+                        max_new_tokens=4, eval_every=1, eval_size=2, out=str(out), device="cpu"), log=lambda s: None)
+        res[prec] = [r for r in _read(out) if r["type"] == "step"][0]["tim/abs_log_ratio_mean"]
+    assert res["bf16"] < 0.5 * res["nvfp4"], res
+
+
+@pytest.mark.vllm
+def test_run_rl_vllm_cpu_smoke(tmp_path, tiny_llama_dir):
+    """CI smoke: a few GRPO steps with FourSight rollouts from the vLLM CPU engine, weights synced
+    through the worker extension every step."""
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    out = tmp_path / "vllm.jsonl"
+    run_rl(RLConfig(model=str(tiny_llama_dir), engine="vllm", rollout_precision="foursight", filter="max_token", steps=2,
+                    prompts_per_step=2, group_size=4, max_new_tokens=4, eval_every=2, eval_size=4, channels="16",
+                    out=str(out), device="cpu"), log=lambda s: None)
+    steps = [r for r in _read(out) if r["type"] == "step"]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["requantized_layers"] > 0
+        assert math.isfinite(r["tim/abs_log_ratio_mean"]) and r["tim/num_tokens"] > 0
