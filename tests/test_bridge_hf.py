@@ -60,6 +60,11 @@ def test_hf_engine_logprobs_are_the_models(hf_bridge, tiny_llama_dir):
     lt, lr, mask = pad_rollouts(rs, score(m, rs))
     # KV-cached decode vs one teacher-forced forward of the same BF16 model
     assert float((lt - lr)[mask].abs().max()) < 0.1
+    # the one-call form (score + pad + filter): same model on both sides, nothing is dropped
+    import foursight.trainer_bridge as tb
+
+    res = tb.filter(m, rs, {"policy": "max_token"})
+    assert bool(res.keep.all()) and res.loss_mask.shape == mask.shape and res.metrics["tim/num_tokens"] == 48
 
 
 def test_weight_update_versions_and_ordering(hf_bridge, tiny_llama_dir, tmp_path):
