@@ -57,7 +57,7 @@ def serve(
                                           help="required on /v1/rollouts and /v1/weights (header Authorization: Bearer KEY)"),
     engine_api_key: Optional[str] = typer.Option(None, "--engine-api-key", envvar="FOURSIGHT_ENGINE_API_KEY"),
     max_concurrency: int = typer.Option(64, "--max-concurrency", min=1, help="engine calls in flight at once"),
-    max_queue: int = typer.Option(256, "--max-queue", min=1, help="finished samples buffered per stream"),
+    max_queue: int = typer.Option(256, "--max-queue", min=1, help="per-stream window: samples of one stream running or finished-but-unsent (backpressure)"),
     sample_timeout: float = typer.Option(600.0, "--sample-timeout", min=0.001, help="seconds per sample before an error event"),
     logprobs_mode: Optional[str] = typer.Option(None, "--logprobs-mode", help="what the engine's logprobs are: raw_logprobs | processed_logprobs"),
     initial_version: int = typer.Option(0, "--initial-version", min=0),

@@ -10,7 +10,7 @@ Endpoints (docs/bridge.md has the full protocol):
 
 The API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is required on ``/v1/rollouts``
 and ``/v1/weights`` when the server has one. Backpressure: at most ``max_concurrency`` engine
-calls run at once, and finished samples wait in a bounded queue (``max_queue``) per stream, so a
+calls run at once, and each stream has at most ``max_queue`` samples running or finished-but-unsent, so a
 slow reader slows its own stream's engine calls instead of growing memory.
 """
 
@@ -184,7 +184,7 @@ def create_app(
         engines: backends (all serve the same model; calls go to the least-loaded one).
         api_key: required on /v1/rollouts and /v1/weights when set.
         max_concurrency: engine calls in flight at once, over all streams.
-        max_queue: finished-but-unsent samples buffered per stream.
+        max_queue: per-stream window: samples of one stream running or finished-but-unsent.
         sample_timeout_s: default per-sample deadline (a request may set ``timeout_s``).
         initial_version: weight version reported before the first update.
     """
@@ -253,12 +253,16 @@ def create_app(
         total = len(prompt_ids) * req.n
         async with state.gate.read() as version:
             m.active_streams.inc()
-            queue: asyncio.Queue = asyncio.Queue(maxsize=state.max_queue)
+            queue: asyncio.Queue = asyncio.Queue()
+            # per-stream window: at most max_queue samples of this stream are running or finished-but-unsent,
+            # so a slow reader throttles its own stream's engine work (backpressure), never other streams'
+            window = asyncio.Semaphore(state.max_queue)
 
             async def one(pi: int, j: int) -> None:
                 idx = pi * req.n + j
                 seed = None if sp.seed is None else sp.seed + idx
                 max_tokens = req.prompts[pi].max_tokens or sp.max_tokens
+                await window.acquire()
                 m.pending.inc()
                 engine = None
                 try:
@@ -298,8 +302,8 @@ def create_app(
                     m.errors.labels(kind="bridge").inc()
                 finally:
                     m.pending.dec()
-                await queue.put(ev)  # bounded: a slow reader holds back this task (backpressure)
                 m.queue_depth.inc()
+                queue.put_nowait(ev)  # the window bounds the queue
 
             tasks = [asyncio.create_task(one(pi, j)) for pi in range(len(prompt_ids)) for j in range(req.n)]
             n_ok = n_err = 0
@@ -307,6 +311,7 @@ def create_app(
                 for _ in range(total):
                     ev = await queue.get()
                     m.queue_depth.dec()
+                    window.release()
                     if ev.type == "sample":
                         n_ok += 1
                         m.samples.labels(status="ok").inc()
