@@ -9,8 +9,14 @@ cd "$REPO"
 VENV="${FOURSIGHT_VENV:-$REPO/.venv}"
 SGL_VENV="${SGLANG_VENV:-$REPO/.venv-sglang}"
 
-"$VENV/bin/python" -m pytest tests --ignore=tests/sglang --ignore=tests/sglang_harness -p no:cacheprovider --timeout=900 "$@"
+# The Triton kernel tests run in their own process: they set TRITON_INTERPRET=1 for the process,
+# which must not leak into the engines that later tests start.
+"$VENV/bin/python" -m pytest tests/test_kernels.py -p no:cacheprovider --timeout=900 "$@"
+rc_kernels=$?
+"$VENV/bin/python" -m pytest tests --ignore=tests/test_kernels.py --ignore=tests/sglang --ignore=tests/sglang_harness \
+    -p no:cacheprovider --timeout=1800 "$@"
 rc_main=$?
+[ "$rc_kernels" -eq 0 ] || rc_main=$rc_kernels
 
 rc_sgl=0
 if [ "${FOURSIGHT_SKIP_SGLANG:-0}" = "1" ]; then
