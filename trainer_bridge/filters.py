@@ -56,7 +56,7 @@ class FilterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: Policy = "geo_mean"
+    policy: Policy = "tail_count"
     tau: float = Field(DEFAULT_TAIL_THRESHOLD, gt=0)
     max_tail_tokens: int = Field(2, ge=0)
     geo_lo: float = Field(0.999, gt=0)
@@ -151,7 +151,7 @@ def apply_filter(
         logp_train: float [B, T] learner log-probs of the sampled tokens.
         logp_rollout: float [B, T] engine log-probs of the same tokens.
         mask: [B, T] valid response tokens.
-        config: a :class:`FilterConfig` (or its dict); default ``FilterConfig()`` (geo_mean 0.999–1.001).
+        config: a :class:`FilterConfig` (or its dict); default ``FilterConfig()`` (tail_count, τ = ln 3, n = 2).
     Returns:
         :class:`FilterResult`. Metrics are computed on the *unfiltered* batch, plus
         ``filter/kept_seq_fraction``, ``filter/masked_token_fraction``, ``rollout_corr/rollout_rs_masked_fraction``

@@ -68,7 +68,7 @@ def _make_trainer_class():
         """``GRPOTrainer`` with a FourSight TIM-aware sequence filter on every generated batch.
 
         Extra keyword argument ``foursight_filter``: a :class:`FilterConfig` or its dict
-        (default: geo_mean 0.999–1.001, no TIS). Requires ``use_vllm=True`` and
+        (default: tail_count with τ = ln 3 and n = 2, no TIS). Requires ``use_vllm=True`` and
         ``vllm_importance_sampling_correction=True`` (the default) in ``GRPOConfig``.
         """
 
