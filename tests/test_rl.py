@@ -105,7 +105,7 @@ def test_tasks_rewards_and_splits():
 def test_config_errors_name_the_option():
     for kw, name in [({"rollout_precision": "fp8"}, "--rollout-precision"), ({"filter": "x"}, "--filter"),
                      ({"task": "x"}, "--task"), ({"group_size": 1}, "--group-size"), ({"engine": "trt"}, "--engine"),
-                     ({"steps": 0}, "--steps")]:
+                     ({"steps": 0}, "--steps"), ({"engine": "vllm", "rollout_precision": "bf16"}, "--engine vllm")]:
         with pytest.raises(RLError, match=name):
             RLConfig(**kw).validate()
 

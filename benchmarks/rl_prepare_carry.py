@@ -1,0 +1,47 @@
+"""Prepare .devcarry/{a,b} for benchmarks/rl_device.sh (two device calls of < 64 MiB each).
+
+    python benchmarks/rl_prepare_carry.py
+
+a/: wheels missing on the device (pydantic stack, gguf; Python 3.12 manylinux) + the first half
+of the packaged SmolLM2 GGUF. b/: the second half, its sha256, the CPU conversion's tokenizer and
+config files, and the sha256 of the CPU conversion's tensors (compared on the device).
+Add ``/.devcarry/`` to .git/info/exclude first (it must not be committed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+WHEELS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+          "typing_extensions==4.16.0", "gguf==0.19.0"]
+PART = 50_000_000
+
+
+def main() -> None:
+    from foursight.models import SMOLLM2_GGUF, prepare_smollm2, smollm2_gguf_dir
+    from foursight.rl import state_dict_sha256
+
+    root = Path(".devcarry")
+    a, b = root / "a", root / "b"
+    for d in (a, b / "hf"):
+        d.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                    "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+                    "--platform", "manylinux2014_x86_64", "-d", str(a), *WHEELS], check=True)
+    gguf = (smollm2_gguf_dir() / SMOLLM2_GGUF).read_bytes()
+    (a / "gguf.part00").write_bytes(gguf[:PART])
+    (b / "gguf.part01").write_bytes(gguf[PART:])
+    (b / "gguf.sha256").write_text(hashlib.sha256(gguf).hexdigest() + "\n")
+    model = prepare_smollm2()
+    for f in list(model.glob("*.json")) + list(model.glob("*.jinja")):
+        shutil.copy(f, b / "hf" / f.name)
+    (b / "weights.sha256").write_text(state_dict_sha256(model) + "\n")
+    print("ready:", a, b)
+
+
+if __name__ == "__main__":
+    main()
