@@ -21,7 +21,10 @@ Run in the SGLang venv (CPU; about 5 minutes for SmolLM2 on 2 cores)::
     .venv-sglang/bin/python benchmarks/sglang_mismatch.py            # SmolLM2-135M, k=32
     .venv-sglang/bin/python benchmarks/sglang_mismatch.py --model DIR --channels 2% --num-seqs 16
 
-Results are also written to ``benchmarks/results/sglang_mismatch.json``.
+Results are also written to ``benchmarks/results/sglang_mismatch.json``. The side-by-side table
+of docs/sglang.md (vLLM next to SGLang, from both JSON files; no engine needed, any venv)::
+
+    python benchmarks/sglang_mismatch.py --side-by-side
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ ENGINE_KW = dict(
     device="cpu",
     attention_backend="torch_native",
     log_level="error",
-    mem_fraction_static=0.05,
+    mem_fraction_static=0.5,
+    max_total_tokens=4096,
     disable_cuda_graph=True,
     random_seed=0,
     enable_fp32_lm_head=True,
@@ -98,8 +102,37 @@ def hf_prompt_logprobs(model, seqs):
     return res
 
 
+def side_by_side(results_dir: Path) -> str:
+    """Markdown table of benchmarks/results/{vllm,sglang}_mismatch.json, one column pair per engine."""
+    res = {}
+    for eng in ("vllm", "sglang"):
+        f = results_dir / f"{eng}_mismatch.json"
+        if f.exists():
+            res[eng] = json.loads(f.read_text())
+    if not res:
+        raise SystemExit(f"no results in {results_dir}; run benchmarks/vllm_mismatch.py / sglang_mismatch.py first")
+    engs = list(res)
+    head = "| teacher-forced \\|Δ logprob\\| | " + " | ".join(f"{e} mean | {e} p99 | {e} max | {e} >0.1" for e in engs) + " |"
+    sep = "| --- |" + " --- | --- | --- | --- |" * len(engs)
+    rows = []
+    for label, get in (
+        ("FourSight vs BF16 engine", lambda r: r["vs_bf16_engine"]["foursight"]),
+        ("plain NVFP4 vs BF16 engine", lambda r: r["vs_bf16_engine"]["nvfp4"]),
+        ("FourSight engine vs PyTorch reference", lambda r: r["foursight_engine_vs_reference"]),
+        ("reference SDPA vs eager (noise floor)", lambda r: r.get("reference_sdpa_vs_eager")),
+    ):
+        cells = []
+        for e in engs:
+            st = get(res[e])
+            cells.append(" | ".join(f"{st[k]:.4f}" if k != "frac_gt_0.1" else f"{st[k]:.3f}" for k in ("mean_abs", "p99_abs", "max_abs", "frac_gt_0.1")) if st else "- | - | - | -")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    meta = "; ".join(f"{e}: {r['model']}, k={r['channels']}, {r['sequences']} sequences, {r['vs_bf16_engine']['nvfp4']['tokens']} tokens" for e, r in res.items())
+    return "\n".join([head, sep, *rows, "", meta])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--side-by-side", action="store_true", help="only print the vLLM/SGLang markdown table from the results JSON files")
     ap.add_argument("--model", default=None, help="BF16 HF folder (default: the packaged SmolLM2-135M-Instruct)")
     ap.add_argument("--channels", default="32", help="FourSight BF16 channels per layer: K or P%% (default 32)")
     ap.add_argument("--work-dir", default=None, help="where the checkpoints are cached (default: shared with vllm_mismatch.py, ~/.cache/foursight/vllm_mismatch)")
@@ -107,6 +140,9 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sglang_mismatch.json"))
     args = ap.parse_args()
+    if args.side_by_side:
+        print(side_by_side(Path(args.out).parent))
+        return
 
     from transformers import AutoTokenizer
 
