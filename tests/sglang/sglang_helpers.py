@@ -18,13 +18,17 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: Keyword arguments of ``sglang.Engine`` for this CPU machine (small KV pool, no graphs).
+#: On CPU SGLang sizes the KV pool from *free system memory* (available − (1 − fraction)·before
+#: loading), which other processes change under it: a generous fraction plus a hard cap of
+#: ``max_total_tokens`` keeps the pool small and the start robust.
 #: ``enable_fp32_lm_head``: logits in float32 (the reference does the same), so that BF16
 #: rounding of logits (step ~0.03-0.06 at |logit| ~ 8) does not mask the comparison.
 ENGINE_KW = dict(
     device="cpu",
     attention_backend="torch_native",
     log_level="error",
-    mem_fraction_static=0.05,
+    mem_fraction_static=0.5,
+    max_total_tokens=4096,
     disable_cuda_graph=True,
     random_seed=0,
     enable_fp32_lm_head=True,
@@ -35,7 +39,8 @@ SERVER_ARGS = [
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--log-level", "error",
-    "--mem-fraction-static", "0.05",
+    "--mem-fraction-static", "0.5",
+    "--max-total-tokens", "4096",
     "--disable-cuda-graph",
     "--random-seed", "0",
     "--enable-fp32-lm-head",
