@@ -289,7 +289,16 @@ class SGLangHTTPEngine(Engine):
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
         t0 = time.monotonic()
-        r = await self.client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": str(version)})
+        # SGLang's /update_weights_from_disk takes a *folder* of *.safetensors: wrap a single file
+        # in a fresh folder (a symlink, no copy) so that nothing else beside it is loaded.
+        model_path = Path(path)
+        if model_path.is_file():
+            import tempfile
+
+            folder = Path(tempfile.mkdtemp(prefix="foursight-sglang-update-"))
+            (folder / "model.safetensors").symlink_to(model_path.resolve())
+            model_path = folder
+        r = await self.client.post("/update_weights_from_disk", json={"model_path": str(model_path), "weight_version": str(version)})
         if r.status_code != 200 or not r.json().get("success", False):
             raise EngineError(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")
         return {"engine": self.name, "version": version, "response": r.json(), "seconds": time.monotonic() - t0}
