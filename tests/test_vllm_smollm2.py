@@ -6,9 +6,7 @@ by a fixture on 127.0.0.1) with per-token logprobs, prompt_logprobs and the weig
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +20,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import foursight  # noqa: E402
-from foursight.models import builtin_texts, cache_dir  # noqa: E402
+from foursight.models import builtin_texts  # noqa: E402
 from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences, hf_prompt_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.realmodel, pytest.mark.slow]
@@ -32,24 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _quantizer_hash() -> str:
-    """Checkpoints are cached across sessions, keyed by the code that writes them."""
-    h = hashlib.sha256()
-    for f in ("nvfp4.py", "layer.py", "schema.py", "calibration.py", "checkpoint.py", "cli.py"):
-        p = Path(foursight.__file__).parent / f
-        h.update(p.read_bytes() if p.exists() else b"")
-    return h.hexdigest()[:12]
-
-
 @pytest.fixture(scope="module")
-def smol_ckpt(smollm2_dir) -> Path:
-    """``foursight quantize --model SMOLLM2 --out DIR --channels 32`` (the CLI, cached)."""
-    out = cache_dir() / "test-ckpts" / f"smollm2-fs32-{_quantizer_hash()}"
-    if not (out / "config.json").exists():
-        exe = shutil.which("foursight", path=str(Path(sys.executable).parent)) or "foursight"
-        r = subprocess.run([exe, "quantize", "--model", str(smollm2_dir), "--out", str(out), "--channels", "32", "--force"], capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return out
+def smol_ckpt(smollm2_fs32_ckpt) -> Path:
+    """``foursight quantize --model SMOLLM2 --out DIR --channels 32`` (the CLI, cached; see conftest)."""
+    return smollm2_fs32_ckpt
 
 
 @pytest.fixture(scope="module")
