@@ -479,6 +479,11 @@ def pairwise(scores: dict[str, list[torch.Tensor]]) -> dict[str, dict[str, float
     return {a: {b: float(torch.cat([(x - y).abs() for x, y in zip(scores[a], scores[b])]).mean()) for b in names} for a in names}
 
 
+def _md(text: str) -> str:
+    """Escape the pipes of ``|Δlogp|`` for Markdown table cells."""
+    return text.replace("|", "\\|")
+
+
 def write_report(out: Path, result: dict, plots: list[str]) -> None:
     lines = [
         "# FourSight mismatch report",
@@ -491,7 +496,7 @@ def write_report(out: Path, result: dict, plots: list[str]) -> None:
         "",
         "## Mismatch against the learner (HF BF16)",
         "",
-        "| engine | " + " | ".join(lbl for _, lbl in SUMMARY_KEYS) + " |",
+        "| engine | " + " | ".join(_md(lbl) for _, lbl in SUMMARY_KEYS) + " |",
         "|---|" + "---:|" * len(SUMMARY_KEYS),
     ]
     for name, m in result["engines"].items():
@@ -510,8 +515,8 @@ def write_report(out: Path, result: dict, plots: list[str]) -> None:
                   f"Starting from plain NVFP4 (mean |Δlogp| = {att['nvfp4_mean']:.4f} vs the learner on {att['n']} rollouts), "
                   "each group of layers is restored to BF16 alone; *recovered* is the share of the NVFP4 mismatch that disappears. "
                   f"*k needed* is the smallest BF16 channel count (of 0, 16, 32, …) that brings each layer's relative output error on calibration "
-                  f"activations to ≤ {att['error_target']}.", "",
-                  "| rank | restored to BF16 | mean |Δlogp| | recovered | k needed (median / max over its layers) |", "|---:|---|---:|---:|---|"]
+                  f"activations to ≤ {att['error_target']} (256 means the search cap was reached).", "",
+                  "| rank | restored to BF16 | mean \\|Δlogp\\| | recovered | k needed (median / max over its layers) |", "|---:|---|---:|---:|---|"]
         for i, row in enumerate(att["rows"], 1):
             lines.append(f"| {i} | {row['group']} | {row['mean']:.4f} | {row['recovered']:.1%} | {row['k_needed']} |")
         lines.append("")
