@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -292,48 +290,6 @@ class HTTPHandle(Handle):
             self.proc.stop()
 
 
-class SGLangServer:
-    """``python -m sglang.launch_server`` on the CPU, in the SGLang venv (own process group)."""
-
-    def __init__(self, model: Path, python: str, port: int | None = None, log_path: Path | None = None, extra: Sequence[str] = ()):
-        from foursight.trainer_bridge.launch import free_port
-
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                    "--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16", "--mem-fraction-static", "0.05",
-                    "--disable-cuda-graph", "--random-seed", "0", *extra]
-        self.env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        self.log_path = log_path
-        self.proc = None
-
-    def start(self, timeout_s: float = 300.0) -> "SGLangServer":
-        from foursight.trainer_bridge.launch import wait_http_ok
-
-        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_http_ok(self.url + "/health", timeout_s, self.proc, what=f"SGLang server ({self.log_path or 'no log'})")
-        except Exception:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def default_sglang_python() -> str:
     """The SGLang venv's python (``$FOURSIGHT_SGLANG_PYTHON``, else ``.venv-sglang`` beside the repo)."""
     env = os.environ.get("FOURSIGHT_SGLANG_PYTHON")
@@ -361,8 +317,10 @@ def open_engine(spec: EngineSpec, model_dirs: dict[str, Path], urls: dict[str, s
     else:
         if not Path(sglang_python).exists():
             raise CompareError(f"--sglang-python {sglang_python} does not exist (run scripts/setup.sh, or pass --engine-url)")
+        from foursight.trainer_bridge.launch import SGLangServer
+
         extra = ["--quantization", "foursight"] if spec.precision != "bf16" else []
-        srv = SGLangServer(src, sglang_python, log_path=log, extra=extra).start()
+        srv = SGLangServer(src, sglang_python, log_path=log, extra_args=extra).start(timeout_s=300)
     return HTTPHandle(spec.name, spec.kind, srv.url, proc=srv)
 
 

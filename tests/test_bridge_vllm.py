@@ -95,7 +95,9 @@ def test_rollouts_stream_per_sample(client, tiny_llama_dir):
     assert [(r.prompt_index, len(r.token_ids)) for _, r in arrivals] == [(0, 2), (0, 2), (1, 300), (1, 300)]
     short_last = max(t for t, r in arrivals if r.prompt_index == 0)
     long_first = min(t for t, r in arrivals if r.prompt_index == 1)
-    assert short_last < long_first - 0.5, arrivals  # streamed, not batched at the end
+    # streamed, not batched at the end: the 2-token samples arrive in well under half the time the
+    # 300-token ones take (a ratio, not a fixed margin: the engine's speed depends on machine load)
+    assert short_last < 0.5 * long_first, arrivals
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     for _, r in arrivals:
         assert r.prompt_ids == tok.encode(prompts[r.prompt_index]["text"])

@@ -40,34 +40,28 @@ def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
     raise RuntimeError(f"{what} not healthy at {url} after {timeout_s} s")
 
 
-class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server`` as a child process (own process group).
+class ServerProcess:
+    """An engine server as a child process in its own process group, polled on ``/health``.
 
-    Args:
-        model: model folder.
-        extra_args: more CLI args (e.g. ``["--quantization", "foursight"]``).
-        env: extra environment (``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_SERVER_DEV_MODE=1`` are set by default).
-        log_path: where stdout/stderr go (default: a file next to nothing, i.e. DEVNULL).
+    Subclasses build ``cmd`` and ``env``; :meth:`start` waits until healthy, :meth:`stop` and
+    :meth:`kill` end the whole group (API server, engine core and workers).
     """
 
-    def __init__(self, model: str | Path, port: int | None = None, max_model_len: int = 512, extra_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, log_path: str | Path | None = None, python: str = sys.executable):
-        self.model = str(model)
-        self.port = port or free_port()
+    what = "server"
+
+    def __init__(self, cmd: Sequence[str], env: dict[str, str], port: int, log_path: str | Path | None = None):
+        self.cmd = list(cmd)
+        self.env = env
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
-                    "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
-                    *extra_args]
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 240.0) -> "VLLMServer":
+    def start(self, timeout_s: float = 240.0):
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_http_ok(self.url + "/health", timeout_s, self.proc, what=f"vLLM server ({self.log_path or 'no log'})")
+            wait_http_ok(self.url + "/health", timeout_s, self.proc, what=f"{self.what} ({self.log_path or 'no log'})")
         except Exception:
             self.stop()
             raise
@@ -91,6 +85,45 @@ class VLLMServer:
             self.proc.wait(timeout=20)
         except (subprocess.TimeoutExpired, ProcessLookupError):
             self.kill()
+
+
+class VLLMServer(ServerProcess):
+    """``python -m vllm.entrypoints.openai.api_server`` as a child process (own process group).
+
+    Args:
+        model: model folder.
+        extra_args: more CLI args (e.g. ``["--quantization", "foursight"]``).
+        env: extra environment (``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_SERVER_DEV_MODE=1`` are set by default).
+        log_path: where stdout/stderr go (default: DEVNULL).
+    """
+
+    what = "vLLM server"
+
+    def __init__(self, model: str | Path, port: int | None = None, max_model_len: int = 512, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None, python: str = sys.executable):
+        self.model = str(model)
+        port = port or free_port()
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+               "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+               *extra_args]
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        super().__init__(cmd, full_env, port, log_path)
+
+
+class SGLangServer(ServerProcess):
+    """``python -m sglang.launch_server`` on the CPU, with the SGLang venv's ``python`` (docs/sglang.md)."""
+
+    what = "SGLang server"
+
+    def __init__(self, model: str | Path, python: str, port: int | None = None, log_path: str | Path | None = None,
+                 extra_args: Sequence[str] = ()):
+        port = port or free_port()
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
+               "--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16", "--mem-fraction-static", "0.05",
+               "--disable-cuda-graph", "--random-seed", "0", *extra_args]
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        super().__init__(cmd, env, port, log_path)
 
 
 class BridgeThread:
