@@ -107,7 +107,35 @@ class Engine(ABC):
 # ---------------------------------------------------------------------------------------------
 # vLLM (OpenAI-compatible server)
 # ---------------------------------------------------------------------------------------------
-class VLLMHTTPEngine(Engine):
+class _HTTPEngine(Engine):
+    """Shared connection handling of the engines reached over HTTP (vLLM, SGLang)."""
+
+    def __init__(self, url: str, name_prefix: str, tokenizer: str | Path | None, api_key: str | None,
+                 logprobs_mode: str, max_connections: int):
+        self.url = url.rstrip("/")
+        self.name = f"{name_prefix}@{self.url}"
+        self.logprobs_mode = logprobs_mode
+        self.tokenizer = LocalTokenizer(tokenizer) if tokenizer else None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
+
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def health(self) -> bool:
+        try:
+            r = await self.client.get("/health", timeout=5.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+class VLLMHTTPEngine(_HTTPEngine):
     """A vLLM OpenAI server: ``POST /v1/completions`` with token-id prompts and ``logprobs=0``.
 
     ``return_tokens_as_token_ids`` makes vLLM name each sampled token ``"token_id:<id>"``, so ids
@@ -120,26 +148,16 @@ class VLLMHTTPEngine(Engine):
 
     def __init__(self, url: str, model: str | None = None, tokenizer: str | Path | None = None,
                  api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512):
-        self.url = url.rstrip("/")
+        super().__init__(url, "vllm", tokenizer, api_key, logprobs_mode, max_connections)
         self.model = model
-        self.name = f"vllm@{self.url}"
-        self.logprobs_mode = logprobs_mode
-        self.tokenizer = LocalTokenizer(tokenizer) if tokenizer else None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
+        await super().start()
         if self.model is None:
             r = await self.client.get("/v1/models", timeout=30.0)
             if r.status_code != 200:
                 raise EngineError(f"{self.name}: GET /v1/models -> {r.status_code} {r.text[:200]}")
             self.model = r.json()["data"][0]["id"]
-
-    async def aclose(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
         if prompt.token_ids is not None or self.tokenizer is not None:
@@ -212,18 +230,11 @@ class VLLMHTTPEngine(Engine):
             raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
         return {"engine": self.name, "version": version, "workers": results, "seconds": time.monotonic() - t0}
 
-    async def health(self) -> bool:
-        try:
-            r = await self.client.get("/health", timeout=5.0)
-            return r.status_code == 200
-        except httpx.HTTPError:
-            return False
-
 
 # ---------------------------------------------------------------------------------------------
 # SGLang (native /generate)
 # ---------------------------------------------------------------------------------------------
-class SGLangHTTPEngine(Engine):
+class SGLangHTTPEngine(_HTTPEngine):
     """An SGLang server: ``POST /generate`` with ``input_ids`` and ``return_logprob``.
 
     ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, text|null], ...]``;
@@ -236,20 +247,7 @@ class SGLangHTTPEngine(Engine):
 
     def __init__(self, url: str, tokenizer: str | Path | None = None, api_key: str | None = None,
                  logprobs_mode: str = "processed_logprobs", max_connections: int = 512):
-        self.url = url.rstrip("/")
-        self.name = f"sglang@{self.url}"
-        self.logprobs_mode = logprobs_mode
-        self.tokenizer = LocalTokenizer(tokenizer) if tokenizer else None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.client: httpx.AsyncClient | None = None
-
-    async def start(self) -> None:
-        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
-
-    async def aclose(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
+        super().__init__(url, "sglang", tokenizer, api_key, logprobs_mode, max_connections)
 
     def generate_body(self, prompt_ids, params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
         sp: dict[str, Any] = {
@@ -302,13 +300,6 @@ class SGLangHTTPEngine(Engine):
         if r.status_code != 200 or not r.json().get("success", False):
             raise EngineError(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")
         return {"engine": self.name, "version": version, "response": r.json(), "seconds": time.monotonic() - t0}
-
-    async def health(self) -> bool:
-        try:
-            r = await self.client.get("/health", timeout=5.0)
-            return r.status_code == 200
-        except httpx.HTTPError:
-            return False
 
 
 # ---------------------------------------------------------------------------------------------
