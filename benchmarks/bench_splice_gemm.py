@@ -177,17 +177,16 @@ def run(args) -> dict:
     w = torch.randn(N, K, device="cuda") * 0.02
     ch = torch.sort(torch.randperm(K, device="cuda")[:128]).values.to(torch.int32)
     pw = fk.prepare_weight(quantize_weight(w, ch))
-    for M, tag, cfg in ((4096, "prefill", fk_api.PREFILL_CONFIGS[0]), (1, "decode", fk_api.DECODE_CONFIGS[0])):
+    sass_cases = ((4096, "prefill_ss", fk_api.PREFILL_CONFIGS[0]), (4096, "prefill_swap", ("swap", 128, 128, 64, 8, 3, 0)),
+                  (1, "decode_gemv_fused", fk_api.DECODE_CONFIGS[0]), (16, "decode_swap", ("swap", 16, 64, 256, 4, 3, 0)))
+    for M, tag, cfg in sass_cases:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        fp4_a = fk_api.DECODE_FP4_A and tag == "decode"
-        packed, scale, deq, gs, _ = fk_api._act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, fp4_a, not fp4_a, False)
-        qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         try:
-            compiled = fk_api._gemm_launch(cfg, qa[0], qa[1], qa[2], x, pw, None, out, M, True, fp4_a, False)
-            res["sass"].append(dict(sass_report(compiled, tag, out_dir), config=list(cfg)))
+            compiled = fk_api._linear_run(cfg, x, pw, None, None, True, out)
+            res["sass"].append(dict(sass_report(compiled, tag, out_dir), config=[str(c) for c in cfg]))
         except Exception as e:  # report, do not lose the run
-            res["sass"].append({"tag": tag, "config": list(cfg), "error": f"{type(e).__name__}: {e}"})
+            res["sass"].append({"tag": tag, "config": [str(c) for c in cfg], "error": f"{type(e).__name__}: {e}"})
         print(json.dumps(res["sass"][-1]), flush=True)
     torch.manual_seed(0)
     shapes = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192)]
@@ -227,6 +226,8 @@ def run(args) -> dict:
                 t_ours = _graph_ms([lambda p=p: fk.splice_linear(x, p) for p in pws])
                 row = dict(row_base, k=k, ours_ms=t_ours, rel_err_vs_reference=rel, rotations=r,
                            path=fk.datapath_for(M))
+                cfg = fk_api.TUNED.get(fk_api.linear_key(fk.datapath_for(M), M, pw, True, False, x.dtype, False))
+                row["config"] = [str(v) for v in cfg] if cfg else None
                 # GEMM alone (activation already quantized)
                 fp4_a = fk_api.DECODE_FP4_A and fk.datapath_for(M) == "decode"
                 packed, scale, deq, gs, _ = fk_api._act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, fp4_a, not fp4_a, False)
@@ -291,7 +292,10 @@ def _ratio(a, b):
 
 
 def _write(res: dict, out_dir: Path) -> None:
-    res["tuned"] = [{"key": [str(v) for v in k], "config": list(v)} for k, v in fk.TUNED.items()]
+    res["tuned"] = [{"key": [str(v) for v in k], "config": [str(c) for c in v]} for k, v in fk.TUNED.items()]
+    res["tune_log"] = [{"key": [str(v) for v in k], "candidates": [{"config": [str(c) for c in cfg], "ms": t, "error": e}
+                                                                  for cfg, t, e in v]}
+                       for k, v in fk_api.TUNE_LOG.items()]
     (out_dir / "splice_gemm.json").write_text(json.dumps(res, indent=1))
     (out_dir / "splice_gemm.md").write_text(markdown(res))
 
@@ -309,8 +313,8 @@ def markdown(res: dict) -> str:
         "per-row activation scale). `x cuBLAS` = cuBLAS BF16 time / ours (>1 = faster). `k-ovh` = ours(k) / ours(k=0) - 1. "
         "TB/s counts the minimum bytes (FP4 weight + scales + BF16 columns + X + Y); TFLOP/s counts 2·M·N·(K+k).",
         "",
-        "| N | K | M | k | path | ours µs | GEMM-only µs | quant µs | cuBLAS µs | x cuBLAS | k-ovh | TB/s | TFLOP/s | W4A16 µs | naive µs | x naive | rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | K | M | k | path | kernel | ours µs | GEMM-only µs | quant µs | cuBLAS µs | x cuBLAS | k-ovh | TB/s | TFLOP/s | W4A16 µs | naive µs | x naive | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(r["N"], r["K"], r["M"]): r["ours_ms"] for r in res["rows"] if r["k"] == 0}
     for r in res["rows"]:
@@ -318,7 +322,7 @@ def markdown(res: dict) -> str:
         ovh = f"{(r['ours_ms'] / b - 1) * 100:+.1f}%" if (b and r["k"]) else ""
         naive = r.get("naive_ms")
         lines.append(
-            f"| {r['N']} | {r['K']} | {r['M']} | {r['k']} | {r['path']} | {r['ours_ms'] * 1e3:.1f} | {r['gemm_only_ms'] * 1e3:.1f} | "
+            f"| {r['N']} | {r['K']} | {r['M']} | {r['k']} | {r['path']} | {'/'.join(r.get('config') or ['?'])} | {r['ours_ms'] * 1e3:.1f} | {r['gemm_only_ms'] * 1e3:.1f} | "
             f"{r['quant_only_ms'] * 1e3:.1f} | {r['cublas_ms'] * 1e3:.1f} | {r['cublas_ms'] / r['ours_ms']:.2f} | {ovh} | "
             f"{r['achieved_TBps']:.2f} | {r['achieved_TFLOPs']:.0f} | "
             f"{(r['w4a16_ms'] * 1e3) if r.get('w4a16_ms') else float('nan'):.1f} | "

@@ -25,7 +25,7 @@ from foursight.layer import QuantizedActivation, QuantizedWeight, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
 
 from .act_quant import MAX_ONEPASS_K, _act_quant_kernel
-from .splice_gemm import _split_reduce_kernel, _splice_gemm_kernel
+from .splice_gemm import _split_reduce_kernel, _splice_gemm_kernel, _splice_gemm_ss_kernel, _splice_gemv_kernel
 
 #: M up to this uses the decode datapath (BLOCK_M = 16, narrow N tiles, FP4 activations
 #: decoded in registers); above it the prefill datapath. Set from the H200 measurements in
@@ -228,27 +228,51 @@ def quantize_activation(
 # GEMM configuration
 # --------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); SPLIT_K = 0 means "automatic":
-# split K until the grid has ~4 programs per SM (decode and small-M shapes are otherwise short of
-# memory-level parallelism: measured on the H200, one K loop per 64-row tile reached 0.26 TB/s).
+# A configuration is a tuple whose first element names the kernel:
+#   ("gemv", FUSE, BLOCK_N, BLOCK_K, num_warps, num_stages): _splice_gemv_kernel, M <= GEMV_MAX_M;
+#       FUSE = quantize the activation inside the GEMV (W4A4 with M = 1 only; otherwise ignored);
+#   ("swap", BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): _splice_gemm_kernel
+#       (Yᵀ tile, decoded weight as the register MMA operand); SPLIT_K = 0 means "automatic":
+#       split K until the grid has ~4 programs per SM;
+#   ("ss", BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): _splice_gemm_ss_kernel (Y tile,
+#       both MMA operands in shared memory).
+# A tuple without a leading name is a "swap" configuration (the form of earlier versions).
+
+#: The GEMV form serves M up to this many rows (one fp32 FMA per weight and row).
+GEMV_MAX_M: int = 4
+
 DECODE_CONFIGS = [
-    (16, 64, 256, 4, 3, 0),
-    (16, 32, 256, 4, 3, 0),
-    (16, 64, 512, 4, 3, 0),
-    (16, 64, 256, 4, 3, 1),
+    ("gemv", True, 16, 256, 4, 3),
+    ("gemv", True, 32, 256, 4, 3),
+    ("gemv", True, 16, 512, 4, 2),
+    ("gemv", False, 16, 256, 4, 3),
+    ("gemv", False, 32, 256, 4, 3),
+    ("gemv", False, 8, 512, 2, 3),
+    ("swap", 16, 64, 256, 4, 3, 0),
+    ("swap", 16, 32, 256, 4, 3, 0),
+    ("swap", 16, 64, 512, 4, 3, 0),
 ]
 MID_CONFIGS = [
-    (64, 128, 128, 8, 3, 0),
-    (32, 64, 256, 4, 3, 0),
-    (64, 64, 128, 4, 4, 0),
+    ("swap", 64, 128, 128, 8, 3, 0),
+    ("swap", 32, 64, 256, 4, 3, 0),
+    ("swap", 64, 64, 128, 4, 4, 0),
+    ("ss", 64, 128, 64, 4, 4),
+    ("ss", 64, 64, 128, 4, 4),
 ]
 PREFILL_CONFIGS = [
-    (128, 128, 64, 8, 3, 0),
-    (128, 128, 128, 8, 3, 0),
-    (128, 256, 64, 8, 3, 0),
-    (64, 128, 128, 4, 4, 0),
+    ("ss", 128, 128, 64, 8, 3),
+    ("ss", 128, 256, 64, 8, 3),
+    ("ss", 256, 128, 64, 8, 3),
+    ("ss", 128, 128, 128, 8, 3),
+    ("ss", 128, 128, 64, 4, 4),
+    ("swap", 128, 128, 64, 8, 3, 0),
 ]
-_INTERP_CONFIGS = {"decode": (16, 16, 64, 4, 1, 0), "mid": (32, 32, 32, 4, 1, 1), "prefill": (32, 32, 32, 4, 1, 0)}
+_INTERP_CONFIGS = {
+    "gemv": ("gemv", True, 16, 64, 4, 1),
+    "decode": ("swap", 16, 16, 64, 4, 1, 0),
+    "mid": ("swap", 32, 32, 32, 4, 1, 1),
+    "prefill": ("ss", 32, 32, 32, 4, 1),
+}
 
 _SM_COUNT: dict = {}
 
@@ -279,6 +303,8 @@ def _split_plan(m: int, n: int, k_dim: int, bm: int, bn: int, bk: int, split: in
 
 #: chosen configuration per key, filled by the autotuner (benchmark writes it out)
 TUNED: dict = {}
+#: every candidate's median time (ms) per key, as the autotuner measured it (L2 flushed by do_bench)
+TUNE_LOG: dict = {}
 
 
 def datapath_for(m: int) -> str:
@@ -288,7 +314,16 @@ def datapath_for(m: int) -> str:
     return "mid" if m <= 128 else "prefill"
 
 
+def _kind(cfg: tuple) -> str:
+    return cfg[0] if isinstance(cfg[0], str) else "swap"
+
+
+def _swap_cfg(cfg: tuple) -> tuple:
+    return tuple(cfg[1:]) if isinstance(cfg[0], str) else tuple(cfg)
+
+
 def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant, a_fp4, dot_bf16):
+    """Launch the swap-AB kernel (+ the split-K reduction). ``cfg`` = (BM, BN, BK, warps, stages[, split])."""
     bm, bn, bk, nw, ns = cfg[:5]
     n, k_dim = pw.out_features, pw.in_features
     kk = pw.num_channels
@@ -326,13 +361,107 @@ def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant
     return compiled
 
 
-def _pick_config(path: str, key: tuple, run) -> tuple:
+def _ss_launch(cfg, a, a_gs, x, xs, pw: PreparedWeight, bias, out, m, a_quant, dot_bf16):
+    """Launch the SS kernel. ``cfg`` = ("ss", BM, BN, BK, warps, stages); ``xs`` = contiguous X[:, S] or None
+    (then the BF16 segment gathers the S columns from ``x``)."""
+    _, bm, bn, bk, nw, ns = cfg
+    n, k_dim = pw.out_features, pw.in_features
+    kk = pw.num_channels
+    dummy = pw.weight_global_scale
+    src = xs if (xs is not None and kk) else x
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    return _splice_gemm_ss_kernel[grid](
+        a, a.stride(0), a.stride(1),
+        a_gs if a_gs is not None else dummy,
+        src, src.stride(0), src.stride(1),
+        pw.bf16_channels if kk else pw.channel_mask,
+        pw.weight_packed, pw.weight_packed.stride(0),
+        pw.weight_scale, pw.weight_scale.stride(0),
+        pw.weight_global_scale,
+        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
+        bias if bias is not None else dummy,
+        out, out.stride(0), out.stride(1),
+        m, n, k_dim, kk,
+        A_QUANT=a_quant, DOT_BF16=dot_bf16, XS_DENSE=xs is not None, HAS_BIAS=bias is not None, HAS_KS=kk > 0,
+        EVEN_K=(k_dim % bk == 0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+        GROUP_M=8,
+        INTERP=_interpreting(),
+        num_warps=nw, num_stages=ns,
+    )
+
+
+def _gemv_launch(cfg, a_mode, x, a, a_gs, pw: PreparedWeight, bias, out, m, global_scale=None):
+    """Launch the GEMV kernel. ``cfg`` = ("gemv", FUSE, BN, BK, warps, stages); ``a_mode`` 0 (W4A16),
+    1 (``a`` = fp16 q*s, ``a_gs`` [M]) or 2 (quantize X here; M must be 1)."""
+    _, _fuse, bn, bk, nw, ns = cfg
+    n, k_dim = pw.out_features, pw.in_features
+    kk = pw.num_channels
+    if m > GEMV_MAX_M:
+        raise ValueError(f"foursight.kernels: the GEMV form serves M <= {GEMV_MAX_M}, got M = {m}")
+    dummy = pw.weight_global_scale
+    gs_in = None
+    if a_mode == 2:
+        if m != 1:
+            raise ValueError("foursight.kernels: the fused GEMV quantizes one row (M = 1)")
+        if global_scale is not None:
+            gs_in = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32)
+            if gs_in.numel() != 1:
+                raise NVFP4Error(f"input_global_scale: expected a scalar or [1], got shape {tuple(global_scale.shape)}")
+    grid = (triton.cdiv(n, bn),)
+    return _splice_gemv_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        a if a is not None else dummy, a.stride(0) if a is not None else 0,
+        a_gs if a_gs is not None else dummy,
+        pw.channel_mask, gs_in if gs_in is not None else dummy,
+        pw.bf16_channels if kk else pw.channel_mask,
+        pw.weight_packed, pw.weight_packed.stride(0),
+        pw.weight_scale, pw.weight_scale.stride(0),
+        pw.weight_global_scale,
+        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
+        bias if bias is not None else dummy,
+        out, out.stride(0), out.stride(1),
+        m, n, k_dim, kk,
+        A_MODE=a_mode, STATIC_GS=gs_in is not None,
+        DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False,
+        HAS_BIAS=bias is not None, HAS_KS=kk > 0, EVEN_K=(k_dim % bk == 0),
+        BM=max(1, triton.next_power_of_2(m)), BN=bn, BK=bk,
+        BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+        INTERP=_interpreting(),
+        num_warps=nw, num_stages=ns,
+    )
+
+
+def _candidates(path: str, m: int, qa_form: str) -> list:
+    """Configurations the autotuner may time for ``path``. ``qa_form``: "fp4" (packed activation),
+    "deq" (fp16 q*s), "w4a16" or "linear" (splice_linear W4A4: quantization is part of the run)."""
+    cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
+    out = []
+    for c in cands:
+        kind = _kind(c)
+        if qa_form == "fp4" and kind != "swap":
+            continue
+        if kind == "gemv" and (m > GEMV_MAX_M or (c[1] and not (qa_form == "linear" and m == 1))):
+            continue
+        out.append(c)
+    return out or [("swap",) + _swap_cfg(cands[-1])]
+
+
+def _interp_config(path: str, m: int, qa_form: str) -> tuple:
+    if path == "decode" and m <= GEMV_MAX_M and qa_form != "fp4":
+        return _INTERP_CONFIGS["gemv"]
+    if path == "prefill" and qa_form == "fp4":
+        return ("swap", 32, 32, 32, 4, 1, 0)
+    return _INTERP_CONFIGS[path]
+
+
+def _pick_config(path: str, key: tuple, run, cands: list, interp_cfg: tuple) -> tuple:
     """Return the cached best config for ``key``; on first use time each candidate (CUDA only)."""
     if _interpreting() or not torch.cuda.is_available():
-        return _INTERP_CONFIGS[path]
+        return interp_cfg
     if key in TUNED:
         return TUNED[key]
-    cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
     if os.environ.get("FOURSIGHT_KERNELS_AUTOTUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
         # no timing runs inside a CUDA-graph capture (an engine capturing a batch size it never ran
         # eagerly): take the first candidate, and keep it so eager and graph calls agree
@@ -341,13 +470,16 @@ def _pick_config(path: str, key: tuple, run) -> tuple:
     from triton.testing import do_bench
 
     best, best_t = None, float("inf")
+    log = TUNE_LOG.setdefault(key, [])
     for cfg in cands:
         try:
             t = do_bench(lambda: run(cfg), warmup=5, rep=15, return_mode="median")
         except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+            log.append((cfg, None, f"{type(e).__name__}: {str(e)[:200]}"))
             if os.environ.get("FOURSIGHT_KERNELS_DEBUG"):
                 print(f"[foursight.kernels] config {cfg} failed for {key}: {type(e).__name__}: {e}")
             continue
+        log.append((cfg, t, None))
         if t < best_t:
             best, best_t = cfg, t
     if best is None:
@@ -359,6 +491,27 @@ def _pick_config(path: str, key: tuple, run) -> tuple:
 # --------------------------------------------------------------------------------------------
 # GEMM entry points
 # --------------------------------------------------------------------------------------------
+
+
+def _gemm_dispatch(cfg, x, pw: PreparedWeight, qa, bias, out, xs=None):
+    """Run the GEMM of ``cfg``'s kind on prepared operands (see :func:`splice_gemm` for ``qa``)."""
+    m = x.shape[0]
+    kind = _kind(cfg)
+    if qa is None:
+        a, a_s, a_gs, a_quant, a_fp4 = x, None, None, False, False
+        dot_bf16 = x.dtype == torch.bfloat16
+    else:
+        a, a_s, a_gs = qa
+        a_quant, a_fp4, dot_bf16 = True, a.dtype == torch.uint8, False
+    if kind == "swap":
+        return _gemm_launch(_swap_cfg(cfg), a, a_s, a_gs, x, pw, bias, out, m, a_quant, a_fp4, dot_bf16)
+    if a_fp4:
+        raise ValueError(f"foursight.kernels: the packed FP4 activation form needs a 'swap' configuration, got {cfg}")
+    if kind == "ss":
+        return _ss_launch(cfg, a, a_gs, x, xs, pw, bias, out, m, a_quant, dot_bf16)
+    if kind == "gemv":
+        return _gemv_launch(cfg, 1 if a_quant else 0, x, a if a_quant else None, a_gs, pw, bias, out, m)
+    raise ValueError(f"foursight.kernels: unknown configuration kind in {cfg}")
 
 
 def splice_gemm(
@@ -382,8 +535,8 @@ def splice_gemm(
         bias: optional [N].
         out_dtype: default x.dtype.
         path: force ``decode`` / ``mid`` / ``prefill`` (benchmarks); default by M.
-        config: force a tile configuration ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``
-            (tests, benchmarks); default: autotuned on CUDA, a fixed small tile in the interpreter.
+        config: force a configuration (see the comment above ``DECODE_CONFIGS``; tests,
+            benchmarks); default: autotuned on CUDA, a fixed small tile in the interpreter.
     Returns:
         [M, N] of ``out_dtype``.
     """
@@ -394,23 +547,49 @@ def splice_gemm(
         return out
     path = path or datapath_for(m)
     if qa is None:
-        a, a_s, a_gs = x, None, None
-        a_quant, a_fp4 = False, False
         if x.dtype not in (torch.bfloat16, torch.float16):
             raise NVFP4Error(f"input: W4A16 mode needs bf16 or fp16 activations, got {x.dtype}")
-        dot_bf16 = x.dtype == torch.bfloat16
+        form = "w4a16"
     else:
-        a, a_s, a_gs = qa
-        a_quant, a_fp4, dot_bf16 = True, a.dtype == torch.uint8, False
-    mb = 16 if path == "decode" else min(triton.next_power_of_2(m), 4096)
-    key = (path, mb, n, prepared.in_features, prepared.num_channels > 0, a_quant, a_fp4, dot_bf16, bias is not None, out.dtype)
+        form = "fp4" if qa[0].dtype == torch.uint8 else "deq"
+    key = ("gemm", path, _m_bucket(path, m), n, prepared.in_features, prepared.num_channels > 0, form, x.dtype,
+           bias is not None, out.dtype)
 
     def run(cfg):
-        _gemm_launch(cfg, a, a_s, a_gs, x, prepared, bias, out, m, a_quant, a_fp4, dot_bf16)
+        _gemm_dispatch(cfg, x, prepared, qa, bias, out)
 
-    cfg = config or _pick_config(path, key, run)
+    cfg = config or _pick_config(path, key, run, _candidates(path, m, form), _interp_config(path, m, form))
     run(cfg)
     return out
+
+
+def _m_bucket(path: str, m: int) -> int:
+    if path == "decode":
+        return m if m <= GEMV_MAX_M else 16
+    return min(triton.next_power_of_2(m), 4096)
+
+
+def linear_key(path: str, m: int, prepared: PreparedWeight, act_quant: bool, static_gs: bool, dtype, has_bias: bool) -> tuple:
+    """The autotuner's cache key of a :func:`splice_linear` call (benchmarks read ``TUNED[key]``)."""
+    return ("linear", path, _m_bucket(path, m), prepared.out_features, prepared.in_features, prepared.num_channels > 0,
+            "linear" if act_quant else "w4a16", static_gs, dtype, has_bias)
+
+
+def _linear_run(cfg, x2, pw: PreparedWeight, bias, input_global_scale, act_quant, out):
+    """One W4A4/W4A16 linear with configuration ``cfg``: quantization (unless fused) + GEMM."""
+    m = x2.shape[0]
+    kind = _kind(cfg)
+    if not act_quant:
+        return _gemm_dispatch(cfg, x2, pw, None, bias, out)
+    if kind == "gemv" and cfg[1] and m == 1:
+        return _gemv_launch(cfg, 2, x2, None, None, pw, bias, out, m, global_scale=input_global_scale)
+    fp4_a = DECODE_FP4_A and kind == "swap" and datapath_for(m) == "decode"
+    want_xs = kind == "ss" and pw.num_channels > 0
+    packed, scale, deq, gs, xs = _act_quant_launch(
+        x2, pw.channel_mask, pw.bf16_channels, input_global_scale, fp4_a, not fp4_a, want_xs
+    )
+    qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
+    return _gemm_dispatch(cfg, x2, pw, qa, bias, out, xs=xs)
 
 
 def splice_linear(
@@ -446,16 +625,18 @@ def splice_linear(
     x2 = x.reshape(-1, k_dim)
     _check_act(x2, k_dim, "input")
     m = x2.shape[0]
+    out = torch.empty((m, prepared.out_features), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, prepared.out_features)
+    if not act_quant and x2.dtype not in (torch.bfloat16, torch.float16):
+        raise NVFP4Error(f"input: W4A16 mode needs bf16 or fp16 activations, got {x2.dtype}")
     path = path or datapath_for(m)
-    if act_quant:
-        fp4_a = DECODE_FP4_A and path == "decode"
-        packed, scale, deq, gs, _ = _act_quant_launch(
-            x2, prepared.channel_mask, prepared.bf16_channels, input_global_scale, fp4_a, not fp4_a, False
-        )
-        qa = (packed, scale, gs) if fp4_a else (deq, None, gs)
-        xg = x2
-    else:
-        qa = None
-        xg = x2
-    y = splice_gemm(xg, prepared, qa, bias=bias, out_dtype=x.dtype, path=path, config=config)
-    return y.reshape(*lead, prepared.out_features)
+    form = "linear" if act_quant else "w4a16"
+    key = linear_key(path, m, prepared, act_quant, input_global_scale is not None, x2.dtype, bias is not None)
+
+    def run(cfg):
+        _linear_run(cfg, x2, prepared, bias, input_global_scale, act_quant, out)
+
+    cfg = config or _pick_config(path, key, run, _candidates(path, m, form), _interp_config(path, m, form))
+    run(cfg)
+    return out.reshape(*lead, prepared.out_features)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .act_quant import _quant_block
+
 
 @triton.jit
 def _fp4_tile(p, sb, R: tl.constexpr, BK: tl.constexpr):
@@ -222,3 +224,275 @@ def _split_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, stride_on, M, N, 
     if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
         acc = _bf16_rne(acc, INTERP)
     tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode datapath, GEMV form (M <= 4): no MMA, the weight streamed straight into registers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e2m1_f16_pair(p):
+    """Decode the two E2M1 codes of each packed byte.
+
+    Args:
+        p: int32 tensor of packed bytes (low nibble = even column).
+    Returns:
+        (lo, hi) float32 tensors of p's shape holding ``e2m1 * 2^-14`` exactly (the 3 magnitude bits
+        go into fp16's exponent/mantissa fields, code 1 becomes an fp16 subnormal; the fp16 -> fp32
+        conversion is exact).
+    """
+    lo = (((p << 9) & 0x0E00) | ((p << 12) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (((p << 5) & 0x0E00) | ((p << 8) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@triton.jit
+def _e4m3_f32(sb):
+    """fp32 value of non-negative E4M3 bytes ``sb`` (int32), decoded through fp16 (exact)."""
+    return (sb << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _splice_gemv_kernel(
+    x_ptr, stride_xm, stride_xk,  # X [M, K]: the A operand in W4A16 / fused mode, and the BF16 segment's source
+    a_ptr, stride_am,  # A_MODE 1: fp16 [M, K] = q*s written by the quantization kernel
+    a_gs_ptr,  # A_MODE 1: fp32 [M] activation global scales
+    smask_ptr,  # A_MODE 2: uint8 [K], 1 at the S columns
+    gs_in_ptr,  # A_MODE 2 and STATIC_GS: fp32 [1]
+    ch_ptr,  # int32 [KS] channel indices
+    wp_ptr, stride_wpn,  # W packed uint8 [N, K/2]
+    ws_ptr, stride_wsn,  # W scale bytes uint8 [N, K/16]
+    w_gs_ptr,  # fp32 [N]
+    wb_ptr, stride_wbn,  # W_bf16 [N, KS]
+    bias_ptr,  # [N]
+    out_ptr, stride_om, stride_on,  # [M, N]
+    M, N, K, KS,
+    A_MODE: tl.constexpr,  # 0: W4A16 (A = X); 1: A = fp16 q*s + gs; 2: activation quantized here (BM == 1)
+    STATIC_GS: tl.constexpr,
+    DIV6_RECIP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_KS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_KS: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """``Y[m, n] = sum_k deq(A)[m, k] deq(W)[n, k] (+ X[m, S] . W_bf16[n]) (+ bias)`` for M <= BM rows.
+
+    One program owns BN output rows and all of K (no split: the N/BN programs already cover the
+    GPU for N >= 4096). Per K step it loads the packed weight [BN, BK/2] and the scale bytes
+    [BN, BK/16] straight into registers, decodes each nibble with integer ops, multiplies by the
+    activation in fp32 (exact products, fp32 sums), reduces each 16-element group and scales the
+    group sum by its E4M3 block scale: one multiply per 16 weights instead of one per weight.
+
+    A_MODE 2 (decode, M = 1) also quantizes the activation row itself (the same
+    ``_quant_block`` as the quantization kernel, so the same codes): every program needs the
+    K-slice it multiplies and, for a dynamic global scale, the amax of the whole row (read from
+    L2). That saves the separate quantization launch and its round trip through memory.
+    """
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rn = (offs_n % N).to(tl.int64)
+    rows = tl.arange(0, BM)
+    rm = (rows % M).to(tl.int64)
+    G: tl.constexpr = BK // 16
+    g = tl.arange(0, G)
+    j8 = tl.arange(0, 8)
+    h2 = tl.arange(0, 2)
+    KG = K // 16
+
+    if A_MODE == 2:
+        if STATIC_GS:
+            gs = tl.load(gs_in_ptr)
+        else:
+            ok = tl.arange(0, BK)
+            amax_v = tl.zeros((BK,), tl.float32)
+            for k0 in range(0, K, BK):
+                km = (k0 + ok) < K
+                xv = tl.load(x_ptr + (k0 + ok) * stride_xk, mask=km, other=0.0).to(tl.float32)
+                sm = tl.load(smask_ptr + k0 + ok, mask=km, other=0)
+                amax_v = tl.maximum(amax_v, tl.where(sm != 0, 0.0, tl.abs(xv)))
+            amax = tl.maximum(tl.max(amax_v, axis=0), 1.1754943508222875e-38)
+            gs = 2688.0 * tl.math.div_rn(tl.full((), 1.0, tl.float32), amax)
+            gs = tl.where(gs == float("inf"), 1.0, gs)
+
+    w_ptrs = wp_ptr + rn[:, None, None] * stride_wpn + g[None, :, None] * 8 + j8[None, None, :]
+    ws_ptrs = ws_ptr + rn[:, None] * stride_wsn + g[None, :]
+    acc = tl.zeros((BM, BN, G), dtype=tl.float32)
+    for kg0 in range(0, KG, G):
+        if EVEN_K:
+            p = tl.load(w_ptrs).to(tl.int32)
+            sb = tl.load(ws_ptrs).to(tl.int32)
+        else:
+            gm = (kg0 + g) < KG
+            p = tl.load(w_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
+            sb = tl.load(ws_ptrs, mask=gm[None, :], other=0).to(tl.int32)
+        wlo, whi = _e2m1_f16_pair(p)  # [BN, G, 8]
+        # activation chunk as [BM, G, 8, 2] (even/odd columns)
+        kk = kg0 * 16 + g[:, None, None] * 16 + j8[None, :, None] * 2 + h2[None, None, :]  # [G, 8, 2]
+        if A_MODE == 2:
+            k1 = kg0 * 16 + tl.arange(0, BK)
+            if EVEN_K:
+                xv = tl.load(x_ptr + k1 * stride_xk).to(tl.float32)
+                sm = tl.load(smask_ptr + k1)
+            else:
+                xv = tl.load(x_ptr + k1 * stride_xk, mask=k1 < K, other=0.0).to(tl.float32)
+                sm = tl.load(smask_ptr + k1, mask=k1 < K, other=0)
+            xv = tl.where(sm != 0, 0.0, xv)
+            _pk, _sb, deq = _quant_block(xv, gs, BK, DIV6_RECIP)
+            a = tl.reshape(deq, (1, G, 8, 2))
+        elif A_MODE == 1:
+            a_ptrs = a_ptr + rm[:, None, None, None] * stride_am + kk[None, :, :, :]
+            if EVEN_K:
+                a = tl.load(a_ptrs).to(tl.float32)
+            else:
+                a = tl.load(a_ptrs, mask=(kk < K)[None, :, :, :], other=0.0).to(tl.float32)
+        else:
+            a_ptrs = x_ptr + rm[:, None, None, None] * stride_xm + kk[None, :, :, :] * stride_xk
+            if EVEN_K:
+                a = tl.load(a_ptrs).to(tl.float32)
+            else:
+                a = tl.load(a_ptrs, mask=(kk < K)[None, :, :, :], other=0.0).to(tl.float32)
+        ae, ao = tl.split(a)  # [BM, G, 8]
+        part = tl.sum(wlo[None, :, :, :] * ae[:, None, :, :] + whi[None, :, :, :] * ao[:, None, :, :], axis=3)
+        acc += part * _e4m3_f32(sb)[None, :, :]
+        w_ptrs += G * 8
+        ws_ptrs += G
+
+    y = tl.sum(acc, axis=2)  # [BM, BN]
+    wgs = tl.load(w_gs_ptr + rn)
+    if A_MODE == 0:
+        y = y * (16384.0 / wgs)[None, :]
+    elif A_MODE == 1:
+        ags = tl.load(a_gs_ptr + rm)
+        y = y * (16384.0 / (ags[:, None] * wgs[None, :]))
+    else:
+        y = y * (16384.0 / (gs * wgs))[None, :]
+
+    if HAS_KS:
+        offs_c = tl.arange(0, BLOCK_KS)
+        ys = tl.zeros((BM, BN, BLOCK_KS), dtype=tl.float32)
+        for c0 in range(0, KS, BLOCK_KS):
+            cm = (c0 + offs_c) < KS
+            ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
+            xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :] * stride_xk, mask=cm[None, :], other=0.0)
+            xs = _bf16_rne(xs.to(tl.float32), INTERP).to(tl.float32)
+            wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
+            ys += xs[:, None, :] * wb[None, :, :]
+        y += tl.sum(ys, axis=2)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    omask = (rows[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :].to(tl.int64) * stride_on
+    if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+        y = _bf16_rne(y, INTERP)
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill datapath, SS form: Y[BM, BN] += A[BM, BK] . deq(W)[BN, BK]^T with both MMA operands
+# in shared memory (the decoded weight tile is stored once per K step and read by wgmma)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _splice_gemm_ss_kernel(
+    a_ptr, stride_am, stride_ak,  # A: fp16 q*s [M, K] (A_QUANT) or X (W4A16)
+    a_gs_ptr,  # fp32 [M] (A_QUANT)
+    xs_ptr, stride_xsm, stride_xsk,  # BF16 segment source: contiguous X[:, S] [M, KS] (XS_DENSE) or X [M, K]
+    ch_ptr,  # int32 [KS] (gather when not XS_DENSE)
+    wp_ptr, stride_wpn,
+    ws_ptr, stride_wsn,
+    w_gs_ptr,
+    wb_ptr, stride_wbn,
+    bias_ptr,
+    out_ptr, stride_om, stride_on,
+    M, N, K, KS,
+    A_QUANT: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    XS_DENSE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_KS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KS: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Prefill tile ``Y[BM, BN]``: the activation tile is the left MMA operand, the weight tile is
+    decoded in registers (``_fp4_tile``: exact ``e2m1*s*2^-14`` in fp16) and becomes the right
+    operand through shared memory. The BF16 segment follows as extra K steps on the same
+    accumulator, reading X[:, S] from the contiguous copy the quantization kernel wrote."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % gsize
+    pid_n = (pid % per_group) // gsize
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
+    G: tl.constexpr = BLOCK_K // 16
+    g = tl.arange(0, G)
+    j8 = tl.arange(0, 8)
+    k16 = tl.arange(0, BLOCK_K)
+    KG = K // 16
+
+    w_ptrs = wp_ptr + rn[:, None, None] * stride_wpn + g[None, :, None] * 8 + j8[None, None, :]
+    ws_ptrs = ws_ptr + rn[:, None] * stride_wsn + g[None, :]
+    a_ptrs = a_ptr + rm[:, None] * stride_am + k16[None, :] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kg0 in range(0, KG, G):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            p = tl.load(w_ptrs).to(tl.int32)
+            sb = tl.load(ws_ptrs).to(tl.int32)
+        else:
+            a = tl.load(a_ptrs, mask=(kg0 * 16 + k16)[None, :] < K, other=0.0)
+            gm = (kg0 + g) < KG
+            p = tl.load(w_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
+            sb = tl.load(ws_ptrs, mask=gm[None, :], other=0).to(tl.int32)
+        w = _fp4_tile(p, sb, BLOCK_N, BLOCK_K)
+        if DOT_BF16:
+            w = w.to(tl.bfloat16)
+        acc = _mma(a, tl.trans(w), acc, INTERP)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += G * 8
+        ws_ptrs += G
+
+    wgs = tl.load(w_gs_ptr + rn)
+    if A_QUANT:
+        ags = tl.load(a_gs_ptr + rm)
+        acc = acc * (16384.0 / (ags[:, None] * wgs[None, :]))
+    else:
+        acc = acc * (16384.0 / wgs)[None, :]
+
+    if HAS_KS:
+        offs_c = tl.arange(0, BLOCK_KS)
+        for c0 in range(0, KS, BLOCK_KS):
+            cm = (c0 + offs_c) < KS
+            if XS_DENSE:
+                xs = tl.load(xs_ptr + rm[:, None] * stride_xsm + (c0 + offs_c)[None, :] * stride_xsk, mask=cm[None, :], other=0.0)
+            else:
+                ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
+                xs = tl.load(xs_ptr + rm[:, None] * stride_xsm + ch[None, :] * stride_xsk, mask=cm[None, :], other=0.0)
+            wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
+            acc = _mma(_bf16_rne(xs.to(tl.float32), INTERP).to(tl.bfloat16), tl.trans(wb), acc, INTERP)
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+    omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :].to(tl.int64) * stride_on
+    if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+        acc = _bf16_rne(acc, INTERP)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -155,6 +155,38 @@ def test_splice_linear_w4a4(M, K, k):
     _check(y, reference_linear(x, qw, bias=bias))
 
 
+# every kernel form the autotuner can pick, forced: the GEMV (with the activation quantized inside it,
+# and fed the fp16 q*s), the swap-AB kernel (with and without split-K) and the SS kernel
+_KIND_CONFIGS = [
+    ("gemv", True, 16, 64, 4, 1),
+    ("gemv", False, 16, 32, 4, 1),
+    ("swap", 16, 16, 64, 4, 1, 0),
+    ("swap", 32, 32, 32, 4, 1, 2),
+    ("ss", 32, 32, 32, 4, 1),
+    ("ss", 16, 16, 64, 4, 1),
+]
+
+
+@pytest.mark.parametrize("cfg", _KIND_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("M,K,k", [(1, 208, 16), (3, 192, 0), (4, 208, 128), (17, 208, 16)])
+def test_every_kernel_form(cfg, M, K, k):
+    if cfg[0] == "gemv" and M > fk_api.GEMV_MAX_M:
+        pytest.skip("the GEMV form serves M <= GEMV_MAX_M")
+    g = torch.Generator().manual_seed(M * 13 + K + k)
+    N = 40
+    qw = _layer(N, K, k, g, per_row_gs=True)
+    pw = fk.prepare_weight(qw)
+    base = _act(M, 2 * K, g, torch.float32).bfloat16().float()
+    x = base[:, ::2]  # non-contiguous along K
+    bias = torch.randn(N, generator=g)
+    _check(fk.splice_linear(x, pw, bias=bias, config=cfg), reference_linear(x, qw, bias=bias))
+    gs = torch.tensor([17.0])
+    _check(fk.splice_linear(x, pw, input_global_scale=gs, config=cfg), reference_linear(x, qw, input_global_scale=gs))
+    xb = x.bfloat16()
+    y16 = fk.splice_gemm(xb, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
+    _check(y16, reference_linear(xb, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
+
+
 @pytest.mark.parametrize("path", ["decode", "mid", "prefill"])
 def test_splice_linear_each_datapath_static_scale_per_row_gs(path):
     g = torch.Generator().manual_seed(11)
