@@ -97,6 +97,38 @@ def measure_ceilings() -> dict:
     return {"copy_TBps": copy_tbs, "bf16_matmul_TFLOPs": tflops}
 
 
+def check_configs() -> dict:
+    """Run each candidate of the decode/mid/prefill lists on a ragged 1024 x 4112 layer (W4A4 and
+    W4A16) against the reference; drop the ones that fail. Returns {config: "ok" | reason}."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1024, 4112, device="cuda", generator=g) * 0.02
+    ch = torch.sort(torch.randperm(4112, device="cuda", generator=g)[:128]).values.to(torch.int32)
+    qw = quantize_weight(w, ch)
+    pw = fk.prepare_weight(qw)
+    out = {}
+    for path, lst in (("decode", fk_api.DECODE_CONFIGS), ("mid", fk_api.MID_CONFIGS), ("prefill", fk_api.PREFILL_CONFIGS)):
+        keep = []
+        for cfg in lst:
+            ms = [1, 3] if cfg[0] == "gemv" else [{"decode": 13, "mid": 100, "prefill": 300}[path]]
+            verdict = "ok"
+            for M in ms:
+                x = torch.randn(M, 4112, device="cuda", generator=g).bfloat16()
+                try:
+                    for aq in (True, False):
+                        y = fk.splice_linear(x, pw, act_quant=aq, path=path, config=cfg).float()
+                        ref = reference_linear(x, qw, act_quant=aq, out_dtype=torch.float32)
+                        rel = ((y - ref).norm() / ref.norm()).item()
+                        if not rel < 5e-3:
+                            verdict = f"rel err {rel:.2e} (M={M}, act_quant={aq})"
+                except Exception as e:
+                    verdict = f"{type(e).__name__}: {str(e)[:160]}"
+            out["/".join(map(str, cfg))] = verdict
+            if verdict == "ok":
+                keep.append(cfg)
+        lst[:] = keep
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # SASS inspection
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +202,10 @@ def run(args) -> dict:
     fk_api.DIV6_RECIP_ON_CUDA = default
     res["quant_exactness_check"] = diag
     print("quant exactness:", diag, flush=True)
+    # every candidate configuration computes the reference function on this GPU, or it is dropped
+    # from the autotuner's lists (and reported): a fast wrong kernel must not be timed
+    res["config_check"] = check_configs()
+    print("config check:", res["config_check"], flush=True)
     res["ceilings"] = measure_ceilings()
     print("ceilings:", res["ceilings"], flush=True)
     # SASS of the first prefill and decode candidates (4096 x 4096, k = 128): HGMMA or not

@@ -322,15 +322,20 @@ def _splice_gemv_kernel(
     w_ptrs = wp_ptr + rn[:, None, None] * stride_wpn + g[None, :, None] * 8 + j8[None, None, :]
     ws_ptrs = ws_ptr + rn[:, None] * stride_wsn + g[None, :]
     acc = tl.zeros((BM, BN, G), dtype=tl.float32)
+    # the weight tile of the next step is loaded before this step's arithmetic (register double
+    # buffer): the loads of one program then cover two tiles, which the H200 needs in flight
+    gm = g < KG
+    p_nx = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
+    sb_nx = tl.load(ws_ptrs, mask=gm[None, :], other=0)
     for kg0 in range(0, KG, G):
-        if EVEN_K:
-            p = tl.load(w_ptrs).to(tl.int32)
-            sb = tl.load(ws_ptrs).to(tl.int32)
-        else:
-            gm = (kg0 + g) < KG
-            p = tl.load(w_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
-            sb = tl.load(ws_ptrs, mask=gm[None, :], other=0).to(tl.int32)
-        wlo, whi = _e2m1_f16_pair(p)  # [BN, G, 8]
+        p8 = p_nx
+        sb = sb_nx.to(tl.int32)
+        w_ptrs += G * 8
+        ws_ptrs += G
+        gm = (kg0 + G + g) < KG
+        p_nx = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
+        sb_nx = tl.load(ws_ptrs, mask=gm[None, :], other=0)
+        wlo, whi = _e2m1_f16_pair(p8.to(tl.int32))  # [BN, G, 8]
         # activation chunk as [BM, G, 8, 2] (even/odd columns)
         kk = kg0 * 16 + g[:, None, None] * 16 + j8[None, :, None] * 2 + h2[None, None, :]  # [G, 8, 2]
         if A_MODE == 2:
@@ -359,8 +364,6 @@ def _splice_gemv_kernel(
         ae, ao = tl.split(a)  # [BM, G, 8]
         part = tl.sum(wlo[None, :, :, :] * ae[:, None, :, :] + whi[None, :, :, :] * ao[:, None, :, :], axis=3)
         acc += part * _e4m3_f32(sb)[None, :, :]
-        w_ptrs += G * 8
-        ws_ptrs += G
 
     y = tl.sum(acc, axis=2)  # [BM, BN]
     wgs = tl.load(w_gs_ptr + rn)
@@ -393,6 +396,230 @@ def _splice_gemv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# decode datapath, one row (M = 1): the packed weight read as 32-bit words
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _word_nibbles_asm(q):
+    """The 8 E2M1 codes of each int32 word ``q`` (4 packed bytes) as fp32 ``e2m1 * 2^-14``, in PTX.
+
+    Output k (0..7) is element k of the word (byte k // 2, low nibble for even k). Four fp16x2
+    words are built with two shifts and two logic ops each, straight from the packed word (no
+    byte unpacking), then converted exactly to fp32 (code 1 is an fp16 subnormal).
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, t2, t3, s0, s1, s2, s3, h0, h1, h2, h3;
+        .reg .b16 l0, l1, l2, l3, u0, u1, u2, u3;
+        shl.b32 t0, $8, 9;
+        and.b32 t0, t0, 0x0E000E00;
+        shl.b32 s0, $8, 12;
+        and.b32 s0, s0, 0x80008000;
+        or.b32 h0, t0, s0;
+        shl.b32 t1, $8, 1;
+        and.b32 t1, t1, 0x0E000E00;
+        shl.b32 s1, $8, 4;
+        and.b32 s1, s1, 0x80008000;
+        or.b32 h1, t1, s1;
+        shl.b32 t2, $8, 5;
+        and.b32 t2, t2, 0x0E000E00;
+        shl.b32 s2, $8, 8;
+        and.b32 s2, s2, 0x80008000;
+        or.b32 h2, t2, s2;
+        shr.b32 t3, $8, 3;
+        and.b32 t3, t3, 0x0E000E00;
+        and.b32 s3, $8, 0x80008000;
+        or.b32 h3, t3, s3;
+        mov.b32 {l0, u0}, h0;
+        mov.b32 {l1, u1}, h1;
+        mov.b32 {l2, u2}, h2;
+        mov.b32 {l3, u3}, h3;
+        cvt.f32.f16 $0, l0;
+        cvt.f32.f16 $1, l2;
+        cvt.f32.f16 $2, l1;
+        cvt.f32.f16 $3, l3;
+        cvt.f32.f16 $4, u0;
+        cvt.f32.f16 $5, u2;
+        cvt.f32.f16 $6, u1;
+        cvt.f32.f16 $7, u3;
+        }
+        """,
+        constraints="=f,=f,=f,=f,=f,=f,=f,=f,r",
+        args=[q],
+        dtype=(tl.float32,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _word_nibble(q, SHIFT: tl.constexpr):
+    """fp32 ``e2m1 * 2^-14`` of the nibble at bit ``SHIFT`` of int32 words ``q`` (portable twin of
+    :func:`_word_nibbles_asm`, used by the interpreter)."""
+    c = (q >> SHIFT) & 15
+    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _splice_gemv1_kernel(
+    x_ptr, stride_xk,  # X [1, K]: the A operand in W4A16 / fused mode, and the BF16 segment's source
+    a_ptr,  # A_MODE 1: fp16 [1, K] = q*s
+    a_gs_ptr,  # A_MODE 1: fp32 [1]
+    smask_ptr,  # A_MODE 2: uint8 [K]
+    gs_in_ptr,  # A_MODE 2 and STATIC_GS: fp32 [1]
+    ch_ptr,  # int32 [KS]
+    wq_ptr, stride_wqn,  # W packed as int32 words [N, K/8] (the uint8 [N, K/2] bytes, little-endian)
+    ws_ptr, stride_wsn,  # W scale bytes uint8 [N, K/16]
+    w_gs_ptr,  # fp32 [N]
+    wb_ptr, stride_wbn,  # W_bf16 [N, KS]
+    bias_ptr,
+    out_ptr, stride_on,  # [1, N]
+    N, K, KS,
+    A_MODE: tl.constexpr,
+    STATIC_GS: tl.constexpr,
+    DIV6_RECIP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_KS: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_KS: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """``y[n] = sum_k deq(a)[k] deq(W)[n, k] (+ x[S] . W_bf16[n]) (+ bias)`` for one activation row.
+
+    The memory-bound decode case. Each thread reads 16-byte vectors of the packed weight as four
+    int32 words (32 elements, two scale groups) and decodes each word into 8 fp32 values (inline
+    PTX on the GPU). The products with the activation run as a chain of fp32 FMAs per word; the
+    two words of a 16-element group are added and multiplied by the group's E4M3 scale once.
+    The next K step's words and scales are loaded before this step's arithmetic (register double
+    buffer). The activation row is quantized in the kernel when A_MODE is 2.
+    """
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rn = (offs_n % N).to(tl.int64)
+    G2: tl.constexpr = BK // 32  # 32-element chunks (4 words, 2 scale groups) per K step
+    g2 = tl.arange(0, G2)
+    w4 = tl.arange(0, 4)
+    h2 = tl.arange(0, 2)
+    KW = K // 8  # words per row
+    KG = K // 16
+
+    if A_MODE == 2:
+        if STATIC_GS:
+            gs = tl.load(gs_in_ptr)
+        else:
+            ok = tl.arange(0, BK)
+            amax_v = tl.zeros((BK,), tl.float32)
+            for k0 in range(0, K, BK):
+                km = (k0 + ok) < K
+                xv = tl.load(x_ptr + (k0 + ok) * stride_xk, mask=km, other=0.0).to(tl.float32)
+                sm = tl.load(smask_ptr + k0 + ok, mask=km, other=0)
+                amax_v = tl.maximum(amax_v, tl.where(sm != 0, 0.0, tl.abs(xv)))
+            amax = tl.maximum(tl.max(amax_v, axis=0), 1.1754943508222875e-38)
+            gs = 2688.0 * tl.math.div_rn(tl.full((), 1.0, tl.float32), amax)
+            gs = tl.where(gs == float("inf"), 1.0, gs)
+
+    widx = g2[:, None] * 4 + w4[None, :]  # [G2, 4] word index within the step
+    sidx = g2[:, None] * 2 + h2[None, :]  # [G2, 2] scale-group index within the step
+    q_ptrs = wq_ptr + rn[:, None, None] * stride_wqn + widx[None, :, :]
+    s_ptrs = ws_ptr + rn[:, None, None] * stride_wsn + sidx[None, :, :]
+    kb = tl.arange(0, BK)
+    acc = tl.zeros((BN, G2, 2), dtype=tl.float32)
+    # software pipeline in registers: the weight words and scales of the next two K steps and the
+    # activation chunk of the next step are in flight while this step is decoded and multiplied
+    q_n1 = tl.load(q_ptrs, mask=(widx < KW)[None, :, :], other=0)
+    s_n1 = tl.load(s_ptrs, mask=(sidx < KG)[None, :, :], other=0)
+    q_n2 = tl.load(q_ptrs + BK // 8, mask=(BK // 8 + widx < KW)[None, :, :], other=0)
+    s_n2 = tl.load(s_ptrs + BK // 16, mask=(BK // 16 + sidx < KG)[None, :, :], other=0)
+    if A_MODE == 1:
+        a_n1 = tl.load(a_ptr + kb, mask=kb < K, other=0.0)
+    else:
+        a_n1 = tl.load(x_ptr + kb * stride_xk, mask=kb < K, other=0.0)
+    if HAS_KS:
+        # the BF16 segment's first chunk, too (its latency would otherwise trail the loop)
+        offs_c = tl.arange(0, BLOCK_KS)
+        cm0 = offs_c < KS
+        ch0 = tl.load(ch_ptr + offs_c, mask=cm0, other=0).to(tl.int64)
+        xs0 = tl.load(x_ptr + ch0 * stride_xk, mask=cm0, other=0.0)
+        wb0 = tl.load(wb_ptr + rn[:, None] * stride_wbn + offs_c[None, :], mask=cm0[None, :], other=0.0)
+    for k0 in range(0, K, BK):
+        q = q_n1
+        sb = s_n1.to(tl.int32)
+        av = a_n1.to(tl.float32)
+        q_n1 = q_n2
+        s_n1 = s_n2
+        q_ptrs += BK // 8
+        s_ptrs += BK // 16
+        q_n2 = tl.load(q_ptrs + BK // 8, mask=((k0 + 2 * BK) // 8 + widx < KW)[None, :, :], other=0)
+        s_n2 = tl.load(s_ptrs + BK // 16, mask=((k0 + 2 * BK) // 16 + sidx < KG)[None, :, :], other=0)
+        kk = k0 + BK + kb
+        if A_MODE == 1:
+            a_n1 = tl.load(a_ptr + kk, mask=kk < K, other=0.0)
+        else:
+            a_n1 = tl.load(x_ptr + kk * stride_xk, mask=kk < K, other=0.0)
+        # activation chunk [BK] -> eight [G2, 4] tensors: element 8*w + j of each 32-element chunk
+        if A_MODE == 2:
+            kq = k0 + kb
+            sm = tl.load(smask_ptr + kq, mask=kq < K, other=0)
+            av = tl.where(sm != 0, 0.0, av)
+            _pk, _sbq, av = _quant_block(av, gs, BK, DIV6_RECIP)
+        a4, b4 = tl.split(tl.reshape(av, (G2, 4, 4, 2)))  # j even / odd: [G2, 4, 4]
+        a40, a42 = tl.split(tl.reshape(a4, (G2, 4, 2, 2)))  # j = 0,4 | 2,6 -> [G2, 4, 2]
+        b41, b43 = tl.split(tl.reshape(b4, (G2, 4, 2, 2)))  # j = 1,5 | 3,7
+        x0, x4 = tl.split(a40)
+        x2, x6 = tl.split(a42)
+        x1, x5 = tl.split(b41)
+        x3, x7 = tl.split(b43)
+        if USE_ASM:
+            d0, d1, d2, d3, d4, d5, d6, d7 = _word_nibbles_asm(q)
+        else:
+            d0 = _word_nibble(q, 0)
+            d1 = _word_nibble(q, 4)
+            d2 = _word_nibble(q, 8)
+            d3 = _word_nibble(q, 12)
+            d4 = _word_nibble(q, 16)
+            d5 = _word_nibble(q, 20)
+            d6 = _word_nibble(q, 24)
+            d7 = _word_nibble(q, 28)
+        part = d0 * x0[None, :, :]
+        part += d1 * x1[None, :, :]
+        part += d2 * x2[None, :, :]
+        part += d3 * x3[None, :, :]
+        part += d4 * x4[None, :, :]
+        part += d5 * x5[None, :, :]
+        part += d6 * x6[None, :, :]
+        part += d7 * x7[None, :, :]  # [BN, G2, 4]: one word's 8 products
+        grp = tl.sum(tl.reshape(part, (BN, G2, 2, 2)), axis=3)  # words (0,1) | (2,3) -> [BN, G2, 2]
+        acc += grp * _e4m3_f32(sb)
+
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    wgs = tl.load(w_gs_ptr + rn)
+    if A_MODE == 0:
+        y = y * (16384.0 / wgs)
+    elif A_MODE == 1:
+        y = y * (16384.0 / (tl.load(a_gs_ptr) * wgs))
+    else:
+        y = y * (16384.0 / (gs * wgs))
+    if HAS_KS:
+        ys = wb0.to(tl.float32) * _bf16_rne(xs0.to(tl.float32), INTERP).to(tl.float32)[None, :]
+        for c0 in range(BLOCK_KS, KS, BLOCK_KS):
+            cm = (c0 + offs_c) < KS
+            ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
+            xs = _bf16_rne(tl.load(x_ptr + ch * stride_xk, mask=cm, other=0.0).to(tl.float32), INTERP).to(tl.float32)
+            wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
+            ys += wb * xs[None, :]
+        y += tl.sum(ys, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn).to(tl.float32)
+    if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+        y = _bf16_rne(y, INTERP)
+    tl.store(out_ptr + offs_n.to(tl.int64) * stride_on, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+# ---------------------------------------------------------------------------------------------
 # prefill datapath, SS form: Y[BM, BN] += A[BM, BK] . deq(W)[BN, BK]^T with both MMA operands
 # in shared memory (the decoded weight tile is stored once per K step and read by wgmma)
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +649,7 @@ def _splice_gemm_ss_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_KS: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PREFETCH: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """Prefill tile ``Y[BM, BN]``: the activation tile is the left MMA operand, the weight tile is
@@ -452,13 +680,26 @@ def _splice_gemm_ss_kernel(
     ws_ptrs = ws_ptr + rn[:, None] * stride_wsn + g[None, :]
     a_ptrs = a_ptr + rm[:, None] * stride_am + k16[None, :] * stride_ak
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        gm = g < KG
+        p_nx = tl.load(w_ptrs, mask=gm[None, :, None], other=0)
+        sb_nx = tl.load(ws_ptrs, mask=gm[None, :], other=0)
     for kg0 in range(0, KG, G):
         if EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(kg0 * 16 + k16)[None, :] < K, other=0.0)
+        if PREFETCH:
+            # the packed weight of the next step is loaded before this step's decode and MMA
+            p = p_nx.to(tl.int32)
+            sb = sb_nx.to(tl.int32)
+            gm = (kg0 + G + g) < KG
+            p_nx = tl.load(w_ptrs + G * 8, mask=gm[None, :, None], other=0)
+            sb_nx = tl.load(ws_ptrs + G, mask=gm[None, :], other=0)
+        elif EVEN_K:
             p = tl.load(w_ptrs).to(tl.int32)
             sb = tl.load(ws_ptrs).to(tl.int32)
         else:
-            a = tl.load(a_ptrs, mask=(kg0 * 16 + k16)[None, :] < K, other=0.0)
             gm = (kg0 + g) < KG
             p = tl.load(w_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
             sb = tl.load(ws_ptrs, mask=gm[None, :], other=0).to(tl.int32)
