@@ -214,7 +214,7 @@ def run(args) -> dict:
     ch = torch.sort(torch.randperm(K, device="cuda")[:128]).values.to(torch.int32)
     pw = fk.prepare_weight(quantize_weight(w, ch))
     sass_cases = ((4096, "prefill_ss", fk_api.PREFILL_CONFIGS[0]), (4096, "prefill_swap", ("swap", 128, 128, 64, 8, 3, 0)),
-                  (1, "decode_gemv_fused", fk_api.DECODE_CONFIGS[0]), (16, "decode_swap", ("swap", 16, 64, 256, 4, 3, 0)))
+                  (1, "decode_gemv1", fk_api.DECODE_CONFIGS[0]), (16, "decode_swap", ("swap", 16, 64, 256, 4, 3, 0)))
     for M, tag, cfg in sass_cases:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
