@@ -3,8 +3,15 @@ spliced into the same K loop and the same fp32 accumulator.
 
 ``Y[M, N] = deq(A) · deq(W)ᵀ + X[:, S] · W_bf16ᵀ (+ bias)``
 
-Layout and numerics
--------------------
+Kernel forms (the autotuner in :mod:`foursight.kernels.api` picks one per shape; docs/kernels.md)
+-------------------------------------------------------------------------------------------------
+* ``_splice_gemm_kernel`` ("swap"): the swap-AB tile described below (decode with 2..16 rows, mid).
+* ``_splice_gemm_ss_kernel`` ("ss"): ``Y[BM, BN]`` tile, decoded weight through shared memory (prefill).
+* ``_splice_gemv1_kernel`` ("gemv", M = 1): no MMA, weight read as 32-bit words, PTX decode.
+* ``_splice_gemv_kernel`` ("gemv", M = 2..4): the FMA form on bytes.
+
+Layout and numerics (swap form)
+-------------------------------
 * The kernel computes the transposed tile ``Yᵀ[BN, BM]`` ("swap AB"): the weight, dequantized in
   registers, is the left operand of the MMA (on Hopper the register operand of ``wgmma``), the
   activation tile the right operand. For decode (M <= 16) this puts the large dimension N on the
@@ -255,11 +262,9 @@ def _e4m3_f32(sb):
 
 @triton.jit
 def _splice_gemv_kernel(
-    x_ptr, stride_xm, stride_xk,  # X [M, K]: the A operand in W4A16 / fused mode, and the BF16 segment's source
+    x_ptr, stride_xm, stride_xk,  # X [M, K]: the A operand in W4A16 mode, and the BF16 segment's source
     a_ptr, stride_am,  # A_MODE 1: fp16 [M, K] = q*s written by the quantization kernel
     a_gs_ptr,  # A_MODE 1: fp32 [M] activation global scales
-    smask_ptr,  # A_MODE 2: uint8 [K], 1 at the S columns
-    gs_in_ptr,  # A_MODE 2 and STATIC_GS: fp32 [1]
     ch_ptr,  # int32 [KS] channel indices
     wp_ptr, stride_wpn,  # W packed uint8 [N, K/2]
     ws_ptr, stride_wsn,  # W scale bytes uint8 [N, K/16]
@@ -268,9 +273,7 @@ def _splice_gemv_kernel(
     bias_ptr,  # [N]
     out_ptr, stride_om, stride_on,  # [M, N]
     M, N, K, KS,
-    A_MODE: tl.constexpr,  # 0: W4A16 (A = X); 1: A = fp16 q*s + gs; 2: activation quantized here (BM == 1)
-    STATIC_GS: tl.constexpr,
-    DIV6_RECIP: tl.constexpr,
+    A_MODE: tl.constexpr,  # 0: W4A16 (A = X); 1: A = fp16 q*s + gs
     HAS_BIAS: tl.constexpr,
     HAS_KS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -280,18 +283,14 @@ def _splice_gemv_kernel(
     BLOCK_KS: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """``Y[m, n] = sum_k deq(A)[m, k] deq(W)[n, k] (+ X[m, S] . W_bf16[n]) (+ bias)`` for M <= BM rows.
+    """``Y[m, n] = sum_k deq(A)[m, k] deq(W)[n, k] (+ X[m, S] . W_bf16[n]) (+ bias)`` for 2..BM rows
+    (one row takes :func:`_splice_gemv1_kernel`).
 
     One program owns BN output rows and all of K (no split: the N/BN programs already cover the
     GPU for N >= 4096). Per K step it loads the packed weight [BN, BK/2] and the scale bytes
     [BN, BK/16] straight into registers, decodes each nibble with integer ops, multiplies by the
     activation in fp32 (exact products, fp32 sums), reduces each 16-element group and scales the
     group sum by its E4M3 block scale: one multiply per 16 weights instead of one per weight.
-
-    A_MODE 2 (decode, M = 1) also quantizes the activation row itself (the same
-    ``_quant_block`` as the quantization kernel, so the same codes): every program needs the
-    K-slice it multiplies and, for a dynamic global scale, the amax of the whole row (read from
-    L2). That saves the separate quantization launch and its round trip through memory.
     """
     pid_n = tl.program_id(0)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -303,21 +302,6 @@ def _splice_gemv_kernel(
     j8 = tl.arange(0, 8)
     h2 = tl.arange(0, 2)
     KG = K // 16
-
-    if A_MODE == 2:
-        if STATIC_GS:
-            gs = tl.load(gs_in_ptr)
-        else:
-            ok = tl.arange(0, BK)
-            amax_v = tl.zeros((BK,), tl.float32)
-            for k0 in range(0, K, BK):
-                km = (k0 + ok) < K
-                xv = tl.load(x_ptr + (k0 + ok) * stride_xk, mask=km, other=0.0).to(tl.float32)
-                sm = tl.load(smask_ptr + k0 + ok, mask=km, other=0)
-                amax_v = tl.maximum(amax_v, tl.where(sm != 0, 0.0, tl.abs(xv)))
-            amax = tl.maximum(tl.max(amax_v, axis=0), 1.1754943508222875e-38)
-            gs = 2688.0 * tl.math.div_rn(tl.full((), 1.0, tl.float32), amax)
-            gs = tl.where(gs == float("inf"), 1.0, gs)
 
     w_ptrs = wp_ptr + rn[:, None, None] * stride_wpn + g[None, :, None] * 8 + j8[None, None, :]
     ws_ptrs = ws_ptr + rn[:, None] * stride_wsn + g[None, :]
@@ -338,18 +322,7 @@ def _splice_gemv_kernel(
         wlo, whi = _e2m1_f16_pair(p8.to(tl.int32))  # [BN, G, 8]
         # activation chunk as [BM, G, 8, 2] (even/odd columns)
         kk = kg0 * 16 + g[:, None, None] * 16 + j8[None, :, None] * 2 + h2[None, None, :]  # [G, 8, 2]
-        if A_MODE == 2:
-            k1 = kg0 * 16 + tl.arange(0, BK)
-            if EVEN_K:
-                xv = tl.load(x_ptr + k1 * stride_xk).to(tl.float32)
-                sm = tl.load(smask_ptr + k1)
-            else:
-                xv = tl.load(x_ptr + k1 * stride_xk, mask=k1 < K, other=0.0).to(tl.float32)
-                sm = tl.load(smask_ptr + k1, mask=k1 < K, other=0)
-            xv = tl.where(sm != 0, 0.0, xv)
-            _pk, _sb, deq = _quant_block(xv, gs, BK, DIV6_RECIP)
-            a = tl.reshape(deq, (1, G, 8, 2))
-        elif A_MODE == 1:
+        if A_MODE == 1:
             a_ptrs = a_ptr + rm[:, None, None, None] * stride_am + kk[None, :, :, :]
             if EVEN_K:
                 a = tl.load(a_ptrs).to(tl.float32)
@@ -369,11 +342,9 @@ def _splice_gemv_kernel(
     wgs = tl.load(w_gs_ptr + rn)
     if A_MODE == 0:
         y = y * (16384.0 / wgs)[None, :]
-    elif A_MODE == 1:
+    else:
         ags = tl.load(a_gs_ptr + rm)
         y = y * (16384.0 / (ags[:, None] * wgs[None, :]))
-    else:
-        y = y * (16384.0 / (gs * wgs))[None, :]
 
     if HAS_KS:
         offs_c = tl.arange(0, BLOCK_KS)
