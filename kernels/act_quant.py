@@ -139,8 +139,15 @@ def _e2m1_value(code):
     exact; the final ``* 2^14`` is exact too. Callers multiplying by a scale can fold the 2^14
     into the scale instead.
     """
-    h = ((code & 7) << 9) | ((code & 8) << 12)
-    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return _e2m1_f16(code).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _e2m1_f16(code):
+    """fp16 ``e2m1 * 2^-14`` of int32 E2M1 codes (0..15, sign in bit 3): the 3 magnitude bits go into
+    fp16's exponent and top mantissa bit, the sign bit into fp16's sign (code 1 is the subnormal
+    2^-15). Exact; the SpliceGEMM decoders use it too."""
+    return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit

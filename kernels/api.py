@@ -141,6 +141,14 @@ def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
 # --------------------------------------------------------------------------------------------
 
 
+def _static_global_scale(global_scale: torch.Tensor, device) -> torch.Tensor:
+    """The static activation global scale as a float32 [1] tensor on ``device`` (scalar or [1] accepted)."""
+    gs = global_scale.reshape(-1).to(device=device, dtype=torch.float32)
+    if gs.numel() != 1:
+        raise NVFP4Error(f"input_global_scale: expected a scalar or [1], got shape {tuple(global_scale.shape)}")
+    return gs
+
+
 def _act_quant_launch(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -158,12 +166,7 @@ def _act_quant_launch(
     deq = torch.empty((m, k_dim), dtype=torch.float16, device=dev) if write_deq else None
     gs_out = torch.empty((m,), dtype=torch.float32, device=dev)
     xs = torch.empty((m, kk), dtype=x.dtype, device=dev) if write_xs else None
-    if global_scale is not None:
-        gs_in = global_scale.reshape(-1).to(device=dev, dtype=torch.float32)
-        if gs_in.numel() != 1:
-            raise NVFP4Error(f"input_global_scale: expected a scalar or [1], got shape {tuple(global_scale.shape)}")
-    else:
-        gs_in = gs_out
+    gs_in = _static_global_scale(global_scale, dev) if global_scale is not None else gs_out
     one_pass = k_dim <= MAX_ONEPASS_K
     block_k = triton.next_power_of_2(k_dim) if one_pass else 4096
     nw = 4 if block_k <= 2048 else (8 if block_k <= 8192 else 16)
@@ -179,7 +182,7 @@ def _act_quant_launch(
             k_dim, kk,
             BLOCK_K=block_k, ONE_PASS=one_pass, HAS_CH=kk > 0, STATIC_GS=global_scale is not None,
             WRITE_PACKED=write_packed, WRITE_DEQ=write_deq, WRITE_XS=write_xs and kk > 0,
-            BLOCK_KS=min(256, max(16, triton.next_power_of_2(max(kk, 1)))),
+            BLOCK_KS=_block_ks(kk, 256),
             DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False,
             num_warps=nw,
         )
@@ -330,6 +333,28 @@ def _swap_cfg(cfg: tuple) -> tuple:
     return tuple(cfg[1:]) if isinstance(cfg[0], str) else tuple(cfg)
 
 
+def _weight_args(pw: PreparedWeight, bias, packed: torch.Tensor | None = None) -> tuple:
+    """The weight-side arguments every SpliceGEMM kernel takes, in their order: channels, packed codes
+    (``packed``: another view of them, e.g. int32 words) and stride, scale bytes and stride, weight
+    global scales, W_bf16 and stride, bias. Absent tensors are replaced by a never-read dummy."""
+    kk = pw.num_channels
+    dummy = pw.weight_global_scale
+    wp = pw.weight_packed if packed is None else packed
+    return (
+        pw.bf16_channels if kk else pw.channel_mask,
+        wp, wp.stride(0),
+        pw.weight_scale, pw.weight_scale.stride(0),
+        pw.weight_global_scale,
+        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
+        bias if bias is not None else dummy,
+    )
+
+
+def _block_ks(kk: int, cap: int) -> int:
+    """Width of one BF16-segment step: the next power of two of k, between 16 and ``cap``."""
+    return min(cap, max(16, triton.next_power_of_2(max(kk, 1))))
+
+
 def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant, a_fp4, dot_bf16):
     """Launch the swap-AB kernel (+ the split-K reduction). ``cfg`` = (BM, BN, BK, warps, stages[, split])."""
     bm, bn, bk, nw, ns = cfg[:5]
@@ -344,18 +369,13 @@ def _gemm_launch(cfg, a, a_s, a_gs, x, pw: PreparedWeight, bias, out, m, a_quant
         a_s if a_s is not None else dummy, a_s.stride(0) if a_s is not None else 0,
         a_gs if a_gs is not None else dummy,
         x, x.stride(0), x.stride(1),
-        pw.bf16_channels if kk else pw.channel_mask,
-        pw.weight_packed, pw.weight_packed.stride(0),
-        pw.weight_scale, pw.weight_scale.stride(0),
-        pw.weight_global_scale,
-        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
-        bias if bias is not None else dummy,
+        *_weight_args(pw, bias),
         target, out.stride(0), out.stride(1),
         m, n, k_dim, kk, gps,
         A_QUANT=a_quant, A_FP4=a_fp4, DOT_BF16=dot_bf16, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1,
         EVEN_K=(k_dim % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+        BLOCK_KS=_block_ks(kk, 64),
         GROUP_M=8,
         INTERP=_interpreting(),
         num_warps=nw, num_stages=ns,
@@ -383,18 +403,13 @@ def _ss_launch(cfg, a, a_gs, x, xs, pw: PreparedWeight, bias, out, m, a_quant, d
         a, a.stride(0), a.stride(1),
         a_gs if a_gs is not None else dummy,
         src, src.stride(0), src.stride(1),
-        pw.bf16_channels if kk else pw.channel_mask,
-        pw.weight_packed, pw.weight_packed.stride(0),
-        pw.weight_scale, pw.weight_scale.stride(0),
-        pw.weight_global_scale,
-        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
-        bias if bias is not None else dummy,
+        *_weight_args(pw, bias),
         out, out.stride(0), out.stride(1),
         m, n, k_dim, kk,
         A_QUANT=a_quant, DOT_BF16=dot_bf16, XS_DENSE=xs is not None, HAS_BIAS=bias is not None, HAS_KS=kk > 0,
         EVEN_K=(k_dim % bk == 0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+        BLOCK_KS=_block_ks(kk, 64),
         GROUP_M=8,
         PREFETCH=prefetch,
         INTERP=_interpreting(),
@@ -416,9 +431,7 @@ def _gemv_launch(cfg, a_mode, x, a, a_gs, pw: PreparedWeight, bias, out, m, glob
         if m != 1:
             raise ValueError("foursight.kernels: the fused GEMV quantizes one row (M = 1)")
         if global_scale is not None:
-            gs_in = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32)
-            if gs_in.numel() != 1:
-                raise NVFP4Error(f"input_global_scale: expected a scalar or [1], got shape {tuple(global_scale.shape)}")
+            gs_in = _static_global_scale(global_scale, x.device)
     grid = (triton.cdiv(n, bn),)
     if m == 1:
         words = pw._cache.get("words")
@@ -429,19 +442,14 @@ def _gemv_launch(cfg, a_mode, x, a, a_gs, pw: PreparedWeight, bias, out, m, glob
             a if a is not None else dummy,
             a_gs if a_gs is not None else dummy,
             pw.channel_mask, gs_in if gs_in is not None else dummy,
-            pw.bf16_channels if kk else pw.channel_mask,
-            words, words.stride(0),
-            pw.weight_scale, pw.weight_scale.stride(0),
-            pw.weight_global_scale,
-            pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
-            bias if bias is not None else dummy,
+            *_weight_args(pw, bias, packed=words),
             out, out.stride(1),
             n, k_dim, kk,
             A_MODE=a_mode, STATIC_GS=gs_in is not None,
             DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False,
             HAS_BIAS=bias is not None, HAS_KS=kk > 0,
             BN=bn, BK=bk,
-            BLOCK_KS=min(256, max(16, triton.next_power_of_2(max(kk, 1)))),
+            BLOCK_KS=_block_ks(kk, 256),
             USE_ASM=(len(cfg) > 6 and bool(cfg[6]) and not _interpreting()),
             INTERP=_interpreting(),
             num_warps=nw, num_stages=ns,
@@ -450,18 +458,13 @@ def _gemv_launch(cfg, a_mode, x, a, a_gs, pw: PreparedWeight, bias, out, m, glob
         x, x.stride(0), x.stride(1),
         a if a is not None else dummy, a.stride(0) if a is not None else 0,
         a_gs if a_gs is not None else dummy,
-        pw.bf16_channels if kk else pw.channel_mask,
-        pw.weight_packed, pw.weight_packed.stride(0),
-        pw.weight_scale, pw.weight_scale.stride(0),
-        pw.weight_global_scale,
-        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
-        bias if bias is not None else dummy,
+        *_weight_args(pw, bias),
         out, out.stride(0), out.stride(1),
         m, n, k_dim, kk,
         A_MODE=a_mode,
         HAS_BIAS=bias is not None, HAS_KS=kk > 0, EVEN_K=(k_dim % bk == 0),
         BM=max(1, triton.next_power_of_2(m)), BN=bn, BK=bk,
-        BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+        BLOCK_KS=_block_ks(kk, 64),
         INTERP=_interpreting(),
         num_warps=nw, num_stages=ns,
     )

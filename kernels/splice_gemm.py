@@ -41,7 +41,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .act_quant import _quant_block
+from .act_quant import _e2m1_f16, _global_scale, _quant_block
+
+
+@triton.jit
+def _e4m3_f16(sb):
+    """fp16 value of non-negative E4M3 bytes ``sb`` (int32): the byte shifted into fp16's exponent and
+    mantissa fields is the value times 2^-8 (subnormals included), so one exact multiply by 256."""
+    return ((sb << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
 
 
 @triton.jit
@@ -54,7 +61,7 @@ def _fp4_tile(p, sb, R: tl.constexpr, BK: tl.constexpr):
     Returns:
         fp16 [R, BK] holding ``e2m1 * scale * 2^-14`` exactly.
     """
-    s16 = ((sb << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
+    s16 = _e4m3_f16(sb)
     lo = (((p << 9) & 0x0E00) | ((p << 12) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
     hi = (((p << 5) & 0x0E00) | ((p << 8) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
     v = tl.interleave(lo, hi)  # [R, BK/16, 16]
@@ -83,6 +90,18 @@ def _bf16_rne(x, INTERP: tl.constexpr):
         return b.to(tl.float32, bitcast=True)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program ``pid`` in the grouped order of Triton's matmul tutorial: GROUP_M
+    M-tiles walk the N-tiles together, so their weight tiles are reused from L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % gsize, (pid % per_group) // gsize
 
 
 @triton.jit
@@ -116,14 +135,7 @@ def _splice_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % gsize
-    pid_n = (pid % per_group) // gsize
+    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -249,15 +261,13 @@ def _e2m1_f16_pair(p):
         go into fp16's exponent/mantissa fields, code 1 becomes an fp16 subnormal; the fp16 -> fp32
         conversion is exact).
     """
-    lo = (((p << 9) & 0x0E00) | ((p << 12) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (((p << 5) & 0x0E00) | ((p << 8) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo.to(tl.float32), hi.to(tl.float32)
+    return _e2m1_f16(p & 15).to(tl.float32), _e2m1_f16(p >> 4).to(tl.float32)
 
 
 @triton.jit
 def _e4m3_f32(sb):
     """fp32 value of non-negative E4M3 bytes ``sb`` (int32), decoded through fp16 (exact)."""
-    return (sb << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return _e4m3_f16(sb).to(tl.float32)
 
 
 @triton.jit
@@ -429,8 +439,7 @@ def _word_nibbles_asm(q):
 def _word_nibble(q, SHIFT: tl.constexpr):
     """fp32 ``e2m1 * 2^-14`` of the nibble at bit ``SHIFT`` of int32 words ``q`` (portable twin of
     :func:`_word_nibbles_asm`, used by the interpreter)."""
-    c = (q >> SHIFT) & 15
-    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _e2m1_f16((q >> SHIFT) & 15).to(tl.float32)
 
 
 @triton.jit
@@ -489,9 +498,7 @@ def _splice_gemv1_kernel(
                 xv = tl.load(x_ptr + (k0 + ok) * stride_xk, mask=km, other=0.0).to(tl.float32)
                 sm = tl.load(smask_ptr + k0 + ok, mask=km, other=0)
                 amax_v = tl.maximum(amax_v, tl.where(sm != 0, 0.0, tl.abs(xv)))
-            amax = tl.maximum(tl.max(amax_v, axis=0), 1.1754943508222875e-38)
-            gs = 2688.0 * tl.math.div_rn(tl.full((), 1.0, tl.float32), amax)
-            gs = tl.where(gs == float("inf"), 1.0, gs)
+            gs = _global_scale(tl.max(amax_v, axis=0))
 
     widx = g2[:, None] * 4 + w4[None, :]  # [G2, 4] word index within the step
     sidx = g2[:, None] * 2 + h2[None, :]  # [G2, 2] scale-group index within the step
@@ -628,14 +635,7 @@ def _splice_gemm_ss_kernel(
     operand through shared memory. The BF16 segment follows as extra K steps on the same
     accumulator, reading X[:, S] from the contiguous copy the quantization kernel wrote."""
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % gsize
-    pid_n = (pid % per_group) // gsize
+    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
