@@ -32,22 +32,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from foursight.kernels.act_quant import _act_quant_kernel
-from foursight.kernels.splice_gemm import _splice_gemm_kernel, _splice_gemm_ss_kernel, _splice_gemv1_kernel, _splice_gemv_kernel
+from foursight.kernels.dequant import _dequant_weight_kernel
+from foursight.kernels.gemv import _splice_gemv1_kernel
+from foursight.kernels.ss import _splice_gemm_ss_kernel
+from foursight.kernels.swap import _splice_gemm_kernel
 
 _INTS = ("M", "N", "K", "KS", "GROUPS_PER_SPLIT")
 
 # name: (kernel, pointer types, constexprs, num_warps, num_stages, weight elements per thread per K step)
 CASES = {
     "gemv1": (_splice_gemv1_kernel,
-              {"x_ptr": "*bf16", "a_ptr": "*fp16", "smask_ptr": "*u8", "ch_ptr": "*i32", "wq_ptr": "*i32", "ws_ptr": "*u8",
+              {"x_ptr": "*bf16", "a_ptr": "*fp16", "ch_ptr": "*i32", "wq_ptr": "*i32", "ws_ptr": "*u8",
                "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-              dict(stride_xk=1, stride_on=1, A_MODE=1, STATIC_GS=False, DIV6_RECIP=True, HAS_BIAS=False, HAS_KS=True,
+              dict(stride_xk=1, stride_on=1, A_MODE=1, HAS_BIAS=False, HAS_KS=True,
                    BN=8, BK=1024, BLOCK_KS=128, USE_ASM=True, INTERP=False), 4, 1, 8 * 1024 // 128),
-    "gemv": (_splice_gemv_kernel,
-             {"x_ptr": "*bf16", "a_ptr": "*fp16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8", "wb_ptr": "*bf16",
-              "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-             dict(stride_xk=1, stride_on=1, A_MODE=1, HAS_BIAS=False, HAS_KS=True, EVEN_K=True, BM=4, BN=8, BK=256,
-                  BLOCK_KS=64, INTERP=False), 4, 1, 8 * 256 // 128),
     "ss": (_splice_gemm_ss_kernel,
            {"a_ptr": "*fp16", "xs_ptr": "*bf16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8", "wb_ptr": "*bf16",
             "bias_ptr": "*bf16", "out_ptr": "*bf16"},
@@ -55,16 +53,24 @@ CASES = {
                 HAS_KS=True, EVEN_K=True, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_KS=64, GROUP_M=8, PREFETCH=True,
                 INTERP=False), 8, 3, 128 * 64 // 256),
     "swap": (_splice_gemm_kernel,
-             {"a_ptr": "*fp16", "as_ptr": "*u8", "x_ptr": "*bf16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8",
+             {"a_ptr": "*fp16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8",
               "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-             dict(stride_ak=1, stride_xk=1, stride_on=1, A_QUANT=True, A_FP4=False, DOT_BF16=False, HAS_BIAS=False,
-                  HAS_KS=True, SPLIT=False, EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_KS=64, GROUP_M=8,
-                  INTERP=False), 8, 3, 128 * 64 // 256),
+             dict(stride_ak=1, stride_xk=1, stride_on=1, A_QUANT=True, DOT_BF16=False, HAS_BIAS=False,
+                  HAS_KS=True, SPLIT=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_KS=64, GROUP_M=8,
+                  INTERP=False), 4, 3, 64 * 256 // 128),
     "act_quant": (_act_quant_kernel,
                   {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
                    "deq_ptr": "*fp16", "xs_ptr": "*bf16"},
                   dict(stride_xk=1, BLOCK_K=4096, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
-                       WRITE_DEQ=True, WRITE_XS=False, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1), 8, 1, 4096 // 256),
+                       WRITE_DEQ=True, WRITE_XS=False, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=False), 8, 1, 4096 // 256),
+    "act_fakequant": (_act_quant_kernel,
+                      {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
+                       "deq_ptr": "*bf16", "xs_ptr": "*bf16"},
+                      dict(stride_xk=1, BLOCK_K=8192, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
+                           WRITE_DEQ=True, WRITE_XS=False, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=True), 16, 1, 8192 // 512),
+    "dequant": (_dequant_weight_kernel,
+                {"wp_ptr": "*u8", "ws_ptr": "*u8", "ch_ptr": "*i32", "wb_ptr": "*bf16", "out_ptr": "*bf16"},
+                dict(DIV_GS=False, HAS_KS=True, BN=16, BK=256, BLOCK_KS=64), 4, 1, 16 * 256 // 128),
 }
 
 
@@ -117,13 +123,13 @@ def main(names: list[str]) -> None:
         print(f"== {name}: {total} instructions; constexprs {consts}, {nw} warps")
         found = loops(sass)
         for i, (n, ops) in enumerate(found):
-            main_loop = i == 0 and name != "act_quant"
+            main_loop = i == 0 and not name.startswith("act_")
             extra = f" = {n / per_thread:.1f} per weight element per thread" if main_loop else ""
             if main_loop and "BM" in consts:
                 extra += f" (for all {consts['BM']} activation rows)"
             print(f"   loop {i}: {n} instructions{extra}; {ops.most_common(12)}")
-        if name == "act_quant":
-            print(f"   straight-line: {total / per_thread:.1f} instructions per element per thread (BLOCK_K = 4096, 256 threads)")
+        if name.startswith("act_"):
+            print(f"   straight-line: {total / per_thread:.1f} instructions per element per thread (BLOCK_K = {consts['BLOCK_K']}, {32 * nw} threads)")
 
 
 if __name__ == "__main__":

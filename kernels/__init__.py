@@ -1,15 +1,28 @@
 """FourSight Triton kernels (import name ``foursight.kernels``).
 
 ``prepare_weight``, ``splice_linear``, ``quantize_activation`` and ``splice_gemm`` are the API the
-rest of the product calls (see :mod:`foursight.kernels.api`). Importing this package needs Triton
-but no GPU: on CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (the tests do this).
-The Blackwell (sm_100) plan lives in :mod:`foursight.kernels.blackwell` and is never taken on Hopper.
+rest of the product calls (see :mod:`foursight.kernels.api`). Layout of the package:
+
+* :mod:`.primitives` — the shared ``@triton.jit`` NVFP4 decode/quantization primitives;
+* one module per kernel form: :mod:`.act_quant`, :mod:`.gemv`, :mod:`.swap`, :mod:`.ss`,
+  :mod:`.dequant` (each names its PyTorch reference);
+* :mod:`.configs` — the named tile configurations and the candidate lists per datapath;
+* :mod:`.tuning` — the timing/autotune harness; :mod:`.prepared` — the execution form of a layer;
+* :mod:`.reference` — plain-PyTorch baselines; :mod:`.blackwell` — the sm_100 gate.
+
+Importing this package needs Triton but no GPU: on CPU tensors the kernels run under
+``TRITON_INTERPRET=1`` (the tests do this).
 """
 
 from .api import (
     DECODE_MAX_M,
     TUNED,
+    DequantConfig,
+    GemvConfig,
+    KernelConfig,
     PreparedWeight,
+    SSConfig,
+    SwapConfig,
     datapath_for,
     prepare_weight,
     quantize_activation,
@@ -21,7 +34,12 @@ from .blackwell import blackwell_fp4_available
 __all__ = [
     "DECODE_MAX_M",
     "TUNED",
+    "DequantConfig",
+    "GemvConfig",
+    "KernelConfig",
     "PreparedWeight",
+    "SSConfig",
+    "SwapConfig",
     "blackwell_fp4_available",
     "datapath_for",
     "prepare_weight",

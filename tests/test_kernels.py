@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import foursight.kernels as fk  # noqa: E402
-import foursight.kernels.api as fk_api  # noqa: E402
+import foursight.kernels.act_quant as fk_aq  # noqa: E402
+from foursight.kernels import DequantConfig, GemvConfig, SSConfig, SwapConfig  # noqa: E402
 from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -97,7 +98,7 @@ def test_quantize_activation_ties_zero_rows_and_zero_blocks():
 
 def test_quantize_activation_multipass(monkeypatch):
     """Rows longer than MAX_ONEPASS_K take the two-pass (amax, then quantize) loop."""
-    monkeypatch.setattr(fk_api, "MAX_ONEPASS_K", 32)
+    monkeypatch.setattr(fk_aq, "MAX_ONEPASS_K", 32)
     g = torch.Generator().manual_seed(3)
     x = _act(5, 4160, g)  # 4160 is not a multiple of the 4096-wide loop chunk: ragged last chunk
     ch = _channels(4160, 16, g)
@@ -155,24 +156,24 @@ def test_splice_linear_w4a4(M, K, k):
     _check(y, reference_linear(x, qw, bias=bias))
 
 
-# every kernel form the autotuner can pick, forced: the GEMV (with the activation quantized inside it,
-# and fed the fp16 q*s), the swap-AB kernel (with and without split-K) and the SS kernel
+# every kernel form the autotuner can pick, forced: the one-row GEMV, the swap-AB kernel (with and
+# without split-K), the SS kernel and dequantize-then-cuBLAS
 _KIND_CONFIGS = [
-    ("gemv", True, 16, 64, 4, 1),
-    ("gemv", False, 16, 32, 4, 1),
-    ("swap", 16, 16, 64, 4, 1, 0),
-    ("swap", 32, 32, 32, 4, 1, 2),
-    ("ss", 32, 32, 32, 4, 1),
-    ("ss", 16, 16, 64, 4, 1),
-    ("ss", 16, 32, 32, 4, 1, True),
+    GemvConfig(16, 64),
+    GemvConfig(16, 32),
+    SwapConfig(16, 16, 64, 4, 1, 0),
+    SwapConfig(32, 32, 32, 4, 1, 2),
+    SSConfig(32, 32, 32, 4, 1),
+    SSConfig(16, 16, 64, 4, 1),
+    SSConfig(16, 32, 32, 4, 1, True),
 ]
 
 
-@pytest.mark.parametrize("cfg", _KIND_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("cfg", _KIND_CONFIGS, ids=str)
 @pytest.mark.parametrize("M,K,k", [(1, 208, 16), (3, 192, 0), (4, 208, 128), (17, 208, 16)])
 def test_every_kernel_form(cfg, M, K, k):
-    if cfg[0] == "gemv" and M > fk_api.GEMV_MAX_M:
-        pytest.skip("the GEMV form serves M <= GEMV_MAX_M")
+    if isinstance(cfg, GemvConfig) and M > 1:
+        pytest.skip("the GEMV form serves one row")
     g = torch.Generator().manual_seed(M * 13 + K + k)
     N = 40
     qw = _layer(N, K, k, g, per_row_gs=True)
@@ -295,17 +296,48 @@ def test_blackwell_path_not_taken_here():
     assert fk.blackwell_fp4_available() is False
 
 
-@pytest.mark.parametrize("M", [1, 5, 16])
-def test_splice_gemm_packed_fp4_activation(M):
-    """The A_FP4 operand mode (packed activation decoded in registers) against the reference."""
-    g = torch.Generator().manual_seed(30 + M)
-    N, K, k = 32, 208, 16
-    qw = _layer(N, K, k, g)
+@pytest.mark.parametrize("per_row_gs", [False, True])
+@pytest.mark.parametrize("M,K,k", [(1, 208, 16), (19, 192, 0), (33, 208, 128)])
+def test_dequant_cublas_form(M, K, k, per_row_gs):
+    """Dequantize-then-cuBLAS: bf16 in and out, within the bf16 rounding of its operands (the
+    activation's fake-quantized value, and the weight's when the weight scale is per row) of the
+    reference; the S segment and the activation codes are exact."""
+    g = torch.Generator().manual_seed(70 + M + k + per_row_gs)
+    N = 48
+    qw = _layer(N, K, k, g, per_row_gs=per_row_gs)
     pw = fk.prepare_weight(qw)
-    x = _act(M, K, g, torch.float32)
-    qa = fk.quantize_activation(x, qw.bf16_channels)
-    y = fk.splice_gemm(x, pw, (qa.packed, qa.scale.view(torch.uint8), qa.global_scale), out_dtype=torch.float32)
-    _check(y, reference_linear(x, qw))
+    assert pw.uniform_global_scale is (not per_row_gs)
+    x = _act(M, K, g)
+    bias = torch.randn(N, generator=g).bfloat16()
+    cfg = DequantConfig(16, 32)
+    for act_quant, gs in ((True, None), (True, torch.tensor([9.0])), (False, None)):
+        y = fk.splice_linear(x, pw, bias=bias, input_global_scale=gs, act_quant=act_quant, config=cfg)
+        ref = reference_linear(x, qw, bias=bias, input_global_scale=gs, act_quant=act_quant, out_dtype=torch.float32)
+        assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+        rel = ((y.float() - ref).norm() / ref.norm()).item()
+        assert rel < 4e-3, f"rel err {rel:.2e} (act_quant={act_quant}, static={gs is not None})"
+    with pytest.raises(ValueError, match="bf16"):
+        fk.splice_linear(x.float(), pw, config=cfg)
+
+
+def test_dequant_weight_is_exact():
+    """W' of the dequant form: e2m1 * s exactly (per-tensor scale), W[:, S] at the S columns."""
+    from foursight.kernels.dequant import dequant_weight
+    from foursight.nvfp4 import dequantize_nvfp4
+
+    g = torch.Generator().manual_seed(5)
+    qw = _layer(40, 208, 16, g)
+    pw = fk.prepare_weight(qw)
+    w = dequant_weight(DequantConfig(16, 32), pw, div_gs=False).float()
+    ref = dequantize_nvfp4(qw.weight_packed, qw.weight_scale, torch.ones(1))  # q * s, no global scale
+    ch = qw.bf16_channels.long()
+    ref[:, ch] = qw.weight_bf16.float()
+    assert torch.equal(w, ref)
+
+
+def test_swap_config_refuses_two_warpgroups():
+    with pytest.raises(ValueError, match="warpgroup"):
+        SwapConfig(128, 128, 64, 8, 3, 0)
 
 
 def test_naive_emulation_baseline_matches_reference():

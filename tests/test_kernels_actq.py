@@ -29,9 +29,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import foursight.kernels as fk  # noqa: E402
-from foursight.kernels.act_quant import (  # noqa: E402
+from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
+from foursight.kernels.primitives import (  # noqa: E402
     MAX_ONEPASS_K,
-    _act_quant_kernel,
     _e2m1_code,
     _e2m1_round,
     _e2m1_value,

@@ -1,0 +1,127 @@
+"""Named, frozen tile configurations of the SpliceGEMM kernel forms, and the candidate lists the
+autotuner times per datapath (:mod:`foursight.kernels.tuning`).
+
+One dataclass per kernel form; ``form`` names the form and ``str(cfg)`` is the compact
+``form/field/field/...`` tag the benchmarks write to JSON. A configuration that a form cannot run
+correctly is refused when it is built (``__post_init__``), not at launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+from typing import ClassVar, Union
+
+
+@dataclass(frozen=True)
+class _Config:
+    form: ClassVar[str] = ""
+
+    def __str__(self) -> str:
+        return "/".join([self.form, *map(str, astuple(self))])
+
+
+@dataclass(frozen=True)
+class GemvConfig(_Config):
+    """One-row decode GEMV (:mod:`.gemv`): ``block_n`` output rows per program, K in ``block_k`` steps.
+
+    The weight is read as 32-bit words and decoded in PTX (its portable twin in the interpreter)."""
+
+    form: ClassVar[str] = "gemv"
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if self.block_k % 32:
+            raise ValueError(f"GemvConfig.block_k: a multiple of 32 (4 words of 8 codes), got {self.block_k}")
+
+
+@dataclass(frozen=True)
+class SwapConfig(_Config):
+    """Swap-AB wgmma tile (:mod:`.swap`): ``Yᵀ[block_n, block_m]`` with the decoded weight as the
+    register operand; ``split_k`` 0 = automatic (about 4 programs per SM), 1 = no split.
+
+    ``num_warps`` must be 4 (one warpgroup): with two warpgroups the BF16-segment MMA after the
+    pipelined main loop returned garbage in 1-2 of 60 calls on the H200 (docs/kernels.md, "The W4A16
+    prefill race"), so such a configuration is refused."""
+
+    form: ClassVar[str] = "swap"
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 0
+
+    def __post_init__(self):
+        if self.num_warps != 4:
+            raise ValueError(
+                f"SwapConfig.num_warps: the swap form runs one warpgroup (4 warps), got {self.num_warps}; "
+                "two warpgroups race in the BF16 segment (docs/kernels.md)"
+            )
+
+
+@dataclass(frozen=True)
+class SSConfig(_Config):
+    """SS wgmma tile (:mod:`.ss`): ``Y[block_m, block_n]``, both MMA operands in shared memory;
+    ``prefetch`` loads the next packed weight tile into registers before the current decode."""
+
+    form: ClassVar[str] = "ss"
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    prefetch: bool = False
+
+
+@dataclass(frozen=True)
+class DequantConfig(_Config):
+    """Dequantize-then-cuBLAS (:mod:`.dequant`): the weight-dequantization kernel's tile
+    ``[block_n, block_k]``; the GEMM itself is one cuBLAS call."""
+
+    form: ClassVar[str] = "dequant"
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig]
+
+#: Decode datapath (M <= DECODE_MAX_M). M = 1 takes a GEMV; 2..16 rows a swap tile.
+DECODE_CONFIGS: tuple = (
+    GemvConfig(8, 1024, 4),
+    GemvConfig(16, 1024, 8),
+    GemvConfig(8, 2048, 8),
+    GemvConfig(16, 512, 4),
+    GemvConfig(4, 2048, 4),
+    SwapConfig(16, 64, 256),
+    SwapConfig(16, 32, 256),
+    SwapConfig(16, 64, 512),
+    SSConfig(16, 32, 256, 4, 3, True),
+)
+#: Mid datapath (DECODE_MAX_M < M <= 128).
+MID_CONFIGS: tuple = (
+    SwapConfig(32, 64, 256, 4, 3),
+    SwapConfig(64, 64, 128, 4, 4),
+    SSConfig(64, 64, 128, 4, 4),
+    DequantConfig(32, 256),
+)
+#: Prefill datapath (M > 128).
+PREFILL_CONFIGS: tuple = (
+    DequantConfig(32, 256),
+    DequantConfig(16, 512),
+    DequantConfig(64, 128),
+    DequantConfig(32, 512, 8),
+    SSConfig(256, 128, 64, 8, 3, True),
+    SSConfig(256, 64, 64, 8, 4, True),
+    SSConfig(128, 128, 64, 4, 4),
+)
+#: Fixed small tiles for Triton's CPU interpreter (tests), per datapath.
+INTERP_CONFIGS: dict = {
+    "gemv": GemvConfig(16, 64),
+    "decode": SwapConfig(16, 16, 64, 4, 1),
+    "mid": SwapConfig(32, 32, 32, 4, 1, 1),
+    "prefill": SSConfig(32, 32, 32, 4, 1, True),
+}

@@ -1,0 +1,122 @@
+"""The CUDA execution form of a compensated layer (:class:`PreparedWeight`) and the weight-side
+launch arguments every SpliceGEMM kernel form takes.
+
+The checkpoint on disk does not change (compressed-tensors compatible); only this in-memory form
+does: the FP4 codes of the BF16 channels S forced to 0, the E4M3 scales as bytes, the weight
+global scale broadcast to one per output row, and the S column mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from foursight.layer import QuantizedWeight, check_channels
+from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
+
+
+@dataclass
+class PreparedWeight:
+    """CUDA execution form of one compensated linear layer.
+
+    Attributes:
+        weight_packed: uint8 [N, K/2] contiguous; the nibbles of the S columns are forced to 0
+            (so the W4A16 mode can feed X with its S columns unzeroed).
+        weight_scale: uint8 [N, K/16] contiguous, the E4M3 bytes of the block scales.
+        weight_global_scale: float32 [N] (the [1] per-tensor scale broadcast, or the per-row one).
+        bf16_channels: int32 [k] sorted.
+        channel_mask: uint8 [K], 1 at the S columns.
+        weight_bf16: bfloat16 [N, k] contiguous.
+        out_features, in_features: N, K.
+        uniform_global_scale: every output row has the same weight global scale (a per-tensor
+            scale); the dequantize-then-cuBLAS datapath then folds it into the activation operand.
+    """
+
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_global_scale: torch.Tensor
+    bf16_channels: torch.Tensor
+    channel_mask: torch.Tensor
+    weight_bf16: torch.Tensor
+    out_features: int
+    in_features: int
+    uniform_global_scale: bool = False
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_channels(self) -> int:
+        return int(self.bf16_channels.numel())
+
+
+def _zero_channel_nibbles(packed: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+    """Copy of packed [N, K/2] with the 4-bit codes of ``channels`` set to 0."""
+    out = packed.clone()
+    if channels.numel():
+        ch = channels.long()
+        even = ch[ch % 2 == 0] // 2
+        odd = ch[ch % 2 == 1] // 2
+        if even.numel():
+            out[:, even] &= 0xF0
+        if odd.numel():
+            out[:, odd] &= 0x0F
+    return out
+
+
+def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
+    """Build the execution form of ``qw`` (idempotent; ``qw`` is not modified).
+
+    Raises :class:`NVFP4Error` naming the tensor when a shape or dtype is wrong.
+    """
+    wp, ws, wgs, ch, wb = qw.tensors()
+    if wp.dtype != torch.uint8 or wp.dim() != 2:
+        raise NVFP4Error(f"{name}.weight_packed: expected uint8 [N, K/2], got {wp.dtype} {tuple(wp.shape)}")
+    n, kh = wp.shape
+    k_dim = kh * 2
+    check_k(k_dim, f"{name}.weight_packed")
+    if ws.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(ws.shape) != (n, k_dim // BLOCK_SIZE):
+        raise NVFP4Error(f"{name}.weight_scale: expected float8_e4m3fn [{n}, {k_dim // BLOCK_SIZE}], got {ws.dtype} {tuple(ws.shape)}")
+    g = wgs.float().reshape(-1)
+    if g.numel() not in (1, n):
+        raise NVFP4Error(f"{name}.weight_global_scale: expected [1] or [{n}], got {tuple(wgs.shape)}")
+    ch32 = check_channels(ch, k_dim, f"{name}.bf16_channels").to(wp.device)
+    kk = ch32.numel()
+    if tuple(wb.shape) != (n, kk):
+        raise NVFP4Error(f"{name}.weight_bf16: expected [{n}, {kk}], got {tuple(wb.shape)}")
+    mask = torch.zeros(k_dim, dtype=torch.uint8, device=wp.device)
+    if kk:
+        mask[ch32.long()] = 1
+    return PreparedWeight(
+        weight_packed=_zero_channel_nibbles(wp.contiguous(), ch32),
+        weight_scale=ws.contiguous().view(torch.uint8).clone(),
+        weight_global_scale=g.expand(n).contiguous().clone() if g.numel() == 1 else g.contiguous().clone(),
+        bf16_channels=ch32.contiguous(),
+        channel_mask=mask,
+        weight_bf16=wb.to(torch.bfloat16).contiguous(),
+        out_features=n,
+        in_features=k_dim,
+        uniform_global_scale=bool(g.numel() == 1 or bool((g == g[0]).all())),
+    )
+
+
+def weight_args(pw: PreparedWeight, bias, packed: torch.Tensor | None = None) -> tuple:
+    """The weight-side arguments every SpliceGEMM kernel takes, in their order: channels, packed codes
+    (``packed``: another view of them, e.g. int32 words) and stride, scale bytes and stride, weight
+    global scales, W_bf16 and stride, bias. Absent tensors are replaced by a never-read dummy."""
+    kk = pw.num_channels
+    dummy = pw.weight_global_scale
+    wp = pw.weight_packed if packed is None else packed
+    return (
+        pw.bf16_channels if kk else pw.channel_mask,
+        wp, wp.stride(0),
+        pw.weight_scale, pw.weight_scale.stride(0),
+        pw.weight_global_scale,
+        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
+        bias if bias is not None else dummy,
+    )
+
+
+def block_ks(kk: int, cap: int) -> int:
+    """Width of one BF16-segment step: the next power of two of k, between 16 and ``cap``."""
+    return min(cap, max(16, triton.next_power_of_2(max(kk, 1))))
