@@ -69,8 +69,8 @@ CASES = {
                       dict(stride_xk=1, BLOCK_K=8192, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
                            WRITE_DEQ=True, WRITE_XS=False, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=True), 16, 1, 8192 // 512),
     "dequant": (_dequant_weight_kernel,
-                {"wp_ptr": "*u8", "ws_ptr": "*u8", "ch_ptr": "*i32", "wb_ptr": "*bf16", "out_ptr": "*bf16"},
-                dict(DIV_GS=False, HAS_KS=True, BN=16, BK=256, BLOCK_KS=64), 4, 1, 16 * 256 // 128),
+                {"wp_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16"},
+                dict(DIV_GS=False, BN=32, BK=256), 4, 1, 32 * 256 // 128),
 }
 
 

@@ -7,7 +7,7 @@ kernel computes it; cuBLAS is the best BF16 GEMM on the machine. This datapath t
 
 where the two BF16 operands are built by two memory-bound Triton kernels:
 
-* ``W'`` [N, K] (:func:`_dequant_weight_kernel`, this module): the NVFP4 weight dequantized,
+* ``W'`` [N, K] (:func:`_dequant_weight_kernel`, then an ``index_copy_``): the NVFP4 weight dequantized,
   ``e2m1 · s`` (exact in BF16: at most 6 significant bits, in [2^-10, 2688]), divided by the
   per-output-row weight global scale unless that scale is one per tensor, with the BF16 weight
   columns ``W[:, S]`` written into the S columns (their FP4 codes are zero in the prepared weight).
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .act_quant import act_quant_launch
 from .configs import DequantConfig
-from .prepared import PreparedWeight, block_ks
+from .prepared import PreparedWeight
 from .primitives import _e2m1_f16, _e4m3_f32, _rne_bf16, interpreting
 
 
@@ -44,21 +44,16 @@ def _dequant_weight_kernel(
     wp_ptr, stride_wpn,  # W packed uint8 [N, K/2] (S nibbles zero)
     ws_ptr, stride_wsn,  # W scale bytes uint8 [N, K/16]
     w_gs_ptr,  # fp32 [N] weight global scale per output row
-    smask_ptr,  # uint8 [K], 1 at the S columns
-    ch_ptr,  # int32 [KS]
-    wb_ptr, stride_wbn,  # W_bf16 [N, KS]
     out_ptr, stride_on,  # bf16 [N, K]
-    N, K, KS,
+    N, K,
     DIV_GS: tl.constexpr,  # divide by the per-row global scale (else the caller folds 1/gs_w into A')
-    HAS_KS: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    BLOCK_KS: tl.constexpr,
 ):
-    """``out[n, k] = e2m1(W)[n, k] · s[n, k // 16] (/ gs_w[n])`` for k not in S, ``W_bf16[n, j]`` at
-    k = S[j]. One program per [BN, BK] tile (many small programs keep enough loads in flight to
-    stream at HBM speed); the FP4 stores skip the S columns, which the programs of the first K
-    tile write from ``W_bf16``, so no two programs write the same element."""
+    """``out[n, k] = e2m1(W)[n, k] · s[n, k // 16] (/ gs_w[n])`` (0 at the S columns, whose codes are
+    0). One program per [BN, BK] tile: many small programs keep enough loads in flight to stream at
+    HBM speed, and the unmasked row stores stay 16-byte vectors. The caller then writes W[:, S]
+    into the S columns (one ``index_copy_``, stream-ordered after this kernel)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -84,18 +79,7 @@ def _dequant_weight_kernel(
     if DIV_GS:
         v = _rne_bf16(v)  # no-op on the GPU's rounding conversion; the interpreter truncates
     kk = k0 + tl.arange(0, BK)
-    kmask = kk < K
-    if HAS_KS:
-        kmask = kmask & (tl.load(smask_ptr + kk, mask=kmask, other=1) == 0)
-    tl.store(out_ptr + rn[:, None] * stride_on + kk[None, :], v.to(tl.bfloat16), mask=nmask[:, None] & kmask[None, :])
-    if HAS_KS:
-        if pid_k == 0:
-            offs_c = tl.arange(0, BLOCK_KS)
-            for c0 in range(0, KS, BLOCK_KS):
-                cm = (c0 + offs_c) < KS
-                ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
-                wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=nmask[:, None] & cm[None, :], other=0.0)
-                tl.store(out_ptr + rn[:, None] * stride_on + ch[None, :], wb.to(tl.bfloat16), mask=nmask[:, None] & cm[None, :])
+    tl.store(out_ptr + rn[:, None] * stride_on + kk[None, :], v.to(tl.bfloat16), mask=nmask[:, None] & (kk < K)[None, :])
 
 
 def dequant_weight(cfg: DequantConfig, pw: PreparedWeight, div_gs: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,14 +93,16 @@ def dequant_weight(cfg: DequantConfig, pw: PreparedWeight, div_gs: bool, out: to
         pw.weight_packed, pw.weight_packed.stride(0),
         pw.weight_scale, pw.weight_scale.stride(0),
         pw.weight_global_scale,
-        pw.channel_mask,
-        pw.bf16_channels if kk else pw.channel_mask,
-        pw.weight_bf16 if kk else pw.weight_global_scale, pw.weight_bf16.stride(0) if kk else 0,
         w, w.stride(0),
-        n, k_dim, kk,
-        DIV_GS=div_gs, HAS_KS=kk > 0, BN=bn, BK=bk, BLOCK_KS=block_ks(kk, 64),
+        n, k_dim,
+        DIV_GS=div_gs, BN=bn, BK=bk,
         num_warps=4 if interpreting() else nw,
     )
+    if kk:
+        ch = pw._cache.get("channels_long")
+        if ch is None:
+            ch = pw._cache["channels_long"] = pw.bf16_channels.long()
+        w.index_copy_(1, ch, pw.weight_bf16)
     return w
 
 

@@ -250,7 +250,7 @@ def test_quant_block_div6_recip_decides_the_scale():
 
 
 # ---------------------------------------------------------------------------------------------
-# the kernel, through a launcher that mirrors kernels/api.py::_act_quant_launch (plus ROWS)
+# the kernel, through a launcher that mirrors kernels/act_quant.py::act_quant_launch (plus ROWS)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -296,7 +296,7 @@ def _check_all(x, channels, global_scale=None, rows=(1,), max_onepass=MAX_ONEPAS
         assert _same_bits(deq, ref_d), f"deq differs from q*s (ROWS={r})"
         if channels.numel():
             assert xs.dtype == ref.x_bf16.dtype and torch.equal(xs, ref.x_bf16), f"gathered channels differ (ROWS={r})"
-    # and the public entry point (kernels/api.py)
+    # and the public entry point (foursight.kernels.quantize_activation)
     a = fk.quantize_activation(x, channels, global_scale)
     assert torch.equal(a.packed, ref.packed) and torch.equal(a.scale.view(torch.uint8), ref.scale.view(torch.uint8))
     assert _same_bits(a.global_scale, ref.global_scale)
