@@ -70,6 +70,15 @@ class ChannelStats:
         """Return the statistics after also seeing rows ``x`` [R, K]."""
         return self.merge(ChannelStats.from_rows(x))
 
+    def fp4_amax(self, channels: torch.Tensor) -> float:
+        """max |x| over the channels *not* in ``channels``: the amax of the FP4 part of the input,
+        from which a static ``input_global_scale`` is made (the BF16 channels are zeroed before
+        quantization, :func:`foursight.layer.quantize_activation`)."""
+        rest = self.amax.clone()
+        if channels.numel():
+            rest[channels.long()] = 0
+        return float(rest.amax()) if rest.numel() else 0.0
+
     @property
     def variance(self) -> torch.Tensor:
         """Population variance per channel, float64 [K] (zeros before any row is seen)."""

@@ -14,8 +14,9 @@ does four thin things and calls this module for everything else:
    never modifies or replaces the loaded parameters, it rebuilds the execution state from them
    every time (so a second call, or a call after a weight reload, cannot double-apply a
    transform -- the class of bug of sglang#30761 / verl#7519).
-3. **apply**: ``apply_linear(layer.foursight_state, x, bias)`` → :func:`foursight.layer.foursight_linear`
-   (SpliceGEMM on CUDA, the PyTorch reference on CPU).
+3. **apply**: ``apply_linear(layer.foursight_state, x, bias)`` → the layer's
+   :class:`foursight.dispatch.PreparedLinear` (SpliceGEMM on CUDA, the PyTorch reference on
+   CPU; the backend is chosen once, in ``process``).
 4. **TP**: pass a :class:`TPContext` whose collectives are the engine's (identity at TP=1).
 
 Two load modes (``LayerPlan.mode``):
@@ -63,36 +64,29 @@ Tensor parallelism:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 
 from foursight.calibration import select_channels
-from foursight.layer import (
-    QuantizedWeight,
-    check_channels,
-    foursight_linear,
-    prepare_weight,
-    quantize_weight,
-)
+from foursight.dispatch import PreparedLinear, prepare_linear
+from foursight.layer import QuantizedWeight, check_channels, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
 from foursight.schema import (
     BF16_CHANNELS,
-    CHANNELS_FILE,
     INPUT_GLOBAL_SCALE,
     WEIGHT_BF16,
     WEIGHT_GLOBAL_SCALE,
     WEIGHT_PACKED,
     WEIGHT_SCALE,
+    ChannelsFile,
     CheckpointError,
     FourSightConfig,
+    decode_module,
     parse_channel_budget,
-    validate_module_tensors,
 )
 
 logger = logging.getLogger("foursight.quant_methods")
@@ -268,50 +262,6 @@ class TPContext:
 
 
 @dataclass
-class ChannelsFile:
-    """Parsed ``foursight_channels.json`` (written by ``foursight calibrate``).
-
-    Attributes:
-        channels: module name -> sorted list of input-channel indices.
-        input_amax: module name -> calibrated activation amax (for static activation scales).
-        path: where it was read from.
-    """
-
-    channels: dict[str, list[int]]
-    input_amax: dict[str, float]
-    path: str = ""
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> "ChannelsFile":
-        """Read and validate a channels file; raise :class:`CheckpointError` naming the field."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / CHANNELS_FILE
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"channels file {p} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"channels file {p}: invalid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"channels file {p}: expected a JSON object")
-        if data.get("format_version") != 1:
-            raise CheckpointError(f"channels file {p}: format_version {data.get('format_version')!r}, expected 1")
-        ch = data.get("channels")
-        if not isinstance(ch, dict):
-            raise CheckpointError(f"channels file {p}: field 'channels' must be an object module -> [indices]")
-        out: dict[str, list[int]] = {}
-        for name, idx in ch.items():
-            if not isinstance(idx, list) or not all(isinstance(i, int) for i in idx):
-                raise CheckpointError(f"channels file {p}: channels[{name!r}] must be a list of ints")
-            out[name] = sorted(idx)
-        amax = data.get("input_amax", {}) or {}
-        if not isinstance(amax, dict):
-            raise CheckpointError(f"channels file {p}: field 'input_amax' must be an object")
-        return cls(out, {k: float(v) for k, v in amax.items()}, str(p))
-
-
-@dataclass
 class OnlineSettings:
     """How BF16 weights are quantized at load (``--quantization foursight`` on a BF16 model).
 
@@ -341,7 +291,7 @@ class OnlineSettings:
         if sc not in ("dynamic", "static"):
             raise CheckpointError(f"{ENV_ACTIVATION_SCALE}={sc!r}: expected 'dynamic' or 'static'")
         if sc == "static" and (cf is None or not cf.input_amax):
-            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}=static needs a channels file with 'input_amax'")
+            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}=static needs a channels file with 'input_amax' (format_version 2, from `foursight calibrate`)")
         ignore = [s for s in os.environ.get(ENV_IGNORE, "lm_head").split(",") if s]
         budget = os.environ.get(ENV_CHANNEL_BUDGET, DEFAULT_ONLINE_BUDGET)
         return cls(cf, budget, act == "nvfp4", sc == "static", ignore)
@@ -412,7 +362,7 @@ class LayerState:
 
     Attributes:
         qw: the local :class:`QuantizedWeight` (fused shards, local TP part).
-        prepared: ``foursight.layer.prepare_weight(qw)``.
+        prepared: ``foursight.dispatch.prepare_linear(qw)`` (backend chosen once).
         input_global_scale: float32 [1] static activation scale, or None (dynamic).
         act_quant: W4A4 (True) or W4A16 (False).
         channels: the (global) channel set of the layer, int32 [k].
@@ -420,7 +370,7 @@ class LayerState:
     """
 
     qw: QuantizedWeight
-    prepared: Any
+    prepared: PreparedLinear
     input_global_scale: torch.Tensor | None
     act_quant: bool
     channels: torch.Tensor
@@ -651,7 +601,7 @@ class LayerPlan:
                 if miss:
                     raise CheckpointError(f"missing tensor {miss[0]}" + (f" (and {len(miss) - 1} more)" if len(miss) > 1 else ""))
             qw, igs, channels = self._from_checkpoint(params)
-        return LayerState(qw, prepare_weight(qw), igs, self.act_quant, channels, self.generation)
+        return LayerState(qw, prepare_linear(qw, self.prefix), igs, self.act_quant, channels, self.generation)
 
     def _from_checkpoint(self, params: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor]:
         packed, scale, wbf = params[WEIGHT_PACKED].data, params[WEIGHT_SCALE].data, params[WEIGHT_BF16].data
@@ -668,9 +618,8 @@ class LayerPlan:
                 BF16_CHANNELS: ch_all[i],
                 WEIGHT_BF16: wbf[off : off + rows],
             }
-            # channel values are global indices: validate against the global K
-            validate_module_tensors(name, {**t, WEIGHT_PACKED: _fake_cols(t[WEIGHT_PACKED], self.input_size // 2), WEIGHT_SCALE: _fake_cols(t[WEIGHT_SCALE], self.input_size // BLOCK_SIZE)}, rows, self.input_size, self.k)
-            parts.append(QuantizedWeight(t[WEIGHT_PACKED], t[WEIGHT_SCALE], t[WEIGHT_GLOBAL_SCALE].float(), t[BF16_CHANNELS], t[WEIGHT_BF16]))
+            # channel values are global indices: validated against the global K
+            parts.append(decode_module(name, t, rows, self.input_size, self.k, local_in_features=kl))
             off += rows
         qw = concat_shards(parts, self.prefix)
         channels = qw.bf16_channels.clone()
@@ -695,7 +644,7 @@ class LayerPlan:
             if all(s is not None for s in sets):
                 if any(s != sets[0] for s in sets[1:]):
                     raise CheckpointError(f"{self.prefix}: channels file {cf.path} lists different channels for the fused shards {self.shard_names}")
-                return check_channels(torch.tensor(sets[0], dtype=torch.int64), self.input_size, self.prefix)
+                return check_channels(cf.channel_tensor(self.shard_names[0]), self.input_size, self.prefix)
             missing = [n for n, s in zip(self.shard_names, sets) if s is None]
             key = f"missing:{cf.path}"
             if key not in _warned_fallback:
@@ -737,21 +686,11 @@ class LayerPlan:
         qw = concat_shards(parts, self.prefix)
         igs = None
         if self.static_act_scale:
-            st = self.online
-            amaxes = [st.channels_file.input_amax.get(n) for n in self.shard_names] if st and st.channels_file else [None]
-            if any(a is None for a in amaxes):
-                raise CheckpointError(f"{self.prefix}: static activation scale requested but the channels file has no input_amax for {self.shard_names}")
-            igs = global_scale_from_amax(torch.tensor(max(amaxes))).reshape(1)
+            cf = self.online.channels_file if self.online else None
+            if cf is None:
+                raise CheckpointError(f"{self.prefix}: static activation scale requested but no channels file was given")
+            igs = cf.input_scale(self.shard_names, self.prefix)
         return qw, igs, channels.to(torch.int32)
-
-
-def _fake_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """A zero-cost stand-in with the global column count (row-parallel local tensors are
-    validated against global K only through their channel indices; shapes were checked by the
-    engine loader)."""
-    if t.shape[1] == cols:
-        return t
-    return torch.empty((t.shape[0], cols), dtype=t.dtype, device="meta")
 
 
 def _shared_input_scale(igs: torch.Tensor, layer: str) -> torch.Tensor:
@@ -770,7 +709,7 @@ def apply_linear(state: LayerState, x: torch.Tensor, bias: torch.Tensor | None =
     """
     if state is None:
         raise RuntimeError("FourSight layer used before process_weights_after_loading")
-    return foursight_linear(x, state.prepared, bias=bias, input_global_scale=state.input_global_scale, act_quant=state.act_quant)
+    return state.prepared(x, bias, state.input_global_scale, state.act_quant)
 
 
 def layer_params(layer: Any, plan: LayerPlan) -> dict[str, torch.Tensor]:

@@ -36,7 +36,6 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from foursight.quant_methods.core import (
-    ChannelsFile,
     LayerPlan,
     OnlineSettings,
     TPContext,
@@ -178,4 +177,4 @@ class FourSightLinearMethod(LinearMethodBase):
         return apply_linear(layer.foursight_state, x, bias)
 
 
-__all__ = ["FourSightVllmConfig", "FourSightLinearMethod", "ChannelsFile"]
+__all__ = ["FourSightVllmConfig", "FourSightLinearMethod"]
