@@ -1,9 +1,13 @@
 """``foursight compare``: training–inference mismatch across engines and precisions.
 
 1. Rollouts are generated once by a reference engine (by default the first of ``--engines``).
-2. The *identical* token sequences are scored, teacher-forced, by every engine (vLLM
-   ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF forward) and by the learner
-   reference, HF BF16.
+2. The *identical* token sequences are scored, teacher-forced, by every engine and by the
+   learner reference, HF BF16.
+
+Every engine is a backend of :mod:`foursight.trainer_bridge.engines` (``generate`` and ``score``:
+vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF
+:func:`~foursight.trainer_bridge.scoring.teacher_forced_logprobs`); rollouts are
+:class:`~foursight.trainer_bridge.protocol.Rollout` records.
 3. The TIM metrics of :mod:`foursight.trainer_bridge.metrics` are computed for every engine
    against the learner, plus a pairwise matrix of mean |Δlogp| between engines.
 4. ``report.md``, ``metrics.json`` and PNG plots are written; a rich table is printed.
@@ -21,11 +25,16 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+import typer
+
+from foursight.cli_util import guarded
+from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
+from foursight.trainer_bridge.protocol import Rollout
 
 PRECISIONS = ("bf16", "foursight", "nvfp4")
 KINDS = ("hf", "vllm", "sglang")
@@ -128,166 +137,45 @@ def load_prompts(source: str, n: int, tokenizer) -> list[list[int]]:
     return out
 
 
-@dataclass
-class Rollout:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float] = field(default_factory=list)  # the generating engine's
-
-    @property
-    def full(self) -> list[int]:
-        return self.prompt_ids + self.completion_ids
-
-
 # ---------------------------------------------------------------------------------------------
-# engines
+# engines: the trainer bridge's backends, driven directly
 
 
-class Handle:
-    """One engine: generate rollouts, and score fixed sequences teacher-forced."""
+async def _drive(engine, desc: str, concurrency: int, prompts: list[list[int]] | None, max_tokens: int, temperature: float,
+                 seed: int, rollouts: list[Rollout] | None) -> tuple[list[Rollout], list[torch.Tensor]]:
+    """Start ``engine``; sample ``prompts`` (when given, prompt ``i`` with seed ``seed + i``) and
+    then teacher-force score the rollouts (the sampled ones, or ``rollouts``); stop it."""
+    from tqdm.auto import tqdm
 
-    name: str
+    from foursight.trainer_bridge.protocol import SamplingParams
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int) -> list[Rollout]:
-        raise NotImplementedError
+    sem = asyncio.Semaphore(concurrency)
 
-    def score(self, rollouts: list[Rollout]) -> list[torch.Tensor]:
-        """float64 [len(completion)] logprobs of each rollout's completion tokens."""
-        raise NotImplementedError
+    async def each(items, fn, what):
+        bar = tqdm(total=len(items), desc=f"{what} {desc}", unit="seq")
 
-    def close(self) -> None:
-        pass
+        async def one(i, it):
+            async with sem:
+                out = await fn(i, it)
+                bar.update(1)
+                return out
 
+        try:
+            return await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
+        finally:
+            bar.close()
 
-class HFHandle(Handle):
-    def __init__(self, name: str, model_dir: Path, precision: str, device: str = "cpu"):
-        from transformers import AutoModelForCausalLM
-
-        self.name = name
-        if precision == "bf16":
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
-        else:
-            from foursight.hf import load_reference_model
-
-            self.model = load_reference_model(model_dir, device=device)
-        self.device = device
-
-    @torch.no_grad()
-    def generate(self, prompts, max_tokens, temperature, seed):
-        from tqdm.auto import tqdm
-
-        torch.manual_seed(seed)
-        out = []
-        eos = self.model.generation_config.eos_token_id
-        for p in tqdm(prompts, desc=f"generate {self.name}", unit="seq"):
-            ids = torch.tensor([p], device=self.device)
-            g = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=temperature > 0, temperature=temperature or None,
-                                    top_p=1.0, top_k=0, max_new_tokens=max_tokens, eos_token_id=eos,
-                                    pad_token_id=self.model.generation_config.pad_token_id or 0)
-            out.append(Rollout(p, g[0, len(p):].tolist()))
-        return out
-
-    @torch.no_grad()
-    def score(self, rollouts):
-        from tqdm.auto import tqdm
-
-        res = []
-        for r in tqdm(rollouts, desc=f"score {self.name}", unit="seq"):
-            res.append(hf_completion_logprobs(self.model, r))
-        return res
-
-
-def hf_completion_logprobs(model, r: Rollout) -> torch.Tensor:
-    """Teacher-forced log p(completion token | prefix) from an HF causal LM, float64 [len(completion)]."""
-    dev = next(model.parameters()).device
-    ids = torch.tensor([r.full], device=dev)
-    logits = model(input_ids=ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
-    tgt = ids[0, len(r.prompt_ids):]
-    return torch.log_softmax(logits, -1).gather(1, tgt[:, None])[:, 0].double().cpu()
-
-
-class HTTPHandle(Handle):
-    """vLLM (OpenAI server) or SGLang (native /generate) over HTTP."""
-
-    def __init__(self, name: str, kind: str, url: str, proc=None, concurrency: int = 8):
-        import httpx
-
-        self.name, self.kind, self.url, self.proc = name, kind, url, proc
-        self.concurrency = concurrency
-        self.model_id = None
-        if kind == "vllm":
-            self.model_id = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-
-    async def _post_all(self, bodies: list[dict], path: str, desc: str) -> list[dict]:
-        import httpx
-        from tqdm.auto import tqdm
-
-        sem = asyncio.Semaphore(self.concurrency)
-        bar = tqdm(total=len(bodies), desc=desc, unit="seq")
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0, connect=10.0)) as client:
-            async def one(b):
-                async with sem:
-                    r = await client.post(path, json=b)
-                    bar.update(1)
-                    if r.status_code != 200:
-                        raise RuntimeError(f"{self.name}: {path} -> {r.status_code} {r.text[:300]}")
-                    return r.json()
-
-            try:
-                return await asyncio.gather(*(one(b) for b in bodies))
-            finally:
-                bar.close()
-
-    def generate(self, prompts, max_tokens, temperature, seed):
-        if self.kind == "vllm":
-            bodies = [{"model": self.model_id, "prompt": p, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0,
-                       "logprobs": 0, "return_tokens_as_token_ids": True, "seed": seed + i} for i, p in enumerate(prompts)]
-            outs = asyncio.run(self._post_all(bodies, "/v1/completions", f"generate {self.name}"))
-            res = []
-            for p, o in zip(prompts, outs):
-                lp = o["choices"][0]["logprobs"]
-                res.append(Rollout(p, [int(t.split(":", 1)[1]) for t in lp["tokens"]], [float(v) for v in lp["token_logprobs"]]))
-            return res
-        bodies = [{"input_ids": p, "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": 1.0,
-                   "sampling_seed": seed + i}, "return_logprob": True, "logprob_start_len": -1} for i, p in enumerate(prompts)]
-        outs = asyncio.run(self._post_all(bodies, "/generate", f"generate {self.name}"))
-        res = []
-        for p, o in zip(prompts, outs):
-            toks = o["meta_info"]["output_token_logprobs"]
-            res.append(Rollout(p, [int(t[1]) for t in toks], [float(t[0]) for t in toks]))
-        return res
-
-    def score(self, rollouts):
-        if self.kind == "vllm":
-            bodies = [{"model": self.model_id, "prompt": r.full, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-                      for r in rollouts]
-            outs = asyncio.run(self._post_all(bodies, "/v1/completions", f"score {self.name}"))
-            res = []
-            for r, o in zip(rollouts, outs):
-                plp = o["choices"][0]["prompt_logprobs"]
-                vals = []
-                for t in range(len(r.prompt_ids), len(r.full)):
-                    entry = plp[t]
-                    tok = r.full[t]
-                    d = entry.get(str(tok)) or entry.get(tok)
-                    if d is None:
-                        raise RuntimeError(f"{self.name}: prompt_logprobs lacks the scored token {tok} at position {t}")
-                    vals.append(float(d["logprob"] if isinstance(d, dict) else d))
-                res.append(torch.tensor(vals, dtype=torch.float64))
-            return res
-        bodies = [{"input_ids": r.full, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}, "return_logprob": True,
-                   "logprob_start_len": 0} for r in rollouts]
-        outs = asyncio.run(self._post_all(bodies, "/generate", f"score {self.name}"))
-        res = []
-        for r, o in zip(rollouts, outs):
-            inp = o["meta_info"]["input_token_logprobs"]
-            vals = [float(inp[t][0]) for t in range(len(r.prompt_ids), len(r.full))]
-            res.append(torch.tensor(vals, dtype=torch.float64))
-        return res
-
-    def close(self):
-        if self.proc is not None:
-            self.proc.stop()
+    await engine.start()
+    try:
+        if prompts is not None:
+            sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0)
+            rollouts = [r for r in await each(prompts, lambda i, p: engine.generate(p, sp, max_tokens, seed + i), "generate") if r.token_ids]
+            if not rollouts:
+                raise RuntimeError(f"{desc} generated no tokens")
+        scores = await each(rollouts, lambda i, r: engine.score(r.prompt_ids, r.token_ids), "score")
+    finally:
+        await engine.aclose()
+    return rollouts, [torch.tensor(v, dtype=torch.float64) for v in scores]
 
 
 def default_sglang_python() -> str:
@@ -300,28 +188,30 @@ def default_sglang_python() -> str:
 
 
 def open_engine(spec: EngineSpec, model_dirs: dict[str, Path], urls: dict[str, str], logs: Path, sglang_python: str,
-                max_model_len: int) -> Handle:
-    """Start (or connect to) one engine."""
+                max_model_len: int):
+    """Start (or connect to) one engine: ``(backend, server or None)``."""
+    from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
+
     src = model_dirs[spec.precision]
     if spec.kind == "hf":
-        return HFHandle(spec.name, src, spec.precision)
+        return HFEngine(src), None
+    backend = VLLMHTTPEngine if spec.kind == "vllm" else SGLangHTTPEngine
     if spec.name in urls:
-        return HTTPHandle(spec.name, spec.kind, urls[spec.name])
+        return backend(urls[spec.name]), None
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{spec.kind}-{spec.precision}.log"
+    extra = ["--quantization", "foursight"] if spec.precision != "bf16" else []
     if spec.kind == "vllm":
         from foursight.trainer_bridge.launch import VLLMServer
 
-        extra = ["--quantization", "foursight"] if spec.precision != "bf16" else []
         srv = VLLMServer(src, max_model_len=max_model_len, extra_args=extra, log_path=log).start()
     else:
         if not Path(sglang_python).exists():
             raise CompareError(f"--sglang-python {sglang_python} does not exist (run scripts/setup.sh, or pass --engine-url)")
         from foursight.trainer_bridge.launch import SGLangServer
 
-        extra = ["--quantization", "foursight"] if spec.precision != "bf16" else []
         srv = SGLangServer(src, sglang_python, log_path=log, extra_args=extra).start(timeout_s=300)
-    return HTTPHandle(spec.name, spec.kind, srv.url, proc=srv)
+    return backend(srv.url), srv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +294,7 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
     for ax, n, mx in zip(axes[:, 0], names, allmax):
         tail = mx > tail_threshold
         ax.hist(mx[~tail].numpy(), bins=bins, color="tab:blue", label="within τ")
-        ax.hist(mx[tail].numpy(), bins=bins, color="tab:red", label=f"tail (> τ={tail_threshold}): {int(tail.sum())}")
+        ax.hist(mx[tail].numpy(), bins=bins, color="tab:red", label=f"tail (> τ={tail_threshold:.4g}): {int(tail.sum())}")
         ax.set_title(n, fontsize=9)
         ax.legend(fontsize=7)
     axes[-1, 0].set_xlabel("per-sequence max |Δlogp|")
@@ -448,7 +338,7 @@ def write_report(out: Path, result: dict, plots: list[str]) -> None:
         "",
         f"Model: `{result['config']['model']}` · {result['config']['n']} rollouts of up to {result['config']['max_tokens']} tokens "
         f"generated by **{result['config']['generator']}** (temperature {result['config']['temperature']}, seed {result['config']['seed']}) · "
-        f"{result['num_tokens']} scored completion tokens · learner reference **{LEARNER}** · tail threshold τ = {result['config']['tail_threshold']}.",
+        f"{result['num_tokens']} scored completion tokens · learner reference **{LEARNER}** · tail threshold τ = {result['config']['tail_threshold']:.4g}.",
         "",
         f"Command: `{result['config']['command']}`",
         "",
@@ -516,6 +406,7 @@ def attribute_layers(model_dir: Path, rollouts: list[Rollout], learner: list[tor
     from foursight.hf import quantize_hf_model, restore_bf16
     from foursight.layer import quantize_weight
     from foursight.schema import FourSightConfig
+    from foursight.trainer_bridge.scoring import teacher_forced_logprobs
 
     bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -535,7 +426,8 @@ def attribute_layers(model_dir: Path, rollouts: list[Rollout], learner: list[tor
 
     def mean_mismatch() -> float:
         with torch.no_grad():
-            d = [(hf_completion_logprobs(model, r) - lp).abs() for r, lp in zip(rollouts, learner)]
+            d = [(teacher_forced_logprobs(model, [r.prompt_ids], [r.token_ids])[0][0, : len(r.token_ids)].double() - lp).abs()
+                 for r, lp in zip(rollouts, learner)]
         return float(torch.cat(d).mean())
 
     base = mean_mismatch()
@@ -586,7 +478,7 @@ def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, wor
 def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: str = "builtin", n: int = 64,
                 max_tokens: int = 128, temperature: float = 1.0, seed: int = 0, generator: Optional[str] = None,
                 channels: str = "32", engine_urls: Sequence[str] = (), foursight_ckpt: Optional[Path] = None,
-                nvfp4_ckpt: Optional[Path] = None, tail_threshold: float = 1.0, attribute: bool = False,
+                nvfp4_ckpt: Optional[Path] = None, tail_threshold: float = DEFAULT_TAIL_THRESHOLD, attribute: bool = False,
                 attribute_by: str = "type", attribute_n: int = 16, sglang_python: Optional[str] = None,
                 max_model_len: int = 1024, command: str = "") -> dict:
     """Run the whole comparison and write the report; returns the metrics dict."""
@@ -610,15 +502,14 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: 
     scores: dict[str, list[torch.Tensor]] = {}
     rollouts: list[Rollout] = []
     for spec in order:
-        h = open_engine(spec, dirs, urls, out / "logs", sglang_python, max_model_len)
+        engine, srv = open_engine(spec, dirs, urls, out / "logs", sglang_python, max_model_len)
         try:
-            if spec == gen:
-                rollouts = [r for r in h.generate(prompt_ids, max_tokens, temperature, seed) if r.completion_ids]
-                if not rollouts:
-                    raise RuntimeError(f"{gen.name} generated no tokens")
-            scores[spec.name] = h.score(rollouts)
+            rollouts, scores[spec.name] = asyncio.run(_drive(engine, spec.name, 1 if spec.kind == "hf" else 8,
+                                                             prompt_ids if spec == gen else None, max_tokens, temperature, seed,
+                                                             rollouts))
         finally:
-            h.close()
+            if srv is not None:
+                srv.stop()
     learner = scores[LEARNER]
     result = {
         "config": {"model": str(model_dir), "engines": [e.name for e in engines], "generator": gen.name, "n": len(rollouts),
@@ -641,57 +532,51 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: 
     result["seconds"] = time.time() - t0
     plots = write_plots(out, learner, {e.name: scores[e.name] for e in specs}, tail_threshold)
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
-    torch.save({"rollouts": [r.__dict__ for r in rollouts], "scores": scores}, out / "scores.pt")
+    torch.save({"rollouts": [r.model_dump() for r in rollouts], "scores": scores}, out / "scores.pt")
     write_report(out, result, plots)
     print_table(result)
     return result
 
 
+@guarded
 def compare_command(
-    model: Optional[str] = None,
-    engines: str = "hf:bf16,vllm:bf16,vllm:foursight,vllm:nvfp4",
-    prompts: str = "builtin",
-    n: int = 64,
-    max_tokens: int = 128,
-    out: Path = Path("report"),
-    generator: Optional[str] = None,
-    channels: str = "32",
-    temperature: float = 1.0,
-    seed: int = 0,
-    engine_url: Optional[list[str]] = None,
-    foursight_ckpt: Optional[Path] = None,
-    nvfp4_ckpt: Optional[Path] = None,
-    tail_threshold: float = 1.0,
-    attribute: bool = False,
-    attribute_by: str = "type",
-    attribute_n: int = 16,
-    sglang_python: Optional[str] = None,
-    max_model_len: int = 1024,
+    model: Optional[str] = typer.Option(None, "--model", help="BF16 HF model folder (default: the packaged SmolLM2-135M-Instruct)."),
+    engines: str = typer.Option("hf:bf16,vllm:bf16,vllm:foursight,vllm:nvfp4", "--engines",
+                                help="Comma list of KIND:PRECISION (KIND hf|vllm|sglang, PRECISION bf16|foursight|nvfp4)."),
+    prompts: str = typer.Option("builtin", "--prompts", help="Prompt source: 'builtin' or a JSONL file (prompt/text or messages per line)."),
+    n: int = typer.Option(64, "--n", min=1, help="Number of rollouts (prompts are cycled)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Completion length cap."),
+    out: Path = typer.Option(Path("report"), "--out", help="Report folder (report.md, metrics.json, plots)."),
+    generator: Optional[str] = typer.Option(None, "--generator", help="KIND:PRECISION that samples the rollouts (default: the first of --engines)."),
+    channels: str = typer.Option("32", "--channels", help="BF16 channels per input of the FourSight checkpoint: a count or a percentage of K."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0),
+    seed: int = typer.Option(0, "--seed", help="Rollout i is sampled with seed + i."),
+    engine_url: Optional[list[str]] = typer.Option(None, "--engine-url", help="KIND:PRECISION=URL of a running server (repeatable)."),
+    foursight_ckpt: Optional[Path] = typer.Option(None, "--foursight-ckpt", help="Use this FourSight checkpoint instead of quantizing."),
+    nvfp4_ckpt: Optional[Path] = typer.Option(None, "--nvfp4-ckpt", help="Use this plain-NVFP4 (k=0) checkpoint instead of quantizing."),
+    tail_threshold: float = typer.Option(DEFAULT_TAIL_THRESHOLD, "--tail-threshold", min=0.0,
+                                         help="τ in nats: a token is a tail token when |Δlogp| > τ (default ln 3, as the filters)."),
+    attribute: bool = typer.Option(False, "--attribute", help="Rank layer groups by the NVFP4 mismatch they cause (HF engine)."),
+    attribute_by: str = typer.Option("type", "--attribute-by", help="type (q_proj, ... across blocks) or block."),
+    attribute_n: int = typer.Option(16, "--attribute-n", min=1, help="Rollouts used by --attribute."),
+    sglang_python: Optional[str] = typer.Option(None, "--sglang-python", help="Python of the SGLang venv (default .venv-sglang)."),
+    max_model_len: int = typer.Option(1024, "--max-model-len", min=16),
 ):
     """Measure training-inference mismatch across engines and precisions; write report.md, metrics.json and plots.
 
-    --engines: comma list of KIND:PRECISION (KIND hf|vllm|sglang, PRECISION bf16|foursight|nvfp4); the
-    first generates the rollouts unless --generator is given. --engine-url KIND:PRECISION=URL reaches a
-    running server instead of starting one. FourSight/NVFP4 checkpoints are made with `foursight quantize`
-    (--channels) unless given.
+    The first of --engines generates the rollouts unless --generator is given; every engine and the
+    learner (HF BF16) then score the identical tokens teacher-forced. FourSight/NVFP4 checkpoints are
+    made with `foursight quantize` (--channels) unless given.
     """
-    import typer
-
     from foursight.models import resolve_model
 
-    try:
-        specs = parse_engines(engines)
-        if attribute_by not in ("type", "block"):
-            raise CompareError("--attribute-by must be 'type' or 'block'")
-        src = resolve_model(model)
-        run_compare(src, specs, out, prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                    generator=generator, channels=channels, engine_urls=engine_url or [], foursight_ckpt=foursight_ckpt,
-                    nvfp4_ckpt=nvfp4_ckpt, tail_threshold=tail_threshold, attribute=attribute, attribute_by=attribute_by,
-                    attribute_n=attribute_n, sglang_python=sglang_python, max_model_len=max_model_len,
-                    command="foursight compare " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "compare" else "")
-    except (CompareError, FileNotFoundError, RuntimeError) as e:
-        from rich.console import Console
-
-        Console().print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(2)
+    specs = parse_engines(engines)
+    if attribute_by not in ("type", "block"):
+        raise CompareError("--attribute-by must be 'type' or 'block'")
+    src = resolve_model(model)
+    run_compare(src, specs, out, prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                generator=generator, channels=channels, engine_urls=engine_url or [], foursight_ckpt=foursight_ckpt,
+                nvfp4_ckpt=nvfp4_ckpt, tail_threshold=tail_threshold, attribute=attribute, attribute_by=attribute_by,
+                attribute_n=attribute_n, sglang_python=sglang_python, max_model_len=max_model_len,
+                command="foursight compare " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "compare" else "")
     print(f"report: {out / 'report.md'}")

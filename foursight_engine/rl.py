@@ -1,4 +1,4 @@
-"""``foursight rl``: a small GRPO loop with BF16, NVFP4 or FourSight rollouts (issue #8).
+"""``foursight rl``: a small GRPO loop with BF16, NVFP4 or FourSight rollouts.
 
 One training step:
 
@@ -8,11 +8,15 @@ One training step:
 2. **rollout** — the quantized engine samples ``group_size`` completions per prompt at
    temperature 1 (no top-p/top-k) and returns the raw log-prob of each sampled token; these are
    π_old of the clipped objective.
-3. **score**  — the learner (BF16 compute) teacher-forces the same tokens
-   (:func:`foursight.trainer_bridge.scoring.score`); ``r = logp_train − logp_rollout`` gives the TIM
-   metrics, and the sequence filter (:mod:`foursight.trainer_bridge.filters`) gives the loss mask.
-4. **update** — group-relative advantages, clipped policy loss (optionally + k3 KL to the frozen
-   initial model) over the kept tokens, one AdamW step on FP32 master weights.
+3. **score**  — the learner (BF16 autocast) teacher-forces the same tokens once
+   (:func:`foursight.trainer_bridge.scoring.teacher_forced_logprobs`, with grad);
+   ``r = logp_train − logp_rollout`` gives the TIM metrics, and the sequence filter
+   (:mod:`foursight.trainer_bridge.filters`) gives the loss mask.
+4. **update** — group-relative advantages, clipped policy loss over the kept tokens on that same
+   forward (optionally + k3 KL to the frozen initial model), one AdamW step on FP32 master weights.
+
+Rollouts are :class:`foursight.trainer_bridge.protocol.Rollout` records; HF generation is
+:func:`foursight.trainer_bridge.engines.hf_generate`.
 
 Every ``eval_every`` steps the learner answers the held-out eval set greedily. One JSON line is
 written per step (see :func:`run_rl`). The numerics of the quantized layers live in
@@ -27,7 +31,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,6 +40,9 @@ import typer
 from torch import nn
 
 from foursight import rl_tasks
+from foursight.cli_util import guarded
+from foursight.trainer_bridge.engines import hf_generate
+from foursight.trainer_bridge.protocol import Rollout
 
 PRECISIONS = ("bf16", "nvfp4", "foursight")
 FILTERS = ("none", "max_token", "tail_count", "geo_mean", "quantile")
@@ -123,51 +130,11 @@ def grpo_loss(
     return loss, stats
 
 
-def token_logprobs(model: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                   device: torch.device, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced log-probs of ``completions`` given ``prompts`` (with grad if enabled).
-
-    Returns:
-        (logp float32 [B, T], mask bool [B, T]) with T = the longest completion; right-padded.
-    """
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    L = max(len(s) for s in seqs)
-    T = max([len(c) for c in completions] + [1])
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    att = torch.zeros(len(seqs), L, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, : len(s)] = torch.tensor(s)
-        att[b, : len(s)] = 1
-    ids, att = ids.to(device), att.to(device)
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-        logits = model(input_ids=ids, attention_mask=att).logits
-    out = torch.zeros(len(seqs), T, device=device)
-    mask = torch.zeros(len(seqs), T, dtype=torch.bool, device=device)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        P, n = len(p), len(c)
-        if n == 0:
-            continue
-        lg = logits[b, P - 1 : P - 1 + n].float()
-        tok = torch.tensor(list(c), device=device)
-        out[b, :n] = torch.log_softmax(lg, -1).gather(-1, tok[:, None])[:, 0]
-        mask[b, :n] = True
-    return out, mask
-
-
 # ---------------------------------------------------------------------------------------------
 # Rollout engines
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Sample:
-    """One sampled completion: ``token_ids`` [T] and the engine's raw ``logprobs`` [T]."""
-
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
-def _eos_ids(model: nn.Module, tok) -> list[int]:
+def eos_ids(model: nn.Module, tok) -> list[int]:
+    """Token ids that end a completion: the tokenizer's and the generation config's EOS, and ``<|im_end|>``."""
     ids = set()
     if tok.eos_token_id is not None:
         ids.add(int(tok.eos_token_id))
@@ -180,50 +147,6 @@ def _eos_ids(model: nn.Module, tok) -> list[int]:
     if im_end is not None:
         ids.add(int(im_end))
     return sorted(ids)
-
-
-@torch.no_grad()
-def hf_generate(model: nn.Module, tok, prompts: Sequence[Sequence[int]], max_new_tokens: int, greedy: bool,
-                seed: int | None = None) -> list[Sample]:
-    """Batched generation with an HF model (left-padded prompts), raw logprobs of the sampled tokens.
-
-    Sampling is at temperature 1 over the full vocabulary (top-k 0, top-p 1), so the raw
-    log-softmax is exactly the sampling distribution (π_old). A completion ends at its first EOS.
-    """
-    dev = next(model.buffers(), None)
-    dev = dev.device if dev is not None else next(model.parameters()).device
-    eos = _eos_ids(model, tok)
-    pad = eos[0] if eos else 0
-    L = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
-    att = torch.zeros(len(prompts), L, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p):] = torch.tensor(list(p))
-        att[b, L - len(p):] = 1
-    if seed is not None:
-        torch.manual_seed(seed)
-    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=not greedy, output_logits=True,
-                              return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad)
-    if greedy:
-        kw.update(temperature=None, top_p=None, top_k=None)
-    else:
-        kw.update(temperature=1.0, top_p=1.0, top_k=0)
-    out = model.generate(ids.to(dev), attention_mask=att.to(dev), **kw)
-    new = out.sequences[:, L:]
-    logits = torch.stack(out.logits, 1).float()  # [B, T, V] raw
-    lp = torch.log_softmax(logits, -1).gather(-1, new[:, : logits.shape[1], None])[..., 0].cpu()
-    new = new.cpu()
-    res = []
-    eos_set = set(eos)
-    for b, p in enumerate(prompts):
-        toks = new[b].tolist()
-        reason, n = "length", len(toks)
-        for i, t in enumerate(toks):
-            if t in eos_set:
-                n, reason = i + 1, "stop"
-                break
-        res.append(Sample(list(p), [int(t) for t in toks[:n]], [float(v) for v in lp[b, :n]], reason))
-    return res
 
 
 def calibrate_channel_sets(model: nn.Module, tok, texts: list[str], spec: str, ignore=("lm_head",)) -> dict[str, torch.Tensor]:
@@ -313,10 +236,11 @@ class HFRollout:
         self.last_update = info
         return info
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int) -> list[Sample]:
-        """``n`` samples per prompt, grouped contiguously (prompt 0's n samples first)."""
-        flat = [p for p in prompts for _ in range(n)]
-        return hf_generate(self.model, self.tok, flat, max_new_tokens, greedy=False, seed=seed)
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int) -> list[Rollout]:
+        """``n`` samples per prompt, grouped contiguously (prompt 0's n samples first), at
+        temperature 1 over the full vocabulary: the raw logprobs are the sampling distribution."""
+        flat = [list(p) for p in prompts for _ in range(n)]
+        return hf_generate(self.model, flat, max_new_tokens, eos_ids=eos_ids(self.model, self.tok), seed=seed)
 
     def close(self) -> None:
         self.model = None
@@ -362,7 +286,7 @@ class VLLMRollout:
         self.last_update = info
         return info
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int) -> list[Sample]:
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int) -> list[Rollout]:
         from vllm import SamplingParams, TokensPrompt
 
         sp = SamplingParams(n=n, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new_tokens, logprobs=0, seed=seed)
@@ -372,7 +296,7 @@ class VLLMRollout:
             for c in o.outputs:
                 toks = list(c.token_ids)
                 lps = [float(d[t].logprob) for t, d in zip(toks, c.logprobs)]
-                res.append(Sample(list(p), toks, lps, c.finish_reason or "length"))
+                res.append(Rollout(prompt_ids=list(p), token_ids=toks, logprobs=lps, finish_reason=c.finish_reason or "length"))
         return res
 
     def close(self) -> None:
@@ -401,7 +325,7 @@ class RLConfig:
     lr: float = 2e-5
     clip_eps: float = 0.2
     kl_coef: float = 0.0
-    channels: str = "2%"
+    channels: str = "32"
     eval_every: int = 10
     eval_size: int = 128
     seed: int = 0
@@ -415,7 +339,6 @@ class RLConfig:
     tis_cap: float | None = None
     filter_tau: float | None = None
     filter_quantile: float | None = None
-    tags: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.rollout_precision not in PRECISIONS:
@@ -495,7 +418,7 @@ def evaluate(model: nn.Module, tok, problems: Sequence[rl_tasks.Problem], max_ne
     dev = next(model.parameters()).device
     for s in range(0, len(ids), batch_size):
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
-            samples = hf_generate(model, tok, ids[s : s + batch_size], max_new_tokens, greedy=True)
+            samples = hf_generate(model, ids[s : s + batch_size], max_new_tokens, temperature=0.0, eos_ids=eos_ids(model, tok))
         for smp, prob in zip(samples, problems[s : s + batch_size]):
             text = prefill + tok.decode(smp.token_ids, skip_special_tokens=True)
             correct += rl_tasks.is_correct(text, prob)
@@ -517,8 +440,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
 
     from foursight.models import builtin_texts, resolve_model
     from foursight.trainer_bridge.filters import apply_filter
-    from foursight.trainer_bridge.protocol import Rollout
-    from foursight.trainer_bridge.scoring import pad_rollouts, score
+    from foursight.trainer_bridge.scoring import pad_rollouts, teacher_forced_logprobs
 
     cfg.validate()
     fcfg = cfg.filter_config()
@@ -599,26 +521,23 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             samples = engine.generate(pids, cfg.group_size, cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
             _sync_device(dev)
             t2 = time.perf_counter()
-            # 3. score: rewards, learner logprobs (bridge scoring), TIM metrics and the filter
+            # 3. score: rewards, the learner's logprobs of the sampled tokens (one forward, kept
+            #    for the update), TIM metrics and the filter's loss mask
             texts = [cfg.prefill + tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
             group_probs = [p for p in probs for _ in range(cfg.group_size)]
             rewards = torch.tensor([rl_tasks.reward(t, p, cfg.format_bonus) for t, p in zip(texts, group_probs)])
             correct = torch.tensor([float(rl_tasks.is_correct(t, p)) for t, p in zip(texts, group_probs)])
-            rolls = [Rollout(request_id=f"s{step}", prompt_index=i // cfg.group_size, sample_index=i % cfg.group_size,
-                             prompt_ids=s.prompt_ids, token_ids=s.token_ids, logprobs=s.logprobs, finish_reason=s.finish_reason,
-                             engine=cfg.engine, weight_version=engine.version) for i, s in enumerate(samples)]
-            learner.eval()
+            learner.train()
+            opt.zero_grad(set_to_none=True)
             with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
-                lp_train = score(learner, rolls, batch_size=len(rolls), device=dev)
-            lt, lr_, m = pad_rollouts(rolls, lp_train)
+                logp_new, mask = teacher_forced_logprobs(learner, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
+            lens = [len(s.token_ids) for s in samples]
+            lt, lr_, m = pad_rollouts(samples, [logp_new[b, :n].detach().cpu() for b, n in enumerate(lens)])
             fres = apply_filter(lt, lr_, m, fcfg)
             adv = group_advantages(rewards, cfg.group_size)
             _sync_device(dev)
             t3 = time.perf_counter()
             # 4. update
-            learner.train()
-            opt.zero_grad(set_to_none=True)
-            logp_new, mask = token_logprobs(learner, [s.prompt_ids for s in samples], [s.token_ids for s in samples], dev)
             T = logp_new.shape[1]
             w = torch.zeros_like(logp_new)
             lw = fres.loss_weights()
@@ -627,8 +546,8 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             old[:, : lr_.shape[1]] = lr_.to(dev)[:, :T]
             logp_ref = None
             if ref is not None:
-                with torch.no_grad():
-                    logp_ref, _ = token_logprobs(ref, [s.prompt_ids for s in samples], [s.token_ids for s in samples], dev)
+                with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+                    logp_ref, _ = teacher_forced_logprobs(ref, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
             loss, lstats = grpo_loss(logp_new, old, adv.to(dev), w, cfg.clip_eps, logp_ref, cfg.kl_coef)
             loss.backward()
             gnorm = float(torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0))
@@ -660,6 +579,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     return out
 
 
+@guarded
 def rl_command(
     model: str = typer.Option("smollm2-135m", "--model", help="BF16 HF folder, or 'smollm2-135m' (packaged)"),
     task: str = typer.Option("add", "--task", help=f"one of {sorted(rl_tasks.TASKS)}"),
@@ -673,7 +593,7 @@ def rl_command(
     lr: float = typer.Option(2e-5, "--lr"),
     clip_eps: float = typer.Option(0.2, "--clip-eps"),
     kl_coef: float = typer.Option(0.0, "--kl-coef"),
-    channels: str = typer.Option("2%", "--channels", help="BF16 channels per layer for foursight: K or P%"),
+    channels: str = typer.Option("32", "--channels", help="BF16 channels per input for foursight: a count or a percentage of K."),
     eval_every: int = typer.Option(10, "--eval-every"),
     eval_size: int = typer.Option(128, "--eval-size"),
     seed: int = typer.Option(0, "--seed"),
@@ -684,6 +604,7 @@ def rl_command(
     tis_cap: float = typer.Option(0.0, "--tis-cap", help="token TIS cap (0: off)"),
     filter_tau: float = typer.Option(0.0, "--filter-tau", help="τ of max_token/tail_count (0: default ln 3)"),
     filter_quantile: float = typer.Option(0.0, "--filter-quantile", help="q of the quantile filter (0: default)"),
+    format_bonus: float = typer.Option(0.1, "--format-bonus", help="reward for a well-formed answer that is wrong"),
     prompt_style: str = typer.Option("plain", "--prompt-style", help="plain | oneshot (a solved example in the prompt)"),
     prefill: str = typer.Option("Answer:", "--prefill", help="start of the assistant reply the completion continues ('' for none)"),
 ) -> None:
@@ -693,22 +614,6 @@ def rl_command(
                    prompts_per_step=prompts_per_step, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
                    clip_eps=clip_eps, kl_coef=kl_coef, channels=channels, eval_every=eval_every, eval_size=eval_size, seed=seed,
                    device=device, out=out, time_budget_s=time_budget_s, sync=sync, tis_cap=tis_cap or None,
-                   filter_tau=filter_tau or None, filter_quantile=filter_quantile or None,
+                   filter_tau=filter_tau or None, filter_quantile=filter_quantile or None, format_bonus=format_bonus,
                    prompt_style=prompt_style, prefill=prefill)
-    try:
-        path = run_rl(cfg, log=typer.echo)
-    except RLError as e:
-        raise typer.BadParameter(str(e)) from None
-    typer.echo(f"wrote {path}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m foursight.rl ...`` without the lead's CLI."""
-
-    app = typer.Typer(add_completion=False)
-    app.command()(rl_command)
-    app(argv)
-
-
-if __name__ == "__main__":
-    main()
+    typer.echo(f"wrote {run_rl(cfg, log=typer.echo)}")

@@ -5,7 +5,7 @@ This module owns every rule of the on-disk format:
 * the tensor names of a quantized module and the ``quantization_config`` schema
   (:class:`FourSightConfig`);
 * the codec between a :class:`~foursight.layer.QuantizedWeight` and its tensors
-  (:func:`encode_module` / :func:`decode_module`, with :func:`validate_module_tensors`);
+  (:func:`encode_module` / :func:`decode_module`, which validates every tensor);
 * the channels file ``foursight_channels.json`` (:class:`ChannelsFile`: one reader, one
   writer, one set of rules) and the static activation scale derived from it
   (:func:`static_input_scale`).
@@ -148,50 +148,6 @@ def expected_shapes(out_features: int, in_features: int, k: int, name: str,
     }
 
 
-def validate_module_tensors(
-    name: str,
-    tensors: dict[str, torch.Tensor],
-    out_features: int,
-    in_features: int,
-    k: int,
-    local_in_features: int | None = None,
-) -> None:
-    """Check that module ``name`` has every FourSight tensor with the right shape, dtype and values.
-
-    Args:
-        name: module prefix, e.g. ``model.layers.0.self_attn.q_proj``.
-        tensors: suffix -> tensor, as read from the checkpoint.
-        out_features, in_features: the dense weight's shape [N, K].
-        k: expected number of BF16 channels.
-        local_in_features: K of the packed weight and block scales when they are one
-            tensor-parallel rank's column shard (the channel indices stay global).
-    Raises:
-        CheckpointError naming the tensor (``<name>.<suffix>``) that is missing, mis-shaped,
-        of the wrong dtype, or holds invalid values.
-    """
-    for suffix, (shape, dtype) in expected_shapes(out_features, in_features, k, name, local_in_features).items():
-        full = f"{name}.{suffix}"
-        if suffix not in tensors:
-            raise CheckpointError(f"missing tensor {full} (expected shape {list(shape)} {dtype})")
-        t = tensors[suffix]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"tensor {full} has shape {list(t.shape)}, expected {list(shape)}")
-        if t.dtype != dtype:
-            raise CheckpointError(f"tensor {full} has dtype {t.dtype}, expected {dtype}")
-    ch = tensors[BF16_CHANNELS].long()
-    if ch.numel():
-        if int(ch.min()) < 0 or int(ch.max()) >= in_features:
-            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} has indices outside [0, {in_features})")
-        if ch.numel() > 1 and not bool((ch[1:] > ch[:-1]).all()):
-            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} must be strictly increasing")
-    for suffix in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE):
-        v = tensors[suffix].float()
-        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
-            raise CheckpointError(f"tensor {name}.{suffix} must be finite and > 0, got {v.tolist()}")
-    if not bool(torch.isfinite(tensors[WEIGHT_BF16].float()).all()):
-        raise CheckpointError(f"tensor {name}.{WEIGHT_BF16} holds NaN/Inf")
-
-
 def parse_channel_budget(spec: str | int, in_features: int, layer: str = "layer") -> int:
     """Turn ``--channels`` (``"128"``, ``128`` or ``"2%"``) into k for a layer with K=in_features.
 
@@ -256,9 +212,41 @@ def decode_module(
     k: int,
     local_in_features: int | None = None,
 ) -> QuantizedWeight:
-    """Validate one module's tensors (suffix -> tensor, :func:`validate_module_tensors`) and wrap
-    them as a :class:`~foursight.layer.QuantizedWeight` (``weight_global_scale`` as float32)."""
-    validate_module_tensors(name, tensors, out_features, in_features, k, local_in_features)
+    """Check one module's tensors and wrap them as a :class:`~foursight.layer.QuantizedWeight`
+    (``weight_global_scale`` as float32).
+
+    Args:
+        name: module prefix, e.g. ``model.layers.0.self_attn.q_proj``.
+        tensors: suffix -> tensor, as read from the checkpoint.
+        out_features, in_features: the dense weight's shape [N, K].
+        k: expected number of BF16 channels.
+        local_in_features: K of the packed weight and block scales when they are one
+            tensor-parallel rank's column shard (the channel indices stay global).
+    Raises:
+        CheckpointError naming the tensor (``<name>.<suffix>``) that is missing, mis-shaped,
+        of the wrong dtype, or holds invalid values.
+    """
+    for suffix, (shape, dtype) in expected_shapes(out_features, in_features, k, name, local_in_features).items():
+        full = f"{name}.{suffix}"
+        if suffix not in tensors:
+            raise CheckpointError(f"missing tensor {full} (expected shape {list(shape)} {dtype})")
+        t = tensors[suffix]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {full} has shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype != dtype:
+            raise CheckpointError(f"tensor {full} has dtype {t.dtype}, expected {dtype}")
+    ch = tensors[BF16_CHANNELS].long()
+    if ch.numel():
+        if int(ch.min()) < 0 or int(ch.max()) >= in_features:
+            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} has indices outside [0, {in_features})")
+        if ch.numel() > 1 and not bool((ch[1:] > ch[:-1]).all()):
+            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} must be strictly increasing")
+    for suffix in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE):
+        v = tensors[suffix].float()
+        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+            raise CheckpointError(f"tensor {name}.{suffix} must be finite and > 0, got {v.tolist()}")
+    if not bool(torch.isfinite(tensors[WEIGHT_BF16].float()).all()):
+        raise CheckpointError(f"tensor {name}.{WEIGHT_BF16} holds NaN/Inf")
     return QuantizedWeight(
         weight_packed=tensors[WEIGHT_PACKED],
         weight_scale=tensors[WEIGHT_SCALE],
