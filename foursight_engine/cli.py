@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from foursight.cli_util import fail, guarded
-from foursight.compare import compare_command
+from foursight.compare.cli import compare_command
 from foursight.models import DEFAULT_MODEL
-from foursight.rl import rl_command
+from foursight.rl.cli import rl_command
 from foursight.trainer_bridge.cli import app as bridge_app
 
 app = typer.Typer(help="FourSight: NVFP4 rollouts with sparse BF16 channel compensation and TIM-aware filtering.",

@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 import torch
 
 from foursight.layer import quantize_weight
-from foursight.quant_methods.core import WEIGHT, LayerPlan, layer_params
+from foursight.quant_methods.plan import WEIGHT, LayerPlan, layer_params
 from foursight.schema import CheckpointError, encode_module
 
 

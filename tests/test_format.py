@@ -116,7 +116,8 @@ def test_one_calibration_gives_one_static_scale_both_ways(tiny_llama_dir, tmp_pa
     from foursight.channels_file import calibrate_channels
     from foursight.checkpoint import quantize_model
     from foursight.hf import load_reference_model
-    from foursight.quant_methods.core import LayerPlan, OnlineSettings, apply_linear
+    from foursight.quant_methods.online import OnlineSettings
+    from foursight.quant_methods.plan import LayerPlan, apply_linear
     from transformers import AutoModelForCausalLM
 
     ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", activation_scale="static", progress=False).out_dir

@@ -1,4 +1,4 @@
-"""The RL experiment (foursight.rl / foursight.rl_tasks): GRPO numerics against hand values,
+"""The RL experiment (foursight.rl, foursight.rl.tasks): GRPO numerics against hand values,
 weight sync against the shared quantizer, engine logprobs against teacher forcing, tasks, and
 short end-to-end runs on the tiny model (HF engine; the vLLM CPU engine under the ``vllm`` mark)."""
 
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from foursight import rl_tasks
+from foursight.rl import tasks as rl_tasks
 from foursight.rl import (
     HFRollout,
     RLConfig,

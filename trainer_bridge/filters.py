@@ -1,6 +1,6 @@
 """TIM-aware sequence filters: exclude drifted sequences from the policy loss.
 
-Four policies decide which sequences to keep (inputs [B, T] as in :mod:`.metrics`):
+Four policies decide which sequences to keep, and ``none`` keeps all (inputs [B, T] as in :mod:`.metrics`):
 
 * ``max_token``  — drop a sequence if any valid token has |r| > τ.
 * ``tail_count`` — drop a sequence if more than ``n`` valid tokens have |r| > τ.

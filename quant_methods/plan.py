@@ -1,7 +1,8 @@
-"""Engine-agnostic adapter core shared by the vLLM and SGLang integrations.
+"""The per-layer plan shared by the vLLM and SGLang adapters: parameters, loaders, processing, forward.
 
-Nothing here imports an engine. An engine adapter (``vllm_method.py``, ``sglang_method.py``)
-does four thin things and calls this module for everything else:
+Nothing here imports an engine. An engine adapter (``vllm_method.py``, ``sglang_method.py``, both
+built on :class:`foursight.quant_methods.config.FourSightMethodConfig`) does four thin things and
+calls this module for everything else:
 
 1. **create_weights**: build a :class:`LayerPlan` (``LayerPlan.for_layer``), then for each
    :class:`ParamSpec` of ``plan.param_specs(params_dtype)`` register a parameter of that shape /
@@ -65,16 +66,16 @@ Tensor parallelism:
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from foursight.calibration import select_channels
 from foursight.dispatch import PreparedLinear, prepare_linear
 from foursight.layer import QuantizedWeight, check_channels, quantize_weight
-from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
+from foursight.nvfp4 import BLOCK_SIZE, global_scale_from_amax
+from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings, _warned_fallback, weight_based_channels
+from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_index, shard_names
 from foursight.schema import (
     BF16_CHANNELS,
     INPUT_GLOBAL_SCALE,
@@ -82,7 +83,6 @@ from foursight.schema import (
     WEIGHT_GLOBAL_SCALE,
     WEIGHT_PACKED,
     WEIGHT_SCALE,
-    ChannelsFile,
     CheckpointError,
     FourSightConfig,
     decode_module,
@@ -94,246 +94,7 @@ logger = logging.getLogger("foursight.quant_methods")
 #: Name of the BF16 weight parameter in online mode (the HF name, so ``load_weights`` finds it).
 WEIGHT = "weight"
 
-#: Environment variables read by the online path (every engine process inherits them).
-ENV_CHANNELS_FILE = "FOURSIGHT_CHANNELS_FILE"
-ENV_CHANNEL_BUDGET = "FOURSIGHT_CHANNEL_BUDGET"
-ENV_ACTIVATION_DTYPE = "FOURSIGHT_ACTIVATION_DTYPE"
-ENV_ACTIVATION_SCALE = "FOURSIGHT_ACTIVATION_SCALE"
-ENV_IGNORE = "FOURSIGHT_IGNORE"
-#: Budget used when neither a channels file nor ``FOURSIGHT_CHANNEL_BUDGET`` is given.
-DEFAULT_ONLINE_BUDGET = "2%"
-
 LoadMode = Literal["checkpoint", "online"]
-
-# vLLM / SGLang shard ids of fused layers.
-_QKV_IDS = {"q": 0, "k": 1, "v": 2}
-
-
-# ---------------------------------------------------------------------------------------------
-# small helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def shard_index(shard_id: Any, num_shards: int, layer: str = "layer") -> int:
-    """Map an engine shard id (``None``, ``"q"``/``"k"``/``"v"``, or an int) to 0..num_shards-1."""
-    if shard_id is None:
-        idx = 0
-    elif isinstance(shard_id, str):
-        if shard_id not in _QKV_IDS:
-            raise CheckpointError(f"{layer}: unknown shard id {shard_id!r}")
-        idx = _QKV_IDS[shard_id]
-    elif isinstance(shard_id, int):
-        idx = shard_id
-    else:
-        raise CheckpointError(f"{layer}: unsupported shard id {shard_id!r} (already-fused tensors on disk are not supported)")
-    if not 0 <= idx < num_shards:
-        raise CheckpointError(f"{layer}: shard id {shard_id!r} out of range for {num_shards} shard(s)")
-    return idx
-
-
-def shard_names(prefix: str, packed_modules_mapping: dict[str, list[str]] | None) -> list[str]:
-    """Checkpoint module names of the shards of engine layer ``prefix``.
-
-    ``model.layers.0.self_attn.qkv_proj`` with ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``
-    gives ``[model.layers.0.self_attn.q_proj, ...k_proj, ...v_proj]``; an unfused layer gives
-    ``[prefix]``.
-    """
-    parent, _, last = prefix.rpartition(".")
-    mapping = packed_modules_mapping or {}
-    if last in mapping:
-        return [f"{parent}.{s}" if parent else s for s in mapping[last]]
-    return [prefix]
-
-
-def localize_channels(channels: torch.Tensor, k_start: int, k_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Restrict a global channel set to one K shard and re-index it locally.
-
-    Args:
-        channels: int [k] sorted global indices in [0, K).
-        k_start: first global column of this rank's K shard.
-        k_local: width of the shard.
-    Returns:
-        ``(local, keep)``: int32 [k_r] local indices in [0, k_local) (sorted), and int64 [k_r]
-        positions in ``channels`` of the kept entries (to select columns of ``weight_bf16``).
-    """
-    ch = channels.to(torch.int64).reshape(-1)
-    mask = (ch >= k_start) & (ch < k_start + k_local)
-    keep = torch.nonzero(mask, as_tuple=False).reshape(-1)
-    return (ch[keep] - k_start).to(torch.int32), keep
-
-
-def shard_quantized_weight(qw: QuantizedWeight, tp_rank: int, tp_size: int, dim: Literal["N", "K"]) -> QuantizedWeight:
-    """The part of an unsharded layer that TP rank ``tp_rank`` of ``tp_size`` holds.
-
-    ``dim="N"`` (column parallel): rows ``[r*N/tp, (r+1)*N/tp)`` of every [N, ...] tensor, all
-    channels, per-row global scales sliced (a [1] scale stays shared).
-    ``dim="K"`` (row parallel): columns of the packed weight and block scales of the K shard,
-    the BF16 channels inside that shard re-indexed locally (:func:`localize_channels`), the
-    global scale unchanged (shared). This is the same slicing the engines' loaders plus
-    :meth:`LayerPlan.process` perform; it exists to test them against the unsharded reference.
-    """
-    n, k_dim = qw.out_features, qw.in_features
-    if dim == "N":
-        if n % tp_size:
-            raise NVFP4Error(f"N={n} not divisible by tp_size={tp_size}")
-        step = n // tp_size
-        rows = slice(tp_rank * step, (tp_rank + 1) * step)
-        gs = qw.weight_global_scale
-        gs = gs if gs.numel() == 1 else gs.reshape(-1)[rows]
-        return QuantizedWeight(qw.weight_packed[rows], qw.weight_scale[rows], gs, qw.bf16_channels, qw.weight_bf16[rows])
-    if k_dim % (tp_size * BLOCK_SIZE):
-        raise NVFP4Error(f"K={k_dim} not divisible into {tp_size} shards of whole {BLOCK_SIZE}-blocks")
-    kl = k_dim // tp_size
-    k0 = tp_rank * kl
-    local, keep = localize_channels(qw.bf16_channels, k0, kl)
-    return QuantizedWeight(
-        qw.weight_packed[:, k0 // 2 : (k0 + kl) // 2].contiguous(),
-        qw.weight_scale[:, k0 // BLOCK_SIZE : (k0 + kl) // BLOCK_SIZE].contiguous(),
-        qw.weight_global_scale,
-        local,
-        qw.weight_bf16[:, keep].contiguous(),
-    )
-
-
-def concat_shards(parts: Sequence[QuantizedWeight], layer: str = "layer") -> QuantizedWeight:
-    """Fuse shards (q/k/v or gate/up) of one input into one layer along N.
-
-    Each part's global scale ([1] or [rows]) becomes a per-row vector, so every shard keeps its
-    own scale: the result has ``weight_global_scale`` float32 [sum N] (or [1] if a single part
-    with a [1] scale). All parts must have identical ``bf16_channels`` (same input).
-    """
-    if not parts:
-        raise CheckpointError(f"{layer}: no shards")
-    ch0 = parts[0].bf16_channels
-    for i, p in enumerate(parts[1:], 1):
-        if p.bf16_channels.shape != ch0.shape or not torch.equal(p.bf16_channels.cpu(), ch0.cpu()):
-            raise CheckpointError(
-                f"{layer}: bf16_channels differ between fused shards 0 and {i} "
-                f"({ch0.tolist()[:8]}... vs {p.bf16_channels.tolist()[:8]}...); shards that share an input must share S"
-            )
-    if len(parts) == 1:
-        return parts[0]
-    gs = torch.cat([p.weight_global_scale.float().reshape(-1).expand(p.out_features) if p.weight_global_scale.numel() == 1 else p.weight_global_scale.float().reshape(-1) for p in parts])
-    return QuantizedWeight(
-        torch.cat([p.weight_packed for p in parts]),
-        torch.cat([p.weight_scale for p in parts]),
-        gs.contiguous(),
-        ch0,
-        torch.cat([p.weight_bf16 for p in parts]),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# tensor parallel context (engine supplies the collectives)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TPContext:
-    """The engine's tensor-parallel group as seen by the core.
-
-    Attributes:
-        rank, size: this rank and the TP world size (0, 1 without TP).
-        all_reduce_max: in-place max all-reduce over the TP group of a float32 tensor
-            (only called when size > 1).
-        all_gather_cat: concatenation along dim 0 of a tensor from every rank, in rank order
-            (only called when size > 1).
-    """
-
-    rank: int = 0
-    size: int = 1
-    all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
-    all_gather_cat: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 or self.all_reduce_max is None:
-            return t
-        return self.all_reduce_max(t)
-
-    def gather_cat(self, t: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 or self.all_gather_cat is None:
-            return t
-        return self.all_gather_cat(t)
-
-
-# ---------------------------------------------------------------------------------------------
-# online quantization settings: channels file, budget, fallback
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class OnlineSettings:
-    """How BF16 weights are quantized at load (``--quantization foursight`` on a BF16 model).
-
-    Attributes:
-        channels_file: parsed channels file, or None (weight-based fallback).
-        budget: ``--channels``-style budget ("32" or "2%") for the fallback.
-        act_quant: W4A4 (True) or W4A16 (False).
-        static_act_scale: use ``input_amax`` of the channels file as a static activation scale.
-        ignore: module names / suffixes / ``re:`` patterns left unquantized.
-    """
-
-    channels_file: ChannelsFile | None = None
-    budget: str = DEFAULT_ONLINE_BUDGET
-    act_quant: bool = True
-    static_act_scale: bool = False
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-
-    @classmethod
-    def from_env(cls, channels_file: str | None = None) -> "OnlineSettings":
-        """Settings from the ``FOURSIGHT_*`` environment variables (an explicit path wins)."""
-        path = channels_file or os.environ.get(ENV_CHANNELS_FILE) or None
-        cf = ChannelsFile.read(path) if path else None
-        act = os.environ.get(ENV_ACTIVATION_DTYPE, "nvfp4")
-        if act not in ("nvfp4", "bf16"):
-            raise CheckpointError(f"{ENV_ACTIVATION_DTYPE}={act!r}: expected 'nvfp4' or 'bf16'")
-        sc = os.environ.get(ENV_ACTIVATION_SCALE, "dynamic")
-        if sc not in ("dynamic", "static"):
-            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}={sc!r}: expected 'dynamic' or 'static'")
-        if sc == "static" and (cf is None or not cf.input_amax):
-            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}=static needs a channels file with 'input_amax' (format_version 2, from `foursight calibrate`)")
-        ignore = [s for s in os.environ.get(ENV_IGNORE, "lm_head").split(",") if s]
-        budget = os.environ.get(ENV_CHANNEL_BUDGET, DEFAULT_ONLINE_BUDGET)
-        return cls(cf, budget, act == "nvfp4", sc == "static", ignore)
-
-    def as_config(self) -> FourSightConfig:
-        """A :class:`FourSightConfig` describing these settings (``channels`` filled lazily)."""
-        return FourSightConfig(
-            activation_dtype="nvfp4" if self.act_quant else "bf16",
-            activation_scale="static" if self.static_act_scale else "dynamic",
-            ignore=list(self.ignore),
-            channel_selection="calibration" if self.channels_file else "weight",
-            channel_budget=self.budget,
-        )
-
-
-_warned_fallback: set[str] = set()
-
-
-def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | None = None, k_split: bool = False) -> torch.Tensor:
-    """Fallback channel selection from the weight alone: the k input channels with the largest
-    column amax ``max_n |W[n, c]|``.
-
-    Args:
-        weight_rows: [N_loc, K_loc] the (local part of the) fused weight of all shards.
-        k: number of channels.
-        tp: TP context. Column-parallel (``k_split=False``): the column amax is max-reduced over
-            ranks. Row-parallel (``k_split=True``): each rank's K slice is gathered.
-        k_split: whether this layer's K is split across ranks.
-    Returns:
-        int32 [k] sorted global channel indices (ties broken by the lower index).
-    """
-    tp = tp or TPContext()
-    score = weight_rows.float().abs().amax(dim=0)  # [K_loc]
-    if tp.size > 1:
-        score = tp.gather_cat(score.contiguous()) if k_split else tp.reduce_max(score.contiguous())
-    # same ranking as the offline fallback (foursight.calibration.weight_based_channels)
-    return select_channels(score.cpu(), k)
-
-
-# ---------------------------------------------------------------------------------------------
-# the per-layer plan
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -502,6 +263,10 @@ class LayerPlan:
     def init_value(self, spec: ParamSpec) -> float:
         """Fill value for a fresh parameter (scales 1.0 so an unloaded layer is still finite)."""
         return 1.0 if spec.name in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE) else 0.0
+
+    def initial_tensor(self, spec: ParamSpec) -> torch.Tensor:
+        """A fresh tensor for ``spec`` filled with :meth:`init_value`, for the engine to wrap as a parameter."""
+        return torch.full(spec.shape, self.init_value(spec), dtype=torch.float32).to(spec.dtype)
 
     def tensor_name(self, suffix: str, shard: int | None) -> str:
         """Checkpoint name of a tensor of this layer, e.g. ``model.layers.0.self_attn.k_proj.weight_scale``."""
