@@ -210,13 +210,9 @@ class StatsCollector:
             grp._row_chunks.append(flat[idx].to(torch.bfloat16).cpu())
 
 
-def load_calibration_texts(path: str | Path | None) -> list[str]:
-    """Texts from a JSONL file (``{"text": ...}`` or ``{"messages": [...]}`` per line), or the built-ins."""
-    from foursight.models import builtin_texts
-
-    if path is None:
-        return builtin_texts()
-    texts: list[str] = []
+def read_jsonl(path: str | Path):
+    """``(line number, object)`` of each non-blank line of a JSONL file; ValueError names ``path:line``
+    for invalid JSON or a line that is not an object."""
     for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -224,9 +220,22 @@ def load_calibration_texts(path: str | Path | None) -> list[str]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object")
+        yield i, rec
+
+
+def load_calibration_texts(path: str | Path | None) -> list[str]:
+    """Texts from a JSONL file (``{"text": ...}`` or ``{"messages": [...]}`` per line), or the built-ins."""
+    from foursight.models import builtin_texts
+
+    if path is None:
+        return builtin_texts()
+    texts: list[str] = []
+    for i, rec in read_jsonl(path):
+        if isinstance(rec.get("text"), str):
             texts.append(rec["text"])
-        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        elif isinstance(rec.get("messages"), list):
             texts.append("\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in rec["messages"]))
         else:
             raise ValueError(f"{path}:{i}: expected an object with a 'text' string or a 'messages' list")

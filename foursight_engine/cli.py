@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from foursight.cli_util import fail, guarded
+from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption, fail, guarded
 from foursight.compare.cli import compare_command
 from foursight.models import DEFAULT_MODEL
 from foursight.rl.cli import rl_command
@@ -82,11 +82,11 @@ def layer_table(layers, title: str = "Relative output error on calibration activ
 @app.command()
 @guarded
 def quantize(
-    model: Optional[str] = typer.Option(None, help=f"BF16 HF model folder (default: packaged {DEFAULT_MODEL})."),
+    model: ModelOption = None,
     out: Path = typer.Option(Path("out/smollm2-foursight"), help="Checkpoint folder to write."),
-    channels: str = typer.Option("32", help="BF16 channels per input: a count (e.g. 128) or a percentage of K (e.g. 2%). 0 = plain NVFP4."),
-    calib: Optional[Path] = typer.Option(None, help="Calibration JSONL ({'text': ...} per line); default: built-in texts."),
-    ignore: list[str] = typer.Option(["lm_head"], help="Modules kept unquantized (name, suffix or re:<regex>); repeatable."),
+    channels: ChannelsOption = DEFAULT_CHANNELS,
+    calib: CalibOption = None,
+    ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
     error_target: Optional[float] = typer.Option(None, help="Per-layer budget: smallest k (0,16,32,...) with relative output error <= this."),
     max_k: Optional[int] = typer.Option(None, help="Cap on k for --error-target."),
     activations: str = typer.Option("nvfp4", help="nvfp4 (W4A4) or bf16 (W4A16)."),
@@ -121,11 +121,11 @@ def markdown_layer_table(layers) -> str:
 @app.command()
 @guarded
 def calibrate(
-    model: Optional[str] = typer.Option(None, help=f"BF16 HF model folder (default: packaged {DEFAULT_MODEL})."),
+    model: ModelOption = None,
     out: Path = typer.Option(Path("foursight_channels.json"), help="Channels file to write (for online quantization)."),
-    channels: str = typer.Option("32", help="BF16 channels per input (count or percentage)."),
-    calib: Optional[Path] = typer.Option(None, help="Calibration JSONL; default: built-in texts."),
-    ignore: list[str] = typer.Option(["lm_head"]),
+    channels: ChannelsOption = DEFAULT_CHANNELS,
+    calib: CalibOption = None,
+    ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
 ):
     """Collect activation statistics and write a channels file for online (load-time) quantization."""
     from foursight.channels_file import calibrate_channels

@@ -51,6 +51,14 @@ def test_channels_has_one_default():
     assert set(seen.values()) == {"32"}, seen
 
 
+def test_shared_flags_mean_one_thing():
+    """--model, --channels, --calib and --ignore have one help text (one declaration) in every verb."""
+    verbs = ("quantize", "calibrate", "compare", "rl")  # bridge serve's --model is the model the HF engine serves
+    for flag in ("--model", "--channels", "--calib", "--ignore"):
+        helps = {path: p.help for path, cmd in _commands().items() if path in verbs for p in cmd.params if flag in getattr(p, "opts", ())}
+        assert len(helps) >= 2 and len(set(helps.values())) == 1, (flag, helps)
+
+
 def test_tail_threshold_default_is_the_filters():
     from foursight.trainer_bridge.filters import FilterConfig
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
@@ -68,7 +76,7 @@ def test_rl_options_match_rlconfig():
     assert set(params) == set(fields), set(params) ^ set(fields)
     for name, default in params.items():
         want = fields[name]
-        assert default == (0.0 if want is None else want), (name, default, want)
+        assert default == want or (want is None and default == 0.0), (name, default, want)  # 0 means "off" for numbers
 
 
 def test_one_error_style(tmp_path):

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from foursight.cli_util import guarded
+from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption, guarded
 from foursight.compare.run import run_compare
 from foursight.compare.spec import CompareError, parse_engines
 from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
@@ -16,7 +16,7 @@ from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
 
 @guarded
 def compare_command(
-    model: Optional[str] = typer.Option(None, "--model", help="BF16 HF model folder (default: the packaged SmolLM2-135M-Instruct)."),
+    model: ModelOption = None,
     engines: str = typer.Option("hf:bf16,vllm:bf16,vllm:foursight,vllm:nvfp4", "--engines",
                                 help="Comma list of KIND:PRECISION (KIND hf|vllm|sglang, PRECISION bf16|foursight|nvfp4)."),
     prompts: str = typer.Option("builtin", "--prompts", help="Prompt source: 'builtin' or a JSONL file (prompt/text or messages per line)."),
@@ -24,7 +24,7 @@ def compare_command(
     max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Completion length cap."),
     out: Path = typer.Option(Path("report"), "--out", help="Report folder (report.md, metrics.json, plots)."),
     generator: Optional[str] = typer.Option(None, "--generator", help="KIND:PRECISION that samples the rollouts (default: the first of --engines)."),
-    channels: str = typer.Option("32", "--channels", help="BF16 channels per input of the FourSight checkpoint: a count or a percentage of K."),
+    channels: ChannelsOption = DEFAULT_CHANNELS,
     temperature: float = typer.Option(1.0, "--temperature", min=0.0),
     seed: int = typer.Option(0, "--seed", help="Rollout i is sampled with seed + i."),
     engine_url: Optional[list[str]] = typer.Option(None, "--engine-url", help="KIND:PRECISION=URL of a running server (repeatable)."),

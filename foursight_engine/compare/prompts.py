@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
+from foursight.calibration import read_jsonl
 from foursight.compare.spec import CompareError
 
 BUILTIN_PROMPTS = [
@@ -33,13 +31,11 @@ def load_prompts(source: str, n: int, tokenizer) -> list[list[int]]:
         convs = [[{"role": "user", "content": p}] for p in BUILTIN_PROMPTS]
     else:
         convs = []
-        for i, line in enumerate(Path(source).read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CompareError(f"--prompts {source}:{i}: invalid JSON ({e.msg})") from None
+        try:
+            records = list(read_jsonl(source))
+        except ValueError as e:
+            raise CompareError(f"--prompts {e}") from None
+        for i, rec in records:
             if isinstance(rec.get("messages"), list):
                 convs.append(rec["messages"])
             elif isinstance(rec.get("prompt", rec.get("text")), str):

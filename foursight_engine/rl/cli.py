@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from foursight.cli_util import guarded
+from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption, guarded
 from foursight.rl import tasks as rl_tasks
 from foursight.rl.config import RLConfig
 from foursight.rl.loop import run_rl
@@ -12,7 +12,7 @@ from foursight.rl.loop import run_rl
 
 @guarded
 def rl_command(
-    model: str = typer.Option("smollm2-135m", "--model", help="BF16 HF folder, or 'smollm2-135m' (packaged)"),
+    model: ModelOption = None,
     task: str = typer.Option("add", "--task", help=f"one of {sorted(rl_tasks.TASKS)}"),
     rollout_precision: str = typer.Option("foursight", "--rollout-precision", help="bf16 | nvfp4 (k=0) | foursight"),
     filter: str = typer.Option("none", "--filter", help="none | max_token | tail_count | geo_mean | quantile"),
@@ -24,7 +24,7 @@ def rl_command(
     lr: float = typer.Option(2e-5, "--lr"),
     clip_eps: float = typer.Option(0.2, "--clip-eps"),
     kl_coef: float = typer.Option(0.0, "--kl-coef"),
-    channels: str = typer.Option("32", "--channels", help="BF16 channels per input for foursight: a count or a percentage of K."),
+    channels: ChannelsOption = DEFAULT_CHANNELS,
     eval_every: int = typer.Option(10, "--eval-every"),
     eval_size: int = typer.Option(128, "--eval-size"),
     seed: int = typer.Option(0, "--seed"),

@@ -23,7 +23,7 @@ class RLError(ValueError):
 class RLConfig:
     """Options of one RL run (the CLI flags of ``foursight rl``)."""
 
-    model: str = "smollm2-135m"
+    model: str | None = None  # None: the packaged SmolLM2-135M-Instruct
     task: str = "add"
     rollout_precision: str = "foursight"
     filter: str = "none"
