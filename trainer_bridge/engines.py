@@ -441,13 +441,18 @@ class HFEngine(Engine):
         return await asyncio.to_thread(self.score_sync, prompt_ids, token_ids)
 
     def update_weights_sync(self, path: str, version: int) -> dict[str, Any]:
-        """Load BF16 tensors (HF names); all are checked before any is applied."""
+        """Load the BF16 tensors (HF names) of a safetensors file or folder (:meth:`load_tensors_sync`)."""
+        return self.load_tensors_sync(read_safetensors(path), version)
+
+    def load_tensors_sync(self, tensors: dict[str, Any], version: int) -> dict[str, Any]:
+        """The one HF weight sync: copy tensors (HF names) into the model; a FourSight layer's
+        ``weight`` is re-quantized with its channel set (``FourSightLinear.set_weight``). All are
+        checked (name, shape, finiteness of re-quantized weights) before any is applied."""
         import torch
 
         from foursight.hf import FourSightLinear
 
         t0 = time.monotonic()
-        tensors = read_safetensors(path)
         modules = dict(self.model.named_modules())
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())

@@ -58,9 +58,8 @@ def calibrate_channel_sets(model: nn.Module, tok, texts: list[str], spec: str, i
 class HFRollout:
     """In-process rollout engine: a copy of the learner, quantized (NVFP4 k=0 or FourSight) or BF16.
 
-    ``sync="inproc"`` re-quantizes each layer from the learner's tensors with
-    ``FourSightLinear.set_weight``; ``sync="file"`` writes a BF16 safetensors file and applies it
-    through the bridge's :meth:`foursight.trainer_bridge.engines.HFEngine.update_weights_sync`.
+    Weights are synced through the bridge's HF engine (:meth:`foursight.trainer_bridge.engines.HFEngine.load_tensors_sync`):
+    ``sync="inproc"`` hands it the learner's tensors, ``sync="file"`` a BF16 safetensors file.
     """
 
     def __init__(self, learner: nn.Module, tok, precision: str, channels: dict[str, torch.Tensor] | None,
@@ -80,41 +79,27 @@ class HFRollout:
         self.last_update: dict[str, Any] = {}
 
     def sync(self, learner: nn.Module, version: int) -> dict[str, Any]:
-        """Push the learner's weights (cast to BF16) into the engine; re-quantize FourSight layers."""
-        from foursight.hf import FourSightLinear
+        """Push the learner's weights (cast to BF16) into the engine and re-quantize its FourSight
+        layers, through the bridge's HF weight sync (:meth:`HFEngine.load_tensors_sync`): from the
+        tensors directly (``inproc``) or from a safetensors file (``file``)."""
+        from foursight.trainer_bridge.engines import EngineError, HFEngine
 
         t0 = time.perf_counter()
-        if self.sync_mode == "file":
-            from safetensors.torch import save_file
+        if self._engine is None:
+            self._engine = HFEngine(model=self.model)
+        sd = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in learner.named_parameters()}
+        try:
+            if self.sync_mode == "file":
+                from safetensors.torch import save_file
 
-            from foursight.trainer_bridge.engines import HFEngine
-
-            if self._engine is None:
-                self._engine = HFEngine(model=self.model)
-            sd = {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in learner.named_parameters()}
-            with tempfile.TemporaryDirectory(prefix="foursight-rl-") as d:
-                path = str(Path(d) / "model.safetensors")
-                save_file(sd, path)
-                info = self._engine.update_weights_sync(path, version)
-        else:
-            mods = dict(self.model.named_modules())
-            params = dict(self.model.named_parameters())
-            n_req = 0
-            with torch.no_grad():
-                for name, p in learner.named_parameters():
-                    prefix, _, leaf = name.rpartition(".")
-                    mod = mods.get(prefix)
-                    if isinstance(mod, FourSightLinear):
-                        if leaf == "weight":
-                            mod.set_weight(p.detach().to(torch.bfloat16))
-                            n_req += 1
-                        else:
-                            getattr(mod, leaf).copy_(p.detach())
-                    elif name in params:
-                        params[name].copy_(p.detach())
-                    else:
-                        raise RLError(f"learner parameter {name} has no counterpart in the rollout engine")
-            info = {"requantized_layers": n_req}
+                with tempfile.TemporaryDirectory(prefix="foursight-rl-") as d:
+                    path = str(Path(d) / "model.safetensors")
+                    save_file({n: t.cpu() for n, t in sd.items()}, path)
+                    info = self._engine.update_weights_sync(path, version)
+            else:
+                info = self._engine.load_tensors_sync(sd, version)
+        except EngineError as e:
+            raise RLError(f"weight sync: {e}") from None
         self.version = version
         info["sync_s"] = time.perf_counter() - t0
         self.last_update = info
