@@ -49,7 +49,8 @@ PY
 M=$(ls -d /tmp/fscache/models/smollm2-135m-instruct-bf16)
 BUDGET=${RL_TIME_BUDGET:-240}
 COMMON="--model $M --task add --steps ${RL_STEPS:-200} --prompts-per-step 8 --group-size 8 --max-new-tokens 12 --lr 2e-5 --eval-every 10 --eval-size 128 --seed 0 --channels 2% --time-budget $BUDGET"
-run() { python3 -m foursight.rl $COMMON --rollout-precision $2 --filter $3 --out $OUT/$1.jsonl > $OUT/$1.log 2>&1 & }
+# the `foursight` console script is not installed here (PYTHONPATH import root): call its entry function
+run() { python3 -c "from foursight.cli import main; main()" rl $COMMON --rollout-precision $2 --filter $3 --out $OUT/$1.jsonl > $OUT/$1.log 2>&1 & }
 run bf16 bf16 none
 run nvfp4 nvfp4 none
 run foursight foursight max_token

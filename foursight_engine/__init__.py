@@ -1,13 +1,17 @@
 """FourSight: NVFP4 (W4A4) rollouts with sparse BF16 channel compensation and TIM-aware filtering.
 
-Sub-modules:
-    nvfp4       NVFP4 numerics (quantize, dequantize, pack) bit-compatible with compressed-tensors
-    layer       the compensated linear layer and its PyTorch reference forward
-    schema      checkpoint tensor names, config schema and validation (the single source of truth)
-    calibration per-channel activation statistics and channel selection
-    checkpoint  writing and reading FourSight checkpoints
-    models      the packaged SmolLM2 model and tiny random test models
-    cli         the ``foursight`` command
+Sub-modules (docs/architecture.md has the layers and the data flows):
+    nvfp4          NVFP4 numerics (quantize, dequantize, pack) bit-compatible with compressed-tensors
+    layer          the compensated linear layer and its PyTorch reference forward (the oracle)
+    schema         the format: tensor names, config schema, the codec, the channels file
+    dispatch       which backend (PyTorch reference, Triton kernels) runs a layer, chosen once
+    calibration    per-channel activation statistics and channel selection
+    checkpoint     writing and reading FourSight checkpoints
+    channels_file  ``foursight calibrate``: a channels file without quantizing
+    hf             FourSight layers inside Hugging Face models (the reference model)
+    models         the packaged SmolLM2 model and tiny random test models
+    cli, cli_util  the ``foursight`` command
+    compare, rl    the ``foursight compare`` and ``foursight rl`` applications
 """
 
 __version__ = "0.1.0"

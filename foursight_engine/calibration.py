@@ -70,6 +70,15 @@ class ChannelStats:
         """Return the statistics after also seeing rows ``x`` [R, K]."""
         return self.merge(ChannelStats.from_rows(x))
 
+    def fp4_amax(self, channels: torch.Tensor) -> float:
+        """max |x| over the channels *not* in ``channels``: the amax of the FP4 part of the input,
+        from which a static ``input_global_scale`` is made (the BF16 channels are zeroed before
+        quantization, :func:`foursight.layer.quantize_activation`)."""
+        rest = self.amax.clone()
+        if channels.numel():
+            rest[channels.long()] = 0
+        return float(rest.amax()) if rest.numel() else 0.0
+
     @property
     def variance(self) -> torch.Tensor:
         """Population variance per channel, float64 [K] (zeros before any row is seen)."""
@@ -201,13 +210,9 @@ class StatsCollector:
             grp._row_chunks.append(flat[idx].to(torch.bfloat16).cpu())
 
 
-def load_calibration_texts(path: str | Path | None) -> list[str]:
-    """Texts from a JSONL file (``{"text": ...}`` or ``{"messages": [...]}`` per line), or the built-ins."""
-    from foursight.models import builtin_texts
-
-    if path is None:
-        return builtin_texts()
-    texts: list[str] = []
+def read_jsonl(path: str | Path):
+    """``(line number, object)`` of each non-blank line of a JSONL file; ValueError names ``path:line``
+    for invalid JSON or a line that is not an object."""
     for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -215,9 +220,22 @@ def load_calibration_texts(path: str | Path | None) -> list[str]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object")
+        yield i, rec
+
+
+def load_calibration_texts(path: str | Path | None) -> list[str]:
+    """Texts from a JSONL file (``{"text": ...}`` or ``{"messages": [...]}`` per line), or the built-ins."""
+    from foursight.models import builtin_texts
+
+    if path is None:
+        return builtin_texts()
+    texts: list[str] = []
+    for i, rec in read_jsonl(path):
+        if isinstance(rec.get("text"), str):
             texts.append(rec["text"])
-        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        elif isinstance(rec.get("messages"), list):
             texts.append("\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in rec["messages"]))
         else:
             raise ValueError(f"{path}:{i}: expected an object with a 'text' string or a 'messages' list")

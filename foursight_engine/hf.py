@@ -2,8 +2,8 @@
 in-memory quantization of a BF16 model, and restoring layers to BF16.
 
 The HF model with :class:`FourSightLinear` modules swapped in is the reference every engine
-adapter is compared with (teacher-forced logprobs), and the "HF engine" used on the GPU, where
-``foursight_linear`` runs the Triton SpliceGEMM kernels.
+adapter is compared with (teacher-forced logprobs), and the "HF engine" of the bridge; on CUDA
+its layers run the Triton SpliceGEMM kernels (:mod:`foursight.dispatch`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from foursight import schema
-from foursight.checkpoint import load_quantized_tensors, load_quantized_weight
-from foursight.layer import QuantizedWeight, foursight_linear, prepare_weight, quantize_weight
+from foursight.checkpoint import load_quantized_tensors
+from foursight.dispatch import prepare_linear
+from foursight.layer import QuantizedWeight, quantize_weight
 from foursight.schema import CheckpointError, FourSightConfig
 
 
@@ -24,7 +25,8 @@ class FourSightLinear(nn.Module):
     """Drop-in replacement for ``nn.Linear`` computing the compensated layer.
 
     Holds the :class:`QuantizedWeight` tensors as buffers and their execution form
-    (:func:`foursight.layer.prepare_weight`), rebuilt by :meth:`refresh` after any change.
+    (:func:`foursight.dispatch.prepare_linear`: the backend is chosen here, once), rebuilt by
+    :meth:`refresh` after any change.
     """
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, act_quant: bool = True,
@@ -33,19 +35,19 @@ class FourSightLinear(nn.Module):
         self.in_features, self.out_features = qw.in_features, qw.out_features
         self.name = name
         self.act_quant = act_quant
-        for key, t in zip(("weight_packed", "weight_scale", "weight_global_scale", "bf16_channels", "weight_bf16"), qw.tensors()):
+        for key, t in zip(schema.WEIGHT_SUFFIXES, qw.tensors()):
             self.register_buffer(key, t)
-        self.register_buffer("bias", bias)
-        self.register_buffer("input_global_scale", input_global_scale)
+        self.register_buffer(schema.BIAS, bias)
+        self.register_buffer(schema.INPUT_GLOBAL_SCALE, input_global_scale)
         self.refresh()
 
     @property
     def qweight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.bf16_channels, self.weight_bf16)
+        return QuantizedWeight(*(getattr(self, key) for key in schema.WEIGHT_SUFFIXES))
 
     def refresh(self) -> None:
         """Rebuild the execution form from the buffers (idempotent)."""
-        self._prepared = prepare_weight(self.qweight)
+        self._prepared = prepare_linear(self.qweight, self.name)
 
     def _apply(self, fn, *args, **kwargs):  # keep the execution form on the buffers' device
         out = super()._apply(fn, *args, **kwargs)
@@ -56,12 +58,12 @@ class FourSightLinear(nn.Module):
         """Re-quantize from a new BF16 weight [N, K] in place (same channel set by default)."""
         ch = self.bf16_channels if channels is None else channels
         qw = quantize_weight(weight.to(self.weight_packed.device), ch, name=self.name)
-        for key, t in zip(("weight_packed", "weight_scale", "weight_global_scale", "bf16_channels", "weight_bf16"), qw.tensors()):
+        for key, t in zip(schema.WEIGHT_SUFFIXES, qw.tensors()):
             setattr(self, key, t)
         self.refresh()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return foursight_linear(x, self._prepared, self.bias, self.input_global_scale, self.act_quant)
+        return self._prepared(x, self.bias, self.input_global_scale, self.act_quant)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, k={self.bf16_channels.numel()}, act_quant={self.act_quant}"
@@ -96,7 +98,7 @@ def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu
         if n not in mods:
             raise CheckpointError(f"missing tensor {n}.{schema.WEIGHT_PACKED} (layer {n} is not in ignore)")
         t = mods.pop(n)
-        qw = load_quantized_weight(n, t, lin.out_features, lin.in_features, cfg.channels_for(n))
+        qw = schema.decode_module(n, t, lin.out_features, lin.in_features, cfg.channels_for(n))
         if (lin.bias is not None) != (schema.BIAS in t):
             raise CheckpointError(f"layer {n}: bias {'missing' if lin.bias is not None else 'unexpected'} ({n}.bias)")
         igs = t[schema.INPUT_GLOBAL_SCALE].float() if cfg.activation_scale == "static" else None
@@ -104,7 +106,7 @@ def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu
     if mods:
         raise CheckpointError(f"unexpected FourSight tensors for modules {sorted(mods)[:5]} (not linear layers of this model)")
     missing, unexpected = model.load_state_dict(rest, strict=False)
-    fs_buffers = {f"{n}.{s}" for n in names for s in ("weight_packed", "weight_scale", "weight_global_scale", "bf16_channels", "weight_bf16", "bias", "input_global_scale")}
+    fs_buffers = {f"{n}.{s}" for n in names for s in (*schema.TENSOR_SUFFIXES, schema.BIAS)}
     missing = [m for m in missing if m not in fs_buffers and not (m == "lm_head.weight" and hf_cfg.tie_word_embeddings)]
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

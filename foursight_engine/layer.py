@@ -1,4 +1,4 @@
-"""The FourSight compensated linear layer: quantization of its parts and the PyTorch reference.
+"""The FourSight compensated linear layer: quantization of its parts and the PyTorch reference (the oracle).
 
 A compensated layer with weight ``W`` [N, K] and BF16 channel set ``S`` (k sorted indices) holds
 
@@ -7,9 +7,9 @@ A compensated layer with weight ``W`` [N, K] and BF16 channel set ``S`` (k sorte
 
 and computes ``Y = deq(Q(X with S zeroed)) · deq(Wq)ᵀ + X[:, S] · W[:, S]ᵀ (+ bias)``.
 
-:func:`reference_linear` is the oracle for every kernel and engine adapter. The engines call
-:func:`prepare_weight` once after loading and :func:`foursight_linear` per forward; these
-dispatch to the Triton kernels on CUDA and to the (cached) reference elsewhere.
+:func:`reference_linear` is the oracle for every kernel and engine adapter. Which code runs a
+layer (this reference or the Triton kernels) is chosen once per layer by :mod:`foursight.dispatch`;
+this module depends on :mod:`foursight.nvfp4` only.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def reference_linear(
         act_quant: True for W4A4; False for W4A16 (activations stay in their dtype).
         out_dtype: output dtype, default ``x.dtype``.
         w_deq: optional cached ``dequantize_weight(qw, float32, include_bf16=False)`` [N, K]
-            (see :class:`PreparedReference`); recomputed when None.
+            (what :class:`foursight.dispatch.ReferenceBackend` keeps); recomputed when None.
     Returns:
         [..., N], computed in float32 and cast to ``out_dtype``.
     """
@@ -256,51 +256,3 @@ def splice_matmul(
         y = y + bias.float()
     return y
 
-
-class PreparedReference:
-    """CPU execution form of a layer: the reference with the dequantized FP4 weight cached.
-
-    Numerically identical to :func:`reference_linear` (the cache is exactly what it would
-    recompute), but the weight is dequantized once, after loading, instead of per call.
-    Building it twice from the same ``qw`` gives the same object state (idempotent).
-    """
-
-    def __init__(self, qw: QuantizedWeight):
-        self.qw = qw
-        self.w_deq = dequantize_weight(qw, torch.float32, include_bf16=False)
-
-    def __call__(self, x, bias=None, input_global_scale=None, act_quant=True) -> torch.Tensor:
-        return reference_linear(x, self.qw, bias, input_global_scale, act_quant, w_deq=self.w_deq)
-
-
-def prepare_weight(qw: QuantizedWeight):
-    """Execution form of ``qw`` for its device: the Triton kernels' layout on CUDA, else
-    :class:`PreparedReference`. Call once after loading (and again after a weight update)."""
-    if qw.weight_packed.is_cuda:
-        try:
-            from foursight.kernels import prepare_weight as _prep_cuda
-        except ImportError:
-            _prep_cuda = None
-        if _prep_cuda is not None:
-            return _prep_cuda(qw)
-    return PreparedReference(qw)
-
-
-def foursight_linear(
-    x: torch.Tensor,
-    prepared,
-    bias: torch.Tensor | None = None,
-    input_global_scale: torch.Tensor | None = None,
-    act_quant: bool = True,
-) -> torch.Tensor:
-    """Run a compensated layer given its :func:`prepare_weight` form (or a raw :class:`QuantizedWeight`).
-
-    On CUDA with the Triton kernels available this is SpliceGEMM; elsewhere the PyTorch reference.
-    """
-    if isinstance(prepared, QuantizedWeight):
-        prepared = prepare_weight(prepared)
-    if isinstance(prepared, PreparedReference):
-        return prepared(x, bias, input_global_scale, act_quant)
-    from foursight.kernels import splice_linear
-
-    return splice_linear(x, prepared, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)

@@ -1,19 +1,34 @@
-"""The one place that defines FourSight checkpoint tensor names, the config schema and validation.
+"""The FourSight format: checkpoint tensor names, the config schema, the codec and the channels file.
 
-Every engine adapter (vLLM, SGLang, HF) and the checkpoint writer import from here, so a
-checkpoint that one of them accepts, all of them accept, and a bad one fails with the same
-message everywhere.
+This module owns every rule of the on-disk format:
+
+* the tensor names of a quantized module and the ``quantization_config`` schema
+  (:class:`FourSightConfig`);
+* the codec between a :class:`~foursight.layer.QuantizedWeight` and its tensors
+  (:func:`encode_module` / :func:`decode_module`, which validates every tensor);
+* the channels file ``foursight_channels.json`` (:class:`ChannelsFile`: one reader, one
+  writer, one set of rules) and the static activation scale derived from it
+  (:func:`static_input_scale`).
+
+The checkpoint writer and reader, the RL weight sync, the vLLM and SGLang loaders and the HF
+reference model all go through it, so a checkpoint or channels file that one of them accepts,
+all of them accept, and a bad one fails with the same message everywhere.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from foursight.nvfp4 import BLOCK_SIZE
+from foursight.layer import QuantizedWeight
+from foursight.nvfp4 import BLOCK_SIZE, global_scale_from_amax
 
 QUANT_METHOD = "foursight"
 FORMAT_VERSION = 1
@@ -28,6 +43,8 @@ WEIGHT_BF16 = "weight_bf16"  # bfloat16 [N, k]
 BIAS = "bias"
 
 TENSOR_SUFFIXES = (WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE, BF16_CHANNELS, WEIGHT_BF16)
+#: The suffixes that make up a :class:`~foursight.layer.QuantizedWeight`, in its field order.
+WEIGHT_SUFFIXES = (WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_GLOBAL_SCALE, BF16_CHANNELS, WEIGHT_BF16)
 
 #: Files next to a checkpoint.
 LAYER_REPORT_FILE = "foursight_layers.json"
@@ -108,64 +125,27 @@ class FourSightConfig(BaseModel):
         return int(self.channels.get(name, 0))
 
 
-def expected_shapes(out_features: int, in_features: int, k: int, name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_shapes(out_features: int, in_features: int, k: int, name: str,
+                    local_in_features: int | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Expected (shape, dtype) of each tensor of a FourSight module.
 
+    ``local_in_features`` is the K of this tensor-parallel rank's packed weight and block scales
+    (row-parallel layers); by default the whole ``in_features``.
     Raises :class:`CheckpointError` if ``in_features`` is not a multiple of 16 or ``k >= in_features``.
     """
     if in_features % BLOCK_SIZE:
         raise CheckpointError(f"{name}: in_features={in_features} is not a multiple of {BLOCK_SIZE}")
     if k >= in_features:
         raise CheckpointError(f"{name}: k={k} BF16 channels but in_features={in_features}")
+    kl = in_features if local_in_features is None else local_in_features
     return {
-        WEIGHT_PACKED: ((out_features, in_features // 2), torch.uint8),
-        WEIGHT_SCALE: ((out_features, in_features // BLOCK_SIZE), torch.float8_e4m3fn),
+        WEIGHT_PACKED: ((out_features, kl // 2), torch.uint8),
+        WEIGHT_SCALE: ((out_features, kl // BLOCK_SIZE), torch.float8_e4m3fn),
         WEIGHT_GLOBAL_SCALE: ((1,), torch.float32),
         INPUT_GLOBAL_SCALE: ((1,), torch.float32),
         BF16_CHANNELS: ((k,), torch.int32),
         WEIGHT_BF16: ((out_features, k), torch.bfloat16),
     }
-
-
-def validate_module_tensors(
-    name: str,
-    tensors: dict[str, torch.Tensor],
-    out_features: int,
-    in_features: int,
-    k: int,
-) -> None:
-    """Check that module ``name`` has every FourSight tensor with the right shape, dtype and values.
-
-    Args:
-        name: module prefix, e.g. ``model.layers.0.self_attn.q_proj``.
-        tensors: suffix -> tensor, as read from the checkpoint.
-        out_features, in_features: the dense weight's shape [N, K].
-        k: expected number of BF16 channels.
-    Raises:
-        CheckpointError naming the tensor (``<name>.<suffix>``) that is missing, mis-shaped,
-        of the wrong dtype, or holds invalid values.
-    """
-    for suffix, (shape, dtype) in expected_shapes(out_features, in_features, k, name).items():
-        full = f"{name}.{suffix}"
-        if suffix not in tensors:
-            raise CheckpointError(f"missing tensor {full} (expected shape {list(shape)} {dtype})")
-        t = tensors[suffix]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"tensor {full} has shape {list(t.shape)}, expected {list(shape)}")
-        if t.dtype != dtype:
-            raise CheckpointError(f"tensor {full} has dtype {t.dtype}, expected {dtype}")
-    ch = tensors[BF16_CHANNELS].long()
-    if ch.numel():
-        if int(ch.min()) < 0 or int(ch.max()) >= in_features:
-            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} has indices outside [0, {in_features})")
-        if ch.numel() > 1 and not bool((ch[1:] > ch[:-1]).all()):
-            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} must be strictly increasing")
-    for suffix in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE):
-        v = tensors[suffix].float()
-        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
-            raise CheckpointError(f"tensor {name}.{suffix} must be finite and > 0, got {v.tolist()}")
-    if not bool(torch.isfinite(tensors[WEIGHT_BF16].float()).all()):
-        raise CheckpointError(f"tensor {name}.{WEIGHT_BF16} holds NaN/Inf")
 
 
 def parse_channel_budget(spec: str | int, in_features: int, layer: str = "layer") -> int:
@@ -191,3 +171,206 @@ def parse_channel_budget(spec: str | int, in_features: int, layer: str = "layer"
     if k >= in_features:
         raise CheckpointError(f"{layer}: --channels {spec} gives k={k} but the layer has K={in_features}; k must be < K")
     return k
+
+
+# ---- the codec: QuantizedWeight <-> tensors ---------------------------------------------------
+
+
+def encode_module(
+    name: str,
+    qw: QuantizedWeight,
+    input_global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of module ``name`` (full names ``<name>.<suffix>``).
+
+    ``weight_global_scale`` is written as float32 [1] (per tensor; a per-row scale is not a
+    checkpoint form). ``input_global_scale`` (float32 [1]) and ``bias`` are written when given.
+    """
+    gs = qw.weight_global_scale.float().reshape(-1)
+    if gs.numel() != 1:
+        raise CheckpointError(f"{name}: a checkpoint module has one weight_global_scale, got {gs.numel()} (fused shards are written one by one)")
+    out = {
+        f"{name}.{WEIGHT_PACKED}": qw.weight_packed,
+        f"{name}.{WEIGHT_SCALE}": qw.weight_scale,
+        f"{name}.{WEIGHT_GLOBAL_SCALE}": gs.reshape(1),
+        f"{name}.{BF16_CHANNELS}": qw.bf16_channels.to(torch.int32),
+        f"{name}.{WEIGHT_BF16}": qw.weight_bf16,
+    }
+    if input_global_scale is not None:
+        out[f"{name}.{INPUT_GLOBAL_SCALE}"] = input_global_scale.float().reshape(1).clone()
+    if bias is not None:
+        out[f"{name}.{BIAS}"] = bias
+    return out
+
+
+def decode_module(
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    out_features: int,
+    in_features: int,
+    k: int,
+    local_in_features: int | None = None,
+) -> QuantizedWeight:
+    """Check one module's tensors and wrap them as a :class:`~foursight.layer.QuantizedWeight`
+    (``weight_global_scale`` as float32).
+
+    Args:
+        name: module prefix, e.g. ``model.layers.0.self_attn.q_proj``.
+        tensors: suffix -> tensor, as read from the checkpoint.
+        out_features, in_features: the dense weight's shape [N, K].
+        k: expected number of BF16 channels.
+        local_in_features: K of the packed weight and block scales when they are one
+            tensor-parallel rank's column shard (the channel indices stay global).
+    Raises:
+        CheckpointError naming the tensor (``<name>.<suffix>``) that is missing, mis-shaped,
+        of the wrong dtype, or holds invalid values.
+    """
+    for suffix, (shape, dtype) in expected_shapes(out_features, in_features, k, name, local_in_features).items():
+        full = f"{name}.{suffix}"
+        if suffix not in tensors:
+            raise CheckpointError(f"missing tensor {full} (expected shape {list(shape)} {dtype})")
+        t = tensors[suffix]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {full} has shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype != dtype:
+            raise CheckpointError(f"tensor {full} has dtype {t.dtype}, expected {dtype}")
+    ch = tensors[BF16_CHANNELS].long()
+    if ch.numel():
+        if int(ch.min()) < 0 or int(ch.max()) >= in_features:
+            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} has indices outside [0, {in_features})")
+        if ch.numel() > 1 and not bool((ch[1:] > ch[:-1]).all()):
+            raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} must be strictly increasing")
+    for suffix in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE):
+        v = tensors[suffix].float()
+        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+            raise CheckpointError(f"tensor {name}.{suffix} must be finite and > 0, got {v.tolist()}")
+    if not bool(torch.isfinite(tensors[WEIGHT_BF16].float()).all()):
+        raise CheckpointError(f"tensor {name}.{WEIGHT_BF16} holds NaN/Inf")
+    return QuantizedWeight(
+        weight_packed=tensors[WEIGHT_PACKED],
+        weight_scale=tensors[WEIGHT_SCALE],
+        weight_global_scale=tensors[WEIGHT_GLOBAL_SCALE].float(),
+        bf16_channels=tensors[BF16_CHANNELS],
+        weight_bf16=tensors[WEIGHT_BF16],
+    )
+
+
+# ---- the channels file ----------------------------------------------------------------------
+
+#: Version of ``foursight_channels.json``. Version 2: ``input_amax`` is the amax of the FP4 part
+#: of the layer's input (the BF16 channels zeroed), the quantity a static ``input_global_scale``
+#: is made from. Version 1 stored the amax over all channels; its channel sets are still read,
+#: its ``input_amax`` is not (it gives a different scale than the checkpoint).
+CHANNELS_FORMAT_VERSION = 2
+_CHANNELS_KEYS = {"format_version", "channels", "input_amax"}
+
+
+def static_input_scale(amaxes: "list[float] | tuple[float, ...]") -> torch.Tensor:
+    """Static activation global scale float32 [1] of a layer (or a fused group) from the
+    calibrated FP4-part amax of each member: ``448*6 / max(amax)`` (no member's input clips)."""
+    return global_scale_from_amax(torch.tensor(max(float(a) for a in amaxes), dtype=torch.float32)).reshape(1)
+
+
+@dataclass
+class ChannelsFile:
+    """``foursight_channels.json``: the BF16 channel set and the calibrated FP4-part input amax
+    of each quantized module, for online (load-time) quantization.
+
+    Format: ``{"format_version": 2, "channels": {module: [indices]}, "input_amax": {module: float}}``.
+    Rules (reading): a JSON object with no other keys; ``channels`` maps each module to a list of
+    distinct non-negative integers (stored sorted); ``input_amax`` maps modules listed in
+    ``channels`` to finite numbers ≥ 0. Every violation raises :class:`CheckpointError` naming
+    the file and the field.
+
+    Attributes:
+        channels: module name -> sorted input-channel indices.
+        input_amax: module name -> max |x| of the layer input with the BF16 channels zeroed.
+        path: where it was read from or written to.
+    """
+
+    channels: dict[str, list[int]] = field(default_factory=dict)
+    input_amax: dict[str, float] = field(default_factory=dict)
+    path: str = ""
+    format_version: int = CHANNELS_FORMAT_VERSION
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "ChannelsFile":
+        """Read and validate a channels file (a folder means its ``foursight_channels.json``)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / CHANNELS_FILE
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"channels file {p} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"channels file {p}: cannot read ({e})") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"channels file {p}: invalid JSON ({e})") from None
+        return cls.from_dict(data, str(p))
+
+    @classmethod
+    def from_dict(cls, data: object, path: str = "<channels file>") -> "ChannelsFile":
+        """Validate a decoded channels file (see the class docstring for the rules)."""
+        where = f"channels file {path}"
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: expected a JSON object")
+        version = data.get("format_version")
+        if version not in (1, CHANNELS_FORMAT_VERSION) or isinstance(version, bool):
+            raise CheckpointError(f"{where}: format_version {version!r}, expected {CHANNELS_FORMAT_VERSION}")
+        unknown = set(data) - _CHANNELS_KEYS
+        if unknown:
+            raise CheckpointError(f"{where}: unknown key(s) {sorted(unknown)}")
+        chans = data.get("channels")
+        if not isinstance(chans, dict):
+            raise CheckpointError(f"{where}: field 'channels' must be an object module -> [indices]")
+        out: dict[str, list[int]] = {}
+        for name, idx in chans.items():
+            if not isinstance(idx, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in idx):
+                raise CheckpointError(f"{where}: channels[{name!r}] must be a list of non-negative ints")
+            if len(set(idx)) != len(idx):
+                raise CheckpointError(f"{where}: channels[{name!r}] has repeated indices")
+            out[name] = sorted(idx)
+        amax = data.get("input_amax", {})
+        if not isinstance(amax, dict):
+            raise CheckpointError(f"{where}: field 'input_amax' must be an object module -> float")
+        amax_out: dict[str, float] = {}
+        for name, v in amax.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise CheckpointError(f"{where}: input_amax[{name!r}] must be a finite number >= 0, got {v!r}")
+            if name not in out:
+                raise CheckpointError(f"{where}: input_amax[{name!r}] names a module missing from 'channels'")
+            amax_out[name] = float(v)
+        if version == 1:
+            amax_out = {}  # version 1 amax is over all channels: not the scale the checkpoint uses
+        return cls(out, amax_out, path, version)
+
+    def to_dict(self) -> dict:
+        return {"format_version": CHANNELS_FORMAT_VERSION, "channels": {n: [int(i) for i in v] for n, v in self.channels.items()},
+                "input_amax": {n: float(v) for n, v in self.input_amax.items()}}
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Validate and write atomically (a temporary file beside ``path``, then renamed)."""
+        data = self.to_dict()
+        ChannelsFile.from_dict(data, str(path))
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(p)
+        self.path = str(p)
+        return p
+
+    def channel_tensor(self, name: str) -> torch.Tensor | None:
+        """int32 [k] channel set of module ``name`` (None when the file does not list it)."""
+        idx = self.channels.get(name)
+        return None if idx is None else torch.tensor(idx, dtype=torch.int32)
+
+    def input_scale(self, names: "list[str]", layer: str = "layer") -> torch.Tensor:
+        """:func:`static_input_scale` of the modules ``names`` (a fused layer's shards)."""
+        missing = [n for n in names if n not in self.input_amax]
+        if missing:
+            hint = " (its format_version 1 amax is over all channels and is not used: re-run `foursight calibrate`)" if self.format_version == 1 else ""
+            raise CheckpointError(f"{layer}: static activation scale requested but channels file {self.path} has no input_amax for {missing}{hint}")
+        return static_input_scale([self.input_amax[n] for n in names])

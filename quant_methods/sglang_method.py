@@ -1,10 +1,9 @@
 """SGLang adapter: ``--quantization foursight`` (FourSight NVFP4 + sparse BF16 channels).
 
-Thin glue between SGLang's quantization interface and the engine-neutral core
-(:mod:`foursight.quant_methods.core`). Everything numerical and every checkpoint check lives
-in the core (``LayerPlan`` / ``apply_linear``) and in :mod:`foursight.layer` /
-:mod:`foursight.schema`, shared with the vLLM adapter, so the same checkpoint loads unchanged
-on both engines and a bad one fails with the same message.
+Thin glue between SGLang's quantization interface and the engine-neutral modules: the config
+base :mod:`foursight.quant_methods.config`, the per-layer plan :mod:`foursight.quant_methods.plan`
+(``LayerPlan`` / ``apply_linear``) and :mod:`foursight.schema`, shared with the vLLM adapter, so
+the same checkpoint loads unchanged on both engines and a bad one fails with the same message.
 
 What is SGLang-specific here:
 
@@ -13,7 +12,7 @@ What is SGLang-specific here:
   ``hf_config`` keys, stripped before the strict schema parse). With no quantization config in
   the model (a BF16 model served with ``--quantization foursight``) SGLang calls the class with
   no arguments: that is online quantization, configured by ``FOURSIGHT_*`` environment variables
-  (see ``core.OnlineSettings``) and, if present, the model folder's ``foursight_channels.json``.
+  (see ``online.OnlineSettings``) and, if present, the model folder's ``foursight_channels.json``.
 * :class:`FourSightSGLangLinearMethod` -- SGLang's ``LinearMethodBase``. Parameters get the
   core's loaders wrapped around SGLang's own v1 column/row/QKV/merged loader.
 * The RL weight update. SGLang 0.5.23 wraps ``update_weights_from_tensor`` /
@@ -41,16 +40,10 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase, Quantiz
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
-from foursight.quant_methods.core import (
-    ENV_CHANNELS_FILE,
-    LayerPlan,
-    OnlineSettings,
-    TPContext,
-    apply_linear,
-    layer_params,
-    shard_names,
-)
-from foursight.schema import CHANNELS_FILE, QUANT_METHOD, FourSightConfig
+from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig
+from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings
+from foursight.quant_methods.sharding import TPContext
+from foursight.schema import CHANNELS_FILE, FourSightConfig
 
 logger = logging.getLogger("foursight.quant_methods.sglang")
 
@@ -79,8 +72,9 @@ def _default_online_settings() -> OnlineSettings:
     return OnlineSettings.from_env(path)
 
 
-class FourSightSGLangConfig(QuantizationConfig):
-    """SGLang ``QuantizationConfig`` for FourSight checkpoints and online quantization.
+class FourSightSGLangConfig(FourSightMethodConfig, QuantizationConfig):
+    """SGLang ``QuantizationConfig`` for FourSight checkpoints and online quantization (shared
+    behaviour in :class:`~foursight.quant_methods.config.FourSightMethodConfig`).
 
     Args:
         config: the parsed checkpoint config; None means online quantization of a BF16 model.
@@ -88,32 +82,8 @@ class FourSightSGLangConfig(QuantizationConfig):
     """
 
     def __init__(self, config: FourSightConfig | None = None, online: OnlineSettings | None = None):
-        super().__init__()
-        self.mode = "checkpoint" if config is not None else "online"
-        self.online = None if config is not None else (online or _default_online_settings())
-        self.fs_config = config if config is not None else self.online.as_config()
-
-    def __repr__(self) -> str:
-        return f"FourSightSGLangConfig(mode={self.mode}, activation={self.fs_config.activation_dtype}/{self.fs_config.activation_scale}, ignore={self.fs_config.ignore})"
-
-    # ---- SGLang interface ---------------------------------------------------------------
-
-    def get_name(self) -> str:
-        return QUANT_METHOD
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        # CPU runs the PyTorch reference; on CUDA the Triton kernels need no FP4 tensor cores.
-        return 0
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        # Checkpoints carry their config in config.json (read by SGLang before this is asked);
-        # an empty list makes SGLang call ``cls()`` for a BF16 model: online quantization.
-        return []
+        QuantizationConfig.__init__(self)
+        self._init_foursight(config, online, _default_online_settings)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "FourSightSGLangConfig":
@@ -127,27 +97,10 @@ class FourSightSGLangConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         if not isinstance(layer, LinearBase):
             return None  # embeddings / lm_head (ParallelLMHead) / MoE stay unquantized
-        names = shard_names(prefix, self._packed_mapping())
-        ignored = [self.fs_config.is_ignored(n) for n in names]
-        if all(ignored):
-            return UnquantizedLinearMethod()
-        if any(ignored):
-            from foursight.schema import CheckpointError
-
-            raise CheckpointError(f"{prefix}: ignore list covers only some of the fused shards {names}")
-        return FourSightSGLangLinearMethod(self, prefix)
+        return FourSightSGLangLinearMethod(self, prefix) if self.quantizes(prefix) else UnquantizedLinearMethod()
 
     def get_scaled_act_names(self) -> list[str]:
         return []
-
-    # ---- helpers --------------------------------------------------------------------------
-
-    def _packed_mapping(self) -> dict[str, list[str]]:
-        """SGLang's fused-module map, falling back to the standard Llama/Qwen one."""
-        return self.packed_modules_mapping or {
-            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-            "gate_up_proj": ["gate_proj", "up_proj"],
-        }
 
 
 def _tp_context(layer: torch.nn.Module) -> TPContext:
@@ -169,54 +122,27 @@ def _tp_context(layer: torch.nn.Module) -> TPContext:
     return TPContext(rank, size, all_reduce_max, all_gather_cat)
 
 
-class FourSightSGLangLinearMethod(LinearMethodBase):
-    """SGLang ``LinearMethodBase`` for one FourSight layer (fused q/k/v and gate/up included)."""
+class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
+    """SGLang ``LinearMethodBase`` for one FourSight layer (fused q/k/v and gate/up included);
+    the shared hooks are :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`'s.
+    Every load marks the layer stale (see the module docstring); ``apply`` rebuilds a stale layer."""
 
-    def __init__(self, quant_config: FourSightSGLangConfig, prefix: str):
-        self.quant_config = quant_config
-        self.prefix = prefix
+    def tp_context(self, layer: torch.nn.Module) -> TPContext:
+        return _tp_context(layer)
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
-        qc = self.quant_config
-        tp = _tp_context(layer)
-        plan = LayerPlan.for_layer(
-            self.prefix,
-            output_partition_sizes,
-            input_size,
-            input_size_per_partition,
-            qc.fs_config,
-            qc._packed_mapping(),
-            tp_rank=tp.rank,
-            tp_size=tp.size,
-            mode=qc.mode,
-            online=qc.online,
-        )
-        layer.foursight_plan = plan
-        layer.foursight_state = None
+    def set_attrs(self, param: torch.nn.Parameter, attrs: dict[str, Any]) -> None:
+        set_weight_attrs(param, attrs)
+
+    def wrap_loader(self, layer: torch.nn.Module, loader):
+        return _marking_loader(layer, loader)
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().create_weights(layer, *args, **kwargs)
         layer.foursight_stale = True
-        engine_loader = extra_weight_attrs.get("weight_loader")
-        attrs = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
-        for spec in plan.param_specs(params_dtype):
-            param = torch.nn.Parameter(
-                torch.full(spec.shape, plan.init_value(spec), dtype=torch.float32).to(spec.dtype),
-                requires_grad=False,
-            )
-            set_weight_attrs(param, {**spec.attrs, **attrs, "weight_loader": _marking_loader(layer, plan.make_loader(spec, engine_loader))})
-            layer.register_parameter(spec.name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Rebuild the execution state from the loaded parameters (idempotent; params untouched)."""
-        plan: LayerPlan = layer.foursight_plan
-        layer.foursight_state = plan.process(layer_params(layer, plan), _tp_context(layer))
+        super().process_weights_after_loading(layer)
         layer.foursight_stale = False
 
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
@@ -226,7 +152,7 @@ class FourSightSGLangLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if layer.foursight_stale:
             self.process_weights_after_loading(layer)
-        return apply_linear(layer.foursight_state, x, bias)
+        return super().apply(layer, x, bias)
 
 
 def _marking_loader(layer: torch.nn.Module, loader):

@@ -1,8 +1,6 @@
-"""Teacher-forced logprobs from a vLLM engine and from a PyTorch (HF) model, on the same tokens.
-
-Used by the vLLM tests and ``benchmarks/vllm_mismatch.py`` to compare an engine with the
-PyTorch reference model of a checkpoint (``foursight.hf.load_reference_model``) and engine
-variants (BF16 / FourSight / plain NVFP4) with each other.
+"""Teacher-forced logprobs from an in-process ``vllm.LLM``, and the helpers the vLLM tests and
+``benchmarks/engine_mismatch.py`` compare them with (the HF side is
+:func:`foursight.trainer_bridge.scoring.sequence_logprobs`).
 """
 
 from __future__ import annotations
@@ -30,20 +28,6 @@ def engine_prompt_logprobs(llm, seqs: Sequence[Sequence[int]]) -> list[torch.Ten
         plp = o.prompt_logprobs
         vals = [plp[t][s[t]].logprob for t in range(1, len(s))]
         res.append(torch.tensor(vals, dtype=torch.float64))
-    return res
-
-
-@torch.no_grad()
-def hf_prompt_logprobs(model: torch.nn.Module, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Same as :func:`engine_prompt_logprobs` for an HF causal LM (one sequence at a time,
-    log-softmax of the float32 logits)."""
-    res = []
-    dev = next(model.parameters()).device
-    for s in seqs:
-        ids = torch.tensor([list(s)], device=dev)
-        logits = model(input_ids=ids).logits[0].float()
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-        res.append(lp.double().cpu())
     return res
 
 

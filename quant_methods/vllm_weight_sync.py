@@ -38,15 +38,8 @@ from typing import Iterable, Iterator
 import torch
 
 from foursight.layer import quantize_weight
-from foursight.quant_methods.core import WEIGHT, LayerPlan, layer_params
-from foursight.schema import (
-    BF16_CHANNELS,
-    WEIGHT_BF16,
-    WEIGHT_GLOBAL_SCALE,
-    WEIGHT_PACKED,
-    WEIGHT_SCALE,
-    CheckpointError,
-)
+from foursight.quant_methods.plan import WEIGHT, LayerPlan, layer_params
+from foursight.schema import CheckpointError, encode_module
 
 
 def foursight_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -91,12 +84,7 @@ def to_engine_tensors(model: torch.nn.Module, weights: Iterable[tuple[str, torch
                 raise CheckpointError(f"tensor {name}: expected a 2-D float weight, got {t.dtype} {list(t.shape)}")
             if t.shape[1] != layer.foursight_plan.input_size:
                 raise CheckpointError(f"tensor {name} has shape {list(t.shape)}; the layer has K={layer.foursight_plan.input_size}")
-            qw = quantize_weight(t, state.channels.cpu(), name=mod)
-            yield f"{mod}.{WEIGHT_PACKED}", qw.weight_packed
-            yield f"{mod}.{WEIGHT_SCALE}", qw.weight_scale
-            yield f"{mod}.{WEIGHT_GLOBAL_SCALE}", qw.weight_global_scale.float().reshape(1)
-            yield f"{mod}.{BF16_CHANNELS}", qw.bf16_channels
-            yield f"{mod}.{WEIGHT_BF16}", qw.weight_bf16
+            yield from encode_module(mod, quantize_weight(t, state.channels.cpu(), name=mod)).items()
         else:
             yield name, t
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
+from foursight.cli_util import OptionError
 from foursight.trainer_bridge.cli import app, build_engines
 from foursight.trainer_bridge.engines import HFEngine, VLLMHTTPEngine
 
@@ -41,5 +41,5 @@ def test_build_engines(tiny_llama_dir):
     assert [type(x) for x in e] == [VLLMHTTPEngine, VLLMHTTPEngine] and e[0].logprobs_mode == "raw_logprobs"
     h = build_engines("hf", [], tiny_llama_dir, None, None, None)
     assert isinstance(h[0], HFEngine)
-    with pytest.raises(typer.BadParameter, match="--engine-url"):
+    with pytest.raises(OptionError, match="--engine-url"):
         build_engines("hf", ["http://x"], tiny_llama_dir, None, None, None)

@@ -16,23 +16,9 @@ from foursight.trainer_bridge.engines import HFEngine
 from foursight.trainer_bridge.launch import BridgeThread
 from foursight.trainer_bridge.scoring import pad_rollouts, score
 from foursight.trainer_bridge.server import create_app
+from weight_helpers import perturbed_state as _perturbed_state
 
 KEY = "k"
-
-
-def _perturbed_state(model_dir, seed: int = 0) -> dict[str, torch.Tensor]:
-    """New BF16 weights (HF names): every linear weight moved by 50 % of its std, lm_head doubled."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for n, p in m.named_parameters():
-        if n.endswith("proj.weight"):
-            out[n] = (p.float() + 0.5 * p.float().std() * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
-        elif n == "lm_head.weight":
-            out[n] = (2 * p.float()).to(torch.bfloat16)
-    return out
 
 
 def _bf16_model_with(model_dir, state):

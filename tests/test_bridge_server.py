@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from foursight.trainer_bridge.client import RolloutClient, RolloutStreamError
-from foursight.trainer_bridge.engines import Engine, GenerateResult
+from foursight.trainer_bridge.engines import Engine
 from foursight.trainer_bridge.launch import BridgeThread
+from foursight.trainer_bridge.protocol import Rollout
 from foursight.trainer_bridge.server import VersionGate, create_app
 
 
@@ -34,7 +35,7 @@ class ScriptedEngine(Engine):
         await asyncio.sleep(self.delay_s * (1 + (seed or 0) % 3))
         if self.fail_prompt_token is not None and prompt_ids[0] == self.fail_prompt_token:
             raise RuntimeError("scripted failure")
-        return GenerateResult([7] * max_tokens, [-0.5] * max_tokens, "length")
+        return Rollout(prompt_ids=prompt_ids, token_ids=[7] * max_tokens, logprobs=[-0.5] * max_tokens, finish_reason="length")
 
     async def update_weights(self, path, version):
         self.version = version

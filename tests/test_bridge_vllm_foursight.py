@@ -18,22 +18,9 @@ from foursight.trainer_bridge.engines import VLLMHTTPEngine  # noqa: E402
 from foursight.trainer_bridge.launch import BridgeThread, VLLMServer  # noqa: E402
 from foursight.trainer_bridge.scoring import pad_rollouts, score  # noqa: E402
 from foursight.trainer_bridge.server import create_app  # noqa: E402
+from weight_helpers import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _new_weights(model_dir) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for n, p in m.named_parameters():
-        if n.endswith("proj.weight"):
-            out[n] = (p.float() + 0.5 * p.float().std() * torch.randn(p.shape, generator=g)).to(torch.bfloat16)
-        elif n == "lm_head.weight":
-            out[n] = (2 * p.float()).to(torch.bfloat16)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +52,7 @@ def test_weight_update_through_bridge_requantizes_in_vllm(fs_bridge, foursight_c
     with RolloutClient(bridge.url) as c:
         old = c.generate(prompts, sp, n=2)
         assert {r.weight_version for r in old} == {0}
-        state = _new_weights(tiny_llama_dir)
+        state = perturbed_state(tiny_llama_dir)
         path = tmp_path / "update.safetensors"
         save_file(state, str(path))
         ack = c.update_weights(version=3, path=str(path))

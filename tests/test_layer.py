@@ -90,12 +90,15 @@ def test_static_input_scale_and_batch_invariance():
 
 
 def test_prepared_reference_is_identical_and_idempotent():
+    from foursight.dispatch import ReferenceBackend, prepare_linear
+
     w = torch.randn(8, 32).to(torch.bfloat16)
     qw = L.quantize_weight(w, torch.tensor([0, 31]))
     x = torch.randn(4, 32).to(torch.bfloat16)
-    p1, p2 = L.prepare_weight(qw), L.prepare_weight(qw)
-    assert torch.equal(p1.w_deq, p2.w_deq)
-    assert torch.equal(L.foursight_linear(x, p1), L.reference_linear(x, qw))
+    p1, p2 = prepare_linear(qw), prepare_linear(qw)
+    assert isinstance(p1.backend, ReferenceBackend)  # CPU tensors: the reference, chosen once
+    assert torch.equal(p1.state[1], p2.state[1])
+    assert torch.equal(p1(x), L.reference_linear(x, qw))
 
 
 @pytest.mark.parametrize(

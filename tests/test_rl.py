@@ -1,4 +1,4 @@
-"""The RL experiment (foursight.rl / foursight.rl_tasks): GRPO numerics against hand values,
+"""The RL experiment (foursight.rl, foursight.rl.tasks): GRPO numerics against hand values,
 weight sync against the shared quantizer, engine logprobs against teacher forcing, tasks, and
 short end-to-end runs on the tiny model (HF engine; the vLLM CPU engine under the ``vllm`` mark)."""
 
@@ -11,19 +11,20 @@ import os
 import pytest
 import torch
 
-from foursight import rl_tasks
+from foursight.rl import tasks as rl_tasks
 from foursight.rl import (
     HFRollout,
     RLConfig,
     RLError,
+    eos_ids,
     grpo_loss,
     group_advantages,
-    hf_generate,
     prompt_ids,
     run_rl,
     state_dict_sha256,
-    token_logprobs,
 )
+from foursight.trainer_bridge.engines import hf_generate
+from foursight.trainer_bridge.scoring import teacher_forced_logprobs
 
 
 # ------------------------------------------------------------------------------- numerics
@@ -161,13 +162,13 @@ def test_rollout_logprobs_match_teacher_forcing(tiny):
     model = model.eval()
     probs = rl_tasks.train_problems("add", 0, 3)
     ids = prompt_ids(tok, probs, "plain", "Answer:")
-    samples = hf_generate(model, tok, ids, 6, greedy=False, seed=1)
+    samples = hf_generate(model, ids, 6, eos_ids=eos_ids(model, tok), seed=1)
     assert all(len(s.token_ids) == len(s.logprobs) > 0 for s in samples)
-    with torch.no_grad():
-        lp, mask = token_logprobs(model, [s.prompt_ids for s in samples], [s.token_ids for s in samples], torch.device("cpu"))
+    with torch.no_grad(), torch.autocast(device_type="cpu", dtype=torch.bfloat16):  # as in the RL step
+        lp, mask = teacher_forced_logprobs(model, [s.prompt_ids for s in samples], [s.token_ids for s in samples])
     for b, s in enumerate(samples):
         got = torch.tensor(s.logprobs)
-        # token_logprobs runs under bf16 autocast: compare with a bf16-sized tolerance
+        # the learner's forward runs under bf16 autocast: compare with a bf16-sized tolerance
         assert torch.allclose(got, lp[b, : len(s.token_ids)], atol=0.15), (got, lp[b])
     assert int(mask.sum()) == sum(len(s.token_ids) for s in samples)
 

@@ -211,3 +211,36 @@ def test_bad_inputs_name_the_argument():
         FilterConfig(geo_lo=1.1, geo_hi=1.0)
     with pytest.raises(ValueError, match="polic"):
         FilterConfig(policy="nope")
+
+
+def test_apply_filter_checks_once_and_agrees_with_the_parts(monkeypatch):
+    """One apply_filter call validates its inputs once and computes r and the sequence stats once,
+    with the same metrics and keep mask as compute_tim_metrics and keep_mask called separately."""
+    from foursight.trainer_bridge import filters, metrics
+
+    g = torch.Generator().manual_seed(0)
+    lt = -torch.rand(4, 7, generator=g, dtype=torch.float64) * 3
+    lr = lt + torch.randn(4, 7, generator=g, dtype=torch.float64) * 0.8
+    m = torch.rand(4, 7, generator=g) > 0.2
+    lt[~m] = float("nan")  # padding may hold anything
+    cfg = filters.FilterConfig(policy="max_token", tis_cap=2.0)
+    calls = {"check": 0, "stats": 0}
+    check, stats = metrics.check_inputs, metrics.ratio_stats
+
+    def counted_check(*a):
+        calls["check"] += 1
+        return check(*a)
+
+    def counted_stats(*a):
+        calls["stats"] += 1
+        return stats(*a)
+
+    monkeypatch.setattr(filters, "check_inputs", counted_check)
+    monkeypatch.setattr(filters, "ratio_stats", counted_stats)
+    res = filters.apply_filter(lt, lr, m, cfg)
+    assert calls == {"check": 1, "stats": 1}
+    monkeypatch.undo()
+    ref = metrics.compute_tim_metrics(lt, lr, m, tail_threshold=cfg.tau, is_cap=cfg.is_cap)
+    assert {k: v for k, v in res.metrics.items() if k in ref} == ref
+    keep, _ = filters.keep_mask(lt, lr, m, cfg)
+    assert torch.equal(res.keep, keep)

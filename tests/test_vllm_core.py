@@ -1,4 +1,4 @@
-"""The engine-agnostic adapter core (quant_methods/core.py) against the PyTorch reference.
+"""The engine-neutral adapter modules (quant_methods/plan.py, sharding.py, online.py, config.py) against the PyTorch reference.
 
 No engine is started here: the loaders are driven by a small stand-in for an engine's
 column/row loader (narrow along the sharded dim, copy), exactly the contract vLLM/SGLang use.
@@ -14,18 +14,11 @@ import torch
 
 from foursight.calibration import weight_based_channels as calib_weight_channels
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
-from foursight.quant_methods import core
-from foursight.quant_methods.core import (
-    ChannelsFile,
-    LayerPlan,
-    OnlineSettings,
-    TPContext,
-    apply_linear,
-    concat_shards,
-    layer_params,
-    localize_channels,
-    shard_quantized_weight,
-)
+from foursight.quant_methods import online, sharding
+from foursight.quant_methods.online import OnlineSettings
+from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
+from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_quantized_weight
+from foursight.schema import ChannelsFile
 from foursight.schema import CheckpointError, FourSightConfig
 
 pytestmark = pytest.mark.vllm
@@ -81,7 +74,7 @@ class FakeLayer(torch.nn.Module):
         plan = self.plan
         data = param.data
         if shard_id is not None:
-            i = core.shard_index(shard_id, plan.num_shards)
+            i = sharding.shard_index(shard_id, plan.num_shards)
             off = sum(plan.shard_sizes[:i])
             data = data.narrow(0, off, plan.shard_sizes[i])
         in_dim = getattr(param, "input_dim", None)
@@ -240,7 +233,7 @@ def test_online_quantization_with_channels_file(tmp_path):
 
 
 def test_online_fallback_warns_and_uses_weight_channels(caplog):
-    core._warned_fallback.clear()
+    online._warned_fallback.clear()
     ws = [_w(64), _w(32, seed=1)]
     plan = _plan([("model.layers.0.self_attn.q_proj", 64), ("model.layers.0.self_attn.k_proj", 32)], k=0, mode="online", online=OnlineSettings(budget="16"))
     layer = FakeLayer(plan)
@@ -287,3 +280,34 @@ def test_online_tp_uses_shared_scale_and_global_channels():
         sq = shard_quantized_weight(full, r, 2, "K")
         for a, b in zip(st.qw.tensors(), sq.tensors()):
             assert torch.equal(a.float(), b.float())
+
+
+def test_config_base_ignore_rule_and_wording():
+    """The engine-neutral config base decides for both engines: a shard is ignored when its own
+    name or the fused layer's name matches ``ignore``; a fused layer half-ignored is refused."""
+    from foursight.quant_methods.config import MIN_CAPABILITY, FourSightMethodConfig
+
+    def cfg(ignore):
+        c = FourSightMethodConfig()
+        c._init_foursight(FourSightConfig(ignore=ignore), None)
+        return c
+
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    assert cfg(["lm_head"]).quantizes(qkv)
+    assert not cfg(["qkv_proj"]).quantizes(qkv)  # the fused name
+    assert not cfg(["re:.*\\.(q|k|v)_proj"]).quantizes(qkv)  # every shard
+    with pytest.raises(CheckpointError, match=r"qkv_proj: some fused shards are in ignore and some are not .*ignore all or none"):
+        cfg(["k_proj"]).quantizes(qkv)
+    assert FourSightMethodConfig.get_min_capability() == MIN_CAPABILITY == 80
+
+
+def test_vllm_config_is_the_base():
+    pytest.importorskip("vllm")
+    from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig
+    from foursight.quant_methods.vllm_method import FourSightLinearMethod, FourSightVllmConfig
+
+    c = FourSightVllmConfig(FourSightConfig(ignore=["k_proj"]))
+    assert isinstance(c, FourSightMethodConfig) and issubclass(FourSightLinearMethod, FourSightLinearMethodBase)
+    assert c.get_min_capability() == 80 and c.get_name() == "foursight"
+    with pytest.raises(CheckpointError, match="ignore all or none"):
+        c.quantizes("model.layers.0.self_attn.qkv_proj")

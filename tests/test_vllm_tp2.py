@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent(
         from transformers import AutoTokenizer
         from foursight.hf import load_reference_model
         from foursight.models import builtin_texts
-        from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences, hf_prompt_logprobs
+        from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
+        from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs
         ck, out = sys.argv[1], sys.argv[2]
         tok = AutoTokenizer.from_pretrained(ck)
         seqs = fixed_sequences(tok, builtin_texts()[:4], 32)

@@ -14,6 +14,8 @@ from typing import Optional
 
 import typer
 
+from foursight.cli_util import OptionError, guarded
+
 app = typer.Typer(help="The FourSight rollout bridge (streaming rollouts with per-token logprobs, weight sync).", no_args_is_help=True)
 
 ENGINES = ("vllm", "sglang", "hf")
@@ -26,26 +28,27 @@ def _group() -> None:
 
 def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], tokenizer: Optional[Path],
                   engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu") -> list:
-    """Engine objects for the CLI options (raises ``typer.BadParameter`` naming the option)."""
+    """Engine objects for the CLI options (raises :class:`~foursight.cli_util.OptionError` naming the option)."""
     from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
 
     if engine not in ENGINES:
-        raise typer.BadParameter(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        raise OptionError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     tok = tokenizer or model
     if engine == "hf":
         if model is None:
-            raise typer.BadParameter("--engine hf needs --model DIR (a BF16 HF folder or a FourSight checkpoint)")
+            raise OptionError("--engine hf needs --model DIR (a BF16 HF folder or a FourSight checkpoint)")
         if engine_urls:
-            raise typer.BadParameter("--engine-url is for --engine vllm|sglang; --engine hf runs the model in-process")
+            raise OptionError("--engine-url is for --engine vllm|sglang; --engine hf runs the model in-process")
         return [HFEngine(model, tokenizer=tokenizer, device=device)]
     if not engine_urls:
-        raise typer.BadParameter(f"--engine {engine} needs at least one --engine-url URL")
+        raise OptionError(f"--engine {engine} needs at least one --engine-url URL")
     if engine == "vllm":
         return [VLLMHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "raw_logprobs") for u in engine_urls]
     return [SGLangHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "processed_logprobs") for u in engine_urls]
 
 
 @app.command()
+@guarded
 def serve(
     engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | hf"),
     engine_url: list[str] = typer.Option([], "--engine-url", help="engine server URL (repeat for several engines)"),
@@ -65,13 +68,14 @@ def serve(
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow a non-loopback --host (requires --api-key)"),
 ) -> None:
     """Run the rollout bridge in front of engine servers (or an in-process HF model)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if logprobs_mode not in (None, "raw_logprobs", "processed_logprobs"):
-        raise typer.BadParameter(f"--logprobs-mode must be raw_logprobs or processed_logprobs, got {logprobs_mode!r}")
+        raise OptionError(f"--logprobs-mode must be raw_logprobs or processed_logprobs, got {logprobs_mode!r}")
     if host not in ("127.0.0.1", "localhost", "::1"):
         if not allow_remote:
-            raise typer.BadParameter(f"--host {host} is not loopback; pass --allow-remote (and --api-key) to expose the bridge")
+            raise OptionError(f"--host {host} is not loopback; pass --allow-remote (and --api-key) to expose the bridge")
         if not api_key:
-            raise typer.BadParameter("--allow-remote needs --api-key (or FOURSIGHT_BRIDGE_API_KEY)")
+            raise OptionError("--allow-remote needs --api-key (or FOURSIGHT_BRIDGE_API_KEY)")
     engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device)
     from foursight.trainer_bridge.server import serve as _serve
 
@@ -79,12 +83,3 @@ def serve(
                f"{' (API key required)' if api_key else ''}", err=True)
     _serve(engines, host=host, port=port, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
            sample_timeout_s=sample_timeout, initial_version=initial_version)
-
-
-def main() -> None:  # ``python -m foursight.trainer_bridge.cli``
-    app()
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()

@@ -1,9 +1,17 @@
-"""Engine backends of the rollout bridge: vLLM HTTP, SGLang HTTP ``/generate``, in-process HF.
+"""Engine backends: vLLM over HTTP, SGLang over HTTP, an HF model in process.
 
-Each backend turns one (prompt token ids, sampling params) into one sample with the log-prob
-of every sampled token, reports its health, and applies a versioned BF16 weight update. The
-bridge (server.py) owns scheduling, version tagging and error events; backends only raise
-:class:`EngineError` (or let httpx/asyncio errors through, which the bridge reports the same way).
+These are FourSight's only clients of the engines. Each backend
+
+* **generates**: one (prompt token ids, sampling params) -> one :class:`~foursight.trainer_bridge.protocol.Rollout`
+  with the log-prob of every sampled token;
+* **scores**: teacher-forces given completion tokens after a prompt and returns their log-probs
+  (vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF
+  :func:`~foursight.trainer_bridge.scoring.teacher_forced_logprobs`);
+* reports its health and applies a versioned BF16 weight update.
+
+The bridge (server.py), ``foursight compare`` and ``foursight rl`` use them. The bridge owns
+scheduling, version tagging and error events; backends only raise :class:`EngineError` (or let
+httpx/asyncio errors through, which the bridge reports the same way).
 
 Numerics of a FourSight-quantized model live in :mod:`foursight.layer` / :mod:`foursight.hf`;
 the HF backend re-quantizes through ``FourSightLinear.set_weight`` and never duplicates them.
@@ -16,26 +24,16 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from foursight.trainer_bridge.protocol import Prompt, SamplingParams
+from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 
 
 class EngineError(RuntimeError):
     """An engine refused or failed a call; the message says which engine and why."""
-
-
-@dataclass
-class GenerateResult:
-    """One finished sample: ``token_ids`` [T] and their ``logprobs`` [T], and why it stopped."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
 
 
 class LocalTokenizer:
@@ -92,8 +90,13 @@ class Engine(ABC):
         return await asyncio.to_thread(self.tokenizer.encode, prompt)
 
     @abstractmethod
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> GenerateResult:
-        """Sample one continuation of ``prompt_ids`` with the sampled tokens' logprobs."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> Rollout:
+        """Sample one continuation of ``prompt_ids`` with the sampled tokens' logprobs (the
+        :class:`Rollout`'s bridge fields left at their defaults)."""
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs (raw: log-softmax of the logits) of ``token_ids`` after ``prompt_ids``."""
+        raise EngineError(f"{self.name}: this engine does not score teacher-forced")
 
     @abstractmethod
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
@@ -196,7 +199,7 @@ class VLLMHTTPEngine(_HTTPEngine):
         return body
 
     @staticmethod
-    def parse_completion(data: dict[str, Any], name: str = "vllm") -> GenerateResult:
+    def parse_completion(data: dict[str, Any], name: str = "vllm", prompt_ids: list[int] | None = None) -> Rollout:
         """Sampled token ids and logprobs from a ``/v1/completions`` response (``logprobs=0``, token-id names)."""
         try:
             ch = data["choices"][0]
@@ -207,13 +210,35 @@ class VLLMHTTPEngine(_HTTPEngine):
             raise EngineError(f"{name}: malformed /v1/completions response ({type(e).__name__}: {e})") from None
         if len(ids) != len(vals):
             raise EngineError(f"{name}: {len(ids)} tokens but {len(vals)} logprobs")
-        return GenerateResult(ids, vals, str(ch.get("finish_reason") or "unknown"))
+        return Rollout(prompt_ids=list(prompt_ids or []), token_ids=ids, logprobs=vals, finish_reason=str(ch.get("finish_reason") or "unknown"))
 
-    async def generate(self, prompt_ids, params, max_tokens, seed) -> GenerateResult:
+    async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
         r = await self.client.post("/v1/completions", json=self.completion_body(prompt_ids, params, max_tokens, seed))
         if r.status_code != 200:
             raise EngineError(f"{self.name}: /v1/completions -> {r.status_code} {r.text[:300]}")
-        return self.parse_completion(r.json(), self.name)
+        out = self.parse_completion(r.json(), self.name, prompt_ids)
+        return out.model_copy(update={"logprobs_mode": self.logprobs_mode, "temperature": params.temperature,
+                                      "top_p": params.top_p, "top_k": params.top_k})
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """``prompt_logprobs`` of ``prompt_ids + token_ids`` (one generated token, discarded)."""
+        full = list(prompt_ids) + list(token_ids)
+        body = {"model": self.model, "prompt": full, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        r = await self.client.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /v1/completions (prompt_logprobs) -> {r.status_code} {r.text[:300]}")
+        try:
+            plp = r.json()["choices"][0]["prompt_logprobs"]
+            vals = []
+            for t in range(len(prompt_ids), len(full)):
+                entry, tok = plp[t], full[t]
+                d = entry.get(str(tok)) or entry.get(tok)
+                if d is None:
+                    raise EngineError(f"{self.name}: prompt_logprobs lacks the scored token {tok} at position {t}")
+                vals.append(float(d["logprob"] if isinstance(d, dict) else d))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise EngineError(f"{self.name}: malformed prompt_logprobs response ({type(e).__name__}: {e})") from None
+        return vals
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -265,7 +290,7 @@ class SGLangHTTPEngine(_HTTPEngine):
         return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
 
     @staticmethod
-    def parse_generate(data: dict[str, Any], name: str = "sglang") -> GenerateResult:
+    def parse_generate(data: dict[str, Any], name: str = "sglang", prompt_ids: list[int] | None = None) -> Rollout:
         try:
             meta = data["meta_info"]
             rows = meta["output_token_logprobs"]
@@ -277,13 +302,29 @@ class SGLangHTTPEngine(_HTTPEngine):
             raise EngineError(f"{name}: malformed /generate response ({type(e).__name__}: {e})") from None
         if reason == "abort":
             raise EngineError(f"{name}: request aborted by the engine: {data['meta_info'].get('finish_reason')}")
-        return GenerateResult(ids, vals, reason or "unknown")
+        return Rollout(prompt_ids=list(prompt_ids or []), token_ids=ids, logprobs=vals, finish_reason=reason or "unknown")
 
-    async def generate(self, prompt_ids, params, max_tokens, seed) -> GenerateResult:
+    async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
         r = await self.client.post("/generate", json=self.generate_body(prompt_ids, params, max_tokens, seed))
         if r.status_code != 200:
             raise EngineError(f"{self.name}: /generate -> {r.status_code} {r.text[:300]}")
-        return self.parse_generate(r.json(), self.name)
+        out = self.parse_generate(r.json(), self.name, prompt_ids)
+        return out.model_copy(update={"logprobs_mode": self.logprobs_mode, "temperature": params.temperature,
+                                      "top_p": params.top_p, "top_k": params.top_k})
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """``input_token_logprobs`` of ``prompt_ids + token_ids`` from ``logprob_start_len=0``."""
+        full = list(prompt_ids) + list(token_ids)
+        body = {"input_ids": full, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}, "return_logprob": True,
+                "logprob_start_len": 0}
+        r = await self.client.post("/generate", json=body)
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /generate (input_token_logprobs) -> {r.status_code} {r.text[:300]}")
+        try:
+            inp = r.json()["meta_info"]["input_token_logprobs"]
+            return [float(inp[t][0]) for t in range(len(prompt_ids), len(full))]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{self.name}: malformed input_token_logprobs response ({type(e).__name__}: {e})") from None
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -376,51 +417,42 @@ class HFEngine(Engine):
             ids.update(int(x) for x in e)
         return ids
 
-    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> GenerateResult:
+    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> Rollout:
         """Blocking generation (runs under a lock: one sample at a time)."""
-        import torch
+        eos = sorted(self._eos_ids() | set(params.stop_token_ids)) if not params.ignore_eos else sorted(set(params.stop_token_ids))
+        with self._lock:
+            out = hf_generate(self.model, [prompt_ids], max_tokens, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k, min_new_tokens=params.min_tokens, eos_ids=eos, seed=seed)[0]
+        return out.model_copy(update={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k})
 
-        with self._lock, torch.no_grad():
-            ids = torch.tensor([prompt_ids], device=self.device)
-            eos = sorted(self._eos_ids() | set(params.stop_token_ids)) if not params.ignore_eos else sorted(set(params.stop_token_ids))
-            kw: dict[str, Any] = dict(
-                max_new_tokens=max_tokens,
-                min_new_tokens=params.min_tokens or None,
-                do_sample=params.temperature > 0,
-                output_logits=True,
-                return_dict_in_generate=True,
-                eos_token_id=eos or None,
-                pad_token_id=(eos[0] if eos else 0),
-            )
-            if params.temperature > 0:
-                kw.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0)
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-            new = out.sequences[0, ids.shape[1]:]
-            logits = torch.stack(out.logits, 0)[:, 0].float()  # [T, V] raw logits, before any processor
-            lp = torch.log_softmax(logits, -1).gather(-1, new[: logits.shape[0], None])[:, 0]
-            toks = new.tolist()
-            # HF pads finished sequences; a sequence stops at its first EOS
-            reason = "length"
-            for i, t in enumerate(toks):
-                if t in eos:
-                    toks, lp = toks[: i + 1], lp[: i + 1]
-                    reason = "stop"
-                    break
-            return GenerateResult([int(t) for t in toks], [float(v) for v in lp], reason)
-
-    async def generate(self, prompt_ids, params, max_tokens, seed) -> GenerateResult:
+    async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
         return await asyncio.to_thread(self.generate_sync, prompt_ids, params, max_tokens, seed)
 
+    def score_sync(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        import torch
+
+        from foursight.trainer_bridge.scoring import teacher_forced_logprobs
+
+        with self._lock, torch.no_grad():
+            lp, _ = teacher_forced_logprobs(self.model, [prompt_ids], [token_ids])
+        return [float(v) for v in lp[0, : len(token_ids)]]
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        return await asyncio.to_thread(self.score_sync, prompt_ids, token_ids)
+
     def update_weights_sync(self, path: str, version: int) -> dict[str, Any]:
-        """Load BF16 tensors (HF names); all are checked before any is applied."""
+        """Load the BF16 tensors (HF names) of a safetensors file or folder (:meth:`load_tensors_sync`)."""
+        return self.load_tensors_sync(read_safetensors(path), version)
+
+    def load_tensors_sync(self, tensors: dict[str, Any], version: int) -> dict[str, Any]:
+        """The one HF weight sync: copy tensors (HF names) into the model; a FourSight layer's
+        ``weight`` is re-quantized with its channel set (``FourSightLinear.set_weight``). All are
+        checked (name, shape, finiteness of re-quantized weights) before any is applied."""
         import torch
 
         from foursight.hf import FourSightLinear
 
         t0 = time.monotonic()
-        tensors = read_safetensors(path)
         modules = dict(self.model.named_modules())
         params = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())
@@ -456,6 +488,54 @@ class HFEngine(Engine):
 
     async def health(self) -> bool:
         return self.model is not None
+
+
+def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                top_k: int = -1, min_new_tokens: int = 0, eos_ids: list[int] | tuple[int, ...] = (), seed: int | None = None) -> list[Rollout]:
+    """FourSight's one HF generation: a left-padded batch of prompts, ``temperature=0`` greedy.
+
+    Each :class:`Rollout` holds the raw log-prob (log-softmax of the unprocessed logits, before
+    any logits processor) of every sampled token; a completion ends at its first token in
+    ``eos_ids`` (``finish_reason`` "stop") or after ``max_new_tokens`` ("length").
+    """
+    import torch
+
+    p0 = next(model.parameters(), None)
+    dev = p0.device if p0 is not None else next(model.buffers()).device
+    eos = list(eos_ids)
+    pad = eos[0] if eos else 0
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
+    att = torch.zeros(len(prompts), L, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(list(p))
+        att[b, L - len(p):] = 1
+    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None, do_sample=temperature > 0,
+                              output_logits=True, return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad)
+    if temperature > 0:
+        kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
+    else:
+        kw.update(temperature=None, top_p=None, top_k=None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids.to(dev), attention_mask=att.to(dev), **kw)
+    new = out.sequences[:, L:]
+    logits = torch.stack(out.logits, 1).float()  # [B, T, V] raw logits
+    lp = torch.log_softmax(logits, -1).gather(-1, new[:, : logits.shape[1], None])[..., 0].cpu()
+    new = new.cpu()
+    eos_set = set(eos)
+    res = []
+    for b, p in enumerate(prompts):
+        toks = new[b].tolist()
+        reason, n = "length", len(toks)
+        for i, t in enumerate(toks):  # HF pads finished sequences: a completion stops at its first EOS
+            if t in eos_set:
+                n, reason = i + 1, "stop"
+                break
+        res.append(Rollout(prompt_ids=[int(t) for t in p], token_ids=[int(t) for t in toks[:n]],
+                           logprobs=[float(v) for v in lp[b, :n]], finish_reason=reason))
+    return res
 
 
 def shm_path(name: str) -> str:

@@ -1,6 +1,6 @@
 """TIM-aware sequence filters: exclude drifted sequences from the policy loss.
 
-Four policies decide which sequences to keep (inputs [B, T] as in :mod:`.metrics`):
+Four policies decide which sequences to keep, and ``none`` keeps all (inputs [B, T] as in :mod:`.metrics`):
 
 * ``max_token``  — drop a sequence if any valid token has |r| > τ.
 * ``tail_count`` — drop a sequence if more than ``n`` valid tokens have |r| > τ.
@@ -30,10 +30,13 @@ from foursight.trainer_bridge.metrics import (
     DEFAULT_IS_CAP,
     DEFAULT_TAIL_THRESHOLD,
     SAFETY_BOUND,
+    SequenceStats,
     TIMError,
     check_inputs,
-    compute_tim_metrics,
+    masked_ratio,
+    ratio_stats,
     sequence_stats,
+    tim_metrics,
 )
 
 Policy = Literal["none", "max_token", "tail_count", "geo_mean", "quantile"]
@@ -102,7 +105,11 @@ def keep_mask(
     config: FilterConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which sequences a policy keeps. Returns (keep bool [B], the thresholded statistic float64 [B])."""
-    st = sequence_stats(logp_train, logp_rollout, mask, config.tau)
+    return keep_from_stats(sequence_stats(logp_train, logp_rollout, mask, config.tau), config)
+
+
+def keep_from_stats(st: SequenceStats, config: FilterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`keep_mask` from a batch's :class:`SequenceStats` (computed once by the caller)."""
     p = config.policy
     if p == "none":
         return torch.ones_like(st.valid), st.max_abs
@@ -158,13 +165,16 @@ def apply_filter(
         and ``rollout_corr/rollout_rs_seq_masked_fraction`` (verl's names) for the dropped part.
     """
     cfg = config if isinstance(config, FilterConfig) else FilterConfig.model_validate(config or {})
-    lt, lr, m = check_inputs(logp_train, logp_rollout, mask)
-    keep, stat = keep_mask(logp_train, logp_rollout, mask, cfg)
+    if not cfg.is_cap > 1:
+        raise TIMError(f"is_cap must be > 1, got {cfg.is_cap}")
+    lt, lr, m = check_inputs(logp_train, logp_rollout, mask)  # validated once; r and the stats computed once
+    lt, lr, r = masked_ratio(lt, lr, m)
+    st = ratio_stats(r, m, cfg.tau)
+    keep, stat = keep_from_stats(st, cfg)
     loss_mask = (m & keep[:, None]).to(torch.float32)
-    r = torch.where(m, lt - lr, torch.zeros_like(lt))
     is_w = truncated_is_weights(r, loss_mask, cfg.tis_cap) if cfg.tis_cap is not None else None
 
-    metrics = compute_tim_metrics(logp_train, logp_rollout, mask, tail_threshold=cfg.tau, is_cap=cfg.is_cap)
+    metrics = tim_metrics(lt, lr, m, r, st, cfg.tau, cfg.is_cap)
     valid = m.any(dim=1)
     n_valid = int(valid.sum())
     n_tok = int(m.sum())

@@ -115,8 +115,11 @@ def sequence_stats(
     """Per-sequence statistics of ``r`` (see :class:`SequenceStats`); inputs [B, T] as in the module doc."""
     if not tail_threshold >= 0:
         raise TIMError(f"tail_threshold must be >= 0, got {tail_threshold}")
-    r = log_ratio(logp_train, logp_rollout, mask)
-    m = mask.bool()
+    return ratio_stats(log_ratio(logp_train, logp_rollout, mask), mask.bool(), tail_threshold)
+
+
+def ratio_stats(r: torch.Tensor, m: torch.Tensor, tail_threshold: float) -> SequenceStats:
+    """:func:`sequence_stats` of already-checked inputs: ``r`` float64 [B, T] (0 at padding), ``m`` bool [B, T]."""
     n = m.sum(dim=1)
     valid = n > 0
     s = r.sum(dim=1)
@@ -186,12 +189,25 @@ def compute_tim_metrics(
     """
     if not is_cap > 1:
         raise TIMError(f"is_cap must be > 1, got {is_cap}")
+    if not tail_threshold >= 0:
+        raise TIMError(f"tail_threshold must be >= 0, got {tail_threshold}")
     lt, lr, m = check_inputs(logp_train, logp_rollout, mask)
-    lt = torch.where(m, lt, torch.zeros_like(lt))  # padded positions may hold NaN: zero them
+    lt, lr, r = masked_ratio(lt, lr, m)
+    return tim_metrics(lt, lr, m, r, ratio_stats(r, m, tail_threshold), tail_threshold, is_cap, prefix_tim, prefix_verl)
+
+
+def masked_ratio(lt: torch.Tensor, lr: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked inputs with padded positions zeroed (they may hold NaN), and ``r = lt - lr``."""
+    lt = torch.where(m, lt, torch.zeros_like(lt))
     lr = torch.where(m, lr, torch.zeros_like(lr))
-    r = lt - lr
+    return lt, lr, lt - lr
+
+
+def tim_metrics(lt: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, r: torch.Tensor, st: SequenceStats, tail_threshold: float,
+                is_cap: float, prefix_tim: str = "tim/", prefix_verl: str = "rollout_corr/") -> dict[str, float]:
+    """:func:`compute_tim_metrics` of already-checked inputs (:func:`check_inputs`, :func:`masked_ratio`)
+    and their :func:`ratio_stats`: each quantity computed once per batch."""
     est = token_estimators(r)
-    st = sequence_stats(logp_train, logp_rollout, mask, tail_threshold)
     mf = m.to(torch.float64)
     vs = st.valid
     n_tok = int(m.sum())

@@ -92,31 +92,43 @@ class Timing(_Strict):
 
 
 class Rollout(_Strict):
-    """One finished sample, as streamed and as returned by :class:`~foursight.trainer_bridge.client.RolloutClient`.
+    """One sampled completion: the rollout record of every FourSight road (the bridge stream and
+    :class:`~foursight.trainer_bridge.client.RolloutClient`, the engine backends, ``foursight
+    compare`` and ``foursight rl``).
 
     ``logprobs[t]`` is the engine's log-probability of ``token_ids[t]`` in the engine's
     ``logprobs_mode`` (``raw_logprobs``: log-softmax of the unprocessed logits, no temperature,
-    no top-p/top-k; ``processed_logprobs``: after temperature and truncation).
+    no top-p/top-k; ``processed_logprobs``: after temperature and truncation). The bridge fields
+    (``request_id``, ``prompt_index``, ``sample_index``, ``engine``, ``weight_version``,
+    ``timing``) are set by the bridge; a backend called directly leaves them at their defaults.
     """
 
-    request_id: str
-    prompt_index: int
-    sample_index: int
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str
-    engine: str
-    weight_version: int
+    finish_reason: str = "length"
     logprobs_mode: LogprobsMode = "raw_logprobs"
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    engine: str = ""
+    weight_version: int = 0
+    request_id: str = ""
+    prompt_index: int = 0
+    sample_index: int = 0
     timing: Timing | None = None
 
 
 class SampleEvent(Rollout):
+    """A finished sample on the wire: a :class:`Rollout` whose bridge fields are all given."""
+
     type: Literal["sample"] = "sample"
+    finish_reason: str
+    engine: str
+    weight_version: int
+    request_id: str
+    prompt_index: int
+    sample_index: int
 
 
 class ErrorEvent(_Strict):

@@ -1,5 +1,6 @@
-"""Learner-side log-probs of streamed rollouts, padding, and the filter in one call.
+"""Learner-side log-probs of rollouts, padding, and the filter in one call.
 
+:func:`teacher_forced_logprobs` is FourSight's one teacher-forcing function for HF models.
 :func:`score` teacher-forces ``prompt_ids + token_ids`` through an HF model (BF16 by default)
 and returns the log-prob of each sampled token **in the engine's convention**:
 
@@ -26,16 +27,84 @@ class ScoringError(ValueError):
     """A rollout cannot be scored in its engine's logprob convention (message names the rollout)."""
 
 
-def _transform(logits: torch.Tensor, r: Rollout, mode: str, i: int) -> torch.Tensor:
+def teacher_forced_logprobs(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    temperatures: Sequence[float] | None = None,
+    device: str | torch.device | None = None,
+    pad_id: int = 0,
+    fp32_head: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probs of ``completions`` given ``prompts`` from an HF causal LM: the one
+    place FourSight computes them (learner scoring, ``foursight rl``'s loss, ``foursight compare``'s
+    HF engines, the engine tests' reference).
+
+    One forward over the right-padded batch ``prompt + completion`` (with its attention mask);
+    ``log_softmax`` of the float32 logits, divided by ``temperatures[b]`` first where given.
+    ``fp32_head``: the LM head runs in float32 on the final hidden states (as SGLang's
+    ``--enable-fp32-lm-head``) instead of in the model's dtype.
+    Gradients flow when enabled (autocast is the caller's choice).
+
+    Returns:
+        ``(logp, mask)``: float32 [B, T] and bool [B, T], T = the longest completion (at least 1),
+        zeros / False at padding.
+    """
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+    L = max(len(x) for x in seqs)
+    T = max([len(c) for c in completions] + [1])
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    att = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, x in enumerate(seqs):
+        ids[b, : len(x)] = torch.tensor(x)
+        att[b, : len(x)] = 1
+    ids = ids.to(dev)
+    att = None if bool((att == 1).all()) else att.to(dev)  # no padding: no mask (the plain causal forward)
+    if fp32_head:
+        h = model.get_decoder()(input_ids=ids, attention_mask=att).last_hidden_state
+        head = model.get_output_embeddings()
+        logits = h.float() @ head.weight.float().t()
+        if getattr(head, "bias", None) is not None:
+            logits = logits + head.bias.float()
+    else:
+        logits = model(input_ids=ids, attention_mask=att).logits
+    out = torch.zeros(len(seqs), T, device=dev)
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool, device=dev)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        P, n = len(p), len(c)
+        if n == 0:
+            continue
+        lg = logits[b, P - 1 : P - 1 + n].float()
+        if temperatures is not None and temperatures[b] not in (None, 1.0):
+            lg = lg / temperatures[b]
+        out[b, :n] = torch.log_softmax(lg, -1).gather(-1, ids[b, P : P + n, None])[:, 0]
+        mask[b, :n] = True
+    return out, mask
+
+
+def sequence_logprobs(model: Any, seqs: Sequence[Sequence[int]], fp32_head: bool = False) -> list[torch.Tensor]:
+    """``log p(seq[t] | seq[:t])`` for t ≥ 1 of each sequence, one at a time, float64 [len - 1]
+    (:func:`teacher_forced_logprobs` with the first token as the prompt)."""
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            lp, _ = teacher_forced_logprobs(model, [list(s[:1])], [list(s[1:])], fp32_head=fp32_head)
+            out.append(lp[0, : len(s) - 1].double().cpu())
+    return out
+
+
+def _temperature(r: Rollout, mode: str, i: int) -> float:
+    """The temperature that turns raw logits into ``r``'s logprob convention."""
     if mode == "raw_logprobs":
-        return logits
+        return 1.0
     if mode == "processed_logprobs":
         if r.top_p < 1.0 or r.top_k > 0:
             raise ScoringError(
                 f"rollouts[{i}]: processed_logprobs with top_p={r.top_p}, top_k={r.top_k} cannot be reproduced by the learner; "
                 "run the engine with raw logprobs (vLLM --logprobs-mode raw_logprobs)"
             )
-        return logits / r.temperature if r.temperature > 0 else logits
+        return r.temperature if r.temperature > 0 else 1.0
     raise ScoringError(f"rollouts[{i}]: unknown logprobs_mode {mode!r}")
 
 
@@ -47,12 +116,12 @@ def score(
     device: str | torch.device | None = None,
     logprobs_mode: str | None = None,
 ) -> list[torch.Tensor]:
-    """Learner log-probs of each rollout's sampled tokens.
+    """Learner log-probs of each rollout's sampled tokens (:func:`teacher_forced_logprobs`).
 
     Args:
         model: an HF causal LM (``model(input_ids, attention_mask).logits`` [B, L, V]).
         rollouts: :class:`Rollout` objects (prompt_ids, token_ids, temperature, top_p/k, logprobs_mode).
-        batch_size: sequences per forward pass (right-padded).
+        batch_size: sequences per forward pass (right-padded, sorted by length).
         device: where to run; default the model's device.
         logprobs_mode: override the rollouts' own ``logprobs_mode``.
     Returns:
@@ -60,36 +129,21 @@ def score(
     """
     if batch_size < 1:
         raise ScoringError(f"batch_size must be >= 1, got {batch_size}")
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    temps = []
+    for i, r in enumerate(rollouts):
+        if not r.prompt_ids:
+            raise ScoringError(f"rollouts[{i}]: empty prompt_ids")
+        if len(r.logprobs) != len(r.token_ids):
+            raise ScoringError(f"rollouts[{i}]: {len(r.token_ids)} token_ids but {len(r.logprobs)} logprobs")
+        temps.append(_temperature(r, logprobs_mode or r.logprobs_mode, i))
     out: list[torch.Tensor] = [torch.zeros(0)] * len(rollouts)
     order = sorted(range(len(rollouts)), key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].token_ids))
     for s in range(0, len(order), batch_size):
         idx = order[s : s + batch_size]
-        seqs = []
-        for i in idx:
-            r = rollouts[i]
-            if not r.prompt_ids:
-                raise ScoringError(f"rollouts[{i}]: empty prompt_ids")
-            if len(r.logprobs) != len(r.token_ids):
-                raise ScoringError(f"rollouts[{i}]: {len(r.token_ids)} token_ids but {len(r.logprobs)} logprobs")
-            seqs.append(list(r.prompt_ids) + list(r.token_ids))
-        L = max(len(x) for x in seqs)
-        ids = torch.zeros(len(seqs), L, dtype=torch.long)
-        att = torch.zeros(len(seqs), L, dtype=torch.long)
-        for b, x in enumerate(seqs):
-            ids[b, : len(x)] = torch.tensor(x)
-            att[b, : len(x)] = 1
-        logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev)).logits
+        lp, _ = teacher_forced_logprobs(model, [rollouts[i].prompt_ids for i in idx], [rollouts[i].token_ids for i in idx],
+                                        [temps[i] for i in idx], device)
         for b, i in enumerate(idx):
-            r = rollouts[i]
-            P, T = len(r.prompt_ids), len(r.token_ids)
-            if T == 0:
-                out[i] = torch.zeros(0, dtype=torch.float32)
-                continue
-            lg = logits[b, P - 1 : P - 1 + T].float()
-            lg = _transform(lg, r, logprobs_mode or r.logprobs_mode, i)
-            tok = torch.tensor(r.token_ids, device=lg.device)
-            out[i] = torch.log_softmax(lg, -1).gather(-1, tok[:, None])[:, 0].cpu()
+            out[i] = lp[b, : len(rollouts[i].token_ids)].float().cpu()
     return out
 
 

@@ -17,7 +17,6 @@ slow reader slows its own stream's engine calls instead of growing memory.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -392,7 +391,3 @@ def serve(engines: Sequence[Engine], host: str = "127.0.0.1", port: int = 8100, 
     import uvicorn
 
     uvicorn.run(create_app(engines, **kwargs), host=host, port=port, log_level="info")
-
-
-def dumps(obj: Any) -> str:  # small helper for scripts
-    return json.dumps(obj, indent=2, sort_keys=True)

@@ -88,24 +88,14 @@ def engine_prompt_logprobs(engine, prompts: list[list[int]]) -> list[list[float]
     return [sglang_prompt_logprobs(o["meta_info"]) for o in outs]
 
 
-@torch.no_grad()
 def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[float]]:
-    """Teacher-forced logprobs ``log p(t_i | t_<i)``, i = 1..L-1, of an HF causal LM.
-
-    The final hidden states come from the model in its dtype (BF16); the LM head and the
-    softmax run in float32, as SGLang's with ``enable_fp32_lm_head``.
+    """Teacher-forced logprobs ``log p(t_i | t_<i)``, i = 1..L-1, of an HF causal LM
+    (:func:`foursight.trainer_bridge.scoring.sequence_logprobs`): the final hidden states in the
+    model's dtype (BF16), the LM head and the softmax in float32, as SGLang's with ``enable_fp32_lm_head``.
     """
-    head = model.get_output_embeddings()
-    out = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        h = model.model(input_ids=x).last_hidden_state[0]
-        logits = h.float() @ head.weight.float().t()
-        if getattr(head, "bias", None) is not None:
-            logits = logits + head.bias.float()
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, x[0, 1:, None])[:, 0]
-        out.append(lp.tolist())
-    return out
+    from foursight.trainer_bridge.scoring import sequence_logprobs
+
+    return [lp.tolist() for lp in sequence_logprobs(model, prompts, fp32_head=True)]
 
 
 def reference_model(ckpt_dir: str | Path) -> torch.nn.Module:

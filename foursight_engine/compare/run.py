@@ -1,0 +1,101 @@
+"""The ``foursight compare`` driver: checkpoints, rollouts once, every engine scores, the report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from foursight.compare.attribution import attribute_layers
+from foursight.compare.engines import _drive, default_sglang_python, open_engine
+from foursight.compare.prompts import load_prompts
+from foursight.compare.report import engine_metrics, pairwise, print_table, write_plots, write_report
+from foursight.compare.spec import LEARNER, EngineSpec, parse_engine_urls
+from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
+from foursight.trainer_bridge.protocol import Rollout
+
+
+def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, workdir: Path,
+                       foursight_ckpt: Optional[Path], nvfp4_ckpt: Optional[Path]) -> dict[str, Path]:
+    """BF16 folder and the FourSight / plain-NVFP4 checkpoints the engines need (quantized once, reused)."""
+    from foursight.checkpoint import quantize_model
+
+    dirs = {"bf16": model_dir}
+    for prec, given, ch in (("foursight", foursight_ckpt, channels), ("nvfp4", nvfp4_ckpt, "0")):
+        if prec not in precisions:
+            continue
+        if given is not None:
+            dirs[prec] = given
+            continue
+        dst = workdir / f"{model_dir.name}-{prec}-k{ch.replace('%', 'pct')}"
+        if not (dst / "config.json").exists():
+            quantize_model(model_dir, dst, channels=ch, progress=True)
+        dirs[prec] = dst
+    return dirs
+
+
+def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: str = "builtin", n: int = 64,
+                max_tokens: int = 128, temperature: float = 1.0, seed: int = 0, generator: Optional[str] = None,
+                channels: str = "32", engine_urls: Sequence[str] = (), foursight_ckpt: Optional[Path] = None,
+                nvfp4_ckpt: Optional[Path] = None, tail_threshold: float = DEFAULT_TAIL_THRESHOLD, attribute: bool = False,
+                attribute_by: str = "type", attribute_n: int = 16, sglang_python: Optional[str] = None,
+                max_model_len: int = 1024, command: str = "") -> dict:
+    """Run the whole comparison and write the report; returns the metrics dict."""
+    from transformers import AutoTokenizer
+
+    urls = parse_engine_urls(engine_urls)
+    gen = EngineSpec.parse(generator) if generator else engines[0]
+    if gen.name not in {e.name for e in engines}:
+        engines = [gen, *engines]
+    specs = list(engines)
+    if LEARNER not in {e.name for e in specs}:
+        specs.append(EngineSpec("hf", "bf16"))
+    out.mkdir(parents=True, exist_ok=True)
+    dirs = ensure_checkpoints(model_dir, {e.precision for e in specs}, channels, out / "checkpoints", foursight_ckpt, nvfp4_ckpt)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = load_prompts(prompts, n, tok)
+    sglang_python = sglang_python or default_sglang_python()
+
+    t0 = time.time()
+    order = [gen] + [e for e in specs if e != gen]
+    scores: dict[str, list[torch.Tensor]] = {}
+    rollouts: list[Rollout] = []
+    for spec in order:
+        engine, srv = open_engine(spec, dirs, urls, out / "logs", sglang_python, max_model_len)
+        try:
+            rollouts, scores[spec.name] = asyncio.run(_drive(engine, spec.name, 1 if spec.kind == "hf" else 8,
+                                                             prompt_ids if spec == gen else None, max_tokens, temperature, seed,
+                                                             rollouts))
+        finally:
+            if srv is not None:
+                srv.stop()
+    learner = scores[LEARNER]
+    result = {
+        "config": {"model": str(model_dir), "engines": [e.name for e in engines], "generator": gen.name, "n": len(rollouts),
+                   "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "channels": channels,
+                   "tail_threshold": tail_threshold, "checkpoints": {k: str(v) for k, v in dirs.items()}, "command": command},
+        "num_tokens": int(sum(len(s) for s in learner)),
+        "engines": {e.name: engine_metrics(learner, scores[e.name], tail_threshold) for e in engines if e.name != LEARNER},
+        "pairwise": pairwise({e.name: scores[e.name] for e in specs}),
+        "generator_self_check": {},
+        "seconds": 0.0,
+    }
+    if any(r.logprobs for r in rollouts):
+        # the generator's own sampling logprobs against its own teacher-forced scoring (should be ~0)
+        d = torch.cat([(torch.tensor(r.logprobs, dtype=torch.float64) - s).abs() for r, s in zip(rollouts, scores[gen.name]) if r.logprobs])
+        if d.numel():
+            result["generator_self_check"] = {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
+    if attribute:
+        k = min(attribute_n, len(rollouts))
+        result["attribution"] = attribute_layers(model_dir, rollouts[:k], learner[:k], by=attribute_by)
+    result["seconds"] = time.time() - t0
+    plots = write_plots(out, learner, {e.name: scores[e.name] for e in specs}, tail_threshold)
+    (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    torch.save({"rollouts": [r.model_dump() for r in rollouts], "scores": scores}, out / "scores.pt")
+    write_report(out, result, plots)
+    print_table(result)
+    return result

@@ -1,0 +1,50 @@
+"""``--engines`` and ``--engine-url``: which engines ``foursight compare`` runs, and the learner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+PRECISIONS = ("bf16", "foursight", "nvfp4")
+KINDS = ("hf", "vllm", "sglang")
+LEARNER = "hf:bf16"
+
+
+class CompareError(ValueError):
+    """Bad ``compare`` arguments (names the flag)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: str
+    precision: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.precision}"
+
+    @classmethod
+    def parse(cls, s: str) -> "EngineSpec":
+        kind, _, prec = s.strip().partition(":")
+        if kind not in KINDS or prec not in PRECISIONS:
+            raise CompareError(f"--engines: {s!r} is not KIND:PRECISION with KIND in {KINDS} and PRECISION in {PRECISIONS}")
+        return cls(kind, prec)
+
+
+def parse_engines(spec: str) -> list[EngineSpec]:
+    out = [EngineSpec.parse(s) for s in spec.split(",") if s.strip()]
+    if not out:
+        raise CompareError("--engines: no engine given")
+    if len({e.name for e in out}) != len(out):
+        raise CompareError(f"--engines: repeated engine in {spec!r}")
+    return out
+
+
+def parse_engine_urls(items: Sequence[str]) -> dict[str, str]:
+    urls = {}
+    for it in items:
+        name, eq, url = it.partition("=")
+        if not eq or not url.startswith("http"):
+            raise CompareError(f"--engine-url: {it!r} is not KIND:PRECISION=http://HOST:PORT")
+        urls[EngineSpec.parse(name).name] = url.rstrip("/")
+    return urls

@@ -1,0 +1,37 @@
+"""``foursight rl``: a small GRPO loop with BF16, NVFP4 or FourSight rollouts.
+
+One training step:
+
+1. **sync**   — the learner's weights are pushed into the rollout engine and re-quantized
+   (``FourSightLinear.set_weight`` in process, ``HFEngine.update_weights_sync`` through a
+   safetensors file, or the vLLM worker extension ``foursight_update_weights``).
+2. **rollout** — the quantized engine samples ``group_size`` completions per prompt at
+   temperature 1 (no top-p/top-k) and returns the raw log-prob of each sampled token; these are
+   π_old of the clipped objective.
+3. **score**  — the learner (BF16 autocast) teacher-forces the same tokens once
+   (:func:`foursight.trainer_bridge.scoring.teacher_forced_logprobs`, with grad);
+   ``r = logp_train − logp_rollout`` gives the TIM metrics, and the sequence filter
+   (:mod:`foursight.trainer_bridge.filters`) gives the loss mask.
+4. **update** — group-relative advantages, clipped policy loss over the kept tokens on that same
+   forward (optionally + k3 KL to the frozen initial model), one AdamW step on FP32 master weights.
+
+Rollouts are :class:`foursight.trainer_bridge.protocol.Rollout` records; HF generation is
+:func:`foursight.trainer_bridge.engines.hf_generate`.
+
+Modules: ``config`` (RLConfig), ``grpo`` (advantages, loss), ``engines`` (rollout engines),
+``loop`` (run_rl, evaluate), ``tasks`` (the verifiable tasks), ``cli`` (the command).
+
+Every ``eval_every`` steps the learner answers the held-out eval set greedily. One JSON line is
+written per step (see :func:`run_rl`). The numerics of the quantized layers live in
+:mod:`foursight.layer` / :mod:`foursight.hf` (Triton kernels on CUDA); nothing is duplicated here.
+"""
+
+from foursight.rl.config import ENGINES, FILTERS, PRECISIONS, RLConfig, RLError
+from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, eos_ids
+from foursight.rl.grpo import group_advantages, grpo_loss
+from foursight.rl.loop import evaluate, prompt_ids, run_rl, state_dict_sha256
+
+__all__ = [
+    "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError", "HFRollout", "VLLMRollout", "calibrate_channel_sets",
+    "eos_ids", "group_advantages", "grpo_loss", "evaluate", "prompt_ids", "run_rl", "state_dict_sha256",
+]

@@ -1,0 +1,50 @@
+"""``foursight rl``: the command (one option per :class:`~foursight.rl.config.RLConfig` field)."""
+
+from __future__ import annotations
+
+import typer
+
+from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption, guarded
+from foursight.rl import tasks as rl_tasks
+from foursight.rl.config import RLConfig
+from foursight.rl.loop import run_rl
+
+
+@guarded
+def rl_command(
+    model: ModelOption = None,
+    task: str = typer.Option("add", "--task", help=f"one of {sorted(rl_tasks.TASKS)}"),
+    rollout_precision: str = typer.Option("foursight", "--rollout-precision", help="bf16 | nvfp4 (k=0) | foursight"),
+    filter: str = typer.Option("none", "--filter", help="none | max_token | tail_count | geo_mean | quantile"),
+    engine: str = typer.Option("hf", "--engine", help="hf (in-process; Triton kernels on CUDA) | vllm (CPU smoke)"),
+    steps: int = typer.Option(100, "--steps"),
+    prompts_per_step: int = typer.Option(8, "--prompts-per-step"),
+    group_size: int = typer.Option(8, "--group-size"),
+    max_new_tokens: int = typer.Option(12, "--max-new-tokens"),
+    lr: float = typer.Option(2e-5, "--lr"),
+    clip_eps: float = typer.Option(0.2, "--clip-eps"),
+    kl_coef: float = typer.Option(0.0, "--kl-coef"),
+    channels: ChannelsOption = DEFAULT_CHANNELS,
+    eval_every: int = typer.Option(10, "--eval-every"),
+    eval_size: int = typer.Option(128, "--eval-size"),
+    seed: int = typer.Option(0, "--seed"),
+    device: str = typer.Option("auto", "--device"),
+    out: str = typer.Option("runs/rl.jsonl", "--out", help="JSONL log path"),
+    time_budget_s: float = typer.Option(0.0, "--time-budget", help="stop after this many seconds of training (0: none)"),
+    sync: str = typer.Option("inproc", "--sync", help="hf engine weight sync: inproc (set_weight) | file (HFEngine.update_weights)"),
+    tis_cap: float = typer.Option(0.0, "--tis-cap", help="token TIS cap (0: off)"),
+    filter_tau: float = typer.Option(0.0, "--filter-tau", help="τ of max_token/tail_count (0: default ln 3)"),
+    filter_quantile: float = typer.Option(0.0, "--filter-quantile", help="q of the quantile filter (0: default)"),
+    format_bonus: float = typer.Option(0.1, "--format-bonus", help="reward for a well-formed answer that is wrong"),
+    prompt_style: str = typer.Option("plain", "--prompt-style", help="plain | oneshot (a solved example in the prompt)"),
+    prefill: str = typer.Option("Answer:", "--prefill", help="start of the assistant reply the completion continues ('' for none)"),
+) -> None:
+    """GRPO with BF16 / NVFP4 / FourSight rollouts on a verifiable task; logs JSONL (see docs/rl.md)."""
+
+    cfg = RLConfig(model=model, task=task, rollout_precision=rollout_precision, filter=filter, engine=engine, steps=steps,
+                   prompts_per_step=prompts_per_step, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
+                   clip_eps=clip_eps, kl_coef=kl_coef, channels=channels, eval_every=eval_every, eval_size=eval_size, seed=seed,
+                   device=device, out=out, time_budget_s=time_budget_s, sync=sync, tis_cap=tis_cap or None,
+                   filter_tau=filter_tau or None, filter_quantile=filter_quantile or None, format_bonus=format_bonus,
+                   prompt_style=prompt_style, prefill=prefill)
+    typer.echo(f"wrote {run_rl(cfg, log=typer.echo)}")

@@ -1,0 +1,81 @@
+"""Options of one ``foursight rl`` run (:class:`RLConfig`, the CLI's flags) and the RL error type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from foursight.rl import tasks as rl_tasks
+
+PRECISIONS = ("bf16", "nvfp4", "foursight")
+FILTERS = ("none", "max_token", "tail_count", "geo_mean", "quantile")
+ENGINES = ("hf", "vllm")
+
+
+class RLError(ValueError):
+    """Bad RL option or state; the message names the option."""
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RLConfig:
+    """Options of one RL run (the CLI flags of ``foursight rl``)."""
+
+    model: str | None = None  # None: the packaged SmolLM2-135M-Instruct
+    task: str = "add"
+    rollout_precision: str = "foursight"
+    filter: str = "none"
+    engine: str = "hf"
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 12
+    lr: float = 2e-5
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    channels: str = "32"
+    eval_every: int = 10
+    eval_size: int = 128
+    seed: int = 0
+    device: str = "auto"
+    out: str = "runs/rl.jsonl"
+    time_budget_s: float = 0.0
+    sync: str = "inproc"
+    format_bonus: float = 0.1
+    prompt_style: str = "plain"
+    prefill: str = "Answer:"
+    tis_cap: float | None = None
+    filter_tau: float | None = None
+    filter_quantile: float | None = None
+
+    def validate(self) -> None:
+        if self.rollout_precision not in PRECISIONS:
+            raise RLError(f"--rollout-precision: expected one of {PRECISIONS}, got {self.rollout_precision!r}")
+        if self.filter not in FILTERS:
+            raise RLError(f"--filter: expected one of {FILTERS}, got {self.filter!r}")
+        if self.engine not in ENGINES:
+            raise RLError(f"--engine: expected one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "vllm" and self.rollout_precision == "bf16":
+            raise RLError("--engine vllm: --rollout-precision must be nvfp4 or foursight (weights are synced through the "
+                          "FourSight worker extension); use --engine hf for bf16 rollouts")
+        if self.task not in rl_tasks.TASKS:
+            raise RLError(f"--task: unknown task {self.task!r}; choose one of {sorted(rl_tasks.TASKS)}")
+        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_size"):
+            if getattr(self, name) < 1:
+                raise RLError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise RLError(f"--group-size must be >= 2 for group-relative advantages, got {self.group_size}")
+        if not self.lr > 0:
+            raise RLError(f"--lr must be > 0, got {self.lr}")
+
+    def filter_config(self):
+        from foursight.trainer_bridge.filters import FilterConfig
+
+        kw: dict[str, Any] = {"policy": self.filter, "tis_cap": self.tis_cap}
+        if self.filter_tau is not None:
+            kw["tau"] = self.filter_tau
+        if self.filter_quantile is not None:
+            kw["quantile"] = self.filter_quantile
+        return FilterConfig(**kw)

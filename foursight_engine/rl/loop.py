@@ -1,0 +1,229 @@
+"""The GRPO loop of ``foursight rl`` (:func:`run_rl`) and its evaluation."""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from foursight.rl import tasks as rl_tasks
+from foursight.rl.config import RLConfig, RLError
+from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, eos_ids
+from foursight.rl.grpo import group_advantages, grpo_loss
+
+
+def state_dict_sha256(model_dir: str | Path) -> str:
+    """SHA-256 over a model folder's tensors (sorted names; name, dtype, shape and raw bytes),
+    independent of the safetensors file layout: to check that two conversions are bit-identical."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _sync_device(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def prompt_ids(tok, problems: Sequence[rl_tasks.Problem], style: str = "plain", prefill: str = "") -> list[list[int]]:
+    """Chat-templated prompt token ids: the generation prompt, then ``prefill`` (the start of the
+    assistant's reply, e.g. ``"Answer:"``), so the completion continues it."""
+    pre = [int(t) for t in tok.encode(prefill, add_special_tokens=False)] if prefill else []
+    out = []
+    for p in problems:
+        ids = tok.apply_chat_template(p.messages(style), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        out.append([int(t) for t in ids] + pre)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tok, problems: Sequence[rl_tasks.Problem], max_new_tokens: int, batch_size: int = 64,
+             style: str = "plain", prefill: str = "") -> dict[str, float]:
+    """Greedy accuracy (exact answer) and answer-format rate of ``model`` (BF16 compute) on ``problems``."""
+    from foursight.trainer_bridge.engines import hf_generate
+
+    was_training = model.training
+    model.eval()
+    ids = prompt_ids(tok, problems, style, prefill)
+    correct = formatted = 0
+    dev = next(model.parameters()).device
+    for s in range(0, len(ids), batch_size):
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+            samples = hf_generate(model, ids[s : s + batch_size], max_new_tokens, temperature=0.0, eos_ids=eos_ids(model, tok))
+        for smp, prob in zip(samples, problems[s : s + batch_size]):
+            text = prefill + tok.decode(smp.token_ids, skip_special_tokens=True)
+            correct += rl_tasks.is_correct(text, prob)
+            formatted += rl_tasks.extract_answer(text) is not None
+    if was_training:
+        model.train()
+    return {"eval_acc": correct / len(problems), "eval_format": formatted / len(problems)}
+
+
+def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
+    """Run GRPO as configured; write one JSON object per line to ``cfg.out`` and return its path.
+
+    Lines: a ``{"type": "config", ...}`` header, ``{"type": "eval", "step": s, "eval_acc", ...}``
+    at step 0 and every ``eval_every`` steps (and after the last), and ``{"type": "step", ...}``
+    with reward, TIM metrics (``tim/*``, ``rollout_corr/*``), ``filter/*``, the loss stats and the
+    step time split ``time/sync``, ``time/rollout``, ``time/score``, ``time/update``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from foursight.models import builtin_texts, resolve_model
+    from foursight.trainer_bridge.filters import apply_filter
+    from foursight.trainer_bridge.scoring import pad_rollouts, teacher_forced_logprobs
+
+    cfg.validate()
+    fcfg = cfg.filter_config()
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    if cfg.engine == "vllm" and dev.type != "cpu":
+        raise RLError("--engine vllm is the CPU smoke path here; use --engine hf on CUDA")
+    model_dir = resolve_model(cfg.model)
+    torch.manual_seed(cfg.seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
+    learner.config.use_cache = True
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = copy.deepcopy(learner).to(torch.bfloat16).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW(learner.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    evals = rl_tasks.eval_set(cfg.task, cfg.eval_size)
+    exclude = {p.question for p in evals}
+    t_setup = time.perf_counter()
+    channels = None
+    if cfg.rollout_precision == "foursight" and cfg.engine == "hf":
+        calib_probs = rl_tasks.train_problems(cfg.task, step=-1, n=32, seed=cfg.seed + 7, exclude=exclude)
+        texts = builtin_texts() + [tok.decode(ids) for ids in prompt_ids(tok, calib_probs, cfg.prompt_style, cfg.prefill)]
+        learner_bf16 = copy.deepcopy(learner).to(torch.bfloat16).eval()
+        channels = calibrate_channel_sets(learner_bf16, tok, texts, cfg.channels)
+        del learner_bf16
+    workdir = Path(tempfile.mkdtemp(prefix="foursight-rl-"))
+    if cfg.engine == "hf":
+        engine = HFRollout(learner, tok, cfg.rollout_precision, channels, sync=cfg.sync)
+    else:
+        engine = VLLMRollout(model_dir, tok, cfg.rollout_precision, cfg.channels, workdir, seed=cfg.seed)
+    setup_s = time.perf_counter() - t_setup
+    k_sizes = sorted({int(v.numel()) for v in channels.values()}) if channels else [0]
+
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fh = out.open("w")
+
+    def emit(rec: dict[str, Any]) -> None:
+        fh.write(json.dumps(rec) + "\n")
+        fh.flush()
+
+    header = {"type": "config", **asdict(cfg), "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "model_dir": str(model_dir), "channels_k": k_sizes, "setup_s": setup_s, "torch": torch.__version__}
+    emit(header)
+    log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, k={k_sizes}")
+
+    def do_eval(step: int) -> float:
+        t0 = time.perf_counter()
+        ev = evaluate(learner, tok, evals, cfg.max_new_tokens, style=cfg.prompt_style, prefill=cfg.prefill)
+        _sync_device(dev)
+        emit({"type": "eval", "step": step, **ev, "time/eval": time.perf_counter() - t0})
+        log(f"  step {step:4d} eval_acc={ev['eval_acc']:.3f} format={ev['eval_format']:.2f}")
+        return ev["eval_acc"]
+
+    do_eval(0)
+    t_start = time.perf_counter()
+    step = 0
+    try:
+        for step in range(1, cfg.steps + 1):
+            if cfg.time_budget_s and time.perf_counter() - t_start > cfg.time_budget_s:
+                log(f"  time budget {cfg.time_budget_s}s reached after {step - 1} steps")
+                emit({"type": "stop", "step": step - 1, "reason": "time_budget"})
+                step -= 1
+                break
+            rec: dict[str, Any] = {"type": "step", "step": step}
+            # 1. sync (re-quantization)
+            _sync_device(dev)
+            t0 = time.perf_counter()
+            info = engine.sync(learner, step)
+            _sync_device(dev)
+            t1 = time.perf_counter()
+            # 2. rollout
+            probs = rl_tasks.train_problems(cfg.task, step, cfg.prompts_per_step, seed=cfg.seed, exclude=exclude)
+            pids = prompt_ids(tok, probs, cfg.prompt_style, cfg.prefill)
+            samples = engine.generate(pids, cfg.group_size, cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
+            _sync_device(dev)
+            t2 = time.perf_counter()
+            # 3. score: rewards, the learner's logprobs of the sampled tokens (one forward, kept
+            #    for the update), TIM metrics and the filter's loss mask
+            texts = [cfg.prefill + tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+            group_probs = [p for p in probs for _ in range(cfg.group_size)]
+            rewards = torch.tensor([rl_tasks.reward(t, p, cfg.format_bonus) for t, p in zip(texts, group_probs)])
+            correct = torch.tensor([float(rl_tasks.is_correct(t, p)) for t, p in zip(texts, group_probs)])
+            learner.train()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+                logp_new, mask = teacher_forced_logprobs(learner, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
+            lens = [len(s.token_ids) for s in samples]
+            lt, lr_, m = pad_rollouts(samples, [logp_new[b, :n].detach().cpu() for b, n in enumerate(lens)])
+            fres = apply_filter(lt, lr_, m, fcfg)
+            adv = group_advantages(rewards, cfg.group_size)
+            _sync_device(dev)
+            t3 = time.perf_counter()
+            # 4. update
+            T = logp_new.shape[1]
+            w = torch.zeros_like(logp_new)
+            lw = fres.loss_weights()
+            w[:, : lw.shape[1]] = lw.to(dev)[:, :T]
+            old = torch.zeros_like(logp_new)
+            old[:, : lr_.shape[1]] = lr_.to(dev)[:, :T]
+            logp_ref = None
+            if ref is not None:
+                with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+                    logp_ref, _ = teacher_forced_logprobs(ref, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
+            loss, lstats = grpo_loss(logp_new, old, adv.to(dev), w, cfg.clip_eps, logp_ref, cfg.kl_coef)
+            loss.backward()
+            gnorm = float(torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0))
+            opt.step()
+            _sync_device(dev)
+            t4 = time.perf_counter()
+            lens = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
+            rec.update({
+                "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
+                "response_len": float(lens.mean()), "truncated_fraction": float(sum(s.finish_reason == "length" for s in samples)) / len(samples),
+                "adv_zero_groups": float((rewards.view(-1, cfg.group_size).std(1) == 0).float().mean()),
+                "filtered_fraction": 1.0 - fres.metrics["filter/kept_seq_fraction"],
+                **{k: v for k, v in fres.metrics.items()}, **lstats, "grad_norm": gnorm,
+                "requantized_layers": info.get("requantized_layers", 0),
+                "time/sync": t1 - t0, "time/rollout": t2 - t1, "time/score": t3 - t2, "time/update": t4 - t3, "time/step": t4 - t0,
+                "wall_s": time.perf_counter() - t_start,
+            })
+            emit(rec)
+            if step % 5 == 0 or step == 1:
+                log(f"  step {step:4d} reward={rec['reward']:.3f} acc={rec['accuracy']:.3f} |r|={rec['tim/abs_log_ratio_mean']:.4f} "
+                    f"filtered={rec['filtered_fraction']:.2f} t={rec['time/step']:.2f}s")
+            if step % cfg.eval_every == 0:
+                do_eval(step)
+        if step and step % cfg.eval_every:
+            do_eval(step)
+    finally:
+        fh.close()
+        engine.close()
+    return out

@@ -1,0 +1,147 @@
+"""The engine-neutral part of the FourSight quantization config, shared by the vLLM and SGLang adapters.
+
+:class:`FourSightMethodConfig` is mixed into each engine's ``QuantizationConfig`` subclass
+(``FourSightVllmConfig(FourSightMethodConfig, vllm QuantizationConfig)``, likewise for SGLang), so
+both engines take the same decisions by construction:
+
+* the two load modes (a FourSight checkpoint, or a BF16 model quantized at load with the online
+  settings);
+* the method name, the activation dtypes, the minimum CUDA capability and the config files;
+* the ignore-list rule for a (possibly fused) layer, with one error wording;
+* the :class:`~foursight.quant_methods.plan.LayerPlan` of each layer (:meth:`FourSightMethodConfig.plan_for`).
+
+:class:`FourSightLinearMethodBase` likewise holds the linear method's hooks (``create_weights``,
+``process_weights_after_loading``, ``apply``); an engine supplies its TP collectives and its
+``set_weight_attrs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+
+from foursight.quant_methods.online import OnlineSettings
+from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
+from foursight.quant_methods.sharding import TPContext, shard_names
+from foursight.schema import QUANT_METHOD, CheckpointError, FourSightConfig
+
+#: The Triton SpliceGEMM kernels emulate FP4 on BF16 tensor cores: Ampere (8.0) or newer.
+#: (On CPU the PyTorch reference runs; the engines check the capability only on CUDA.)
+MIN_CAPABILITY = 80
+
+#: The fused-module map of Llama/Qwen-style models, used when an engine gives none.
+DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class FourSightMethodConfig:
+    """What both engine configs share (see the module docstring).
+
+    The engine subclass calls :meth:`_init_foursight` from its ``__init__`` after the engine base
+    class's own ``__init__``; ``config`` None means online mode.
+    """
+
+    mode: Literal["checkpoint", "online"]
+    online: OnlineSettings | None
+    fs_config: FourSightConfig
+    packed_modules_mapping: dict[str, list[str]]
+
+    def _init_foursight(self, config: FourSightConfig | None, online: OnlineSettings | None,
+                        default_online: Callable[[], OnlineSettings] = OnlineSettings.from_env) -> None:
+        if config is None:
+            self.mode = "online"
+            self.online = online or default_online()
+            self.fs_config = self.online.as_config()
+        else:
+            self.mode = "checkpoint"
+            self.online = None
+            self.fs_config = config
+
+    def __repr__(self) -> str:
+        c = self.fs_config
+        return f"{type(self).__name__}(mode={self.mode}, activation={c.activation_dtype}/{c.activation_scale}, ignore={c.ignore})"
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return MIN_CAPABILITY
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Checkpoints carry their config in config.json; an empty list makes the engine call
+        # ``cls()`` for a BF16 model with --quantization foursight: online mode.
+        return []
+
+    def packed_mapping(self) -> dict[str, list[str]]:
+        """The engine's fused-module map, or the Llama/Qwen one when it gives none."""
+        return dict(getattr(self, "packed_modules_mapping", None) or DEFAULT_PACKED_MODULES)
+
+    def quantizes(self, prefix: str) -> bool:
+        """Whether the engine linear layer ``prefix`` is a FourSight layer.
+
+        A shard is ignored when its checkpoint name or the fused layer's name matches
+        ``ignore``; a fused layer whose shards disagree is refused.
+        """
+        names = shard_names(prefix, self.packed_mapping())
+        ignored = {n: self.fs_config.is_ignored(n) or self.fs_config.is_ignored(prefix) for n in names}
+        if all(ignored.values()):
+            return False
+        if any(ignored.values()):
+            raise CheckpointError(f"{prefix}: some fused shards are in ignore and some are not ({ignored}); ignore all or none")
+        return True
+
+    def plan_for(self, prefix: str, output_partition_sizes: list[int], input_size: int, input_size_per_partition: int,
+                 tp_rank: int = 0, tp_size: int = 1) -> LayerPlan:
+        """The plan of engine layer ``prefix`` (called from the engine's ``create_weights``)."""
+        return LayerPlan.for_layer(prefix, output_partition_sizes, input_size, input_size_per_partition, self.fs_config,
+                                   self.packed_mapping(), tp_rank=tp_rank, tp_size=tp_size, mode=self.mode, online=self.online)
+
+
+class FourSightLinearMethodBase:
+    """The engine-neutral linear method, mixed into each engine's ``LinearMethodBase`` subclass.
+
+    The engine subclass provides :meth:`tp_context` (its TP group as a
+    :class:`~foursight.quant_methods.sharding.TPContext`) and :meth:`set_attrs` (its
+    ``set_weight_attrs``); it may wrap the loaders (:meth:`wrap_loader`).
+    """
+
+    def __init__(self, quant_config: FourSightMethodConfig, prefix: str):
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def tp_context(self, layer: torch.nn.Module) -> TPContext:
+        raise NotImplementedError
+
+    def set_attrs(self, param: torch.nn.Parameter, attrs: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def wrap_loader(self, layer: torch.nn.Module, loader: Callable) -> Callable:
+        return loader
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        """Register the plan's parameters with the plan's loaders around the engine's own."""
+        tp = self.tp_context(layer)
+        plan = self.quant_config.plan_for(self.prefix, output_partition_sizes, input_size, input_size_per_partition,
+                                          tp_rank=tp.rank, tp_size=tp.size)
+        engine_loader = extra_weight_attrs.pop("weight_loader", None)
+        for spec in plan.param_specs(params_dtype):
+            p = torch.nn.Parameter(plan.initial_tensor(spec), requires_grad=False)
+            self.set_attrs(p, {**spec.attrs, **extra_weight_attrs, "weight_loader": self.wrap_loader(layer, plan.make_loader(spec, engine_loader))})
+            layer.register_parameter(spec.name, p)
+        layer.foursight_plan = plan
+        layer.foursight_state = None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Validate and build the execution state from the loaded parameters (idempotent; the
+        parameters are never modified, so a second call or a call after a weight reload is safe)."""
+        plan: LayerPlan = layer.foursight_plan
+        layer.foursight_state = plan.process(layer_params(layer, plan), self.tp_context(layer))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return apply_linear(layer.foursight_state, x, bias)

@@ -1,0 +1,98 @@
+"""Online (load-time) quantization settings: a BF16 model served with ``--quantization foursight``.
+
+The channels file (:class:`foursight.schema.ChannelsFile`), the ``FOURSIGHT_*`` environment
+variables every engine process inherits, and the weight-based channel fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from foursight.calibration import select_channels
+from foursight.quant_methods.sharding import TPContext
+from foursight.schema import ChannelsFile, CheckpointError, FourSightConfig
+
+logger = logging.getLogger("foursight.quant_methods")
+
+#: Environment variables read by the online path (every engine process inherits them).
+ENV_CHANNELS_FILE = "FOURSIGHT_CHANNELS_FILE"
+ENV_CHANNEL_BUDGET = "FOURSIGHT_CHANNEL_BUDGET"
+ENV_ACTIVATION_DTYPE = "FOURSIGHT_ACTIVATION_DTYPE"
+ENV_ACTIVATION_SCALE = "FOURSIGHT_ACTIVATION_SCALE"
+ENV_IGNORE = "FOURSIGHT_IGNORE"
+#: Budget used when neither a channels file nor ``FOURSIGHT_CHANNEL_BUDGET`` is given.
+DEFAULT_ONLINE_BUDGET = "2%"
+
+
+@dataclass
+class OnlineSettings:
+    """How BF16 weights are quantized at load (``--quantization foursight`` on a BF16 model).
+
+    Attributes:
+        channels_file: parsed channels file, or None (weight-based fallback).
+        budget: ``--channels``-style budget ("32" or "2%") for the fallback.
+        act_quant: W4A4 (True) or W4A16 (False).
+        static_act_scale: use ``input_amax`` of the channels file as a static activation scale.
+        ignore: module names / suffixes / ``re:`` patterns left unquantized.
+    """
+
+    channels_file: ChannelsFile | None = None
+    budget: str = DEFAULT_ONLINE_BUDGET
+    act_quant: bool = True
+    static_act_scale: bool = False
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+
+    @classmethod
+    def from_env(cls, channels_file: str | None = None) -> "OnlineSettings":
+        """Settings from the ``FOURSIGHT_*`` environment variables (an explicit path wins)."""
+        path = channels_file or os.environ.get(ENV_CHANNELS_FILE) or None
+        cf = ChannelsFile.read(path) if path else None
+        act = os.environ.get(ENV_ACTIVATION_DTYPE, "nvfp4")
+        if act not in ("nvfp4", "bf16"):
+            raise CheckpointError(f"{ENV_ACTIVATION_DTYPE}={act!r}: expected 'nvfp4' or 'bf16'")
+        sc = os.environ.get(ENV_ACTIVATION_SCALE, "dynamic")
+        if sc not in ("dynamic", "static"):
+            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}={sc!r}: expected 'dynamic' or 'static'")
+        if sc == "static" and (cf is None or not cf.input_amax):
+            raise CheckpointError(f"{ENV_ACTIVATION_SCALE}=static needs a channels file with 'input_amax' (format_version 2, from `foursight calibrate`)")
+        ignore = [s for s in os.environ.get(ENV_IGNORE, "lm_head").split(",") if s]
+        budget = os.environ.get(ENV_CHANNEL_BUDGET, DEFAULT_ONLINE_BUDGET)
+        return cls(cf, budget, act == "nvfp4", sc == "static", ignore)
+
+    def as_config(self) -> FourSightConfig:
+        """A :class:`FourSightConfig` describing these settings (``channels`` filled lazily)."""
+        return FourSightConfig(
+            activation_dtype="nvfp4" if self.act_quant else "bf16",
+            activation_scale="static" if self.static_act_scale else "dynamic",
+            ignore=list(self.ignore),
+            channel_selection="calibration" if self.channels_file else "weight",
+            channel_budget=self.budget,
+        )
+
+
+_warned_fallback: set[str] = set()
+
+
+def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | None = None, k_split: bool = False) -> torch.Tensor:
+    """Fallback channel selection from the weight alone: the k input channels with the largest
+    column amax ``max_n |W[n, c]|``.
+
+    Args:
+        weight_rows: [N_loc, K_loc] the (local part of the) fused weight of all shards.
+        k: number of channels.
+        tp: TP context. Column-parallel (``k_split=False``): the column amax is max-reduced over
+            ranks. Row-parallel (``k_split=True``): each rank's K slice is gathered.
+        k_split: whether this layer's K is split across ranks.
+    Returns:
+        int32 [k] sorted global channel indices (ties broken by the lower index).
+    """
+    tp = tp or TPContext()
+    score = weight_rows.float().abs().amax(dim=0)  # [K_loc]
+    if tp.size > 1:
+        score = tp.gather_cat(score.contiguous()) if k_split else tp.reduce_max(score.contiguous())
+    # same ranking as the offline fallback (foursight.calibration.weight_based_channels)
+    return select_channels(score.cpu(), k)

@@ -1,0 +1,103 @@
+"""The ``foursight`` command line is one tool: every verb mounted statically, one error style, one
+meaning and one default per flag name, options checked against the config dataclass, no side doors."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from foursight.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+VERBS = ("models", "calibrate", "quantize", "inspect", "bridge", "compare", "rl")
+
+
+def _commands() -> dict:
+    """Every leaf command of the app by its path, e.g. ``bridge serve``."""
+    root = typer.main.get_command(app)
+    out: dict = {}
+
+    def walk(cmd, path: str) -> None:
+        if hasattr(cmd, "commands"):  # a group (typer may ship its own click)
+            for name, sub in cmd.commands.items():
+                walk(sub, f"{path} {name}".strip())
+        else:
+            out[path] = cmd
+
+    walk(root, "")
+    return out
+
+
+def test_every_verb_is_mounted():
+    r = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    for verb in VERBS:
+        assert verb in r.output, verb
+    assert {"bridge serve", "compare", "rl", "quantize", "calibrate", "inspect", "models prepare", "models tiny"} <= set(_commands())
+
+
+def test_channels_has_one_default():
+    """``--channels`` is "BF16 channels per input (a count or a percentage of K)" in every verb, default 32."""
+    seen = {}
+    for path, cmd in _commands().items():
+        for p in cmd.params:
+            if "--channels" in getattr(p, "opts", ()):
+                seen[path] = p.default
+    assert set(seen) >= {"quantize", "calibrate", "compare", "rl"}
+    assert set(seen.values()) == {"32"}, seen
+
+
+def test_shared_flags_mean_one_thing():
+    """--model, --channels, --calib and --ignore have one help text (one declaration) in every verb."""
+    verbs = ("quantize", "calibrate", "compare", "rl")  # bridge serve's --model is the model the HF engine serves
+    for flag in ("--model", "--channels", "--calib", "--ignore"):
+        helps = {path: p.help for path, cmd in _commands().items() if path in verbs for p in cmd.params if flag in getattr(p, "opts", ())}
+        assert len(helps) >= 2 and len(set(helps.values())) == 1, (flag, helps)
+
+
+def test_tail_threshold_default_is_the_filters():
+    from foursight.trainer_bridge.filters import FilterConfig
+    from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
+
+    (p,) = [p for p in _commands()["compare"].params if "--tail-threshold" in p.opts]
+    assert p.default == DEFAULT_TAIL_THRESHOLD == FilterConfig().tau
+
+
+def test_rl_options_match_rlconfig():
+    """Every ``foursight rl`` option is a field of RLConfig with the same default (0 stands for None)."""
+    from foursight.rl import RLConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+    params = {p.name: p.default for p in _commands()["rl"].params}
+    assert set(params) == set(fields), set(params) ^ set(fields)
+    for name, default in params.items():
+        want = fields[name]
+        assert default == want or (want is None and default == 0.0), (name, default, want)  # 0 means "off" for numbers
+
+
+def test_one_error_style(tmp_path):
+    r = CliRunner().invoke(app, ["inspect", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "no config.json" in r.output
+    r = CliRunner().invoke(app, ["bridge", "serve", "--engine", "hf"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "--model" in r.output
+    r = CliRunner().invoke(app, ["compare", "--engines", "vllm:fp8"], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "--engines" in r.output
+    r = CliRunner().invoke(app, ["rl", "--task", "nope", "--out", str(tmp_path / "x.jsonl")], env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "--task" in r.output
+
+
+def test_no_python_dash_m_side_doors():
+    """No module of the package runs as a script: the ``foursight`` console script is the way in."""
+    doors = []
+    for d in ("foursight_engine", "kernels", "quant_methods", "trainer_bridge"):
+        for f in (REPO / d).rglob("*.py"):
+            if f.name == "__main__.py":
+                doors.append(str(f))
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+                    doors.append(f"{f.relative_to(REPO)}:{node.lineno}")
+    assert not doors, doors

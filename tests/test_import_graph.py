@@ -1,0 +1,131 @@
+"""The import graph of the ``foursight`` distribution has no cycle, and the numerics stay at the bottom.
+
+The graph is read from the source, over every module of the four folders that ``pyproject.toml``
+maps into ``foursight.*``. Every import counts, also those deferred into a function body (a
+deferred import that closes a circle is still a circle: ``layer`` calling into ``kernels`` that
+import ``layer``); only ``if TYPE_CHECKING:`` blocks are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> source file for every module of the distribution."""
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    roots = {Path(d).resolve() for d in cfg.values()}
+    out: dict[str, Path] = {}
+    for pkg, d in cfg.items():
+        base = (REPO / d).resolve()
+        for f in base.rglob("*.py"):
+            if any(r != base and r in f.parents for r in roots):
+                continue  # belongs to another mapped package
+            rel = f.relative_to(base).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = f
+    return out
+
+
+def _imports(tree: ast.Module):
+    """Every import node of a module, at any depth, except under ``if TYPE_CHECKING:``."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, f in mods.items():
+        is_pkg = f.name == "__init__.py"
+        here = name if is_pkg else name.rpartition(".")[0]
+        for node in _imports(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t and t not in mods:  # ``import a.b.c`` of a name inside a module
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    graph[name].add(t)
+                if t:
+                    parent = t.rpartition(".")[0]
+                    while parent and parent != name and not name.startswith(parent + "."):  # importing a.b.c runs a.b's __init__
+                        if parent in mods:
+                            graph[name].add(parent)
+                        parent = parent.rpartition(".")[0]
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of nodes (first == last), or None."""
+    color: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        color[n] = 1
+        path.append(n)
+        for m in sorted(graph[n]):
+            if color.get(m) == 1:
+                return path[path.index(m):] + [m]
+            if m not in color:
+                found = visit(m)
+                if found:
+                    return found
+        color[n] = 2
+        path.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in color:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_graph_covers_the_four_packages():
+    g = import_graph()
+    for pkg in ("foursight", "foursight.kernels", "foursight.quant_methods", "foursight.trainer_bridge"):
+        assert pkg in g
+    assert "foursight.layer" in g["foursight.kernels.api"]  # the graph does see real edges
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    g = import_graph()
+    g["foursight.nvfp4"] = set(g["foursight.nvfp4"]) | {"foursight.dispatch"}  # nvfp4 -> dispatch -> layer -> nvfp4
+    cycle = find_cycle(g)
+    assert cycle is not None and cycle[0] == cycle[-1] and "foursight.layer" in cycle
+
+
+def test_numerics_sit_below_everything():
+    """nvfp4 imports nothing of ours, the oracle only nvfp4, the kernels only the oracle and nvfp4:
+    the linear-layer dispatcher and everything above can import them, never the reverse."""
+    g = import_graph()
+    ours = lambda m: {t for t in g[m] if t.startswith("foursight")}  # noqa: E731
+    assert ours("foursight.nvfp4") <= {"foursight"}
+    assert ours("foursight.layer") <= {"foursight", "foursight.nvfp4"}
+    for m in (m for m in g if m.startswith("foursight.kernels")):
+        assert {t for t in ours(m) if not t.startswith("foursight.kernels")} <= {"foursight", "foursight.nvfp4", "foursight.layer"}, m
+    assert "foursight.kernels" in ours("foursight.dispatch")  # the Triton backend (a deferred import)
