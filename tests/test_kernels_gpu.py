@@ -149,15 +149,16 @@ def test_prepare_weight_idempotent_gpu():
     assert torch.equal(fk.splice_linear(x, p1), fk.splice_linear(x, p2))
 
 
-def test_foursight_linear_dispatches_to_kernels_gpu():
-    from foursight.layer import foursight_linear, prepare_weight
+def test_dispatcher_picks_the_kernels_gpu():
+    from foursight.dispatch import TritonBackend, prepare_linear
 
     g = _gen(4)
     qw = _layer(1024, 2048, 32, g)
-    prepared = prepare_weight(qw)
-    assert isinstance(prepared, fk.PreparedWeight)
+    p = prepare_linear(qw)
+    assert isinstance(p.backend, TritonBackend)
+    assert isinstance(p.state, fk.PreparedWeight)
     x = _act(5, 2048, g, torch.float32)
-    _check(foursight_linear(x, prepared), reference_linear(x, qw))
+    _check(p(x), reference_linear(x, qw))
 
 
 def test_blackwell_gate_false_on_hopper():
