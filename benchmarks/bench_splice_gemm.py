@@ -232,6 +232,7 @@ def run(args) -> dict:
             row["bytes_fp4_k128"] = N * K // 2 + N * K // 16 + N * 128 * 2 + M * K * 2 + M * N * 2
             row["bytes_bf16"] = N * K * 2 + M * K * 2 + M * N * 2
             res["rows"].append(row)
+            _write(res, out_dir)  # after every row: a run stopped by its time limit keeps what it measured
             print(json.dumps({kk: (round(v, 5) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)
             # activation quantization alone (the fp16 q*s form the fused kernels read), k = 128
             if K == 8192 and M == 4096:
