@@ -281,7 +281,10 @@ def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
     path = Path(ckpt_dir) / "config.json"
     if not path.exists():
         raise CheckpointError(f"{ckpt_dir}: no config.json")
-    raw = json.loads(path.read_text()).get("quantization_config")
+    try:
+        raw = json.loads(path.read_text()).get("quantization_config")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: no quantization_config object")
     if raw.get("quant_method") != schema.QUANT_METHOD:
@@ -290,17 +293,10 @@ def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
 
 
 def read_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (single file or sharded with an index)."""
-    from safetensors.torch import load_file
-
-    d = Path(ckpt_dir)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{d}: no .safetensors files")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
+    """All tensors of a checkpoint folder (single file or sharded with an index), each checked
+    finite (:func:`foursight.schema.iter_safetensors`: the error names the tensor, or the file
+    when it is truncated or unreadable)."""
+    return dict(schema.iter_safetensors(ckpt_dir))
 
 
 def split_modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:

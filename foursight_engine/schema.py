@@ -22,7 +22,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -245,8 +245,12 @@ def decode_module(
         v = tensors[suffix].float()
         if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
             raise CheckpointError(f"tensor {name}.{suffix} must be finite and > 0, got {v.tolist()}")
-    if not bool(torch.isfinite(tensors[WEIGHT_BF16].float()).all()):
-        raise CheckpointError(f"tensor {name}.{WEIGHT_BF16} holds NaN/Inf")
+    check_finite(f"{name}.{WEIGHT_SCALE}", tensors[WEIGHT_SCALE])
+    if bool((tensors[WEIGHT_SCALE].float() < 0).any()):
+        raise CheckpointError(f"tensor {name}.{WEIGHT_SCALE} holds negative block scales")
+    check_finite(f"{name}.{WEIGHT_BF16}", tensors[WEIGHT_BF16])
+    if BIAS in tensors:
+        check_finite(f"{name}.{BIAS}", tensors[BIAS])
     return QuantizedWeight(
         weight_packed=tensors[WEIGHT_PACKED],
         weight_scale=tensors[WEIGHT_SCALE],
@@ -254,6 +258,63 @@ def decode_module(
         bf16_channels=tensors[BF16_CHANNELS],
         weight_bf16=tensors[WEIGHT_BF16],
     )
+
+
+# ---- finiteness and the one safetensors reader ----------------------------------------------
+
+
+def check_finite(name: str, t: torch.Tensor, where: str = "") -> None:
+    """Raise :class:`CheckpointError` naming tensor ``name`` (and ``where``, e.g. the file) if
+    the floating-point tensor ``t`` holds a NaN or Inf (fp8 included); integer tensors pass."""
+    if t.is_floating_point() and t.numel():
+        bad = ~torch.isfinite(t.float())
+        if bool(bad.any()):
+            raise CheckpointError(f"tensor {name}{where} holds {int(bad.sum())} non-finite value(s) (NaN/Inf)")
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors file ``path``, or every ``*.safetensors`` of the folder ``path`` (sorted).
+    Raises :class:`CheckpointError` naming the path when there is none."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{p}: no .safetensors files")
+        return files
+    if not p.is_file():
+        raise CheckpointError(f"safetensors file {p} does not exist")
+    return [p]
+
+
+def iter_safetensors(path: str | os.PathLike, check: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of a safetensors file or folder (:func:`safetensors_files`), in file order.
+
+    The one reader of checkpoints and weight updates: a truncated or unreadable file raises
+    :class:`CheckpointError` naming the file, and with ``check`` every tensor goes through
+    :func:`check_finite` (the error names the tensor and the file).
+    """
+    from safetensors import safe_open
+
+    for f in safetensors_files(path):
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
+            raise CheckpointError(f"safetensors file {f} is truncated or unreadable ({type(e).__name__}: {e})") from None
+        with handle:
+            for name in handle.keys():
+                try:
+                    t = handle.get_tensor(name)
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(f"safetensors file {f}: tensor {name} is unreadable ({type(e).__name__}: {e})") from None
+                if check:
+                    check_finite(name, t, f" in {f}")
+                yield name, t
+
+
+def check_safetensors(path: str | os.PathLike) -> int:
+    """Read every tensor of a safetensors file or folder and check it is finite
+    (:func:`iter_safetensors`); returns the number of tensors."""
+    return sum(1 for _ in iter_safetensors(path))
 
 
 # ---- the channels file ----------------------------------------------------------------------

@@ -169,3 +169,52 @@ def test_foursight_hf_engine_requantizes_on_update(tiny_llama_dir, tmp_path):
         b.stop()
         if os.path.exists(shm_file):
             os.remove(shm_file)
+
+
+@pytest.mark.parametrize("route", ["path", "shm_name"])
+def test_non_finite_update_is_rejected_and_previous_weights_keep_serving(tiny_llama_dir, tmp_path, monkeypatch, route):
+    """A new policy with one NaN in model.norm.weight (file or shared-memory route): 422 naming the
+    tensor, the version unchanged, and the engine still serves the previous weights bit for bit."""
+    monkeypatch.setenv("FOURSIGHT_SHM_DIR", str(tmp_path))
+    state = _perturbed_state(tiny_llama_dir)
+    from transformers import AutoModelForCausalLM
+
+    norm = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).model.norm.weight.detach().clone()
+    norm[5] = float("nan")
+    state["model.norm.weight"] = norm
+    save_file(state, str(tmp_path / "nan.safetensors"))
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=KEY, sample_timeout_s=120)).start()
+    try:
+        c = RolloutClient(b.url, api_key=KEY)
+        params = {"max_tokens": 8, "seed": 4, "temperature": 0.0}
+        before = c.generate([[5, 6, 7]], params)
+        kw = {"path": str(tmp_path / "nan.safetensors")} if route == "path" else {"shm_name": "nan.safetensors"}
+        with pytest.raises(BridgeHTTPError) as ei:
+            c.update_weights(version=1, **kw)
+        assert ei.value.status == 422
+        assert "tensor model.norm.weight" in str(ei.value) and "non-finite" in str(ei.value) and route in str(ei.value)
+        assert c.weight_version() == 0
+        after = c.generate([[5, 6, 7]], params)
+        assert after[0].token_ids == before[0].token_ids and after[0].logprobs == before[0].logprobs
+        assert {r.weight_version for r in after} == {0}
+        c.close()
+    finally:
+        b.stop()
+
+
+def test_hf_engine_rejects_non_finite_norm_without_applying_anything(tiny_llama_dir):
+    """The engine's own check (a direct load, no bridge): every floating tensor, not only the
+    re-quantized weights; nothing is copied when one is rejected."""
+    from foursight.trainer_bridge.engines import EngineError
+
+    e = HFEngine(tiny_llama_dir)
+    e._load()
+    state = _perturbed_state(tiny_llama_dir)
+    w = e.model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    bad = e.model.model.norm.weight.detach().clone()
+    bad[0] = float("inf")
+    state["model.norm.weight"] = bad
+    with pytest.raises(EngineError, match=r"tensor model\.norm\.weight holds 1 non-finite"):
+        e.load_tensors_sync(state, 1)
+    assert torch.equal(e.model.model.layers[0].self_attn.q_proj.weight, w)
+    assert bool(torch.isfinite(e.model.model.norm.weight).all())

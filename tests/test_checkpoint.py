@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -184,3 +185,63 @@ def test_config_parse_roundtrip():
     assert not c.is_ignored("mlp.gate_proj")
     with pytest.raises(CheckpointError, match="channels"):
         FourSightConfig.parse({"channels": {"x": -1}})
+
+
+# ---- nothing non-finite passes `foursight inspect` / the checkpoint reader (issue 14) --------
+
+
+def _inspect(d: Path):
+    from typer.testing import CliRunner
+
+    from foursight.cli import app
+
+    return CliRunner().invoke(app, ["inspect", str(d)])
+
+
+@pytest.mark.parametrize("name,index,value", [
+    ("model.layers.0.mlp.down_proj.weight_scale", (0, 0), "nan"),
+    ("model.embed_tokens.weight", (3, slice(None)), "inf"),
+    ("model.norm.weight", (5,), "nan"),
+    ("model.layers.0.self_attn.q_proj.bias", (2,), "nan"),
+    ("model.layers.1.mlp.gate_proj.weight_bf16", (0, 1), "inf"),
+])
+def test_inspect_rejects_non_finite_tensor_naming_it(tiny_ckpt, tmp_path, name, index, value):
+    d = _copy(tiny_ckpt.out_dir, tmp_path)
+
+    def edit(t):
+        x = t[name].clone()
+        if x.dtype == torch.float8_e4m3fn:
+            x.view(torch.uint8)[index] = 0x7F  # the e4m3fn NaN
+        else:
+            x[index] = float(value)
+        t[name] = x
+
+    _edit_tensors(d, edit)
+    r = _inspect(d)
+    assert r.exit_code == 2, r.output
+    assert f"tensor {name}" in r.output and "non-finite" in r.output
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {name} in ") + r".*model\.safetensors holds"):
+        load_reference_model(d)
+
+
+def test_decode_module_rejects_nan_weight_scale(tiny_ckpt):
+    from foursight.checkpoint import load_quantized_tensors
+
+    cfg, mods, _ = load_quantized_tensors(tiny_ckpt.out_dir)
+    name = "model.layers.0.self_attn.o_proj"
+    t = dict(mods[name])
+    t["weight_scale"] = t["weight_scale"].clone()
+    t["weight_scale"].view(torch.uint8)[1, 0] = 0xFF  # -NaN in e4m3fn
+    n, k2 = t["weight_packed"].shape
+    with pytest.raises(CheckpointError, match=rf"tensor {name}\.weight_scale holds 1 non-finite"):
+        schema.decode_module(name, t, n, 2 * k2, cfg.channels_for(name))
+
+
+def test_truncated_safetensors_names_the_file(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt.out_dir, tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"safetensors file {f} is truncated or unreadable"):
+        load_reference_model(d)
+    r = _inspect(d)
+    assert r.exit_code == 2 and str(f) in r.output.replace("\n", "") and "Traceback" not in r.output

@@ -347,22 +347,14 @@ class SGLangHTTPEngine(_HTTPEngine):
 # In-process Hugging Face model (BF16, or a FourSight checkpoint through foursight.hf)
 # ---------------------------------------------------------------------------------------------
 def read_safetensors(path: str | Path) -> dict[str, Any]:
-    """All tensors of a safetensors file, or of every ``*.safetensors`` file in a folder."""
-    from safetensors.torch import load_file
+    """All tensors of a safetensors file, or of every ``*.safetensors`` file in a folder, each
+    checked finite (:func:`foursight.schema.iter_safetensors`; EngineError names the file or tensor)."""
+    from foursight.schema import CheckpointError, iter_safetensors
 
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise EngineError(f"weights path {p} holds no *.safetensors file")
-    elif p.is_file():
-        files = [p]
-    else:
-        raise EngineError(f"weights path {p} does not exist")
-    out: dict[str, Any] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
+    try:
+        return dict(iter_safetensors(path))
+    except CheckpointError as e:
+        raise EngineError(str(e)) from None
 
 
 class HFEngine(Engine):
@@ -447,10 +439,11 @@ class HFEngine(Engine):
     def load_tensors_sync(self, tensors: dict[str, Any], version: int) -> dict[str, Any]:
         """The one HF weight sync: copy tensors (HF names) into the model; a FourSight layer's
         ``weight`` is re-quantized with its channel set (``FourSightLinear.set_weight``). All are
-        checked (name, shape, finiteness of re-quantized weights) before any is applied."""
+        checked (name, shape, finiteness of every floating tensor) before any is applied."""
         import torch
 
         from foursight.hf import FourSightLinear
+        from foursight.schema import CheckpointError, check_finite
 
         t0 = time.monotonic()
         modules = dict(self.model.named_modules())
@@ -458,13 +451,15 @@ class HFEngine(Engine):
         buffers = dict(self.model.named_buffers())
         plan: list[tuple[str, Any, Any]] = []
         for name, t in tensors.items():
+            try:
+                check_finite(name, t)
+            except CheckpointError as e:
+                raise EngineError(str(e)) from None
             prefix, _, leaf = name.rpartition(".")
             mod = modules.get(prefix)
             if isinstance(mod, FourSightLinear) and leaf == "weight":
                 if tuple(t.shape) != (mod.out_features, mod.in_features):
                     raise EngineError(f"tensor {name} has shape {list(t.shape)}, expected {[mod.out_features, mod.in_features]}")
-                if not bool(torch.isfinite(t.float()).all()):
-                    raise EngineError(f"tensor {name} holds NaN/Inf")
                 plan.append(("requant", mod, t))
             elif name in params or name in buffers:
                 dst = params.get(name, buffers.get(name))

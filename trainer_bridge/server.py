@@ -338,6 +338,17 @@ def create_app(
         if any(e.kind == "hf" for e in state.engines) and not Path(path).exists():
             return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {path} does not exist",
                                                           "fields": [{"field": field, "message": "does not exist"}]})
+        if Path(path).exists():
+            # every tensor is read and checked before any engine sees the update (engines on
+            # another host check their own copy): a rejected update changes nothing
+            from foursight.schema import CheckpointError, check_safetensors
+
+            try:
+                await asyncio.to_thread(check_safetensors, path)
+            except CheckpointError as ex:
+                state.metrics.errors.labels(kind="weight_update").inc()
+                return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {ex}", "version": state.gate.version,
+                                                              "fields": [{"field": field, "message": str(ex)}]})
         prev = state.gate.version
         if req.version <= prev:
             return JSONResponse(status_code=409, content={"error": f"version: {req.version} is not greater than the current version {prev}",
