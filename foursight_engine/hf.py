@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from foursight import schema
-from foursight.checkpoint import load_quantized_tensors
+from foursight.checkpoint import find_linears, load_quantized_tensors
 from foursight.dispatch import prepare_linear
 from foursight.layer import QuantizedWeight, quantize_weight
 from foursight.schema import CheckpointError, FourSightConfig
@@ -69,6 +69,39 @@ class FourSightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, k={self.bf16_channels.numel()}, act_quant={self.act_quant}"
 
 
+def linear_from_tensors(name: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int,
+                        has_bias: bool, cfg: FourSightConfig) -> FourSightLinear:
+    """The :class:`FourSightLinear` of checkpoint module ``name`` (suffix -> tensor), every tensor
+    checked by :func:`foursight.schema.decode_module`; the one builder of the reference model and
+    of the transformers quantizer (:mod:`foursight.hf_quantizer`)."""
+    qw = schema.decode_module(name, tensors, out_features, in_features, cfg.channels_for(name))
+    if has_bias != (schema.BIAS in tensors):
+        raise CheckpointError(f"layer {name}: bias {'missing' if has_bias else 'unexpected'} ({name}.bias)")
+    igs = tensors[schema.INPUT_GLOBAL_SCALE].float() if cfg.activation_scale == "static" else None
+    return FourSightLinear(qw, tensors.get(schema.BIAS), cfg.activation_dtype == "nvfp4", igs, name=name)
+
+
+class FourSightLinearSlots(nn.Module):
+    """The empty checkpoint tensors of one FourSight module (the shapes and dtypes of
+    :func:`foursight.schema.expected_shapes`), for a loader that fills a model's state dict in place
+    (transformers' ``from_pretrained``); :meth:`build` turns the filled slots into the layer."""
+
+    def __init__(self, name: str, out_features: int, in_features: int, has_bias: bool, cfg: FourSightConfig,
+                 bias_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.name, self.out_features, self.in_features, self.has_bias, self.cfg = name, out_features, in_features, has_bias, cfg
+        for suffix, (shape, dtype) in schema.expected_shapes(out_features, in_features, cfg.channels_for(name), name).items():
+            self.register_buffer(suffix, torch.empty(shape, dtype=dtype))
+        self.register_buffer(schema.BIAS, torch.empty(out_features, dtype=bias_dtype) if has_bias else None)
+
+    def build(self) -> FourSightLinear:
+        tensors = {k: v for k, v in self._buffers.items() if v is not None}
+        return linear_from_tensors(self.name, tensors, self.out_features, self.in_features, self.has_bias, self.cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"FourSight layer {self.name} was never loaded (its checkpoint tensors are still empty slots)")
+
+
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     parent, _, child = name.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
@@ -91,18 +124,12 @@ def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu
     raw.pop("quantization_config", None)
     hf_cfg = AutoConfig.for_model(**raw)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
-    act_quant = cfg.activation_dtype == "nvfp4"
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
+    names = find_linears(model, cfg)
     for n in names:
         lin = model.get_submodule(n)
         if n not in mods:
             raise CheckpointError(f"missing tensor {n}.{schema.WEIGHT_PACKED} (layer {n} is not in ignore)")
-        t = mods.pop(n)
-        qw = schema.decode_module(n, t, lin.out_features, lin.in_features, cfg.channels_for(n))
-        if (lin.bias is not None) != (schema.BIAS in t):
-            raise CheckpointError(f"layer {n}: bias {'missing' if lin.bias is not None else 'unexpected'} ({n}.bias)")
-        igs = t[schema.INPUT_GLOBAL_SCALE].float() if cfg.activation_scale == "static" else None
-        _set_module(model, n, FourSightLinear(qw, t.get(schema.BIAS), act_quant, igs, name=n))
+        _set_module(model, n, linear_from_tensors(n, mods.pop(n), lin.out_features, lin.in_features, lin.bias is not None, cfg))
     if mods:
         raise CheckpointError(f"unexpected FourSight tensors for modules {sorted(mods)[:5]} (not linear layers of this model)")
     missing, unexpected = model.load_state_dict(rest, strict=False)

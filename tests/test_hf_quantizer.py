@@ -1,0 +1,129 @@
+"""transformers' ``from_pretrained`` on a FourSight checkpoint: the FourSight layers, the checkpoint's
+outputs, and a loud error (never random weights) where the checkpoint cannot be used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import foursight  # noqa: F401  (registers the quantizer with transformers)
+from foursight.checkpoint import quantize_model
+from foursight.hf import FourSightLinear, load_reference_model
+from foursight.schema import CheckpointError
+
+
+def _from_pretrained(d):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(d)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny_qwen2_dir, tmp_path_factory) -> Path:
+    """A k=16 checkpoint of the tiny Qwen2 (q/k/v biases), static activation scales."""
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-fs"
+    quantize_model(tiny_qwen2_dir, out, channels=16, activation_scale="static", progress=False)
+    return out
+
+
+def _copy(ckpt: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ckpt, tmp_path / "copy"))
+
+
+def _edit_tensors(d: Path, fn) -> None:
+    t = load_file(str(d / "model.safetensors"))
+    fn(t)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_registered_on_import_without_importing_transformers():
+    code = ("import sys, foursight; assert 'transformers' not in sys.modules; "
+            "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, AUTO_QUANTIZATION_CONFIG_MAPPING; "
+            "from foursight.hf_quantizer import FourSightHfQuantizer, FourSightQuantizationConfig; "
+            "assert AUTO_QUANTIZER_MAPPING['foursight'] is FourSightHfQuantizer; "
+            "assert AUTO_QUANTIZATION_CONFIG_MAPPING['foursight'] is FourSightQuantizationConfig")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # and when transformers was imported first
+    code2 = "import transformers.quantizers.auto as a, foursight; assert 'foursight' in a.AUTO_QUANTIZER_MAPPING"
+    r = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_tiny_from_pretrained_matches_reference(tiny_ckpt):
+    """Biases and static activation scales go through the same layer builder as the reference model."""
+    m = _from_pretrained(tiny_ckpt)
+    ref = load_reference_model(tiny_ckpt)
+    fs = {n: x for n, x in m.named_modules() if isinstance(x, FourSightLinear)}
+    assert set(fs) == {n for n, x in ref.named_modules() if isinstance(x, FourSightLinear)} and fs
+    q = fs["model.layers.0.self_attn.q_proj"]
+    assert q.bias is not None and q.input_global_scale is not None and q.bf16_channels.numel() == 16
+    ids = torch.randint(0, m.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_missing_tensor_raises_naming_it(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path)
+    _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight_scale"):
+        _from_pretrained(d)
+
+
+def test_missing_plain_tensor_raises_naming_it(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path)
+    _edit_tensors(d, lambda t: t.pop("model.layers.0.input_layernorm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.input_layernorm\.weight"):
+        _from_pretrained(d)
+
+
+def test_wrong_shape_raises_naming_it(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path)
+    name = "model.layers.0.self_attn.o_proj.weight_bf16"
+    _edit_tensors(d, lambda t: t.__setitem__(name, torch.zeros(t[name].shape[0], 8, dtype=torch.bfloat16)))
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.self_attn\.o_proj\.weight_bf16 has shape \[\d+, 8\], expected \[\d+, 16\]"):
+        _from_pretrained(d)
+
+
+def test_stray_tensor_raises_naming_it(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path)
+    _edit_tensors(d, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight_packed", torch.zeros(4, 8, dtype=torch.uint8)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.0\.mlp\.extra_proj\.weight_packed"):
+        _from_pretrained(d)
+
+
+def test_bad_config_field_raises_naming_it(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 32
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"quantization_config\.group_size"):
+        _from_pretrained(d)
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_smollm2_from_pretrained_matches_reference_logits(smollm2_fs32_ckpt, smollm2_dir):
+    """The real k=32 SmolLM2 checkpoint through ``AutoModelForCausalLM.from_pretrained``: all 210
+    layers are FourSight layers, the logits are the FourSight reference model's, and the model
+    predicts like the BF16 one (not the random model transformers builds without the quantizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    m = _from_pretrained(smollm2_fs32_ckpt)
+    assert sum(isinstance(x, FourSightLinear) for x in m.modules()) == 210
+    ref = load_reference_model(smollm2_fs32_ckpt)
+    bf16 = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok("The capital of France is Paris. The capital of Italy is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        got, want, lb = m(ids).logits, ref(ids).logits, bf16(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got[0, -1].argmax() == lb[0, -1].argmax()
+    assert (got[0].argmax(-1) == lb[0].argmax(-1)).float().mean() > 0.7
