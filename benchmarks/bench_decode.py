@@ -379,14 +379,19 @@ def _replay_ms(g, dev, reps: int, min_s: float) -> tuple[float, int, list]:
     est = max(e0.elapsed_time(e1), 1e-3)
     n = int(max(reps, min(10 * reps, math.ceil(min_s * 1e3 / est))))
     n = max(5, min(n, int(max(5, 20e3 / est))))  # at most ~20 s of replays
+    ts = _replay_ms(g, dev, n)
+    return ts[len(ts) // 2], n, [ts[0], ts[-1]]
+
+
+def _replay_ms(g, dev, n: int) -> list[float]:
+    """Sorted ms of ``n`` replays of CUDA graph ``g``, each between its own pair of CUDA events."""
     evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for a, b in evs:
         a.record()
         g.replay()
         b.record()
     torch.cuda.synchronize(dev)
-    ts = sorted(a.elapsed_time(b) for a, b in evs)
-    return ts[len(ts) // 2], n, [ts[0], ts[-1]]
+    return sorted(a.elapsed_time(b) for a, b in evs)
 
 
 def _eager_ms(fn, dev, reps: int) -> tuple[float, int]:
@@ -447,13 +452,7 @@ def time_prefill(model: Decoder, s: int, args) -> dict:
             g.replay()
             torch.cuda.synchronize(dev)
             row["graph_vs_eager_rel"] = _rel(out, eager)
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-            for a, b in evs:
-                a.record()
-                g.replay()
-                b.record()
-            torch.cuda.synchronize(dev)
-            ts = sorted(a.elapsed_time(b) for a, b in evs)
+            ts = _replay_ms(g, dev, reps)
             row.update(ms=ts[len(ts) // 2], reps=reps, timing="cuda-graph replay, CUDA events")
             del g, out
         except Exception as e:  # noqa: BLE001 - capture failed: time eagerly instead

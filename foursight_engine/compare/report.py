@@ -52,6 +52,16 @@ def _fmt(key: str, v: float) -> str:
     return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
 
 
+def _save(fig, out: Path, name: str) -> str:
+    """Lay out, write ``out/name`` (120 dpi) and close ``fig``; returns ``name``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    return name
+
+
 def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[torch.Tensor]], tail_threshold: float) -> list[str]:
     import matplotlib
 
@@ -72,10 +82,7 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
     ax.axvline(tail_threshold, color="grey", ls="--", lw=0.8)
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "cdf_abs_dlogp.png", dpi=120)
-    plt.close(fig)
-    files.append("cdf_abs_dlogp.png")
+    files.append(_save(fig, out, "cdf_abs_dlogp.png"))
     # 2. per-sequence max |Δ| histogram, tails marked
     fig, axes = plt.subplots(len(names), 1, figsize=(6.4, 1.9 * len(names) + 0.6), sharex=True, squeeze=False)
     allmax = [torch.stack([(a - b).abs().max() if len(a) else torch.tensor(0.0, dtype=torch.float64)
@@ -89,10 +96,7 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
         ax.set_title(n, fontsize=9)
         ax.legend(fontsize=7)
     axes[-1, 0].set_xlabel("per-sequence max |Δlogp|")
-    fig.tight_layout()
-    fig.savefig(out / "seq_max_hist.png", dpi=120)
-    plt.close(fig)
-    files.append("seq_max_hist.png")
+    files.append(_save(fig, out, "seq_max_hist.png"))
     # 3. mismatch against position
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for n in names:
@@ -106,10 +110,7 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
     ax.set_ylabel("mean |Δlogp| vs learner")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "dlogp_vs_position.png", dpi=120)
-    plt.close(fig)
-    files.append("dlogp_vs_position.png")
+    files.append(_save(fig, out, "dlogp_vs_position.png"))
     return files
 
 
