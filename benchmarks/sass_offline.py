@@ -33,11 +33,12 @@ from triton.compiler import ASTSource
 
 from foursight.kernels.act_quant import _act_quant_kernel
 from foursight.kernels.dequant import _dequant_weight_kernel
+from foursight.kernels.fragment import _fragment_gemm_kernel
 from foursight.kernels.gemv import _splice_gemv1_kernel
 from foursight.kernels.ss import _splice_gemm_ss_kernel
 from foursight.kernels.swap import _splice_gemm_kernel
 
-_INTS = ("M", "N", "K", "KS", "GROUPS_PER_SPLIT")
+_INTS = ("M", "N", "K", "KS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP")
 
 # name: (kernel, pointer types, constexprs, num_warps, num_stages, weight elements per thread per K step)
 CASES = {
@@ -58,6 +59,11 @@ CASES = {
              dict(stride_ak=1, stride_xk=1, stride_on=1, A_QUANT=True, DOT_BF16=False, HAS_BIAS=False,
                   HAS_KS=True, SPLIT=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_KS=64, GROUP_M=8,
                   INTERP=False), 4, 3, 64 * 256 // 128),
+    "fragment": (_fragment_gemm_kernel,
+                 {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32", "sf_ptr": "*u8",
+                  "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
+                 dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                      BLOCK_KS=64, GROUP_M=8, INTERP=False), 4, 3, 64 * 128 // 128),
     "act_quant": (_act_quant_kernel,
                   {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
                    "deq_ptr": "*fp16", "xs_ptr": "*bf16"},
@@ -87,7 +93,7 @@ def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: 
         else:
             sig[p] = "*fp32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-             if t.startswith("*") or (t == "i32" and n not in ("M", "N", "GROUPS_PER_SPLIT"))}
+             if t.startswith("*") or (t == "i32" and n not in ("M", "N", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP"))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -4,8 +4,9 @@
 rest of the product calls (see :mod:`foursight.kernels.api`). Layout of the package:
 
 * :mod:`.primitives` — the shared ``@triton.jit`` NVFP4 decode/quantization primitives;
-* one module per kernel form: :mod:`.act_quant`, :mod:`.gemv`, :mod:`.swap`, :mod:`.ss`,
-  :mod:`.dequant` (each names its PyTorch reference);
+* one module per kernel form: :mod:`.act_quant`, :mod:`.gemv`, :mod:`.fragment` (the BF16 decode
+  form on the weight's fragment layout), :mod:`.swap`, :mod:`.ss`, :mod:`.dequant` (each names its
+  PyTorch reference);
 * :mod:`.configs` — the named tile configurations and the candidate lists per datapath;
 * :mod:`.tuning` — the timing/autotune harness; :mod:`.prepared` — the execution form of a layer;
 * :mod:`.reference` — plain-PyTorch baselines; :mod:`.blackwell` — the sm_100 gate.
@@ -18,6 +19,7 @@ from .api import (
     DECODE_MAX_M,
     TUNED,
     DequantConfig,
+    FragmentConfig,
     GemvConfig,
     KernelConfig,
     PreparedWeight,
@@ -35,6 +37,7 @@ __all__ = [
     "DECODE_MAX_M",
     "TUNED",
     "DequantConfig",
+    "FragmentConfig",
     "GemvConfig",
     "KernelConfig",
     "PreparedWeight",

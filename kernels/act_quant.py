@@ -53,7 +53,7 @@ def _act_quant_kernel(
     ch_ptr,  # int32 [KS]
     gs_in_ptr,  # fp32 [1] static global scale (used when STATIC_GS)
     packed_ptr, scale_ptr,  # uint8 [M, K/2], uint8 [M, K/16] (contiguous)
-    deq_ptr,  # fp16 [M, K] (contiguous)
+    deq_ptr,  # fp16 or bf16 [M, K] (contiguous)
     gs_out_ptr,  # fp32 [M]
     xs_ptr,  # [M, KS] input dtype (contiguous)
     K, KS,
@@ -127,7 +127,7 @@ def _act_quant_row(
                     fq = tl.where(sm != 0, x_in, fq)
                 tl.store(deq_ptr + row * K + offs, _rne_bf16(fq).to(tl.bfloat16), mask=kmask)
             else:
-                tl.store(deq_ptr + row * K + offs, deq.to(tl.float16), mask=kmask)
+                tl.store(deq_ptr + row * K + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
     else:
         if not STATIC_GS:
             amax_v = tl.zeros((BLOCK_K,), tl.float32)
@@ -159,7 +159,7 @@ def _act_quant_row(
                         fq = tl.where(sm != 0, x_in, fq)
                     tl.store(deq_ptr + row * K + k0 + offs, _rne_bf16(fq).to(tl.bfloat16), mask=kmask)
                 else:
-                    tl.store(deq_ptr + row * K + k0 + offs, deq.to(tl.float16), mask=kmask)
+                    tl.store(deq_ptr + row * K + k0 + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
     tl.store(gs_out_ptr + row, gs)
     if WRITE_XS:
         offs_c = tl.arange(0, BLOCK_KS)
@@ -201,7 +201,7 @@ def _rows_quant_store(
     if WRITE_DEQ:
         offs = tl.arange(0, BLOCK_K)
         dm = rmask[:, None] & ((k0 + offs) < K)[None, :]
-        tl.store(deq_ptr + rows64[:, None] * K + k0 + offs[None, :], deq.to(tl.float16), mask=dm)
+        tl.store(deq_ptr + rows64[:, None] * K + k0 + offs[None, :], deq.to(deq_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -271,16 +271,18 @@ def act_quant_launch(
     write_deq: bool,
     write_xs: bool,
     post: torch.Tensor | None = None,
+    deq_dtype: torch.dtype = torch.float16,
 ):
     """Launch ``_act_quant_kernel``; ``post`` (fp32 [1]) selects the FQ output: ``deq`` is then the
-    bf16 fake-quantized activation ``q*s*post/gs`` with ``X[:, S]`` at the S columns."""
+    bf16 fake-quantized activation ``q*s*post/gs`` with ``X[:, S]`` at the S columns; otherwise
+    ``deq`` is the exact ``q*s`` in ``deq_dtype`` (fp16 or bf16: both hold it exactly)."""
     m, k_dim = x.shape
     kk = channels.numel()
     dev = x.device
     fq = post is not None
     packed = torch.empty((m, k_dim // 2), dtype=torch.uint8, device=dev) if write_packed else None
     scale = torch.empty((m, k_dim // BLOCK_SIZE), dtype=torch.uint8, device=dev) if write_packed else None
-    deq = torch.empty((m, k_dim), dtype=torch.bfloat16 if fq else torch.float16, device=dev) if write_deq else None
+    deq = torch.empty((m, k_dim), dtype=torch.bfloat16 if fq else deq_dtype, device=dev) if write_deq else None
     gs_out = torch.empty((m,), dtype=torch.float32, device=dev)
     xs = torch.empty((m, kk), dtype=x.dtype, device=dev) if write_xs else None
     gs_in = static_global_scale(global_scale, dev) if global_scale is not None else gs_out

@@ -30,12 +30,14 @@ from .configs import (
     MID_CONFIGS,
     PREFILL_CONFIGS,
     DequantConfig,
+    FragmentConfig,
     GemvConfig,
     KernelConfig,
     SSConfig,
     SwapConfig,
 )
 from .dequant import dequant_linear
+from .fragment import fragment_launch
 from .gemv import gemv_launch
 from .prepared import PreparedWeight, prepare_weight
 from .ss import ss_launch
@@ -48,7 +50,7 @@ DECODE_MAX_M: int = 16
 
 __all__ = [
     "DECODE_MAX_M", "TUNED", "TUNE_LOG", "PreparedWeight", "KernelConfig", "GemvConfig", "SwapConfig", "SSConfig",
-    "DequantConfig", "datapath_for", "prepare_weight", "quantize_activation", "splice_gemm", "splice_linear",
+    "DequantConfig", "FragmentConfig", "datapath_for", "prepare_weight", "quantize_activation", "splice_gemm", "splice_linear",
 ]
 
 
@@ -107,14 +109,17 @@ def quantize_activation(
 # --------------------------------------------------------------------------------------------
 
 
-def _candidates(path: str, m: int, form: str) -> list:
+def _candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     """Configurations the autotuner may time for ``path``. ``form``: "deq" (splice_gemm on the fp16
     q*s), "w4a16" (splice_gemm or splice_linear without activation quantization) or "linear"
-    (splice_linear W4A4: the quantization is part of what is timed)."""
+    (splice_linear W4A4: the quantization is part of what is timed). The fragment form takes BF16
+    activations only (``bf16``) and not the fp16 q*s of splice_gemm."""
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
     out = []
     for c in cands:
         if isinstance(c, GemvConfig) and m != 1:
+            continue
+        if isinstance(c, FragmentConfig) and (form == "deq" or not bf16):
             continue
         if isinstance(c, DequantConfig) and form == "deq":
             continue
@@ -132,6 +137,10 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
         a, a_gs, a_quant, dot_bf16 = x, None, False, x.dtype == torch.bfloat16
     else:
         (a, a_gs), a_quant, dot_bf16 = qa, True, False
+    if isinstance(cfg, FragmentConfig):
+        if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
+            raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x.dtype}")
+        return fragment_launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant)
     if isinstance(cfg, SwapConfig):
         return swap_launch(cfg, a, a_gs, x, pw, bias, out, a_quant, dot_bf16)
     if isinstance(cfg, SSConfig):
@@ -150,7 +159,9 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
     if not act_quant:
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
     want_xs = isinstance(cfg, SSConfig) and pw.num_channels > 0
-    _, _, deq, gs, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, input_global_scale, False, True, want_xs)
+    deq_dtype = torch.bfloat16 if isinstance(cfg, FragmentConfig) else torch.float16
+    _, _, deq, gs, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, input_global_scale, False, True, want_xs,
+                                             deq_dtype=deq_dtype)
     return _gemm_dispatch(cfg, x2, pw, (deq, gs), bias, out, xs=xs)
 
 
@@ -227,7 +238,7 @@ def splice_gemm(
     def run(cfg):
         _gemm_dispatch(cfg, x, prepared, qa, bias, out)
 
-    cands = [c for c in _candidates(path, m, form) if not isinstance(c, DequantConfig)]
+    cands = [c for c in _candidates(path, m, form, x.dtype == torch.bfloat16) if not isinstance(c, DequantConfig)]
     reference = (lambda: _reference_output(prepared, x, bias, None, False)) if qa is None else None
     cfg = config or pick_config(key, run, cands, _interp_config(path, m), out, reference)
     run(cfg)
@@ -282,7 +293,7 @@ def splice_linear(
     def reference():
         return _reference_output(prepared, x2, bias, input_global_scale, act_quant)
 
-    cands = _candidates(path, m, "linear" if act_quant else "w4a16")
+    cands = _candidates(path, m, "linear" if act_quant else "w4a16", x2.dtype == torch.bfloat16)
     if x2.dtype != torch.bfloat16:
         cands = [c for c in cands if not isinstance(c, DequantConfig)]
     cfg = config or pick_config(key, run, cands, _interp_config(path, m), out, reference)

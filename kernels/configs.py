@@ -87,10 +87,38 @@ class DequantConfig(_Config):
     num_warps: int = 4
 
 
-KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig]
+@dataclass(frozen=True)
+class FragmentConfig(_Config):
+    """Fragment-layout swap-AB wgmma tile (:mod:`.fragment`, BF16 activations only): ``Yᵀ[block_n,
+    block_m]`` from the weight's fragment execution form; ``split_k`` 0 = automatic, 1 = no split.
+
+    One warpgroup (the stored layout is that of a 4-warp wgmma), ``block_n`` a multiple of 64 (the
+    stored block) and ``block_k`` 128 or 256 (one or two stored chunks; K is stored padded to 256)."""
+
+    form: ClassVar[str] = "fragment"
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_stages: int = 3
+    split_k: int = 0
+
+    def __post_init__(self):
+        if self.block_n % 64 or self.block_k not in (128, 256) or self.block_m not in (16, 32, 64, 128, 256):
+            raise ValueError(
+                f"FragmentConfig: block_n a multiple of 64, block_k 128 or 256 and block_m in 16..256 (a power of two), got {self}"
+            )
+
+
+KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig]
 
 #: Decode datapath (M <= DECODE_MAX_M). M = 1 takes a GEMV; 2..16 rows a swap tile.
 DECODE_CONFIGS: tuple = (
+    FragmentConfig(16, 64),
+    FragmentConfig(16, 128),
+    FragmentConfig(16, 64, 128, 4),
+    FragmentConfig(16, 64, 256, 3),
+    FragmentConfig(16, 128, 256, 3),
+    FragmentConfig(16, 256, 128, 2),
     GemvConfig(8, 1024, 4),
     GemvConfig(16, 1024, 8),
     GemvConfig(8, 2048, 8),
@@ -103,6 +131,12 @@ DECODE_CONFIGS: tuple = (
 )
 #: Mid datapath (DECODE_MAX_M < M <= 128).
 MID_CONFIGS: tuple = (
+    FragmentConfig(32, 64),
+    FragmentConfig(64, 64),
+    FragmentConfig(64, 128),
+    FragmentConfig(128, 64),
+    FragmentConfig(32, 128, 256, 3),
+    FragmentConfig(64, 128, 256, 2),
     SwapConfig(32, 64, 256, 4, 3),
     SwapConfig(64, 64, 128, 4, 4),
     SSConfig(64, 64, 128, 4, 4),
@@ -110,6 +144,9 @@ MID_CONFIGS: tuple = (
 )
 #: Prefill datapath (M > 128).
 PREFILL_CONFIGS: tuple = (
+    FragmentConfig(128, 64),
+    FragmentConfig(128, 128),
+    FragmentConfig(256, 64, 128, 2),
     DequantConfig(32, 256),
     DequantConfig(16, 512),
     DequantConfig(64, 128),

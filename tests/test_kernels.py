@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 import foursight.kernels as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
-from foursight.kernels import DequantConfig, GemvConfig, SSConfig, SwapConfig  # noqa: E402
+from foursight.kernels import DequantConfig, FragmentConfig, GemvConfig, SSConfig, SwapConfig  # noqa: E402
 from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -350,3 +350,99 @@ def test_naive_emulation_baseline_matches_reference():
     ref = reference_linear(x, qw, out_dtype=torch.float32)
     y = naive_emulation(x, qw).float()
     assert ((y - ref).norm() / ref.norm()).item() < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# the fragment form (BF16 activations): its execution form and the kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fragment_scale_encoding_is_exact_for_every_e4m3_value():
+    """Every non-negative finite E4M3 byte, re-encoded as the E5M3 byte the kernel reads, gives
+    bf16 bits byte*16 + 224*128 whose value is exactly scale * 2^119."""
+    from foursight.kernels.fragment import SCALE_BIAS_BITS, _e5m3_of_e4m3
+
+    b = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN
+    u = _e5m3_of_e4m3(b).to(torch.int32)
+    bits = (u * 16 + SCALE_BIAS_BITS).to(torch.int16)
+    got = bits.view(torch.bfloat16).float()
+    want = b.view(torch.float8_e4m3fn).float() * 2.0**119
+    nz = want != 0
+    assert torch.equal(got[nz], want[nz])
+    with pytest.raises(ValueError, match="block scale"):
+        _e5m3_of_e4m3(torch.tensor([0x7F], dtype=torch.uint8))
+
+
+def _decode_fragment_words(fw) -> torch.Tensor:
+    """Independent decoder of the stored words: E2M1 codes [Np, Kp] in real order, from the bit
+    table and the stored-row/word map alone (no kernel code)."""
+    from foursight.kernels.fragment import FRAG_COLS, FRAG_ROWS, _tile_map
+
+    srow, word, bits = _tile_map("cpu")
+    w = fw.words.to(torch.int64) & 0xFFFFFFFF
+    np_, kw = w.shape
+    nb, nc = np_ // FRAG_ROWS, kw // 16
+    w = w.reshape(nb, FRAG_ROWS, nc, 16)
+    sel = w[:, srow, :, :]  # [nb, 64 real rows, 128 cols?]
+    out = torch.zeros(nb, FRAG_ROWS, nc, FRAG_COLS, dtype=torch.int64)
+    for col in range(FRAG_COLS):
+        ww = torch.gather(w, 1, srow[:, col].view(1, FRAG_ROWS, 1, 1).expand(nb, FRAG_ROWS, nc, 16))
+        ww = ww[..., word[:, col]].diagonal(dim1=1, dim2=3) if False else torch.stack(
+            [ww[:, r, :, word[r, col]] for r in range(FRAG_ROWS)], dim=1)
+        code = 0
+        for i, weight in enumerate((8, 4, 2, 1)):
+            code = code + ((ww >> bits[:, col, i].view(1, FRAG_ROWS, 1)) & 1) * weight
+        out[:, :, :, col] = code
+    del sel
+    return out.reshape(nb * FRAG_ROWS, nc * FRAG_COLS)
+
+
+@pytest.mark.parametrize("N,K", [(64, 256), (40, 208), (130, 400)])
+def test_fragment_weight_round_trips_the_codes(N, K):
+    from foursight.kernels.fragment import fragment_weight
+
+    g = torch.Generator().manual_seed(N + K)
+    packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(1, 0x7F, (N, K // 16), generator=g, dtype=torch.uint8)
+    scale[0, 1] = 0  # a zero scale: its block's codes are stored as zeros
+    fw = fragment_weight(packed, scale)
+    assert fw.words.shape == (-(-N // 64) * 64, -(-K // 256) * 256 // 8)
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(N, K).to(torch.int64)
+    codes[0, 16:32] = 0
+    got = _decode_fragment_words(fw)
+    assert torch.equal(got[:N, :K], codes)
+    assert not got[N:].any() and not got[:, K:].any()
+
+
+_FRAG_CONFIGS = [FragmentConfig(16, 64, 128, 1, 1), FragmentConfig(16, 64, 256, 1, 2), FragmentConfig(32, 128, 128, 1, 0)]
+
+
+@pytest.mark.parametrize("cfg", _FRAG_CONFIGS, ids=str)
+@pytest.mark.parametrize("M,N,K,k", [(1, 40, 208, 16), (3, 64, 256, 0), (17, 130, 400, 128)])
+def test_fragment_form(cfg, M, N, K, k):
+    """The fragment kernel against the reference: W4A4 dynamic and static, W4A16, bias, per-row weight
+    scales, padding in N and K, split-K, a non-contiguous bf16 input."""
+    g = torch.Generator().manual_seed(M * 7 + N + K + k)
+    qw = _layer(N, K, k, g, per_row_gs=True)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, 2 * K, g)[:, ::2]
+    bias = torch.randn(N, generator=g).bfloat16()
+    ref = reference_linear(x, qw, bias=bias, out_dtype=torch.float32)
+    y = fk.splice_linear(x, pw, bias=bias, config=cfg)
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+    gs = torch.tensor([17.0])
+    y = fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
+    _check(y, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
+    y = fk.splice_linear(x, pw, input_global_scale=gs, config=cfg)
+    ref = reference_linear(x, qw, input_global_scale=gs, out_dtype=torch.float32)
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+def test_fragment_form_refuses_fp16_and_bad_tiles():
+    g = torch.Generator().manual_seed(3)
+    qw = _layer(64, 128, 16, g)
+    pw = fk.prepare_weight(qw)
+    with pytest.raises(NVFP4Error, match="bf16"):
+        fk.splice_gemm(_act(2, 128, g, torch.float16), pw, None, config=FragmentConfig(16, 64))
+    with pytest.raises(ValueError, match="block_n"):
+        FragmentConfig(16, 48)

@@ -1,0 +1,472 @@
+"""Kernel form: the fragment-layout swap-AB SpliceGEMM tile (``_fragment_gemm_kernel``), the decode
+datapath for BF16 activations. Reference: :func:`foursight.layer.reference_linear`.
+
+``Y[M, N] = deq(A) · deq(W)ᵀ + X[:, S] · W_bf16ᵀ (+ bias)``, computed as ``Yᵀ[BN, BM]`` with the
+decoded weight as the register operand of ``wgmma`` (swap-AB, tokens on the narrow side).
+
+Why this form exists: in the plain swap form the weight is decoded in the layout the load chose and
+then moved through shared memory into the wgmma fragment layout; that conversion costs more than
+the decode. Here the weight's execution form (:func:`fragment_weight`, built once, offline) puts
+every thread's codes where its fragment needs them, so the decoded tile *is* the fragment:
+
+* **Rows.** The tile is loaded as ``[BN, 64]`` bytes per 128 columns; the load's natural layout puts
+  rows ``lane/4 + 8·warp + 32·r``, wgmma wants ``lane/4 + 8·a + 16·warp + 64·r``. A reshape/permute
+  of the row index (``_FRAG_ROWS``) maps one onto the other, so it is a register relabel; the
+  offline form stores each 64-row block's rows in the matching order.
+* **Columns.** A thread loads 16 contiguous bytes (one 128-bit load) = its 32 fragment values of one
+  row over 128 columns. Each 32-bit word decodes in PTX to four bf16x2 registers
+  (:func:`_decode_word_asm`: three are one shift and one AND each, the fourth five operations) whose
+  pairs are consecutive columns, as wgmma's register operand wants them; a bit permutation of the
+  column index (``_FRAG_COLS``) names which columns they are.
+* **Numbers.** A code is stored as bf16 bits (sign at 15, exponent/mantissa at 8..6) so the decoded
+  value is ``e2m1 · 2^-126`` exactly (code 1 is a bf16 subnormal); the E4M3 block scale is stored
+  re-encoded as an unsigned E5M3 byte whose bf16 bits are ``byte·16 + 224·128`` = ``scale · 2^119``
+  (exact, E4M3 subnormals included); their bf16 product ``e2m1 · scale · 2^-7`` is exact (at most 6
+  significant bits, far from bf16's range limits). The activation operand is the exact bf16
+  ``q · s`` of :mod:`.act_quant` (W4A4) or X itself (W4A16); the global scales and the ``2^7`` are
+  applied once to the fp32 accumulator, then the BF16 channel segment is added into it, then the
+  bias: the reference's order.
+
+The interpreter cannot run PTX: there the word decode is its portable twin (:func:`_decode_word_ref`),
+the same bits with Triton integer ops, and the layout chain is the same reshapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from foursight.nvfp4 import BLOCK_SIZE
+
+from .primitives import _bf16_rne, _mma, _tile_ids, interpreting
+
+#: Rows of one stored block (one wgmma M=64 tile of 4 warps) and columns of one stored chunk
+#: (16 bytes per thread: 4 lanes x 32 values).
+FRAG_ROWS: int = 64
+FRAG_COLS: int = 128
+#: bf16 exponent offset of the stored E5M3 scale byte: bits = byte * 16 + SCALE_BIAS_BITS.
+SCALE_BIAS_BITS: int = 224 << 7
+#: The decoded weight is ``e2m1 * scale * 2^-7``; the accumulator is multiplied by this once.
+WEIGHT_UNSCALE: float = 128.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the layout chain (the same reshapes run in the kernel and, on index tensors, in the packer)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7, R: tl.constexpr, W: tl.constexpr):
+    """Eight [R, W] tensors -> [R, 8W] with element (r, 8w + j) = v_j[r, w] (decoded order)."""
+    x = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    # join nests innermost-last: x[r, w, a, b, c] = v_{4a + 2b + c}... reorder to (a, b, c) = j bits 2, 1, 0
+    x = tl.permute(x, (0, 1, 4, 3, 2))
+    return tl.reshape(x, (R, 8 * W))
+
+
+@triton.jit
+def _frag_cols(x, R: tl.constexpr):
+    """Decoded order -> real column order within each 128-column chunk: with d = 8·word + j the
+    decoded index (word 0..15, value 0..7 of the word), the real column is the bit permutation
+    c = (d4 d3 d2 d1 d6 d5 d0), high bit first. So a thread's four words (its lane = word bits 2-3)
+    are 16 contiguous bytes, the value pair j0 is wgmma's register pair, j1/j2 its k+8 / next 16."""
+    NC: tl.constexpr = x.shape[1] // 128
+    x = tl.reshape(x, (R * NC, 2, 2, 2, 2, 2, 2, 2))  # d6 d5 d4 d3 d2 d1 d0
+    x = tl.permute(x, (0, 3, 4, 5, 6, 1, 2, 7))
+    return tl.reshape(x, (R, NC * 128))
+
+
+@triton.jit
+def _frag_rows(x, C: tl.constexpr):
+    """Loaded row order -> wgmma row order within each 64-row block."""
+    R: tl.constexpr = x.shape[0]
+    x = tl.reshape(x, (R // 64, 2, 4, 8, C))  # r' = (rep, bit5, warp bits 3-4, lane bits 0-2)
+    x = tl.permute(x, (0, 2, 1, 3, 4))
+    return tl.reshape(x, (R, C))
+
+
+def _torch_chain(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout chain on a [R, 128·n] tensor in decoded order (the packer runs it on index
+    tensors): columns then rows, exactly as in the kernel."""
+    r, c2 = t.shape
+    nc = c2 // 128
+    t = t.reshape(r * nc, 2, 2, 2, 2, 2, 2, 2).permute(0, 3, 4, 5, 6, 1, 2, 7).reshape(r, c2)
+    t = t.reshape(r // 64, 2, 4, 8, c2).permute(0, 2, 1, 3, 4).reshape(r, c2)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# word decode
+# ---------------------------------------------------------------------------------------------
+#
+# Value j of a word (j = 0..7) is the half (j & 1: low = bits 0-15, high = bits 16-31) of bf16x2
+# register k = j >> 1. Its bits (sign, e1, e0, m) go to bf16 bits (15, 8, 7, 6); their sources in
+# the half (add 16 for the high half):
+#   k = 0: (15, 8, 7, 6)      (w << 0) & 0x81C081C0
+#   k = 1: (12, 5, 4, 3)      (w << 3) & 0x81C081C0
+#   k = 2: (9, 2, 1, 0)       (w << 6) & 0x81C081C0
+#   k = 3: (14, 11, 10, 13)   ((w << 1) & 0x80008000) | ((w >> 3) & 0x01800180) | ((w >> 7) & 0x00400040)
+# The scale multiply is folded in: registers 0, 1 are scaled by ``sa``, 2, 3 by ``sb``.
+SRC_BITS = (
+    (15, 8, 7, 6),
+    (12, 5, 4, 3),
+    (9, 2, 1, 0),
+    (14, 11, 10, 13),
+)
+
+
+@triton.jit
+def _decode_word_asm(w, sa, sb):
+    """int32 words [R, W] and bf16 scales ``sa``/``sb`` [R, W] -> the 8 bf16 values of every word."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, s0, s1;
+        mov.b32 s0, {$9, $9};
+        mov.b32 s1, {$10, $10};
+        and.b32 q0, $8, 0x81C081C0;
+        shl.b32 t0, $8, 3;
+        and.b32 q1, t0, 0x81C081C0;
+        shl.b32 t1, $8, 6;
+        and.b32 q2, t1, 0x81C081C0;
+        shl.b32 t0, $8, 1;
+        and.b32 t0, t0, 0x80008000;
+        shr.b32 t1, $8, 3;
+        and.b32 t1, t1, 0x01800180;
+        shr.b32 t2, $8, 7;
+        and.b32 t2, t2, 0x00400040;
+        or.b32 t3, t0, t1;
+        or.b32 q3, t3, t2;
+        mul.rn.bf16x2 q0, q0, s0;
+        mul.rn.bf16x2 q1, q1, s0;
+        mul.rn.bf16x2 q2, q2, s1;
+        mul.rn.bf16x2 q3, q3, s1;
+        mov.b32 {$0, $1}, q0;
+        mov.b32 {$2, $3}, q1;
+        mov.b32 {$4, $5}, q2;
+        mov.b32 {$6, $7}, q3;
+        }
+        """,
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+        args=[w, sa, sb],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _decode_word_ref(w, sa, sb):
+    """Portable twin of :func:`_decode_word_asm` (interpreter): the same bits with Triton integer
+    ops; fp32 values (``sa``/``sb`` fp32) rounded once to bf16 (exact)."""
+    lo = w & 0xFFFF
+    hi = (w >> 16) & 0xFFFF
+    l0, l1, l2, l3 = _half_values(lo)
+    h0, h1, h2, h3 = _half_values(hi)
+    return ((l0 * sa).to(tl.bfloat16), (h0 * sa).to(tl.bfloat16), (l1 * sa).to(tl.bfloat16), (h1 * sa).to(tl.bfloat16),
+            (l2 * sb).to(tl.bfloat16), (h2 * sb).to(tl.bfloat16), (l3 * sb).to(tl.bfloat16), (h3 * sb).to(tl.bfloat16))
+
+
+@triton.jit
+def _half_values(h):
+    """The four fp32 values ``e2m1 * 2^-126`` of a 16-bit half ``h`` (int32), registers k = 0..3."""
+    v0 = _code_value((h >> 15) & 1, (h >> 8) & 1, (h >> 7) & 1, (h >> 6) & 1)
+    v1 = _code_value((h >> 12) & 1, (h >> 5) & 1, (h >> 4) & 1, (h >> 3) & 1)
+    v2 = _code_value((h >> 9) & 1, (h >> 2) & 1, (h >> 1) & 1, h & 1)
+    v3 = _code_value((h >> 14) & 1, (h >> 11) & 1, (h >> 10) & 1, (h >> 13) & 1)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _code_value(s, e1, e0, m):
+    """fp32 ``e2m1 * 2^-126`` of a code given by its bits (exact: 2^-126 is an fp32 normal)."""
+    e = e1 * 2 + e0
+    mf = m.to(tl.float32)
+    mag = tl.where(e == 0, mf * 0.5, (1.0 + mf * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+    mag = mag * 1.1754943508222875e-38  # 2^-126
+    return tl.where(s == 1, -mag, mag)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fragment_gemm_kernel(
+    a_ptr, stride_am,  # A: bf16 q*s (A_QUANT) or X (W4A16) [M, K], unit stride along K
+    a_gs_ptr,  # fp32 [M] activation global scale (A_QUANT)
+    x_ptr, stride_xm,  # X [M, K] bf16, source of the BF16 segment
+    ch_ptr,  # int32 [KS] channel indices
+    wf_ptr, stride_wfn,  # fragment codes as int32 words [Np, Kp/8] (rows of each 64-row block in load order)
+    sf_ptr, stride_sfn,  # E5M3 scale bytes uint8 [Np, Kp/16] (rows in load order, like the codes)
+    w_gs_ptr,  # fp32 [N] weight global scale per output row
+    wb_ptr, stride_wbn,  # W_bf16 [N, KS]
+    bias_ptr,  # [N]
+    out_ptr, stride_om,  # [M, N] (or the fp32 split-K workspace [SPLIT, M, N])
+    M, N, K, KS,
+    CHUNKS_PER_SPLIT,  # 128-column chunks per split (a multiple of BLOCK_K/128); grid axis 1 = split
+    FIRST_CHUNKS,  # chunks of split 0, which also runs the BF16 segment (fewer, to balance the splits)
+    KCP,  # 128-column chunks of the padded weight
+    NP,  # stored rows (N rounded up to 64)
+    A_QUANT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_KS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KS: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+    rl = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # stored rows, in load order
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows (wgmma order = real order)
+    rn = (offs_n % N).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (offs_m % M).to(tl.int64)
+
+    WB: tl.constexpr = BLOCK_K // 8  # words per row per step
+    G: tl.constexpr = BLOCK_K // 16
+    STEP: tl.constexpr = BLOCK_K // 128
+    if pid_k == 0:
+        c_start = 0
+        c_end = tl.minimum(KCP, FIRST_CHUNKS)
+    else:
+        c_start = FIRST_CHUNKS + (pid_k - 1) * CHUNKS_PER_SPLIT
+        c_end = tl.minimum(KCP, c_start + CHUNKS_PER_SPLIT)
+    ow = tl.arange(0, WB)
+    og = tl.arange(0, G)
+    ok = tl.arange(0, BLOCK_K)
+    w_ptrs = wf_ptr + rl.to(tl.int64)[:, None] * stride_wfn + (c_start * 16 + ow)[None, :]
+    s_ptrs = sf_ptr + rl.to(tl.int64)[:, None] * stride_sfn + (c_start * 8 + og)[None, :]
+    a_ptrs = a_ptr + rm[:, None] * stride_am + (c_start * 128 + ok)[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    rmask = (rl < NP)[:, None]  # a tile may reach past the last stored 64-row block
+    for c0 in range(c_start, c_end, STEP):
+        wq = tl.load(w_ptrs, mask=rmask, other=0)
+        sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)  # [BN, G] E5M3 bytes (rows in load order)
+        # the scales of a word's two groups: group 2·(w & 3) + {0, 1} of its 128-column chunk
+        sc = tl.reshape(sc, (BLOCK_N, STEP, 4, 2))
+        s_a, s_b = tl.split(sc)  # [BN, STEP, 4]
+        if INTERP:
+            s_a = ((s_a & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((s_a >> 3) + 97).to(tl.float32))
+            s_b = ((s_b & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((s_b >> 3) + 97).to(tl.float32))
+        else:
+            s_a = (s_a * 16 + 28672).to(tl.int16).to(tl.bfloat16, bitcast=True)  # scale * 2^119
+            s_b = (s_b * 16 + 28672).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        s_a = tl.reshape(tl.broadcast_to(s_a[:, :, None, :], (BLOCK_N, STEP, 4, 4)), (BLOCK_N, WB))
+        s_b = tl.reshape(tl.broadcast_to(s_b[:, :, None, :], (BLOCK_N, STEP, 4, 4)), (BLOCK_N, WB))
+        if INTERP:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_ref(wq, s_a, s_b)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_asm(wq, s_a, s_b)
+        w = _frag_rows(_frag_cols(_join8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, WB), BLOCK_N), BLOCK_K)
+        kmask = (c0 * 128 + ok) < K
+        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+        acc = _mma(w, tl.trans(a), acc, INTERP)
+        w_ptrs += WB
+        s_ptrs += G
+        a_ptrs += BLOCK_K
+
+    wgs = tl.load(w_gs_ptr + rn)
+    if A_QUANT:
+        ags = tl.load(a_gs_ptr + rm)
+        acc = acc * (128.0 / (wgs[:, None] * ags[None, :]))
+    else:
+        acc = acc * (128.0 / wgs)[:, None]
+
+    if HAS_KS:
+        if pid_k == 0:
+            offs_c = tl.arange(0, BLOCK_KS)
+            for k0 in range(0, KS, BLOCK_KS):
+                cm = (k0 + offs_c) < KS
+                ch = tl.load(ch_ptr + k0 + offs_c, mask=cm, other=0).to(tl.int64)
+                xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=cm[None, :], other=0.0)
+                wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
+                acc = _mma(wb, tl.trans(xs), acc, INTERP)
+
+    omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    if SPLIT:
+        part = out_ptr + pid_k.to(tl.int64) * M * N + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(part, acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
+        if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+            acc = _bf16_rne(acc, INTERP)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# ---------------------------------------------------------------------------------------------
+# the execution form
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FragmentWeight:
+    """The fragment-layout execution form of one layer's FP4 part (built by :func:`fragment_weight`).
+
+    Attributes:
+        words: int32 [Np, Kp/8], Np = N rounded up to 64, Kp = K rounded up to 256; the codes of
+            each 64-row x 128-column block placed so that the kernel's loads and layout chain
+            deliver each thread its wgmma fragment (zero codes in the padding and the S columns).
+        scales: uint8 [Np, Kp/16], the block scales re-encoded as unsigned E5M3 (bf16 bits
+            ``byte·16 + 224·128`` = ``scale·2^119``), rows in the same stored order as ``words``.
+    """
+
+    words: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+_TILE_MAP: dict = {}
+
+
+def _tile_map(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one 64 x 128 block, per real (row, col): stored row, word of the chunk, and the four word
+    bit positions of (sign, e1, e0, m)."""
+    key = str(device)
+    if key not in _TILE_MAP:
+        idx = torch.arange(FRAG_ROWS * FRAG_COLS, dtype=torch.int64).reshape(FRAG_ROWS, FRAG_COLS)
+        t = _torch_chain(idx)  # t[row, col] = stored_row * 128 + d
+        srow, d = t // FRAG_COLS, t % FRAG_COLS
+        word, j = d // 8, d % 8
+        src = torch.tensor(SRC_BITS, dtype=torch.int64)  # [4 registers, 4 bits]
+        bits = src[j // 2] + 16 * (j % 2)[..., None]  # [64, 128, 4]
+        _TILE_MAP[key] = (srow.to(device), word.to(device), bits.to(device))
+    return _TILE_MAP[key]
+
+
+def _e5m3_of_e4m3(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """E4M3 scale bytes (non-negative) -> unsigned E5M3 bytes whose bf16 bits byte·16 + 224·128 are
+    exactly ``scale · 2^119`` (a zero scale gives byte 0; its block's codes must be zeroed)."""
+    v = scale_bytes.view(torch.float8_e4m3fn).float()
+    s = (v * 2.0**119).to(torch.bfloat16)
+    bits = s.view(torch.int16).to(torch.int32)
+    u = (bits - SCALE_BIAS_BITS) >> 4
+    ok = (v == 0) | ((bits & 15) == 0) & (u >= 0) & (u <= 255) & (s.float() == v * 2.0**119)
+    if not bool(ok.all()):
+        raise ValueError("fragment_weight: a block scale is negative, NaN or not an E4M3 value")
+    return torch.where(v == 0, torch.zeros_like(u), u).to(torch.uint8)
+
+
+def fragment_weight(packed: torch.Tensor, scale_bytes: torch.Tensor) -> FragmentWeight:
+    """Build the fragment execution form from the compressed-tensors tensors.
+
+    Args:
+        packed: uint8 [N, K/2] (low nibble = even column), with the S columns' codes already 0.
+        scale_bytes: uint8 [N, K/16], E4M3 bytes of the block scales.
+    """
+    n, kh = packed.shape
+    k = kh * 2
+    dev = packed.device
+    np_, kp = -(-n // FRAG_ROWS) * FRAG_ROWS, -(-k // 256) * 256
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(n, k).to(torch.int64)
+    zero_block = (scale_bytes == 0).repeat_interleave(BLOCK_SIZE, dim=1)
+    codes = torch.where(zero_block, torch.zeros_like(codes), codes)
+    codes = torch.nn.functional.pad(codes, (0, kp - k, 0, np_ - n))
+    srow, word, bits = _tile_map(dev)
+    nb, nc = np_ // FRAG_ROWS, kp // FRAG_COLS
+    c = codes.reshape(nb, FRAG_ROWS, nc, FRAG_COLS)
+    code_bits = torch.stack([(c >> 3) & 1, (c >> 2) & 1, (c >> 1) & 1, c & 1], dim=-1)  # [nb, 64, nc, 128, 4]
+    contrib = (code_bits << bits[None, :, None, :, :]).sum(-1)  # [nb, 64, nc, 128] disjoint bits
+    target = (srow * 16 + word)[None, :, None, :].expand(nb, FRAG_ROWS, nc, FRAG_COLS)  # within (block, chunk)
+    out = torch.zeros(nb, nc, FRAG_ROWS * 16, dtype=torch.int64, device=dev)
+    out.scatter_add_(2, target.permute(0, 2, 1, 3).reshape(nb, nc, -1), contrib.permute(0, 2, 1, 3).reshape(nb, nc, -1))
+    words = out.reshape(nb, nc, FRAG_ROWS, 16).permute(0, 2, 1, 3).reshape(np_, kp // 8)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    sc = torch.nn.functional.pad(_e5m3_of_e4m3(scale_bytes).to(torch.int64), (0, kp // 16 - k // 16, 0, np_ - n))
+    # stored row order: stored row srow[r, :] of a block holds real row r
+    perm = torch.empty(FRAG_ROWS, dtype=torch.int64, device=dev)
+    perm[srow[:, 0]] = torch.arange(FRAG_ROWS, device=dev)  # perm[stored] = real
+    sc = sc.reshape(nb, FRAG_ROWS, -1)[:, perm].reshape(np_, kp // 16).to(torch.uint8).contiguous()
+    return FragmentWeight(words=words, scales=sc, out_features=n, in_features=k)
+
+
+def fragment_of(pw) -> FragmentWeight:
+    """The fragment form of a :class:`~foursight.kernels.prepared.PreparedWeight`, built once and
+    cached on it."""
+    fw = pw._cache.get("fragment")
+    if fw is None:
+        fw = fragment_weight(pw.weight_packed, pw.weight_scale)
+        pw._cache["fragment"] = fw
+    return fw
+
+
+def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, split: int, device) -> tuple[int, int, int]:
+    """(splits, chunks per split, chunks of split 0) for ``kcp`` 128-column chunks. ``split`` 0 =
+    automatic (about 4 programs per SM), 1 = no split. Split 0 also runs the BF16 segment, worth
+    about ``k/32`` chunks of bytes (2k bytes per row against 64 per chunk), so it gets that many
+    fewer chunks."""
+    from .swap import _programs_target
+
+    steps = triton.cdiv(kcp, step)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if split == 0:
+        target = _programs_target(device)
+        split = 1 if 2 * tiles >= target else min(triton.cdiv(target, tiles), steps)
+        split = max(1, min(split, (256 * 2**20) // max(1, 4 * m * n)))  # workspace <= 256 MB
+    split = max(1, min(split, steps))
+    if split == 1:
+        return 1, steps * step, steps * step
+    seg = triton.cdiv(kk, 32)
+    cps = triton.cdiv(triton.cdiv(kcp + seg, split), step) * step
+    first = max(0, (cps - seg) // step * step)
+    splits = 1 + triton.cdiv(max(0, kcp - first), cps)
+    return splits, cps, first
+
+
+def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
+    """Launch the fragment kernel (+ the split-K reduction when K is split).
+
+    ``a``: the bf16 ``q*s`` activation (``a_quant``, ``a_gs`` its per-row global scales) or X itself
+    (W4A16, bf16); ``x``: the source of the BF16 segment's columns (bf16, unit stride along K)."""
+    from .swap import _split_reduce_kernel
+
+    fw = fragment_of(pw)
+    m = x.shape[0]
+    n, k_dim = pw.out_features, pw.in_features
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    kk = pw.num_channels
+    kcp = fw.words.shape[1] // 16
+    step = bk // FRAG_COLS
+    splits, cps, first = _split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, out.device)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    dummy = pw.weight_global_scale
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
+    grid = (tiles, splits)
+    compiled = _fragment_gemm_kernel[grid](
+        a, a.stride(0),
+        a_gs if a_gs is not None else dummy,
+        x, x.stride(0),
+        pw.bf16_channels if kk else pw.channel_mask,
+        fw.words, fw.words.stride(0),
+        fw.scales, fw.scales.stride(0),
+        pw.weight_global_scale,
+        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
+        bias if bias is not None else dummy,
+        ws, out.stride(0),
+        m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0],
+        A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+        GROUP_M=8, INTERP=interpreting(),
+        num_warps=4, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        blk = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, blk),)](
+            ws, bias if bias is not None else dummy, out, out.stride(0), out.stride(1), m, n, splits,
+            HAS_BIAS=bias is not None, BLOCK=blk, INTERP=interpreting(), num_warps=4,
+        )
+    return compiled
