@@ -51,6 +51,10 @@ FRAG_COLS: int = 128
 SCALE_BIAS_BITS: int = 224 << 7
 #: The decoded weight is ``e2m1 * scale * 2^-7``; the accumulator is multiplied by this once.
 WEIGHT_UNSCALE: float = 128.0
+#: Store the block scales as the bf16 bits of ``scale * 2^119`` (2 bytes per 16 weights, read by the
+#: multiply as they are) instead of the E5M3 byte (1 byte, three instructions to widen); chosen by
+#: measurement on the H200 (docs/kernels.md, "The fragment form").
+SCALES_AS_BF16: bool = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +206,7 @@ def _fragment_gemm_kernel(
     x_ptr, stride_xm,  # X [M, K] bf16, source of the BF16 segment
     ch_ptr,  # int32 [KS] channel indices
     wf_ptr, stride_wfn,  # fragment codes as int32 words [Np, Kp/8] (rows of each 64-row block in load order)
-    sf_ptr, stride_sfn,  # E5M3 scale bytes uint8 [Np, Kp/16] (rows in load order, like the codes)
+    sf_ptr, stride_sfn,  # scales [Np, Kp/16]: E5M3 bytes (uint8) or bf16 bits (int16, SCALE_BF16); rows in load order
     w_gs_ptr,  # fp32 [N] weight global scale per output row
     wb_ptr, stride_wbn,  # W_bf16 [N, KS]
     bias_ptr,  # [N]
@@ -216,6 +220,7 @@ def _fragment_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_KS: tl.constexpr,
     SPLIT: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -253,11 +258,18 @@ def _fragment_gemm_kernel(
     rmask = (rl < NP)[:, None]  # a tile may reach past the last stored 64-row block
     for c0 in range(c_start, c_end, STEP):
         wq = tl.load(w_ptrs, mask=rmask, other=0)
-        sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)  # [BN, G] E5M3 bytes (rows in load order)
+        sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)  # [BN, G] (rows in load order)
         # the scales of a word's two groups: group 2·(w & 3) + {0, 1} of its 128-column chunk
         sc = tl.reshape(sc, (BLOCK_N, STEP, 4, 2))
         s_a, s_b = tl.split(sc)  # [BN, STEP, 4]
-        if INTERP:
+        if SCALE_BF16:  # bf16 bits of scale * 2^119
+            if INTERP:
+                s_a = ((s_a & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+                s_b = ((s_b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            else:
+                s_a = s_a.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                s_b = s_b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        elif INTERP:  # E5M3 byte: fp32 value of the bf16 bits byte*16 + 224*128 = (1 + m/8) * 2^(E5 + 97)
             s_a = ((s_a & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((s_a >> 3) + 97).to(tl.float32))
             s_b = ((s_b & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((s_b >> 3) + 97).to(tl.float32))
         else:
@@ -320,14 +332,16 @@ class FragmentWeight:
         words: int32 [Np, Kp/8], Np = N rounded up to 64, Kp = K rounded up to 256; the codes of
             each 64-row x 128-column block placed so that the kernel's loads and layout chain
             deliver each thread its wgmma fragment (zero codes in the padding and the S columns).
-        scales: uint8 [Np, Kp/16], the block scales re-encoded as unsigned E5M3 (bf16 bits
-            ``byte·16 + 224·128`` = ``scale·2^119``), rows in the same stored order as ``words``.
+        scales: [Np, Kp/16], rows in the same stored order as ``words``: uint8, the block scales
+            re-encoded as unsigned E5M3 (bf16 bits ``byte·16 + 224·128`` = ``scale·2^119``), or
+            (``scale_bf16``) int16, those bf16 bits themselves.
     """
 
     words: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
+    scale_bf16: bool = False
 
 
 _TILE_MAP: dict = {}
@@ -361,13 +375,16 @@ def _e5m3_of_e4m3(scale_bytes: torch.Tensor) -> torch.Tensor:
     return torch.where(v == 0, torch.zeros_like(u), u).to(torch.uint8)
 
 
-def fragment_weight(packed: torch.Tensor, scale_bytes: torch.Tensor) -> FragmentWeight:
+def fragment_weight(packed: torch.Tensor, scale_bytes: torch.Tensor, scale_bf16: bool | None = None) -> FragmentWeight:
     """Build the fragment execution form from the compressed-tensors tensors.
 
     Args:
         packed: uint8 [N, K/2] (low nibble = even column), with the S columns' codes already 0.
         scale_bytes: uint8 [N, K/16], E4M3 bytes of the block scales.
+        scale_bf16: the scale encoding (default :data:`SCALES_AS_BF16`).
     """
+    if scale_bf16 is None:
+        scale_bf16 = SCALES_AS_BF16
     n, kh = packed.shape
     k = kh * 2
     dev = packed.device
@@ -390,8 +407,11 @@ def fragment_weight(packed: torch.Tensor, scale_bytes: torch.Tensor) -> Fragment
     # stored row order: stored row srow[r, :] of a block holds real row r
     perm = torch.empty(FRAG_ROWS, dtype=torch.int64, device=dev)
     perm[srow[:, 0]] = torch.arange(FRAG_ROWS, device=dev)  # perm[stored] = real
-    sc = sc.reshape(nb, FRAG_ROWS, -1)[:, perm].reshape(np_, kp // 16).to(torch.uint8).contiguous()
-    return FragmentWeight(words=words, scales=sc, out_features=n, in_features=k)
+    sc = sc.reshape(nb, FRAG_ROWS, -1)[:, perm].reshape(np_, kp // 16)
+    if scale_bf16:
+        sc = torch.where(sc == 0, sc, sc * 16 + SCALE_BIAS_BITS).to(torch.int16)
+    sc = (sc.to(torch.int16) if scale_bf16 else sc.to(torch.uint8)).contiguous()
+    return FragmentWeight(words=words, scales=sc, out_features=n, in_features=k, scale_bf16=scale_bf16)
 
 
 def fragment_of(pw) -> FragmentWeight:
@@ -458,7 +478,7 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
         bias if bias is not None else dummy,
         ws, out.stride(0),
         m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0],
-        A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1,
+        A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, SCALE_BF16=fw.scale_bf16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
         GROUP_M=8, INTERP=interpreting(),
         num_warps=4, num_stages=cfg.num_stages,

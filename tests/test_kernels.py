@@ -417,11 +417,15 @@ def test_fragment_weight_round_trips_the_codes(N, K):
 _FRAG_CONFIGS = [FragmentConfig(16, 64, 128, 1, 1), FragmentConfig(16, 64, 256, 1, 2), FragmentConfig(32, 128, 128, 1, 0)]
 
 
+@pytest.mark.parametrize("scale_bf16", [False, True], ids=["e5m3", "bf16"])
 @pytest.mark.parametrize("cfg", _FRAG_CONFIGS, ids=str)
 @pytest.mark.parametrize("M,N,K,k", [(1, 40, 208, 16), (3, 64, 256, 0), (17, 130, 400, 128)])
-def test_fragment_form(cfg, M, N, K, k):
+def test_fragment_form(cfg, M, N, K, k, scale_bf16, monkeypatch):
     """The fragment kernel against the reference: W4A4 dynamic and static, W4A16, bias, per-row weight
-    scales, padding in N and K, split-K, a non-contiguous bf16 input."""
+    scales, padding in N and K, split-K, a non-contiguous bf16 input; both scale encodings."""
+    import foursight.kernels.fragment as frag
+
+    monkeypatch.setattr(frag, "SCALES_AS_BF16", scale_bf16)
     g = torch.Generator().manual_seed(M * 7 + N + K + k)
     qw = _layer(N, K, k, g, per_row_gs=True)
     pw = fk.prepare_weight(qw)
