@@ -160,6 +160,18 @@ def quantize_hf_model(model: nn.Module, channels: dict[str, torch.Tensor], ignor
     return model
 
 
+def quantize_hf_model_fp8(model: nn.Module, ignore=("lm_head",)) -> nn.Module:
+    """Swap every non-ignored ``nn.Linear`` of an HF model for an FP8 rowwise W8A8
+    :class:`foursight.fp8.Fp8Linear` (the FlashRL anchor), in place; returns the model."""
+    from foursight.fp8 import Fp8Linear
+
+    cfg = FourSightConfig(ignore=list(ignore))
+    for n, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and not cfg.is_ignored(n):
+            _set_module(model, n, Fp8Linear(m.weight.detach(), m.bias, name=n))
+    return model
+
+
 def restore_bf16(model: nn.Module, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """Put a plain BF16 ``nn.Linear`` back at ``name`` (used by per-layer attribution); returns the removed module."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)

@@ -12,8 +12,11 @@ from foursight.compare import CompareError, EngineSpec, engine_metrics, pairwise
 
 def test_engine_spec_parsing_names_the_flag():
     assert [e.name for e in parse_engines("hf:bf16, vllm:foursight")] == ["hf:bf16", "vllm:foursight"]
-    with pytest.raises(CompareError, match="--engines: 'vllm:fp8'"):
+    with pytest.raises(CompareError, match="--engines: 'vllm:fp8'.*HF engine only"):
         parse_engines("vllm:fp8")
+    with pytest.raises(CompareError, match="--engines: 'vllm:int3'"):
+        parse_engines("vllm:int3")
+    assert [e.name for e in parse_engines("hf:fp8,vllm:w4a16")] == ["hf:fp8", "vllm:w4a16"]
     with pytest.raises(CompareError, match="repeated"):
         parse_engines("hf:bf16,hf:bf16")
     assert parse_engine_urls(["vllm:bf16=http://127.0.0.1:8000/"]) == {"vllm:bf16": "http://127.0.0.1:8000"}
@@ -32,6 +35,22 @@ def test_metrics_against_hand_values():
     assert m["tim/k3_mean"] == pytest.approx((torch.exp(torch.tensor(0.5)) - 1 - 0.5).item() / 3, rel=1e-6)
     pw = pairwise({"a": learner, "b": engine})
     assert pw["a"]["a"] == 0 and pw["a"]["b"] == pytest.approx(0.5 / 3)
+
+
+def test_compare_hf_fp8_and_w4a16(tiny_llama_dir, tmp_path):
+    """hf:fp8 (FP8 rowwise W8A8, quantized in memory) and hf:w4a16 (a W4A16 checkpoint) score the
+    same tokens as the learner; FP8's mismatch is below half of plain NVFP4's, W4A16's below NVFP4's,
+    and the W4A16 checkpoint says activation_dtype bf16."""
+    from foursight.compare import run_compare
+
+    res = run_compare(tiny_llama_dir, parse_engines("hf:bf16,hf:fp8,hf:nvfp4,hf:w4a16"), tmp_path / "r", n=4, max_tokens=8,
+                      channels="16")
+    m = {k: v["tim/abs_log_ratio_mean"] for k, v in res["engines"].items()}
+    assert 0 < m["hf:fp8"] < 0.5 * m["hf:nvfp4"], m
+    assert 0 < m["hf:w4a16"] < m["hf:nvfp4"], m
+    cfg = json.loads((tmp_path / "r" / "checkpoints" / f"{tiny_llama_dir.name}-w4a16-k16" / "config.json").read_text())
+    assert cfg["quantization_config"]["activation_dtype"] == "bf16"
+    assert (tmp_path / "r" / "report.md").read_text().count("hf:fp8") >= 2
 
 
 @pytest.mark.vllm

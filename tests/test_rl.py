@@ -104,7 +104,11 @@ def test_tasks_rewards_and_splits():
 
 
 def test_config_errors_name_the_option():
-    for kw, name in [({"rollout_precision": "fp8"}, "--rollout-precision"), ({"filter": "x"}, "--filter"),
+    for kw, name in [({"rollout_precision": "int3"}, "--rollout-precision"), ({"filter": "x"}, "--filter"),
+                     ({"engine": "vllm", "rollout_precision": "fp8"}, "--engine vllm"),
+                     ({"rollout_precision": "nvfp4", "error_target": 0.1}, "--error-target"),
+                     ({"rollout_precision": "foursight", "error_target": -1.0}, "--error-target"),
+                     ({"checkpoint_every": -1}, "--checkpoint-every"),
                      ({"task": "x"}, "--task"), ({"group_size": 1}, "--group-size"), ({"engine": "trt"}, "--engine"),
                      ({"steps": 0}, "--steps"), ({"engine": "vllm", "rollout_precision": "bf16"}, "--engine vllm")]:
         with pytest.raises(RLError, match=name):
@@ -217,6 +221,103 @@ def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir):
         assert r["filtered_fraction"] == pytest.approx(r["filter/dropped_sequences"] / 8)
         assert r["time/step"] == pytest.approx(r["time/sync"] + r["time/rollout"] + r["time/score"] + r["time/update"], rel=1e-6)
         assert r["tim/abs_log_ratio_mean"] > 0  # quantized rollouts differ from the BF16 learner
+
+
+@pytest.mark.parametrize("prec,extra", [("bf16", {}), ("fp8", {}), ("nvfp4", {}), ("foursight", {}), ("w4a16", {}),
+                                        ("foursight", {"error_target": 0.05, "max_k": 32})],
+                         ids=["bf16", "fp8", "nvfp4", "foursight", "w4a16", "foursight-error-target"])
+def test_every_rollout_precision_runs(tmp_path, tiny_llama_dir, prec, extra):
+    """CPU smoke of every --rollout-precision (one step on the tiny model): the rollout engine holds
+    the right layer type, re-quantized at every sync, and the log says what ran."""
+    from foursight.fp8 import Fp8Linear
+    from foursight.hf import FourSightLinear
+
+    out = tmp_path / f"{prec}.jsonl"
+    cfg = RLConfig(model=str(tiny_llama_dir), rollout_precision=prec, steps=1, prompts_per_step=2, group_size=2,
+                   max_new_tokens=3, eval_every=1, eval_size=2, channels="16", out=str(out), device="cpu", **extra)
+    run_rl(cfg, log=lambda s: None)
+    recs = _read(out)
+    head, step = recs[0], [r for r in recs if r["type"] == "step"][0]
+    assert recs[-1] == {"type": "done", "step": 1}
+    assert head["rollout_precision"] == prec
+    n_quant = {"bf16": 0}.get(prec, 14)
+    assert step["requantized_layers"] == n_quant
+    assert math.isfinite(step["tim/abs_log_ratio_mean"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    learner = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    in_f = [m.in_features for n, m in learner.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    if prec in ("foursight", "w4a16"):
+        if "error_target" in extra:
+            assert head["error_target"] == 0.05 and set(head["channels_k"]) <= {0, 16, 32}
+            assert 0 < head["channels_k_fraction"] <= 32 / min(in_f)
+        else:
+            assert head["channels_k"] == [16] and head["channels_k_mean"] == 16
+            assert head["channels_k_fraction"] == pytest.approx(sum(16 / k for k in in_f) / len(in_f))
+    else:
+        assert head["channels_k"] == [0] and head["channels_k_fraction"] == 0
+    # the engine's layer types, built the same way as in the run
+    chans = {n: torch.arange(16, dtype=torch.int32) for n, m in learner.named_modules()
+             if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    eng = HFRollout(learner, tok, prec, chans)
+    q = eng.model.model.layers[0].self_attn.q_proj
+    want = {"bf16": torch.nn.Linear, "fp8": Fp8Linear}.get(prec, FourSightLinear)
+    assert isinstance(q, want)
+    if want is FourSightLinear:
+        assert q.act_quant == (prec != "w4a16")
+        assert q.bf16_channels.numel() == (0 if prec == "nvfp4" else 16)
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path, tiny_llama_dir):
+    """A paused run (--stop-at) and a killed run (checkpoint every step) resume to the same steps,
+    once each, as a run straight through, with identical samples; a completed log is skipped."""
+    import time as _time
+
+    base = dict(model=str(tiny_llama_dir), rollout_precision="foursight", steps=3, prompts_per_step=2, group_size=2,
+                max_new_tokens=3, eval_every=2, eval_size=2, channels="16", device="cpu")
+    straight = tmp_path / "straight.jsonl"
+    run_rl(RLConfig(**base, out=str(straight)), log=lambda s: None)
+    s_a = [r for r in _read(straight) if r["type"] == "step"]
+
+    def check(recs):
+        types = [r["type"] for r in recs]
+        assert types.count("config") == 1 and types.count("resume") == 1
+        assert [r["step"] for r in recs if r["type"] == "step"] == [1, 2, 3]
+        assert [r["step"] for r in recs if r["type"] == "eval"] == [0, 2, 3]
+        assert recs[-1] == {"type": "done", "step": 3}
+        s_b = [r for r in recs if r["type"] == "step"]
+        for a, b in zip(s_a, s_b):  # same weights, optimizer state and seeds: the same trajectory
+            assert a["reward"] == b["reward"] and a["tim/num_tokens"] == b["tim/num_tokens"], (a["step"], b["step"])
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+    # 1. pause: stop_at already passed -> a checkpoint at step 0 and a pause record; then resume
+    out = tmp_path / "paused.jsonl"
+    run_rl(RLConfig(**base, out=str(out), stop_at=_time.time() - 1, resume=True), log=lambda s: None)
+    recs = _read(out)
+    assert recs[-1]["type"] == "pause" and recs[-1]["step"] == 0 and (tmp_path / "paused.jsonl.ckpt").exists()
+    run_rl(RLConfig(**base, out=str(out), resume=True), log=lambda s: None)
+    check(_read(out))
+    assert not (tmp_path / "paused.jsonl.ckpt").exists()
+    before = out.read_text()
+    run_rl(RLConfig(**base, out=str(out), resume=True), log=lambda s: None)  # complete: left alone
+    assert out.read_text() == before
+
+    # 2. killed after step 2 was logged but before its checkpoint: resume from step 1's checkpoint
+    class Killed(Exception):
+        pass
+
+    def killer(msg):
+        if "step    2 eval_acc" in msg:
+            raise Killed
+
+    out2 = tmp_path / "killed.jsonl"
+    with pytest.raises(Killed):
+        run_rl(RLConfig(**base, out=str(out2), checkpoint_every=1), log=killer)
+    assert [r["step"] for r in _read(out2) if r["type"] == "step"] == [1, 2]
+    assert torch.load(tmp_path / "killed.jsonl.ckpt", weights_only=False)["step"] == 1
+    run_rl(RLConfig(**base, out=str(out2), resume=True), log=lambda s: None)
+    check(_read(out2))
 
 
 def test_bf16_rollouts_have_small_mismatch(tmp_path, tiny_llama_dir):

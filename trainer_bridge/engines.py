@@ -438,10 +438,12 @@ class HFEngine(Engine):
 
     def load_tensors_sync(self, tensors: dict[str, Any], version: int) -> dict[str, Any]:
         """The one HF weight sync: copy tensors (HF names) into the model; a FourSight layer's
-        ``weight`` is re-quantized with its channel set (``FourSightLinear.set_weight``). All are
+        ``weight`` is re-quantized with its channel set (``FourSightLinear.set_weight``), an FP8
+        rowwise layer's by ``Fp8Linear.set_weight``. All are
         checked (name, shape, finiteness of every floating tensor) before any is applied."""
         import torch
 
+        from foursight.fp8 import Fp8Linear
         from foursight.hf import FourSightLinear
         from foursight.schema import CheckpointError, check_finite
 
@@ -457,7 +459,7 @@ class HFEngine(Engine):
                 raise EngineError(str(e)) from None
             prefix, _, leaf = name.rpartition(".")
             mod = modules.get(prefix)
-            if isinstance(mod, FourSightLinear) and leaf == "weight":
+            if isinstance(mod, (FourSightLinear, Fp8Linear)) and leaf == "weight":
                 if tuple(t.shape) != (mod.out_features, mod.in_features):
                     raise EngineError(f"tensor {name} has shape {list(t.shape)}, expected {[mod.out_features, mod.in_features]}")
                 plan.append(("requant", mod, t))

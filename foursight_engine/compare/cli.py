@@ -18,7 +18,7 @@ from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
 def compare_command(
     model: ModelOption = None,
     engines: str = typer.Option("hf:bf16,vllm:bf16,vllm:foursight,vllm:nvfp4", "--engines",
-                                help="Comma list of KIND:PRECISION (KIND hf|vllm|sglang, PRECISION bf16|foursight|nvfp4)."),
+                                help="Comma list of KIND:PRECISION (KIND hf|vllm|sglang, PRECISION bf16|foursight|nvfp4|w4a16|fp8; fp8 is hf only)."),
     prompts: str = typer.Option("builtin", "--prompts", help="Prompt source: 'builtin' or a JSONL file (prompt/text or messages per line)."),
     n: int = typer.Option(64, "--n", min=1, help="Number of rollouts (prompts are cycled)."),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Completion length cap."),

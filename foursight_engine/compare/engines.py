@@ -64,6 +64,14 @@ def open_engine(spec: EngineSpec, model_dirs: dict[str, Path], urls: dict[str, s
     from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
 
     src = model_dirs[spec.precision]
+    if spec.kind == "hf" and spec.precision == "fp8":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from foursight.hf import quantize_hf_model_fp8
+
+        model = quantize_hf_model_fp8(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval())
+        return HFEngine(model=model, tokenizer=src), None
     if spec.kind == "hf":
         return HFEngine(src), None
     backend = VLLMHTTPEngine if spec.kind == "vllm" else SGLangHTTPEngine

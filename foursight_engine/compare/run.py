@@ -21,11 +21,11 @@ from foursight.trainer_bridge.protocol import Rollout
 
 def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, workdir: Path,
                        foursight_ckpt: Optional[Path], nvfp4_ckpt: Optional[Path]) -> dict[str, Path]:
-    """BF16 folder and the FourSight / plain-NVFP4 checkpoints the engines need (quantized once, reused)."""
+    """BF16 folder and the FourSight / plain-NVFP4 / W4A16 checkpoints the engines need (quantized once, reused)."""
     from foursight.checkpoint import quantize_model
 
-    dirs = {"bf16": model_dir}
-    for prec, given, ch in (("foursight", foursight_ckpt, channels), ("nvfp4", nvfp4_ckpt, "0")):
+    dirs = {"bf16": model_dir, "fp8": model_dir}  # fp8: the BF16 model, quantized in memory by the HF engine
+    for prec, given, ch in (("foursight", foursight_ckpt, channels), ("nvfp4", nvfp4_ckpt, "0"), ("w4a16", None, channels)):
         if prec not in precisions:
             continue
         if given is not None:
@@ -33,7 +33,7 @@ def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, wor
             continue
         dst = workdir / f"{model_dir.name}-{prec}-k{ch.replace('%', 'pct')}"
         if not (dst / "config.json").exists():
-            quantize_model(model_dir, dst, channels=ch, progress=True)
+            quantize_model(model_dir, dst, channels=ch, progress=True, activation_dtype="bf16" if prec == "w4a16" else "nvfp4")
         dirs[prec] = dst
     return dirs
 

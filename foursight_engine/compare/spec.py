@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-PRECISIONS = ("bf16", "foursight", "nvfp4")
+#: bf16; foursight (W4A4, --channels); nvfp4 (k=0); w4a16 (FourSight weights, BF16 activations);
+#: fp8 (rowwise W8A8, the FlashRL anchor: foursight.fp8, HF engine only)
+PRECISIONS = ("bf16", "foursight", "nvfp4", "w4a16", "fp8")
+#: precisions that only the in-process HF engine serves here
+HF_ONLY = ("fp8",)
 KINDS = ("hf", "vllm", "sglang")
 LEARNER = "hf:bf16"
 
@@ -28,6 +32,9 @@ class EngineSpec:
         kind, _, prec = s.strip().partition(":")
         if kind not in KINDS or prec not in PRECISIONS:
             raise CompareError(f"--engines: {s!r} is not KIND:PRECISION with KIND in {KINDS} and PRECISION in {PRECISIONS}")
+        if prec in HF_ONLY and kind != "hf":
+            raise CompareError(f"--engines: {s!r}: {prec} rollouts are served by the in-process HF engine only (hf:{prec}; "
+                               f"foursight.fp8, torch._scaled_mm on CUDA, the dequantized reference on CPU)")
         return cls(kind, prec)
 
 

@@ -1,4 +1,4 @@
-"""``foursight rl``: a small GRPO loop with BF16, NVFP4 or FourSight rollouts.
+"""``foursight rl``: a small GRPO loop with BF16, FP8 rowwise, NVFP4 or FourSight (W4A4 / W4A16) rollouts.
 
 One training step:
 
@@ -26,12 +26,13 @@ written per step (see :func:`run_rl`). The numerics of the quantized layers live
 :mod:`foursight.layer` / :mod:`foursight.hf` (Triton kernels on CUDA); nothing is duplicated here.
 """
 
-from foursight.rl.config import ENGINES, FILTERS, PRECISIONS, RLConfig, RLError
-from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, eos_ids
+from foursight.rl.config import CHANNEL_PRECISIONS, ENGINES, FILTERS, PRECISIONS, RLConfig, RLError
+from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, channel_summary, eos_ids
 from foursight.rl.grpo import group_advantages, grpo_loss
-from foursight.rl.loop import evaluate, prompt_ids, run_rl, state_dict_sha256
+from foursight.rl.loop import evaluate, prompt_ids, read_log, run_rl, state_dict_sha256
 
 __all__ = [
-    "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError", "HFRollout", "VLLMRollout", "calibrate_channel_sets",
-    "eos_ids", "group_advantages", "grpo_loss", "evaluate", "prompt_ids", "run_rl", "state_dict_sha256",
+    "CHANNEL_PRECISIONS", "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError", "HFRollout", "VLLMRollout",
+    "calibrate_channel_sets", "channel_summary", "eos_ids", "group_advantages", "grpo_loss", "evaluate", "prompt_ids",
+    "read_log", "run_rl", "state_dict_sha256",
 ]

@@ -14,7 +14,7 @@ from foursight.rl.loop import run_rl
 def rl_command(
     model: ModelOption = None,
     task: str = typer.Option("add", "--task", help=f"one of {sorted(rl_tasks.TASKS)}"),
-    rollout_precision: str = typer.Option("foursight", "--rollout-precision", help="bf16 | nvfp4 (k=0) | foursight"),
+    rollout_precision: str = typer.Option("foursight", "--rollout-precision", help="bf16 | fp8 (rowwise W8A8, FlashRL) | nvfp4 (k=0) | foursight (W4A4 + k BF16 channels) | w4a16 (FourSight weights, BF16 activations)"),
     filter: str = typer.Option("none", "--filter", help="none | max_token | tail_count | geo_mean | quantile"),
     engine: str = typer.Option("hf", "--engine", help="hf (in-process; Triton kernels on CUDA) | vllm (CPU smoke)"),
     steps: int = typer.Option(100, "--steps"),
@@ -38,13 +38,20 @@ def rl_command(
     format_bonus: float = typer.Option(0.1, "--format-bonus", help="reward for a well-formed answer that is wrong"),
     prompt_style: str = typer.Option("plain", "--prompt-style", help="plain | oneshot (a solved example in the prompt)"),
     prefill: str = typer.Option("Answer:", "--prefill", help="start of the assistant reply the completion continues ('' for none)"),
+    error_target: float = typer.Option(0.0, "--error-target", help="foursight: per-group k = smallest of 0,16,32,... with relative W4A4 error <= this (0: use --channels)"),
+    max_k: int = typer.Option(0, "--max-k", help="cap on k for --error-target (0: none)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the checkpoint of --out (skip a completed log)"),
+    checkpoint: str = typer.Option("", "--checkpoint", help="resume checkpoint path (default: OUT.ckpt)"),
+    stop_at: float = typer.Option(0.0, "--stop-at", help="pause with a checkpoint before a step starting after this Unix time (0: never)"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="also checkpoint every N steps (0: only when pausing)"),
 ) -> None:
-    """GRPO with BF16 / NVFP4 / FourSight rollouts on a verifiable task; logs JSONL (see docs/rl.md)."""
+    """GRPO with BF16 / FP8 / NVFP4 / FourSight (W4A4 or W4A16) rollouts on a verifiable task; logs JSONL (see docs/rl.md)."""
 
     cfg = RLConfig(model=model, task=task, rollout_precision=rollout_precision, filter=filter, engine=engine, steps=steps,
                    prompts_per_step=prompts_per_step, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
                    clip_eps=clip_eps, kl_coef=kl_coef, channels=channels, eval_every=eval_every, eval_size=eval_size, seed=seed,
                    device=device, out=out, time_budget_s=time_budget_s, sync=sync, tis_cap=tis_cap or None,
                    filter_tau=filter_tau or None, filter_quantile=filter_quantile or None, format_bonus=format_bonus,
-                   prompt_style=prompt_style, prefill=prefill)
+                   prompt_style=prompt_style, prefill=prefill, error_target=error_target or None, max_k=max_k or None,
+                   resume=resume, checkpoint=checkpoint or None, stop_at=stop_at, checkpoint_every=checkpoint_every)
     typer.echo(f"wrote {run_rl(cfg, log=typer.echo)}")

@@ -7,7 +7,12 @@ from typing import Any
 
 from foursight.rl import tasks as rl_tasks
 
-PRECISIONS = ("bf16", "nvfp4", "foursight")
+#: rollout precisions: BF16 copy; FP8 rowwise W8A8 (the FlashRL anchor, foursight.fp8); NVFP4 W4A4
+#: k=0; FourSight W4A4 with k BF16 channels (--channels or --error-target); FourSight W4A16
+#: (4-bit weights with k BF16 channels, BF16 activations)
+PRECISIONS = ("bf16", "fp8", "nvfp4", "foursight", "w4a16")
+#: precisions whose layers carry a BF16 channel set chosen by calibration
+CHANNEL_PRECISIONS = ("foursight", "w4a16")
 FILTERS = ("none", "max_token", "tail_count", "geo_mean", "quantile")
 ENGINES = ("hf", "vllm")
 
@@ -49,6 +54,21 @@ class RLConfig:
     tis_cap: float | None = None
     filter_tau: float | None = None
     filter_quantile: float | None = None
+    #: FourSight only: per input group the smallest k of 0, 16, 32, ... whose relative W4A4 output
+    #: error on calibration rows is <= this (foursight.checkpoint._choose_k), instead of --channels
+    error_target: float | None = None
+    max_k: int | None = None
+    #: continue from ``checkpoint`` (default ``out`` + ".ckpt") if it exists; a log that ends with
+    #: a ``done`` record is left as it is
+    resume: bool = False
+    checkpoint: str | None = None
+    #: pause (checkpoint + a ``pause`` record) before a step that would start after this Unix time (0: never)
+    stop_at: float = 0.0
+    #: also checkpoint every this many steps (0: only when pausing)
+    checkpoint_every: int = 0
+
+    def checkpoint_path(self) -> str:
+        return self.checkpoint or f"{self.out}.ckpt"
 
     def validate(self) -> None:
         if self.rollout_precision not in PRECISIONS:
@@ -57,9 +77,20 @@ class RLConfig:
             raise RLError(f"--filter: expected one of {FILTERS}, got {self.filter!r}")
         if self.engine not in ENGINES:
             raise RLError(f"--engine: expected one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "vllm" and self.rollout_precision == "bf16":
-            raise RLError("--engine vllm: --rollout-precision must be nvfp4 or foursight (weights are synced through the "
-                          "FourSight worker extension); use --engine hf for bf16 rollouts")
+        if self.engine == "vllm" and self.rollout_precision not in ("nvfp4", "foursight"):
+            raise RLError(f"--engine vllm: --rollout-precision must be nvfp4 or foursight (weights are synced through the "
+                          f"FourSight worker extension), got {self.rollout_precision!r}; use --engine hf for bf16, fp8 and w4a16 rollouts")
+        if self.error_target is not None:
+            if self.rollout_precision != "foursight":
+                raise RLError(f"--error-target applies to --rollout-precision foursight only, got {self.rollout_precision!r}")
+            if not self.error_target > 0:
+                raise RLError(f"--error-target must be > 0, got {self.error_target}")
+            if self.engine != "hf":
+                raise RLError("--error-target: only with --engine hf")
+        if self.max_k is not None and self.max_k < 0:
+            raise RLError(f"--max-k must be >= 0, got {self.max_k}")
+        if self.checkpoint_every < 0:
+            raise RLError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.task not in rl_tasks.TASKS:
             raise RLError(f"--task: unknown task {self.task!r}; choose one of {sorted(rl_tasks.TASKS)}")
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_size"):

@@ -33,30 +33,49 @@ def eos_ids(model: nn.Module, tok) -> list[int]:
     return sorted(ids)
 
 
-def calibrate_channel_sets(model: nn.Module, tok, texts: list[str], spec: str, ignore=("lm_head",)) -> dict[str, torch.Tensor]:
+def calibrate_channel_sets(model: nn.Module, tok, texts: list[str], spec: str, ignore=("lm_head",),
+                           error_target: float | None = None, max_k: int | None = None) -> dict[str, torch.Tensor]:
     """BF16 channel sets S per linear (shared by q/k/v and gate/up) from activation variance on ``texts``.
 
     Uses the shared calibration core (:func:`foursight.calibration.collect_stats` /
-    :func:`~foursight.calibration.select_channels`). Returns module name → int32 [k].
+    :func:`~foursight.calibration.select_channels`); with ``error_target`` the per-group k is
+    chosen as ``foursight quantize --error-target`` does (:func:`foursight.checkpoint._choose_k`,
+    512 sample rows). Returns module name → int32 [k].
     """
     from foursight import schema
     from foursight.calibration import collect_stats, select_channels
-    from foursight.checkpoint import find_linears
+    from foursight.checkpoint import _choose_k, find_linears
 
     cfg = schema.FourSightConfig(ignore=list(ignore))
     names = find_linears(model, cfg)
-    groups = collect_stats(model, tok, texts, names, batch_size=8, max_length=256, keep_rows=16, progress=False)
+    groups = collect_stats(model, tok, texts, names, batch_size=8, max_length=256, keep_rows=512 if error_target else 16,
+                           progress=False)
     out: dict[str, torch.Tensor] = {}
     for g in groups.values():
-        k = schema.parse_channel_budget(spec, g.in_features, layer=g.members[0])
+        if error_target is None:
+            k = schema.parse_channel_budget(spec, g.in_features, layer=g.members[0])
+        else:
+            k = _choose_k(g, [model.get_submodule(n).weight.detach() for n in g.members], spec, error_target, max_k)
         ch = select_channels(g.stats.variance, k)
         for n in g.members:
             out[n] = ch
     return out
 
 
+def channel_summary(model: nn.Module, channels: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """``channels_k`` (distinct k), ``channels_k_mean`` and ``channels_k_fraction`` (mean of k / K over layers)."""
+    if not channels:
+        return {"channels_k": [0], "channels_k_mean": 0.0, "channels_k_fraction": 0.0}
+    ks = {n: int(v.numel()) for n, v in channels.items()}
+    frac = [ks[n] / model.get_submodule(n).in_features for n in ks]
+    return {"channels_k": sorted(set(ks.values())), "channels_k_mean": sum(ks.values()) / len(ks),
+            "channels_k_fraction": sum(frac) / len(frac)}
+
+
 class HFRollout:
-    """In-process rollout engine: a copy of the learner, quantized (NVFP4 k=0 or FourSight) or BF16.
+    """In-process rollout engine: a copy of the learner in BF16, FP8 rowwise W8A8
+    (:func:`foursight.hf.quantize_hf_model_fp8`), NVFP4 k=0, FourSight W4A4 or FourSight W4A16
+    (:func:`foursight.hf.quantize_hf_model`, ``act_quant=False``).
 
     Weights are synced through the bridge's HF engine (:meth:`foursight.trainer_bridge.engines.HFEngine.load_tensors_sync`):
     ``sync="inproc"`` hands it the learner's tensors, ``sync="file"`` a BF16 safetensors file.
@@ -64,7 +83,7 @@ class HFRollout:
 
     def __init__(self, learner: nn.Module, tok, precision: str, channels: dict[str, torch.Tensor] | None,
                  sync: str = "inproc", ignore=("lm_head",)):
-        from foursight.hf import quantize_hf_model
+        from foursight.hf import quantize_hf_model, quantize_hf_model_fp8
 
         if sync not in ("inproc", "file"):
             raise RLError(f"--sync: expected 'inproc' or 'file', got {sync!r}")
@@ -72,15 +91,20 @@ class HFRollout:
         self.model = copy.deepcopy(learner).to(torch.bfloat16).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        if precision in ("nvfp4", "foursight"):
-            quantize_hf_model(self.model, channels if precision == "foursight" else {}, ignore=ignore)
+        if precision in ("nvfp4", "foursight", "w4a16"):
+            quantize_hf_model(self.model, (channels or {}) if precision != "nvfp4" else {}, ignore=ignore,
+                              act_quant=precision != "w4a16")
+        elif precision == "fp8":
+            quantize_hf_model_fp8(self.model, ignore=ignore)
+        elif precision != "bf16":
+            raise RLError(f"--rollout-precision: unknown {precision!r}")
         self.version = 0
         self._engine = None
         self.last_update: dict[str, Any] = {}
 
     def sync(self, learner: nn.Module, version: int) -> dict[str, Any]:
         """Push the learner's weights (cast to BF16) into the engine and re-quantize its FourSight
-        layers, through the bridge's HF weight sync (:meth:`HFEngine.load_tensors_sync`): from the
+        (or FP8) layers, through the bridge's HF weight sync (:meth:`HFEngine.load_tensors_sync`): from the
         tensors directly (``inproc``) or from a safetensors file (``file``)."""
         from foursight.trainer_bridge.engines import EngineError, HFEngine
 

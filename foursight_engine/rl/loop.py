@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from foursight.rl import tasks as rl_tasks
-from foursight.rl.config import RLConfig, RLError
-from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, eos_ids
+from foursight.rl.config import CHANNEL_PRECISIONS, RLConfig, RLError
+from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, channel_summary, eos_ids
 from foursight.rl.grpo import group_advantages, grpo_loss
 
 
@@ -78,13 +78,38 @@ def evaluate(model: nn.Module, tok, problems: Sequence[rl_tasks.Problem], max_ne
     return {"eval_acc": correct / len(problems), "eval_format": formatted / len(problems)}
 
 
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``foursight rl`` JSONL log (a torn last line, from a killed run, is dropped)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _save_checkpoint(path: Path, step: int, learner: nn.Module, opt, channels, wall_offset: float) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"step": step, "learner": learner.state_dict(), "opt": opt.state_dict(), "channels": channels,
+                "wall_s": wall_offset, "rng": torch.get_rng_state()}, tmp)
+    tmp.replace(path)
+
+
 def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     """Run GRPO as configured; write one JSON object per line to ``cfg.out`` and return its path.
 
     Lines: a ``{"type": "config", ...}`` header, ``{"type": "eval", "step": s, "eval_acc", ...}``
     at step 0 and every ``eval_every`` steps (and after the last), and ``{"type": "step", ...}``
     with reward, TIM metrics (``tim/*``, ``rollout_corr/*``), ``filter/*``, the loss stats and the
-    step time split ``time/sync``, ``time/rollout``, ``time/score``, ``time/update``.
+    step time split ``time/sync``, ``time/rollout``, ``time/score``, ``time/update``; a ``done``
+    record after the last step.
+
+    Resumable: with ``cfg.resume`` a log ending in ``done`` is left alone (the run is complete),
+    and a checkpoint (``cfg.checkpoint_path()``: learner, optimizer, channel sets, step) written
+    when pausing at ``cfg.stop_at`` or every ``cfg.checkpoint_every`` steps is continued: the log
+    keeps its records up to the checkpoint's step and gets a ``resume`` record. Without a
+    checkpoint the run starts over.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -94,6 +119,14 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
 
     cfg.validate()
     fcfg = cfg.filter_config()
+    out = Path(cfg.out)
+    ckpt_path = Path(cfg.checkpoint_path())
+    if cfg.resume and out.exists():
+        prev = read_log(out)
+        if prev and prev[-1].get("type") == "done":
+            log(f"rl: {out} is complete (done at step {prev[-1].get('step')}); nothing to do")
+            return out
+    resume_state = torch.load(ckpt_path, map_location="cpu", weights_only=False) if cfg.resume and ckpt_path.exists() else None
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     if cfg.engine == "vllm" and dev.type != "cpu":
         raise RLError("--engine vllm is the CPU smoke path here; use --engine hf on CUDA")
@@ -113,11 +146,16 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     exclude = {p.question for p in evals}
     t_setup = time.perf_counter()
     channels = None
-    if cfg.rollout_precision == "foursight" and cfg.engine == "hf":
+    if resume_state is not None:
+        learner.load_state_dict(resume_state["learner"])
+        opt.load_state_dict(resume_state["opt"])
+        channels = resume_state["channels"]  # calibrated once, on the initial model
+        torch.set_rng_state(resume_state["rng"])
+    elif cfg.rollout_precision in CHANNEL_PRECISIONS and cfg.engine == "hf":
         calib_probs = rl_tasks.train_problems(cfg.task, step=-1, n=32, seed=cfg.seed + 7, exclude=exclude)
         texts = builtin_texts() + [tok.decode(ids) for ids in prompt_ids(tok, calib_probs, cfg.prompt_style, cfg.prefill)]
         learner_bf16 = copy.deepcopy(learner).to(torch.bfloat16).eval()
-        channels = calibrate_channel_sets(learner_bf16, tok, texts, cfg.channels)
+        channels = calibrate_channel_sets(learner_bf16, tok, texts, cfg.channels, error_target=cfg.error_target, max_k=cfg.max_k)
         del learner_bf16
     workdir = Path(tempfile.mkdtemp(prefix="foursight-rl-"))
     if cfg.engine == "hf":
@@ -125,19 +163,31 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     else:
         engine = VLLMRollout(model_dir, tok, cfg.rollout_precision, cfg.channels, workdir, seed=cfg.seed)
     setup_s = time.perf_counter() - t_setup
-    k_sizes = sorted({int(v.numel()) for v in channels.values()}) if channels else [0]
+    ch_info = channel_summary(learner, channels)
+    k_sizes = ch_info["channels_k"]
 
-    out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fh = out.open("w")
+    start_step, wall_offset = 0, 0.0
+    if resume_state is not None:
+        start_step, wall_offset = int(resume_state["step"]), float(resume_state["wall_s"])
+        kept = [r for r in read_log(out) if r.get("type") in ("config", "eval", "step", "resume") and int(r.get("step", 0)) <= start_step]
+        fh = out.open("w")
+        for r in kept:
+            fh.write(json.dumps(r) + "\n")
+    else:
+        fh = out.open("w")
 
     def emit(rec: dict[str, Any]) -> None:
         fh.write(json.dumps(rec) + "\n")
         fh.flush()
 
     header = {"type": "config", **asdict(cfg), "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "model_dir": str(model_dir), "channels_k": k_sizes, "setup_s": setup_s, "torch": torch.__version__}
-    emit(header)
+              "model_dir": str(model_dir), **ch_info, "setup_s": setup_s, "torch": torch.__version__}
+    if resume_state is None:
+        emit(header)
+    else:
+        emit({"type": "resume", "step": start_step, "setup_s": setup_s, "device_name": header["device_name"]})
+        log(f"rl: resuming {out} after step {start_step}")
     log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, k={k_sizes}")
 
     def do_eval(step: int) -> float:
@@ -148,11 +198,20 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
         log(f"  step {step:4d} eval_acc={ev['eval_acc']:.3f} format={ev['eval_format']:.2f}")
         return ev["eval_acc"]
 
-    do_eval(0)
-    t_start = time.perf_counter()
-    step = 0
+    if resume_state is None:
+        do_eval(0)
+    t_start = time.perf_counter() - wall_offset
+    step = start_step
+    paused = False
     try:
-        for step in range(1, cfg.steps + 1):
+        for step in range(start_step + 1, cfg.steps + 1):
+            if cfg.stop_at and time.time() > cfg.stop_at:
+                step -= 1
+                _save_checkpoint(ckpt_path, step, learner, opt, channels, time.perf_counter() - t_start)
+                emit({"type": "pause", "step": step, "checkpoint": str(ckpt_path)})
+                log(f"  paused after step {step} (stop_at reached); checkpoint {ckpt_path}")
+                paused = True
+                break
             if cfg.time_budget_s and time.perf_counter() - t_start > cfg.time_budget_s:
                 log(f"  time budget {cfg.time_budget_s}s reached after {step - 1} steps")
                 emit({"type": "stop", "step": step - 1, "reason": "time_budget"})
@@ -221,8 +280,13 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
                     f"filtered={rec['filtered_fraction']:.2f} t={rec['time/step']:.2f}s")
             if step % cfg.eval_every == 0:
                 do_eval(step)
-        if step and step % cfg.eval_every:
-            do_eval(step)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                _save_checkpoint(ckpt_path, step, learner, opt, channels, time.perf_counter() - t_start)
+        if not paused:
+            if step and step % cfg.eval_every:
+                do_eval(step)
+            emit({"type": "done", "step": step})
+            ckpt_path.unlink(missing_ok=True)
     finally:
         fh.close()
         engine.close()

@@ -1,0 +1,89 @@
+"""benchmarks/rl_summary.py on tiny synthetic logs: every number of the table against hand values."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location("rl_summary", Path(__file__).resolve().parents[1] / "benchmarks" / "rl_summary.py")
+rl_summary = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(rl_summary)
+
+
+def _write(folder: Path, name: str, evals: dict[int, float], steps: list[dict], done: bool = True, kfrac: float = 0.0) -> None:
+    lines = [{"type": "config", "channels_k_fraction": kfrac}]
+    for s in range(0, max(evals) + 1):
+        if s > 0:
+            lines.append({"type": "step", "step": s, **steps[s - 1]})
+        if s in evals:
+            lines.append({"type": "eval", "step": s, "eval_acc": evals[s]})
+    if done:
+        lines.append({"type": "done", "step": max(evals)})
+    (folder / f"{name}.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def _steps(n: int, r: float, filt: float = 0.0, t_sync: float = 0.1) -> list[dict]:
+    # step times: the first 3 (warm-up) are 10 s and are excluded from the means
+    return [{"reward": 0.5, "tim/abs_log_ratio_mean": r, "tim/k3_mean": r / 10, "filtered_fraction": filt,
+             "time/sync": 10.0 if i < 3 else t_sync, "time/rollout": 1.0, "time/score": 0.2, "time/update": 0.3,
+             "time/step": 10.0 if i < 3 else t_sync + 1.5} for i in range(n)]
+
+
+def test_summary_numbers_against_hand_values(tmp_path):
+    ev = lambda *a: dict(zip(range(0, 5 * len(a), 5), a))  # noqa: E731  evals at 0, 5, 10, ...
+    # BF16 final accuracies 0.8, 0.6, 0.7 -> mean 0.7, target 0.9 * 0.7 = 0.63
+    _write(tmp_path, "bf16_s0", ev(0.1, 0.5, 0.7, 0.8), _steps(15, 0.01))
+    _write(tmp_path, "bf16_s1", ev(0.1, 0.64, 0.6, 0.6), _steps(15, 0.03))
+    _write(tmp_path, "bf16_s2", ev(0.1, 0.3, 0.63, 0.7), _steps(15, 0.02))
+    # NVFP4 reaches 0.63 only in seed 0 (at 15); seeds 1, 2 never (counted as the last step, 15)
+    _write(tmp_path, "nvfp4_s0", ev(0.1, 0.2, 0.3, 0.65), _steps(15, 0.6))
+    _write(tmp_path, "nvfp4_s1", ev(0.1, 0.0, 0.0, 0.0), _steps(15, 0.8))
+    _write(tmp_path, "nvfp4_s2", ev(0.1, 0.0, 0.1, 0.2), _steps(15, 0.7), done=False)
+    # FourSight + filter reaches at 10, 5 and 10
+    _write(tmp_path, "fs_filter_s0", ev(0.1, 0.4, 0.7, 0.7), _steps(15, 0.4, filt=0.2), kfrac=0.03)
+    _write(tmp_path, "fs_filter_s1", ev(0.1, 0.63, 0.7, 0.7), _steps(15, 0.5, filt=0.1), kfrac=0.03)
+    _write(tmp_path, "fs_filter_s2", ev(0.1, 0.5, 0.9, 0.7), _steps(15, 0.3, filt=0.3), kfrac=0.03)
+    (tmp_path / "unrelated.jsonl").write_text("{}\n")  # not <config>_s<seed>: ignored
+    s = rl_summary.summarise(rl_summary.load_runs(tmp_path))
+    assert s["ref_final_acc"] == pytest.approx(0.7) and s["target_acc"] == pytest.approx(0.63)
+    b, n, f = s["configs"]["bf16"], s["configs"]["nvfp4"], s["configs"]["fs_filter"]
+    # BF16 reaches 0.63 at 10 (s0: 0.7 at 10), 5 (s1: 0.64), 10 (s2: 0.63 = target counts)
+    assert b["steps_to_target_per_seed"] == {"0": 10, "1": 5, "2": 10}
+    assert b["steps_to_target_mean"] == pytest.approx(25 / 3)
+    assert b["steps_to_target_spread"] == pytest.approx(math.sqrt(((10 - 25 / 3) ** 2 * 2 + (5 - 25 / 3) ** 2) / 2))
+    assert b["final_acc_mean"] == pytest.approx(0.7) and b["final_acc_spread"] == pytest.approx(0.1)
+    assert n["reached"] == 1 and n["steps_to_target_mean"] == 15 and n["steps_to_target_spread"] == 0.0
+    assert n["done"] == 2 and n["last_step"] == 15
+    # ratio vs NVFP4: NVFP4 did not reach in 2 seeds -> lower bound (15+15+15)/3 / mean
+    assert f["steps_to_target_mean"] == pytest.approx(25 / 3)
+    assert f["ratio_vs_base"] == pytest.approx(15 / (25 / 3)) and f["ratio_is_lower_bound"]
+    assert n["ratio_vs_base"] == pytest.approx(1.0) and n["ratio_is_lower_bound"]
+    # mean |r| per step: seeds 0.4, 0.5, 0.3 -> 0.4 ± 0.1; filtered 0.2 ± 0.1
+    assert f["tim_abs_log_ratio_mean"] == pytest.approx(0.4) and f["tim_abs_log_ratio_spread"] == pytest.approx(0.1)
+    assert f["filtered_fraction_mean"] == pytest.approx(0.2) and f["filtered_fraction_spread"] == pytest.approx(0.1)
+    assert f["k3_mean"] == pytest.approx(0.04) and f["channels_k_fraction"] == 0.03
+    # times: warm-up steps (10 s) excluded -> sync 0.1, step 1.6
+    assert f["t_sync"] == pytest.approx(0.1) and f["t_step"] == pytest.approx(1.6) and f["t_rollout"] == pytest.approx(1.0)
+    md = rl_summary.to_markdown(s)
+    assert "≥ 1.80x" in md and "8.3 ± 2.9" in md and "**0.630**" in md
+    # every base seed reaching: an exact ratio
+    _write(tmp_path, "nvfp4_s1", ev(0.1, 0.0, 0.0, 0.65), _steps(15, 0.8))
+    _write(tmp_path, "nvfp4_s2", ev(0.1, 0.0, 0.7, 0.7), _steps(15, 0.7))
+    s = rl_summary.summarise(rl_summary.load_runs(tmp_path))
+    assert s["configs"]["nvfp4"]["steps_to_target_mean"] == pytest.approx(40 / 3)
+    assert s["configs"]["bf16"]["ratio_vs_base"] == pytest.approx((40 / 3) / (25 / 3))
+    assert not s["configs"]["bf16"]["ratio_is_lower_bound"]
+
+
+def test_torn_line_and_resumed_evals(tmp_path):
+    """A killed run's torn last line is dropped; a step re-evaluated after a resume counts once (the last)."""
+    p = tmp_path / "bf16_s0.jsonl"
+    recs = [{"type": "config"}, {"type": "eval", "step": 0, "eval_acc": 0.1}, {"type": "eval", "step": 5, "eval_acc": 0.2},
+            {"type": "resume", "step": 5}, {"type": "eval", "step": 5, "eval_acc": 0.4}]
+    p.write_text("\n".join(json.dumps(r) for r in recs) + '\n{"type": "st')
+    r = rl_summary.read_log(p)
+    assert r["evals"] == [(0, 0.1), (5, 0.4)] and not r["done"]
