@@ -210,7 +210,10 @@ def _fragment_gemm_kernel(
     w_gs_ptr,  # fp32 [N] weight global scale per output row
     wb_ptr, stride_wbn,  # W_bf16 [N, KS]
     bias_ptr,  # [N]
-    out_ptr, stride_om,  # [M, N] (or the fp32 split-K workspace [SPLIT, M, N])
+    out_ptr, stride_om,  # [M, N]
+    ws_ptr,  # fp32 split-K workspace [SPLITS, M, N] (SPLIT)
+    cnt_ptr,  # int32 [>= tiles] arrival counters, zero between calls (SPLIT)
+    SPLITS,
     M, N, K, KS,
     CHUNKS_PER_SPLIT,  # 128-column chunks per split (a multiple of BLOCK_K/128); grid axis 1 = split
     FIRST_CHUNKS,  # chunks of split 0, which also runs the BF16 segment (fewer, to balance the splits)
@@ -307,13 +310,28 @@ def _fragment_gemm_kernel(
                 acc = _mma(wb, tl.trans(xs), acc, INTERP)
 
     omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
     if SPLIT:
-        part = out_ptr + pid_k.to(tl.int64) * M * N + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tl.store(part, acc, mask=omask)
+        # split-K without a second launch or a memset: every split stores its fp32 partial, the last
+        # to arrive (a per-tile counter) sums all partials in split order (deterministic), adds the
+        # bias, writes the output and resets the counter to 0 for the next call
+        offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=omask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sp in range(0, SPLITS):
+                tot += tl.load(ws_ptr + sp * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+            if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+                tot = _bf16_rne(tot, INTERP)
+            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
         if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
             acc = _bf16_rne(acc, INTERP)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
@@ -447,13 +465,29 @@ def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, 
     return splits, cps, first
 
 
+_COUNTERS: dict = {}
+_COUNTERS_KEEP: list = []  # earlier, smaller counter buffers stay alive (a CUDA graph may hold them)
+
+
+def _counters(device, tiles: int) -> torch.Tensor:
+    """The per-tile arrival counters of the split-K reduction on ``device``: zeroed once when
+    allocated; every call leaves them at zero (the last split resets its tile's counter). Calls that
+    use them must not run concurrently on two streams."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if buf is not None:
+            _COUNTERS_KEEP.append(buf)
+        buf = torch.zeros(max(tiles, 8192), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
-    """Launch the fragment kernel (+ the split-K reduction when K is split).
+    """Launch the fragment kernel (one launch; with split-K the last split of each tile reduces).
 
     ``a``: the bf16 ``q*s`` activation (``a_quant``, ``a_gs`` its per-row global scales) or X itself
     (W4A16, bf16); ``x``: the source of the BF16 segment's columns (bf16, unit stride along K)."""
-    from .swap import _split_reduce_kernel
-
     fw = fragment_of(pw)
     m = x.shape[0]
     n, k_dim = pw.out_features, pw.in_features
@@ -464,9 +498,9 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
     splits, cps, first = _split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, out.device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     dummy = pw.weight_global_scale
-    ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else out
-    grid = (tiles, splits)
-    compiled = _fragment_gemm_kernel[grid](
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
+    cnt = _counters(out.device, tiles) if splits > 1 else dummy
+    return _fragment_gemm_kernel[(tiles, splits)](
         a, a.stride(0),
         a_gs if a_gs is not None else dummy,
         x, x.stride(0),
@@ -476,17 +510,10 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
         pw.weight_global_scale,
         pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
         bias if bias is not None else dummy,
-        ws, out.stride(0),
+        out, out.stride(0), ws, cnt, splits,
         m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0],
         A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, SCALE_BF16=fw.scale_bf16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
         GROUP_M=8, INTERP=interpreting(),
         num_warps=4, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        blk = 1024
-        _split_reduce_kernel[(triton.cdiv(m * n, blk),)](
-            ws, bias if bias is not None else dummy, out, out.stride(0), out.stride(1), m, n, splits,
-            HAS_BIAS=bias is not None, BLOCK=blk, INTERP=interpreting(), num_warps=4,
-        )
-    return compiled

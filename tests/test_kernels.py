@@ -450,3 +450,21 @@ def test_fragment_form_refuses_fp16_and_bad_tiles():
         fk.splice_gemm(_act(2, 128, g, torch.float16), pw, None, config=FragmentConfig(16, 64))
     with pytest.raises(ValueError, match="block_n"):
         FragmentConfig(16, 48)
+
+
+def test_fragment_split_k_reduces_in_one_launch_and_leaves_counters_at_zero():
+    """Split-K: the last split of each tile sums the partials (in split order) and resets its
+    counter, so repeated calls agree bit for bit and need no memset."""
+    import foursight.kernels.fragment as frag
+
+    g = torch.Generator().manual_seed(21)
+    qw = _layer(128, 512, 16, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(5, 512, g)
+    cfg = FragmentConfig(16, 64, 128, 1, 3)
+    y1 = fk.splice_linear(x, pw, config=cfg)
+    y2 = fk.splice_linear(x, pw, config=cfg)
+    assert torch.equal(y1, y2)
+    assert not frag._COUNTERS[str(x.device)].any()
+    ref = reference_linear(x, qw, out_dtype=torch.float32)
+    torch.testing.assert_close(y1.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
