@@ -366,8 +366,9 @@ def _capture(fn, dev):
     return g, out
 
 
-def _replay_ms(g, dev, reps: int, min_s: float) -> tuple[float, int, list]:
-    """Median ms of one replay of ``g`` (CUDA events around each replay)."""
+def _median_replay_ms(g, dev, reps: int, min_s: float) -> tuple[float, int, list]:
+    """Median ms of one replay of ``g`` (CUDA events around each replay), replaying for at least about
+    ``min_s`` seconds and ``reps`` times."""
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize(dev)
@@ -423,7 +424,7 @@ def time_decode(model: Decoder, b: int, args) -> dict:
             g.replay()
             torch.cuda.synchronize(dev)
             row["graph_vs_eager_rel"] = _rel(g_logits, eager_logits)
-            ms, n, (lo, hi) = _replay_ms(g, dev, args.reps, args.min_time_s)
+            ms, n, (lo, hi) = _median_replay_ms(g, dev, args.reps, args.min_time_s)
             row.update(step_ms=ms, reps=n, min_ms=lo, max_ms=hi, timing="cuda-graph replay, CUDA events")
             del g, g_logits
         except Exception as e:  # noqa: BLE001 - capture failed: an eager number (launch-bound at small B), labelled as such
