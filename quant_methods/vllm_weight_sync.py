@@ -154,11 +154,16 @@ class FourSightWorkerExtension:
 
     def foursight_update_weights(self, path: str, version: int | str) -> dict:
         """Re-quantize the engine in place from BF16 tensors (HF names) in the safetensors file
-        ``path`` and set the weight version to ``version`` (an int or its string, as the HTTP
+        ``path`` (every tensor checked finite first) and set the weight version to ``version`` (an int or its string, as the HTTP
         endpoint sends strings). Returns ``{"version", "updated_tensors", "requantized_layers",
         "seconds"}``."""
+        from foursight.schema import check_safetensors
+
         t0 = time.perf_counter()
         v = int(version)
+        # every tensor is read and checked finite before any is loaded: a rejected update leaves
+        # the previous weights serving and the version unchanged (CheckpointError names the tensor)
+        check_safetensors(path)
         with torch.no_grad():
             info = apply_weight_update(self._foursight_model(), read_update_file(path))
         self._foursight_version = v
