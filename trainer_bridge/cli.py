@@ -86,9 +86,9 @@ def serve(
     for d in weights_dir:
         if not d.is_dir():
             raise OptionError(f"--weights-dir {d} is not a folder")
+    engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device)
     if not weights_dir:
         typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
-    engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device)
     from foursight.trainer_bridge.server import serve as _serve
 
     typer.echo(f"FourSight bridge on http://{host}:{port} -> {', '.join(e.name for e in engines)}"
