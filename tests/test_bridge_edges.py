@@ -180,11 +180,14 @@ def test_api_key_is_checked_before_the_body_is_parsed(edge):
         ({"prompts": [{"token_ids": [1]}], "n": 4, "sampling": {"seed": 2 ** 63 - 2}}, "sampling.seed"),
         ({"prompts": [{"token_ids": [1]}], "sampling": {"max_tokens": 513}}, "sampling.max_tokens"),
         ({"prompts": [{"token_ids": [1], "max_tokens": 600}]}, "prompts[0].max_tokens"),
+        ({"prompts": [{"token_ids": [1]}], "request_id": "a\r\nSet-Cookie: x=1"}, "request_id"),  # before: a 500-like cut
+        ({"prompts": [{"token_ids": [1]}], "request_id": ""}, "request_id"),
     ],
 )
 def test_fields_checked_against_the_served_model_name_the_field(edge, body, field):
-    """min_tokens > max_tokens, ids outside the vocabulary (100 here), ints beyond int64 and the
-    server's max_tokens cap: 422 naming the field, and nothing reaches the engine."""
+    """min_tokens > max_tokens, ids outside the vocabulary (100 here), ints beyond int64, the
+    server's max_tokens cap and a request id that cannot be a header value: 422 naming the field,
+    and nothing reaches the engine."""
     b, eng = edge
     r = httpx.post(b.url + "/v1/rollouts", json=body, headers=H)
     assert r.status_code == 422, r.text

@@ -70,6 +70,24 @@ def test_engine_restart_after_an_update_is_detected_and_refused(tiny_llama_dir, 
             h = c.health()
             assert h["status"] == "ok" and h["engines"][0]["engine_version"] == 22 and h["engines"][0]["boot_id"] != e0["boot_id"]
             rs = c.generate(prompts, sp, n=2)
+
+            # a NaN in model.norm.weight: the bridge refuses it naming the tensor, and so does the
+            # worker itself when called directly; the version stays and the engine stays healthy
+            bad = dict(state)
+            bad["model.norm.weight"] = torch.full((128,), float("nan"), dtype=torch.bfloat16)
+            save_file(bad, str(tmp_path / "nan.safetensors"))
+            with pytest.raises(BridgeHTTPError) as ei:
+                c.update_weights(version=23, path=str(tmp_path / "nan.safetensors"))
+            assert ei.value.status == 422 and "tensor model.norm.weight" in str(ei.value) and "non-finite" in str(ei.value)
+            r = httpx.post(srv2.url + "/collective_rpc", json={"method": "foursight_update_weights",
+                                                                "args": [str(tmp_path / "nan.safetensors"), "23"]}, timeout=120)
+            assert r.status_code != 200 and "model.norm.weight" in r.text
+            # a path that does not exist: the same 422 as on every engine kind (before: 502 from vLLM)
+            with pytest.raises(BridgeHTTPError) as ei:
+                c.update_weights(version=23, path=str(tmp_path / "missing.safetensors"))
+            assert ei.value.status == 422 and "not an allowed weights file" in str(ei.value)
+            h = c.health()
+            assert h["status"] == "ok" and h["weight_version"] == 22 and h["engines"][0]["engine_version"] == 22
         assert {r.weight_version for r in rs} == {22}
         err_new, err_stale = _mean_err(_hf_with(tiny_llama_dir, state), rs), _mean_err(_hf_with(tiny_llama_dir, {}), rs)
         print(f"\nafter the re-push: mean|r| vs new weights {err_new:.4f}, vs the checkpoint {err_stale:.4f}")

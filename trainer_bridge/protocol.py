@@ -87,7 +87,8 @@ class RolloutRequest(_Strict):
     n: int = Field(1, ge=1, le=1024)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream_format: Literal["ndjson", "sse"] = "ndjson"
-    request_id: str | None = Field(None, max_length=200)
+    #: echoed in every event and the X-Request-Id header: printable ASCII only
+    request_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\x20-\x7e]+$")
     #: per-sample deadline in seconds (engine call); None uses the server's default
     timeout_s: float | None = Field(None, gt=0)
 

@@ -6,10 +6,10 @@ Endpoints (docs/bridge.md has the full protocol):
   end event. Each stream holds the weight version it started under; a weight update waits
   until the streams started under the old version have finished (so no stream mixes versions).
 * ``POST /v1/weights`` — versioned BF16 weight update (engines re-quantize); ``GET /v1/weights``.
-* ``GET /v1/health`` — engine liveness (503 when an engine is down); ``GET /metrics`` — Prometheus.
+* ``GET /v1/health`` — per engine: up, what it serves, a 1-token probe (503 unless all are fine); ``GET /metrics`` — Prometheus.
 
-The API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is required on every path but
-``/v1/health`` and ``/metrics`` when the server has one, checked before the body is read; ``Host``,
+The API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is required on every route but
+``GET /v1/health``, ``GET /metrics`` and ``GET /v1/weights`` when the server has one, checked before the body is read; ``Host``,
 ``Origin`` and the body size are checked first (:mod:`foursight.trainer_bridge.guards`). The bridge
 tracks what each engine serves (:mod:`foursight.trainer_bridge.liveness`). Backpressure: at most ``max_concurrency`` engine
 calls run at once, and each stream has at most ``max_queue`` samples running or finished-but-unsent, so a
@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
-import anyio
 import uuid
 from collections import deque
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
