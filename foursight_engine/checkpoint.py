@@ -5,7 +5,10 @@ A checkpoint is an HF folder: ``config.json`` with ``quantization_config`` (see
 :mod:`foursight.schema`, the tokenizer, ``foursight_layers.json`` (the per-layer error table)
 and ``foursight_channels.json`` (channel sets + calibrated input amax, reusable for online
 quantization). It is written to a temporary folder beside the destination and renamed at the
-end, so a failure never leaves a half-written checkpoint.
+end, so a failure never leaves a half-written checkpoint. The temporary folder holds the marker
+file :data:`INCOMPLETE_MARKER` until the rename: a run killed outright (no cleanup) leaves a
+folder that every reader refuses as incomplete, and the next ``quantize`` to the same
+destination removes it. ``force`` replaces only a folder that is a FourSight checkpoint.
 """
 
 from __future__ import annotations
@@ -148,8 +151,11 @@ def quantize_model(
     from tqdm.auto import tqdm
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+    if out_dir.exists() or out_dir.is_symlink():
+        if not force:
+            raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+        check_replaceable(out_dir)
+    remove_interrupted_runs(out_dir)
     cfg = FourSightConfig.parse(
         {
             "ignore": list(ignore),
@@ -218,12 +224,48 @@ def quantize_model(
     return QuantizeResult(out_dir, cfg, reports)
 
 
+#: present in a checkpoint folder only while ``quantize`` writes it (see the module docstring)
+INCOMPLETE_MARKER = ".foursight-incomplete"
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """``--force`` may replace ``out_dir`` only when it is a FourSight checkpoint (its config.json
+    names ``quant_method: foursight``) or an incomplete one; anything else raises
+    :class:`FileExistsError` and nothing is deleted."""
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise FileExistsError(f"refusing to replace {out_dir} with --force: it is not a folder; nothing was deleted")
+    if (out_dir / INCOMPLETE_MARKER).exists():
+        return
+    try:
+        qc = json.loads((out_dir / "config.json").read_text()).get("quantization_config") or {}
+        method = qc.get("quant_method")
+    except (OSError, ValueError, AttributeError):
+        method = None
+    if method != schema.QUANT_METHOD:
+        raise FileExistsError(f"refusing to replace {out_dir} with --force: it is not a FourSight checkpoint (no config.json "
+                              f"with quantization_config.quant_method = {schema.QUANT_METHOD!r}); nothing was deleted, "
+                              "remove it yourself or choose another --out")
+
+
+def remove_interrupted_runs(out_dir: Path) -> list[Path]:
+    """Remove the temporary folders of killed ``quantize`` runs to ``out_dir`` (they hold the
+    :data:`INCOMPLETE_MARKER`); returns them."""
+    gone = []
+    if out_dir.parent.is_dir():
+        for d in out_dir.parent.glob(out_dir.name + ".tmp-*"):
+            if d.is_dir() and not d.is_symlink() and (d / INCOMPLETE_MARKER).exists():
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d)
+    return gone
+
+
 def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force) -> None:
     from safetensors.torch import save_file
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
+        (tmp / INCOMPLETE_MARKER).write_text("written by foursight quantize; removed when the checkpoint is complete\n")
         names = list(tensors)
         shards: list[list[str]] = [[]]
         size = 0
@@ -264,7 +306,9 @@ def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file,
             )
         )
         channels_file.write(tmp / schema.CHANNELS_FILE)
+        (tmp / INCOMPLETE_MARKER).unlink()
         if out_dir.exists() and force:
+            check_replaceable(out_dir)
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
@@ -315,7 +359,11 @@ def split_modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str,
 
 def load_quantized_tensors(ckpt_dir: str | Path) -> tuple[FourSightConfig, dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """``(config, modules, rest)`` of a checkpoint: the validated config, the FourSight modules
-    (prefix → {suffix: tensor}) and every other tensor (plain BF16 params)."""
+    (prefix → {suffix: tensor}) and every other tensor (plain BF16 params). A folder left by an
+    interrupted ``quantize`` (it holds :data:`INCOMPLETE_MARKER`) raises :class:`CheckpointError`."""
+    if (Path(ckpt_dir) / INCOMPLETE_MARKER).exists():
+        raise CheckpointError(f"{ckpt_dir}: incomplete checkpoint (an interrupted `foursight quantize` left it; run it again, "
+                              "which also removes this folder)")
     cfg = read_quant_config(ckpt_dir)
     mods, rest = split_modules(read_tensors(ckpt_dir))
     return cfg, mods, rest

@@ -92,7 +92,7 @@ def quantize(
     activations: str = typer.Option("nvfp4", help="nvfp4 (W4A4) or bf16 (W4A16)."),
     activation_scale: str = typer.Option("dynamic", help="dynamic (per-row, at run time) or static (calibrated)."),
     batch_size: int = typer.Option(8), max_length: int = typer.Option(256),
-    force: bool = typer.Option(False, help="Replace --out if it exists."),
+    force: bool = typer.Option(False, help="Replace --out if it is a FourSight checkpoint (anything else is refused)."),
     report: Optional[Path] = typer.Option(None, help="Also write the per-layer table as Markdown here."),
 ):
     """Calibrate, pick BF16 channels, quantize to NVFP4 and write a FourSight checkpoint."""

@@ -60,6 +60,41 @@ def _tp_context(layer: torch.nn.Module) -> TPContext:
     return TPContext(rank, size, all_reduce_max, all_gather_cat)
 
 
+def _install_load_check() -> None:
+    """Every tensor a FourSight model loads from its checkpoint is checked finite.
+
+    vLLM loads norms, embeddings and lm_head through its own loaders, so the FourSight layers'
+    own checks (``schema.decode_module``) do not see them, and a NaN there kills the engine at its
+    first request. This wraps ``DefaultModelLoader.get_all_weights`` for models whose
+    ``quantization`` is ``foursight`` only: a non-finite tensor stops the load with a
+    :class:`~foursight.schema.CheckpointError` naming it. Idempotent.
+    """
+    try:
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    except ImportError:  # another vLLM layout: the FourSight layers' own checks still run
+        return
+    original = DefaultModelLoader.get_all_weights
+    if getattr(original, "_foursight_checked", False):
+        return
+
+    def get_all_weights(self, model_config, model):
+        it = original(self, model_config, model)
+        if getattr(model_config, "quantization", None) != QUANT_METHOD:
+            yield from it
+            return
+        from foursight.schema import check_finite
+
+        for name, t in it:
+            check_finite(name, t, f" in {model_config.model}")
+            yield name, t
+
+    get_all_weights._foursight_checked = True  # type: ignore[attr-defined]
+    DefaultModelLoader.get_all_weights = get_all_weights
+
+
+_install_load_check()
+
+
 @register_quantization_config(QUANT_METHOD)
 class FourSightVllmConfig(FourSightMethodConfig, QuantizationConfig):
     """vLLM config of method ``foursight`` (checkpoint or online mode; shared behaviour in

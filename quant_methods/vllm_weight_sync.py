@@ -32,6 +32,7 @@ How an update is applied (``apply_weight_update``):
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -40,6 +41,10 @@ import torch
 from foursight.layer import quantize_weight
 from foursight.quant_methods.plan import WEIGHT, LayerPlan, layer_params
 from foursight.schema import CheckpointError, encode_module
+
+
+#: one id per engine process: a restarted engine has a new one (see ``foursight_engine_state``)
+BOOT_ID = uuid.uuid4().hex
 
 
 def foursight_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -149,11 +154,16 @@ class FourSightWorkerExtension:
 
     def foursight_update_weights(self, path: str, version: int | str) -> dict:
         """Re-quantize the engine in place from BF16 tensors (HF names) in the safetensors file
-        ``path`` and set the weight version to ``version`` (an int or its string, as the HTTP
+        ``path`` (every tensor checked finite first) and set the weight version to ``version`` (an int or its string, as the HTTP
         endpoint sends strings). Returns ``{"version", "updated_tensors", "requantized_layers",
         "seconds"}``."""
+        from foursight.schema import check_safetensors
+
         t0 = time.perf_counter()
         v = int(version)
+        # every tensor is read and checked finite before any is loaded: a rejected update leaves
+        # the previous weights serving and the version unchanged (CheckpointError names the tensor)
+        check_safetensors(path)
         with torch.no_grad():
             info = apply_weight_update(self._foursight_model(), read_update_file(path))
         self._foursight_version = v
@@ -163,3 +173,8 @@ class FourSightWorkerExtension:
     def foursight_weight_version(self) -> int:
         """The version set by the last update (0 before any update)."""
         return int(getattr(self, "_foursight_version", 0))
+
+    def foursight_engine_state(self) -> dict:
+        """``{"boot_id", "version"}``: the id of this worker process (new after a restart) and the
+        version of its last update; the bridge compares them with what it pushed (docs/bridge.md)."""
+        return {"boot_id": BOOT_ID, "version": self.foursight_weight_version()}

@@ -43,3 +43,20 @@ def test_build_engines(tiny_llama_dir):
     assert isinstance(h[0], HFEngine)
     with pytest.raises(OptionError, match="--engine-url"):
         build_engines("hf", ["http://x"], tiny_llama_dir, None, None, None)
+
+
+def test_serve_passes_the_edge_options_to_serve(tmp_path, monkeypatch):
+    """--weights-dir, --allowed-host, --max-body-bytes, --max-tokens-cap reach serve(); a
+    --weights-dir that is not a folder is refused naming the option."""
+    import foursight.trainer_bridge.server as server
+
+    got = {}
+    monkeypatch.setattr(server, "serve", lambda engines, **kw: got.update(kw))
+    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--weights-dir", str(tmp_path),
+                                 "--allowed-host", "bridge.internal", "--max-body-bytes", "4096", "--max-tokens-cap", "100"])
+    assert r.exit_code == 0, r.output
+    assert got["weights_dirs"] == [str(tmp_path)] and got["allowed_hosts"] == ["bridge.internal"]
+    assert got["max_body_bytes"] == 4096 and got["max_tokens_cap"] == 100 and got["allow_remote"] is False
+    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--weights-dir", str(tmp_path / "nope")],
+                           env={"COLUMNS": "300"})
+    assert r.exit_code != 0 and "--weights-dir" in r.output and "is not a folder" in r.output

@@ -218,3 +218,115 @@ def test_hf_engine_rejects_non_finite_norm_without_applying_anything(tiny_llama_
         e.load_tensors_sync(state, 1)
     assert torch.equal(e.model.model.layers[0].self_attn.q_proj.weight, w)
     assert bool(torch.isfinite(e.model.model.norm.weight).all())
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _one_token_seconds(c) -> float:
+    t0 = time.monotonic()
+    c.generate([[5, 6]], {"max_tokens": 1})
+    return time.monotonic() - t0
+
+
+LONG = {"max_tokens": 1000, "ignore_eos": True, "seed": 2}  # ~20-80 s of HF generation on 2 CPU cores
+
+
+def test_client_disconnect_stops_the_hf_generation_and_metrics_stay_true(tiny_llama_dir):
+    """A client that goes away mid-sample: the generation stops (the next 1-token request does not
+    wait for the 1000-token one), the stream is released (gauge 0, no reader holding the version
+    gate) and the disconnect is counted."""
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], sample_timeout_s=600)).start()
+    try:
+        body = {"prompts": [{"token_ids": [5, 6, 7]}], "n": 1, "sampling": LONG}
+        with httpx.Client(timeout=60) as h, h.stream("POST", b.url + "/v1/rollouts", json=body) as r:
+            assert r.status_code == 200
+            time.sleep(1.5)  # the engine is generating
+            assert _metric(httpx.get(b.url + "/metrics").text, "foursight_bridge_active_streams") == 1.0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _metric(httpx.get(b.url + "/metrics").text, "foursight_bridge_active_streams") != 0.0:
+            time.sleep(0.1)
+        text = httpx.get(b.url + "/metrics").text
+        assert _metric(text, "foursight_bridge_active_streams") == 0.0
+        assert 'foursight_bridge_errors_total{kind="client_disconnect"} 1.0' in text
+        assert httpx.get(b.url + "/v1/weights").json()["streams_open"] == 0
+        with RolloutClient(b.url) as c:
+            dt = _one_token_seconds(c)
+        assert dt < 5.0, f"the next 1-token request took {dt:.1f} s: the abandoned generation kept the engine"
+    finally:
+        b.stop()
+
+
+def test_sample_timeout_stops_the_hf_generation(tiny_llama_dir):
+    """The per-sample deadline gives an error event and stops the generation itself."""
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)])).start()
+    try:
+        with RolloutClient(b.url) as c:
+            out = list(c.stream([[5, 6, 7]], LONG, n=1, raise_on_error=False, timeout_s=1.0))
+            assert [o.type for o in out] == ["error"] and "timeout" in out[0].error
+            dt = _one_token_seconds(c)
+        assert dt < 5.0, f"the next 1-token request took {dt:.1f} s: the timed-out generation kept running"
+    finally:
+        b.stop()
+
+
+def test_health_fails_while_the_hf_engine_cannot_complete_a_request(tiny_llama_dir):
+    """One long request holds the one-sample-at-a-time HF engine: health's 1-token probe does not
+    finish, so health is 503 naming why; once the long request is gone health is 200 again."""
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], probe_timeout_s=1.0)).start()
+    try:
+        h = httpx.get(b.url + "/v1/health", timeout=30)
+        assert h.status_code == 200 and h.json()["engines"][0]["probe"]["ok"] is True
+        body = {"prompts": [{"token_ids": [5, 6, 7]}], "n": 1, "sampling": LONG}
+        with httpx.Client(timeout=60) as hc, hc.stream("POST", b.url + "/v1/rollouts", json=body) as r:
+            assert r.status_code == 200
+            time.sleep(0.5)
+            h = httpx.get(b.url + "/v1/health", timeout=30)
+            assert h.status_code == 503 and h.json()["status"] == "degraded"
+            e = h.json()["engines"][0]
+            assert e["up"] is True and e["ok"] is False and "did not finish within 1.0 s" in e["probe"]["error"]
+            assert httpx.get(b.url + "/v1/health?probe=false").status_code == 200  # liveness only
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and httpx.get(b.url + "/v1/health", timeout=30).status_code != 200:
+            time.sleep(0.2)
+        assert httpx.get(b.url + "/v1/health", timeout=30).status_code == 200
+    finally:
+        b.stop()
+
+
+def test_hf_engine_reload_is_detected_and_rollouts_refused_until_an_update(tiny_llama_dir, tmp_path):
+    """After an update to version 3 the engine reloads its folder (what a restart does: new boot id,
+    version 0, original weights). Health is 503 and says what the engine serves; rollouts are 503
+    naming the engine instead of samples tagged 3; an update to 4 brings it back."""
+    eng = HFEngine(tiny_llama_dir)
+    b = BridgeThread(create_app([eng], api_key=KEY)).start()
+    try:
+        state = _perturbed_state(tiny_llama_dir)
+        save_file(state, str(tmp_path / "w.safetensors"))
+        with RolloutClient(b.url, api_key=KEY) as c:
+            c.update_weights(version=3, path=str(tmp_path / "w.safetensors"))
+            h = c.health()
+            assert h["status"] == "ok" and h["engines"][0]["sync"] == "in_sync" and h["engines"][0]["weight_version"] == 3
+            boot = h["engines"][0]["boot_id"]
+            eng._load()  # the engine restarts on its checkpoint
+            r = httpx.get(b.url + "/v1/health")
+            assert r.status_code == 503
+            e = r.json()["engines"][0]
+            assert e["sync"] == "stale" and e["weight_version"] is None and e["engine_version"] == 0 and e["restarted"] is True
+            assert "restarted" in e["reason"] and "version 3" in e["reason"]
+            with pytest.raises(BridgeHTTPError) as ei:
+                c.generate([[5, 6, 7]], {"max_tokens": 4})
+            assert ei.value.status == 503 and eng.name in str(ei.value) and "reports weight version 0" in str(ei.value)
+            c.update_weights(version=4, path=str(tmp_path / "w.safetensors"))
+            h = c.health()
+            assert h["status"] == "ok" and h["engines"][0]["weight_version"] == 4 and h["engines"][0]["boot_id"] != boot
+            rs = c.generate([[5, 6, 7]], {"max_tokens": 6, "seed": 1})
+        assert {r.weight_version for r in rs} == {4}
+        lt, lr, mask = pad_rollouts(rs, score(_bf16_model_with(tiny_llama_dir, state), rs))
+        assert float((lt - lr)[mask].abs().max()) < 0.1  # the new weights are served again
+    finally:
+        b.stop()

@@ -122,3 +122,57 @@ def test_version_gate_orders_updates_after_streams():
     assert order[0] == ("a", "start", 0) and order[1] == ("a", "end", 0)
     assert order[2] == ("update", "apply", 0)
     assert order[3:] == [("late", "start", 1), ("late", "end", 1)]
+
+
+class RestartingEngine(ScriptedEngine):
+    """Reports a boot id and version like the vLLM worker extension; its ``crash_at``-th generate
+    call fails and the engine comes back on version 0 with a new boot id (a restart)."""
+
+    def __init__(self, crash_at: int):
+        super().__init__(delay_s=0.02)
+        self.boot, self.crash_at, self.gen_calls = "boot-1", crash_at, 0
+
+    async def generate(self, prompt_ids, params, max_tokens, seed):
+        self.gen_calls += 1
+        if self.gen_calls == self.crash_at:
+            self.boot, self.version = "boot-2", 0
+            raise ConnectionError("connection reset by peer")
+        return await super().generate(prompt_ids, params, max_tokens, seed)
+
+    async def served_state(self):
+        return {"boot_id": self.boot, "version": self.version}
+
+
+def test_engine_restart_mid_stream_gives_error_events_not_mistagged_samples():
+    """The engine restarts during a stream under version 5: the failed call is an error event, and
+    every later sample of the stream is an error naming the restart (none carries version 5 while
+    the engine serves version 0); health is 503 and says so."""
+    eng = RestartingEngine(crash_at=3)
+    b = BridgeThread(create_app([eng], max_concurrency=1)).start()
+    try:
+        # a version-5 engine: what an update through the bridge leaves behind
+        import tempfile
+
+        import torch
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory() as d:
+            save_file({"w": torch.ones(2)}, f"{d}/w.safetensors")
+            assert httpx.post(b.url + "/v1/weights", json={"version": 5, "path": f"{d}/w.safetensors"}).status_code == 200
+        assert eng.version == 5
+        body = {"prompts": [{"token_ids": [1, 2]}], "n": 6, "sampling": {"max_tokens": 2}}
+        events = []
+        with httpx.Client(timeout=60) as h, h.stream("POST", b.url + "/v1/rollouts", json=body) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(json.loads(line))
+        samples = [e for e in events if e["type"] == "sample"]
+        errors = [e for e in events if e["type"] == "error"]
+        assert len(samples) == 2 and all(e["weight_version"] == 5 for e in samples)
+        assert len(errors) == 4 and events[-1]["type"] == "end" and events[-1]["num_errors"] == 4
+        assert "connection reset" in errors[0]["error"]
+        assert all("restarted" in e["error"] and "reports weight version 0" in e["error"] for e in errors[1:])
+        h = httpx.get(b.url + "/v1/health")
+        assert h.status_code == 503 and h.json()["engines"][0]["sync"] == "stale"
+    finally:
+        b.stop()

@@ -218,7 +218,7 @@ def test_sixty_concurrent_streams(bridge):
         ({"prompts": [{"text": "hi", "token_ids": [1, 2]}]}, "prompts[0]"),
         ({"prompts": [{"text": "hi"}], "sampling": {"top_p": 1.5}}, "sampling.top_p"),
         ({"prompts": [{"text": "hi"}], "sampling": {"temprature": 1.0}}, "sampling.temprature"),
-        ({"prompts": [{"token_ids": [1, -3]}]}, "prompts[0]"),
+        ({"prompts": [{"token_ids": [1, -3]}]}, "prompts[0].token_ids[1]"),
         ({"prompts": []}, "prompts"),
     ],
 )

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from foursight import schema
 from foursight.checkpoint import quantize_model, read_quant_config
 from foursight.hf import load_reference_model, quantize_hf_model
+from typer.testing import CliRunner
 from foursight.schema import CheckpointError, FourSightConfig
 
 
@@ -245,3 +246,61 @@ def test_truncated_safetensors_names_the_file(tiny_ckpt, tmp_path):
         load_reference_model(d)
     r = _inspect(d)
     assert r.exit_code == 2 and str(f) in r.output.replace("\n", "") and "Traceback" not in r.output
+
+
+def test_force_replaces_only_a_foursight_checkpoint(tiny_ckpt, tiny_llama_dir, tmp_path):
+    """--force on a folder that is not a FourSight checkpoint (a planted file, a BF16 model folder):
+    a clear error naming the folder and nothing deleted; on a checkpoint it replaces it."""
+    from foursight.checkpoint import quantize_model
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"refusing to replace .*plain.*not a FourSight checkpoint.*nothing was deleted"):
+        quantize_model(tiny_llama_dir, plain, channels="16", force=True, progress=False)
+    assert (plain / "precious.txt").read_text() == "keep me"
+    bf16 = _copy(tiny_llama_dir, tmp_path / "bf16")
+    with pytest.raises(FileExistsError, match="not a FourSight checkpoint"):
+        quantize_model(tiny_llama_dir, bf16, channels="16", force=True, progress=False)
+    assert (bf16 / "model.safetensors").exists()
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        quantize_model(tiny_llama_dir, f, channels="16", force=True, progress=False)
+    assert f.read_text() == "x"
+    ck = _copy(tiny_ckpt.out_dir, tmp_path / "ck")
+    (ck / "stale.txt").write_text("old run")
+    quantize_model(tiny_llama_dir, ck, channels="8", force=True, progress=False)
+    assert not (ck / "stale.txt").exists() and json.loads((ck / "config.json").read_text())["quantization_config"]["quant_method"] == "foursight"
+    r = CliRunner().invoke(__import__("foursight.cli", fromlist=["app"]).app,
+                           ["quantize", "--model", str(tiny_llama_dir), "--out", str(plain), "--channels", "16", "--force"])
+    assert r.exit_code != 0 and "not a FourSight checkpoint" in " ".join(r.output.split()), r.output
+    assert (plain / "precious.txt").exists()
+
+
+def test_killed_quantize_leaves_a_folder_every_reader_refuses_and_the_next_run_removes(tiny_llama_dir, tmp_path):
+    """A quantize process killed while writing (os._exit: no cleanup runs, as with SIGKILL) leaves
+    its temporary folder; inspect and the loader refuse it as incomplete, and the next quantize to
+    the same destination removes it."""
+    import subprocess
+    import sys
+
+    from foursight.checkpoint import INCOMPLETE_MARKER, quantize_model
+
+    out = tmp_path / "ckpt"
+    script = ("import os, foursight.schema as s\n"
+              "s.ChannelsFile.write = lambda self, path: os._exit(9)\n"
+              "from foursight.checkpoint import quantize_model\n"
+              f"quantize_model({str(tiny_llama_dir)!r}, {str(out)!r}, channels='16', progress=False)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 9, p.stderr[-2000:]
+    left = list(tmp_path.glob("ckpt.tmp-*"))
+    assert len(left) == 1 and (left[0] / INCOMPLETE_MARKER).exists() and (left[0] / "config.json").exists()
+    assert not out.exists()
+    r = _inspect(left[0])
+    assert r.exit_code != 0 and "incomplete checkpoint" in " ".join(r.output.split()), r.output
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        load_reference_model(left[0])
+    quantize_model(tiny_llama_dir, out, channels="16", progress=False)
+    assert list(tmp_path.glob("ckpt.tmp-*")) == [] and not (out / INCOMPLETE_MARKER).exists()
+    assert _inspect(out).exit_code == 0

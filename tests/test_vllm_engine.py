@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -298,3 +299,60 @@ def test_qwen2_biases_w4a16(tiny_qwen2_dir, tmp_path):
     print(f"\ntiny qwen2 W4A16 k=16: engine vs reference |Δ| mean {gap['mean']:.4f} max {gap['max']:.4f}")
     # BF16 engine vs HF BF16 on the tiny models: ~0.01 mean, ~0.08 max (docs/vllm.md)
     assert gap["mean"] < 0.05 and gap["max"] < 0.3
+
+
+def _set(name, idx, value):
+    def edit(sd):
+        t = sd[name].float().clone()
+        t.view(-1)[idx] = value
+        sd[name] = t.to(sd[name].dtype).contiguous()
+    return edit
+
+
+def _inf_row(name, row):
+    def edit(sd):
+        t = sd[name].clone()
+        t[row] = float("inf")
+        sd[name] = t.contiguous()
+    return edit
+
+
+@pytest.mark.parametrize("case, edit, tensor", [
+    ("norm", _set("model.norm.weight", 5, float("nan")), "model.norm.weight"),
+    ("embedding", _inf_row("model.embed_tokens.weight", 7), "model.embed_tokens.weight"),
+    ("fp8_scale", _set("model.layers.0.self_attn.q_proj.weight_scale", 3, float("nan")), "model.layers.0.self_attn.q_proj.weight_scale"),
+])
+def test_non_finite_checkpoint_refuses_to_load_in_vllm_naming_the_tensor(tiny_ckpt, tmp_path, case, edit, tensor):
+    """A NaN norm, an Inf embedding row or a NaN fp8 weight scale: vLLM does not start serving
+    (before: it loaded, and the first request killed the engine); the error names the tensor."""
+    from foursight.schema import CheckpointError
+
+    bad = _broken(tiny_ckpt, tmp_path / case, edit)
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {tensor}") + r".*non-finite"):
+        make_llm(bad)
+
+
+def test_non_finite_update_is_rejected_by_the_worker_and_previous_weights_keep_serving(llm_fs, tiny_llama_dir, tmp_path):
+    """foursight_update_weights with a NaN in model.norm.weight (the engine's own path, no bridge):
+    the error names the tensor, the version is unchanged and the engine's logprobs are bit-equal
+    to those before (nothing was loaded)."""
+    from safetensors.torch import load_file, save_file
+    from vllm import SamplingParams, TokensPrompt
+
+    sd = load_file(str(Path(tiny_llama_dir) / "model.safetensors"))
+    norm = sd["model.norm.weight"].clone()
+    norm[3] = float("nan")
+    pert = {k: (v.float() * 1.5).to(v.dtype) for k, v in sd.items() if k.endswith("proj.weight")}
+    pert["model.norm.weight"] = norm
+    save_file(pert, str(tmp_path / "nan.safetensors"))
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    prompt = [TokensPrompt(prompt_token_ids=[5, 6, 7, 8])]
+    before_v = llm_fs.collective_rpc("foursight_weight_version")
+    before = llm_fs.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    with pytest.raises(Exception, match=r"tensor model\.norm\.weight.*non-finite"):
+        llm_fs.collective_rpc("foursight_update_weights", args=(str(tmp_path / "nan.safetensors"), 99))
+    assert llm_fs.collective_rpc("foursight_weight_version") == before_v
+    after = llm_fs.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert after.token_ids == before.token_ids
+    lp = lambda out: [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]  # noqa: E731
+    assert lp(after) == lp(before)

@@ -66,20 +66,33 @@ def serve(
     initial_version: int = typer.Option(0, "--initial-version", min=0),
     device: str = typer.Option("cpu", "--device", help="hf engine device"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow a non-loopback --host (requires --api-key)"),
+    weights_dir: list[Path] = typer.Option([], "--weights-dir", help="folder a weight update path must lie in (repeat for several; "
+                                            "none: any path, with a warning)"),
+    allowed_host: list[str] = typer.Option([], "--allowed-host", help="Host/Origin name accepted besides loopback and --host "
+                                           "(repeat; '*.example.com' patterns)"),
+    max_body_bytes: int = typer.Option(32 << 20, "--max-body-bytes", min=1024, help="request body limit (413 beyond it)"),
+    max_tokens_cap: Optional[int] = typer.Option(None, "--max-tokens-cap", min=1, help="largest max_tokens a request may ask for"),
 ) -> None:
     """Run the rollout bridge in front of engine servers (or an in-process HF model)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if logprobs_mode not in (None, "raw_logprobs", "processed_logprobs"):
         raise OptionError(f"--logprobs-mode must be raw_logprobs or processed_logprobs, got {logprobs_mode!r}")
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        if not allow_remote:
-            raise OptionError(f"--host {host} is not loopback; pass --allow-remote (and --api-key) to expose the bridge")
-        if not api_key:
-            raise OptionError("--allow-remote needs --api-key (or FOURSIGHT_BRIDGE_API_KEY)")
+    from foursight.trainer_bridge.guards import BindError, check_bind
+
+    try:
+        check_bind(host, allow_remote, api_key)
+    except BindError as e:
+        raise OptionError(f"--host {host}: {e}") from None
+    for d in weights_dir:
+        if not d.is_dir():
+            raise OptionError(f"--weights-dir {d} is not a folder")
     engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device)
+    if not weights_dir:
+        typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
     from foursight.trainer_bridge.server import serve as _serve
 
     typer.echo(f"FourSight bridge on http://{host}:{port} -> {', '.join(e.name for e in engines)}"
                f"{' (API key required)' if api_key else ''}", err=True)
-    _serve(engines, host=host, port=port, api_key=api_key, max_concurrency=max_concurrency, max_queue=max_queue,
-           sample_timeout_s=sample_timeout, initial_version=initial_version)
+    _serve(engines, host=host, port=port, allow_remote=allow_remote, allowed_hosts=allowed_host, api_key=api_key,
+           max_concurrency=max_concurrency, max_queue=max_queue, sample_timeout_s=sample_timeout, initial_version=initial_version,
+           weights_dirs=[str(d) for d in weights_dir] or None, max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap)

@@ -23,6 +23,7 @@ import asyncio
 import os
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,19 @@ class LocalTokenizer:
         return ids
 
 
+def _config_vocab_size(folder: str | Path | None) -> int | None:
+    """``vocab_size`` of the ``config.json`` in a model folder (the usual ``--tokenizer``), else None."""
+    import json
+
+    if folder is None:
+        return None
+    try:
+        n = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
 class Engine(ABC):
     """Abstract backend. ``name`` identifies the engine instance in events and metrics."""
 
@@ -74,6 +88,13 @@ class Engine(ABC):
     #: what the engine's per-token logprobs are (see protocol.Rollout)
     logprobs_mode: str = "raw_logprobs"
     tokenizer: LocalTokenizer | None = None
+    #: True when a failed ``update_weights`` leaves the previous weights untouched (checked before applied)
+    atomic_updates: bool = False
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Size of the served model's vocabulary (token ids must be below it), None when unknown."""
+        return None
 
     async def start(self) -> None:
         """Connect / load. Called once by the server at startup."""
@@ -106,6 +127,13 @@ class Engine(ABC):
     async def health(self) -> bool:
         """True when the engine answers."""
 
+    async def served_state(self) -> dict[str, Any] | None:
+        """What the engine itself reports it serves: ``{"boot_id": str, "version": int}`` (the boot
+        id changes when the engine process restarts; the version is the one of its last weight
+        update, 0 after a fresh start), or None when this engine cannot report it (then the bridge
+        cannot detect a restart). Raises when the engine does not answer."""
+        return None
+
 
 # ---------------------------------------------------------------------------------------------
 # vLLM (OpenAI-compatible server)
@@ -122,6 +150,11 @@ class _HTTPEngine(Engine):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.client: httpx.AsyncClient | None = None
+        self._vocab_size = _config_vocab_size(tokenizer)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
 
     async def start(self) -> None:
         self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
@@ -255,6 +288,25 @@ class VLLMHTTPEngine(_HTTPEngine):
             raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
         return {"engine": self.name, "version": version, "workers": results, "seconds": time.monotonic() - t0}
 
+    async def served_state(self) -> dict[str, Any] | None:
+        """``foursight_engine_state`` of every worker (the FourSight worker extension): one boot id
+        and one version for the engine. None when the server has no such RPC (no
+        ``VLLM_SERVER_DEV_MODE`` or no extension: such an engine cannot take weight updates either)."""
+        r = await self.client.post("/collective_rpc", json={"method": "foursight_engine_state"}, timeout=10.0)
+        if r.status_code != 200:
+            return None
+        try:
+            workers = [dict(w) for w in r.json().get("results", [])]
+            boots = sorted({str(w["boot_id"]) for w in workers})
+            versions = sorted({int(w["version"]) for w in workers})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EngineError(f"{self.name}: malformed foursight_engine_state answer ({type(e).__name__}: {e})") from None
+        if not workers:
+            return None
+        if len(versions) != 1:
+            raise EngineError(f"{self.name}: the workers report different weight versions {versions}")
+        return {"boot_id": ",".join(boots), "version": versions[0]}
+
 
 # ---------------------------------------------------------------------------------------------
 # SGLang (native /generate)
@@ -367,6 +419,7 @@ class HFEngine(Engine):
     """
 
     kind = "hf"
+    atomic_updates = True
 
     def __init__(self, model_dir: str | Path | None = None, model: Any = None, tokenizer: str | Path | None = None, device: str = "cpu"):
         if (model_dir is None) == (model is None):
@@ -379,6 +432,9 @@ class HFEngine(Engine):
         self.tokenizer = LocalTokenizer(tok) if tok else None
         self._lock = threading.Lock()
         self.logprobs_mode = "raw_logprobs"
+        #: weight version of the last update applied in this process (0 after a load)
+        self.version = 0
+        self.boot_id = uuid.uuid4().hex
 
     def _load(self) -> None:
         import json
@@ -395,6 +451,8 @@ class HFEngine(Engine):
             self.name = f"hf-foursight@{self.model_dir.name}"
         else:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16).to(self.device).eval()
+        # a (re)load serves the folder's weights: a new boot, version 0
+        self.version, self.boot_id = 0, uuid.uuid4().hex
 
     async def start(self) -> None:
         if self.model is None:
@@ -409,16 +467,32 @@ class HFEngine(Engine):
             ids.update(int(x) for x in e)
         return ids
 
-    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> Rollout:
-        """Blocking generation (runs under a lock: one sample at a time)."""
+    def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
+                      cancel: threading.Event | None = None) -> Rollout:
+        """Blocking generation (runs under a lock: one sample at a time, in arrival order of the lock).
+
+        ``cancel`` set (the caller went away or timed out) stops it before the next token, or before
+        it starts when it was still waiting for the lock; it then raises :class:`EngineError`.
+        """
         eos = sorted(self._eos_ids() | set(params.stop_token_ids)) if not params.ignore_eos else sorted(set(params.stop_token_ids))
         with self._lock:
+            if cancel is not None and cancel.is_set():
+                raise EngineError(f"{self.name}: cancelled before it started")
             out = hf_generate(self.model, [prompt_ids], max_tokens, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, min_new_tokens=params.min_tokens, eos_ids=eos, seed=seed)[0]
+                              top_k=params.top_k, min_new_tokens=params.min_tokens, eos_ids=eos, seed=seed, cancel=cancel)[0]
+        if cancel is not None and cancel.is_set():
+            raise EngineError(f"{self.name}: cancelled after {len(out.token_ids)} tokens")
         return out.model_copy(update={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k})
 
     async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
-        return await asyncio.to_thread(self.generate_sync, prompt_ids, params, max_tokens, seed)
+        """The generation runs in a thread; when this call is cancelled (client disconnect, the
+        bridge's per-sample timeout) the thread is told to stop at its next token."""
+        cancel = threading.Event()
+        try:
+            return await asyncio.to_thread(self.generate_sync, prompt_ids, params, max_tokens, seed, cancel)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
     def score_sync(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         import torch
@@ -478,6 +552,7 @@ class HFEngine(Engine):
                     n_req += 1
                 else:
                     dst.copy_(t.to(dst.dtype))
+            self.version = int(version)
         return {"engine": self.name, "version": version, "updated_tensors": len(plan), "requantized_layers": n_req, "seconds": time.monotonic() - t0}
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
@@ -486,14 +561,24 @@ class HFEngine(Engine):
     async def health(self) -> bool:
         return self.model is not None
 
+    @property
+    def vocab_size(self) -> int | None:
+        n = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return int(n) if n else None
+
+    async def served_state(self) -> dict[str, Any] | None:
+        return {"boot_id": self.boot_id, "version": self.version} if self.model is not None else None
+
 
 def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                top_k: int = -1, min_new_tokens: int = 0, eos_ids: list[int] | tuple[int, ...] = (), seed: int | None = None) -> list[Rollout]:
+                top_k: int = -1, min_new_tokens: int = 0, eos_ids: list[int] | tuple[int, ...] = (), seed: int | None = None,
+                cancel: threading.Event | None = None) -> list[Rollout]:
     """FourSight's one HF generation: a left-padded batch of prompts, ``temperature=0`` greedy.
 
     Each :class:`Rollout` holds the raw log-prob (log-softmax of the unprocessed logits, before
     any logits processor) of every sampled token; a completion ends at its first token in
-    ``eos_ids`` (``finish_reason`` "stop") or after ``max_new_tokens`` ("length").
+    ``eos_ids`` (``finish_reason`` "stop") or after ``max_new_tokens`` ("length"). When ``cancel``
+    is set, generation stops after the current token (a stopping criterion checked every step).
     """
     import torch
 
@@ -513,6 +598,14 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
         kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
     else:
         kw.update(temperature=None, top_p=None, top_k=None)
+    if cancel is not None:
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class _Cancelled(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        kw["stopping_criteria"] = StoppingCriteriaList([_Cancelled()])
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():

@@ -8,11 +8,14 @@ without its end event was cut: the client raises. See docs/bridge.md.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 PROTOCOL_VERSION = 1
+#: token ids and seeds travel as int64 to the engines
+INT64_MAX = (1 << 63) - 1
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 
@@ -31,7 +34,7 @@ class Prompt(_Strict):
     ``max_tokens`` optionally overrides the request's ``sampling.max_tokens`` for this prompt.
     """
 
-    token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
     text: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
@@ -45,8 +48,6 @@ class Prompt(_Strict):
         if self.token_ids is not None:
             if not self.token_ids:
                 raise ValueError("token_ids must not be empty")
-            if min(self.token_ids) < 0:
-                raise ValueError("token_ids must be non-negative")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
         if self.text is not None and not self.text:
@@ -66,9 +67,17 @@ class SamplingParams(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=INT64_MAX)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_le_max(cls, v: int, info: ValidationInfo) -> int:
+        mt = info.data.get("max_tokens")
+        if mt is not None and v > mt:
+            raise ValueError(f"min_tokens {v} is greater than max_tokens {mt}")
+        return v
 
 
 class RolloutRequest(_Strict):
@@ -78,7 +87,8 @@ class RolloutRequest(_Strict):
     n: int = Field(1, ge=1, le=1024)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stream_format: Literal["ndjson", "sse"] = "ndjson"
-    request_id: str | None = Field(None, max_length=200)
+    #: echoed in every event and the X-Request-Id header: printable ASCII only
+    request_id: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[\x20-\x7e]+$")
     #: per-sample deadline in seconds (engine call); None uses the server's default
     timeout_s: float | None = Field(None, gt=0)
 

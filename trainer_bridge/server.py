@@ -6,10 +6,12 @@ Endpoints (docs/bridge.md has the full protocol):
   end event. Each stream holds the weight version it started under; a weight update waits
   until the streams started under the old version have finished (so no stream mixes versions).
 * ``POST /v1/weights`` — versioned BF16 weight update (engines re-quantize); ``GET /v1/weights``.
-* ``GET /v1/health`` — engine liveness (503 when an engine is down); ``GET /metrics`` — Prometheus.
+* ``GET /v1/health`` — per engine: up, what it serves, a 1-token probe (503 unless all are fine); ``GET /metrics`` — Prometheus.
 
-The API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is required on ``/v1/rollouts``
-and ``/v1/weights`` when the server has one. Backpressure: at most ``max_concurrency`` engine
+The API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is required on every route but
+``GET /v1/health``, ``GET /metrics`` and ``GET /v1/weights`` when the server has one, checked before the body is read; ``Host``,
+``Origin`` and the body size are checked first (:mod:`foursight.trainer_bridge.guards`). The bridge
+tracks what each engine serves (:mod:`foursight.trainer_bridge.liveness`). Backpressure: at most ``max_concurrency`` engine
 calls run at once, and each stream has at most ``max_queue`` samples running or finished-but-unsent, so a
 slow reader slows its own stream's engine calls instead of growing memory.
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 import uuid
 from collections import deque
@@ -26,12 +27,23 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
-from fastapi import Depends, FastAPI, Request
+import anyio
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from foursight.trainer_bridge.engines import Engine, shm_path
+from foursight.trainer_bridge.guards import (
+    DEFAULT_MAX_BODY_BYTES,
+    WeightsRoots,
+    add_guards,
+    allowed_hosts_for,
+    check_bind,
+    engine_field_errors,
+    unprocessable,
+)
+from foursight.trainer_bridge.liveness import STALE, EngineStale, Liveness
 from foursight.trainer_bridge.protocol import (
     EndEvent,
     ErrorEvent,
@@ -78,9 +90,10 @@ class VersionGate:
         try:
             yield v
         finally:
-            async with self._cond:
-                self.readers -= 1
-                self._cond.notify_all()
+            with anyio.CancelScope(shield=True):  # a cancelled (disconnected) stream still releases its read
+                async with self._cond:
+                    self.readers -= 1
+                    self._cond.notify_all()
 
     @asynccontextmanager
     async def write(self, drain_timeout_s: float) -> AsyncIterator[None]:
@@ -119,6 +132,8 @@ class BridgeMetrics:
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
         self.version = Gauge("foursight_bridge_weight_version", "Current weight version", registry=r)
         self.engine_up = Gauge("foursight_bridge_engine_up", "Engine answered the last health check", ["engine"], registry=r)
+        self.engine_in_sync = Gauge("foursight_bridge_engine_in_sync", "Engine serves the weights the bridge tags samples with",
+                                    ["engine"], registry=r)
         self._window: deque[tuple[float, int]] = deque()
 
     def add_tokens(self, n: int) -> None:
@@ -147,11 +162,12 @@ class BridgeState:
         self.inflight = {id(e): 0 for e in self.engines}  # keyed by object: a name may change at start()
         self.metrics = BridgeMetrics()
         self.gate: VersionGate | None = None
+        self.liveness: Liveness | None = None
         self.sem: asyncio.Semaphore | None = None
 
-    def pick_engine(self) -> Engine:
-        """The engine with the fewest calls in flight (first one on ties)."""
-        return min(self.engines, key=lambda e: self.inflight[id(e)])
+    def pick_engine(self, allowed: Sequence[Engine] | None = None) -> Engine:
+        """The engine with the fewest calls in flight (first one on ties), among ``allowed``."""
+        return min(allowed or self.engines, key=lambda e: self.inflight[id(e)])
 
 
 def _field_name(loc: Sequence[Any]) -> str:
@@ -160,6 +176,32 @@ def _field_name(loc: Sequence[Any]) -> str:
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
     return out or "<body>"
+
+
+class RolloutStreamResponse(StreamingResponse):
+    """A rollout stream that notices a client disconnect at once.
+
+    Under ASGI 2.4 Starlette only notices a disconnect when a write fails, so a stream waiting for
+    its next sample would keep its engine calls running (and the HF engine busy) and its version
+    gate held. This one always listens for ``http.disconnect`` and closes the event generator on
+    exit, so its cleanup (cancel the engine calls, release the gate, the gauges) runs right away.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def write() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(write)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _encode(ev, fmt: str) -> bytes:
@@ -176,6 +218,11 @@ def create_app(
     max_queue: int = 256,
     sample_timeout_s: float = 600.0,
     initial_version: int = 0,
+    weights_dirs: Sequence[str | Path] | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_tokens_cap: int | None = None,
+    probe_timeout_s: float = 10.0,
 ) -> FastAPI:
     """Build the bridge app.
 
@@ -186,8 +233,18 @@ def create_app(
         max_queue: per-stream window: samples of one stream running or finished-but-unsent.
         sample_timeout_s: default per-sample deadline (a request may set ``timeout_s``).
         initial_version: weight version reported before the first update.
+        weights_dirs: folders an update ``path`` must lie in (None: anywhere; shared memory is always
+            confined to its folder).
+        allowed_hosts: ``Host``/``Origin`` names accepted (default: loopback only; ``serve()`` adds the
+            bind address).
+        max_body_bytes: request body limit (413 beyond it).
+        max_tokens_cap: largest ``max_tokens`` a request may ask for (None: the protocol's bound).
+        probe_timeout_s: seconds the health probe (a 1-token request per engine) may take.
     """
     state = BridgeState(engines, api_key, max_concurrency, max_queue, sample_timeout_s, initial_version)
+    state.liveness = Liveness(state.engines, probe_timeout_s=probe_timeout_s)
+    roots = WeightsRoots(weights_dirs)
+    hosts = list(allowed_hosts) if allowed_hosts is not None else allowed_hosts_for("127.0.0.1")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -196,6 +253,7 @@ def create_app(
         state.metrics.version.set(initial_version)
         for e in state.engines:
             await e.start()
+        await state.liveness.baseline_all(initial_version)
         try:
             yield
         finally:
@@ -204,6 +262,8 @@ def create_app(
 
     app = FastAPI(title="FourSight rollout bridge", lifespan=lifespan)
     app.state.bridge = state
+    add_guards(app, api_key=api_key, allowed_hosts=hosts, max_body_bytes=max_body_bytes,
+               on_reject=lambda kind: state.metrics.errors.labels(kind=kind).inc())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -212,24 +272,17 @@ def create_app(
         msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
         return JSONResponse(status_code=422, content={"error": f"invalid request: {msg}", "fields": fields})
 
-    async def require_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not given or not secrets.compare_digest(given.encode(), state.api_key.encode()):
-            state.metrics.errors.labels(kind="unauthorized").inc()
-            from fastapi import HTTPException
-
-            raise HTTPException(status_code=401, detail="missing or wrong API key (Authorization: Bearer KEY or X-API-Key)",
-                                headers={"WWW-Authenticate": "Bearer"})
-
-    @app.post("/v1/rollouts", dependencies=[Depends(require_key)])
+    @app.post("/v1/rollouts")
     async def rollouts(req: RolloutRequest):
         total = len(req.prompts) * req.n
         if total > MAX_SAMPLES_PER_REQUEST:
             return JSONResponse(status_code=422, content={"error": f"invalid request: n: len(prompts) * n = {total} exceeds {MAX_SAMPLES_PER_REQUEST}",
                                                           "fields": [{"field": "n", "message": "too many samples"}]})
+        vocab = state.engines[0].vocab_size
+        errs = engine_field_errors(req, None, vocab, max_tokens_cap)
+        if errs:
+            state.metrics.errors.labels(kind="bad_request").inc()
+            return unprocessable(errs)
         prompt_ids: list[list[int]] = []
         for i, p in enumerate(req.prompts):
             try:
@@ -240,11 +293,24 @@ def create_app(
             if not prompt_ids[-1]:
                 return JSONResponse(status_code=422, content={"error": f"invalid request: prompts[{i}]: empty after tokenization",
                                                               "fields": [{"field": f"prompts[{i}]", "message": "empty"}]})
+        errs = engine_field_errors(req, prompt_ids, vocab, None)
+        if errs:
+            state.metrics.errors.labels(kind="bad_request").inc()
+            return unprocessable(errs)
+        # samples are tagged with the bridge's version: refuse engines known to serve other weights
+        statuses = await state.liveness.check_all()
+        usable = [e for e, st in zip(state.engines, statuses) if st != STALE]
+        if not usable:
+            state.metrics.errors.labels(kind="engine").inc()
+            reasons = [state.liveness.of(e).reason for e in state.engines]
+            return JSONResponse(status_code=503, content={"error": "no engine serves the current weights: " + "; ".join(r or "" for r in reasons),
+                                                          "weight_version": state.gate.version,
+                                                          "engines": [{"name": e.name, **state.liveness.of(e).view()} for e in state.engines]})
         rid = req.request_id or uuid.uuid4().hex
         media = "text/event-stream" if req.stream_format == "sse" else "application/x-ndjson"
-        return StreamingResponse(_stream(req, rid, prompt_ids), media_type=media, headers={"X-Request-Id": rid})
+        return RolloutStreamResponse(_stream(req, rid, prompt_ids, usable), media_type=media, headers={"X-Request-Id": rid})
 
-    async def _stream(req: RolloutRequest, rid: str, prompt_ids: list[list[int]]) -> AsyncIterator[bytes]:
+    async def _stream(req: RolloutRequest, rid: str, prompt_ids: list[list[int]], usable: list[Engine]) -> AsyncIterator[bytes]:
         m = state.metrics
         t_accept = time.monotonic()
         sp = req.sampling
@@ -266,11 +332,16 @@ def create_app(
                 engine = None
                 try:
                     async with state.sem:
-                        engine = state.pick_engine()
+                        engine = state.pick_engine(usable)
                         state.inflight[id(engine)] += 1
                         t0 = time.monotonic()
+
+                        async def call(engine=engine):
+                            await state.liveness.ensure(engine)  # an engine that failed a call is re-checked first
+                            return await engine.generate(prompt_ids[pi], sp, max_tokens, seed)
+
                         try:
-                            res = await asyncio.wait_for(engine.generate(prompt_ids[pi], sp, max_tokens, seed), timeout)
+                            res = await asyncio.wait_for(call(), timeout)
                             t1 = time.monotonic()
                             m.latency.observe(t1 - t0)
                             ev: Any = SampleEvent(
@@ -286,7 +357,12 @@ def create_app(
                             m.errors.labels(kind="timeout").inc()
                         except asyncio.CancelledError:
                             raise
+                        except EngineStale as e:
+                            ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
+                                            error=str(e))
+                            m.errors.labels(kind="engine").inc()
                         except Exception as e:  # noqa: BLE001 - every engine failure becomes an error event
+                            state.liveness.of(engine).mark_unknown()
                             ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
                                             error=f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
                             m.errors.labels(kind="engine").inc()
@@ -306,6 +382,7 @@ def create_app(
 
             tasks = [asyncio.create_task(one(pi, j)) for pi in range(len(prompt_ids)) for j in range(req.n)]
             n_ok = n_err = 0
+            finished = False
             try:
                 for _ in range(total):
                     ev = await queue.get()
@@ -322,33 +399,37 @@ def create_app(
                 end = EndEvent(request_id=rid, status="ok" if n_err == 0 else "error", num_samples=n_ok, num_errors=n_err,
                                weight_version=version, elapsed_s=time.monotonic() - t_accept)
                 yield _encode(end, req.stream_format)
+                finished = True
             finally:
+                m.active_streams.dec()
+                if not finished:  # the stream was left before its end event was sent
+                    m.errors.labels(kind="client_disconnect").inc()
                 pending = [t for t in tasks if not t.done()]
                 for t in pending:
                     t.cancel()
                 if pending:
-                    await asyncio.gather(*pending, return_exceptions=True)
-                    m.errors.labels(kind="client_disconnect").inc()
-                m.active_streams.dec()
+                    # a disconnect cancels this generator's scope: shield the wait for the cancelled calls
+                    with anyio.CancelScope(shield=True):
+                        await asyncio.gather(*pending, return_exceptions=True)
 
-    @app.post("/v1/weights", dependencies=[Depends(require_key)])
+    @app.post("/v1/weights")
     async def weights(req: WeightUpdateRequest):
-        path = req.path if req.path is not None else shm_path(req.shm_name)
         field = "path" if req.path is not None else "shm_name"
-        if any(e.kind == "hf" for e in state.engines) and not Path(path).exists():
-            return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {path} does not exist",
-                                                          "fields": [{"field": field, "message": "does not exist"}]})
-        if Path(path).exists():
-            # every tensor is read and checked before any engine sees the update (engines on
-            # another host check their own copy): a rejected update changes nothing
-            from foursight.schema import CheckpointError, check_safetensors
+        resolved = roots.resolve(req.path) if req.path is not None else WeightsRoots([Path(shm_path(""))]).resolve(shm_path(req.shm_name))
+        if resolved is None:
+            # one answer for "outside the weights folders", "does not exist" and "cannot be read"
+            state.metrics.errors.labels(kind="bad_request").inc()
+            return unprocessable([{"field": field, "message": WeightsRoots.NOT_ALLOWED}], version=state.gate.version)
+        path = str(resolved)
+        # every tensor is read and checked before any engine sees the update: a rejected update changes nothing
+        from foursight.schema import CheckpointError, check_safetensors
 
-            try:
-                await asyncio.to_thread(check_safetensors, path)
-            except CheckpointError as ex:
-                state.metrics.errors.labels(kind="weight_update").inc()
-                return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {ex}", "version": state.gate.version,
-                                                              "fields": [{"field": field, "message": str(ex)}]})
+        try:
+            await asyncio.to_thread(check_safetensors, path)
+        except CheckpointError as ex:
+            state.metrics.errors.labels(kind="weight_update").inc()
+            return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {ex}", "version": state.gate.version,
+                                                          "fields": [{"field": field, "message": str(ex)}]})
         prev = state.gate.version
         if req.version <= prev:
             return JSONResponse(status_code=409, content={"error": f"version: {req.version} is not greater than the current version {prev}",
@@ -360,7 +441,9 @@ def create_app(
                 for e in state.engines:
                     try:
                         acks.append(await e.update_weights(path, req.version))
+                        await state.liveness.of(e).baseline(req.version, state.liveness.state_timeout_s)
                     except Exception as ex:  # noqa: BLE001
+                        state.liveness.of(e).update_failed(prev, e.atomic_updates)
                         state.metrics.errors.labels(kind="weight_update").inc()
                         done = [a.get("engine") for a in acks]
                         return JSONResponse(status_code=502, content={
@@ -377,17 +460,28 @@ def create_app(
         return {"version": state.gate.version, "update_in_progress": state.gate.writer, "streams_open": state.gate.readers}
 
     @app.get("/v1/health")
-    async def health():
+    async def health(probe: bool = True):
+        """Per engine: up, what it serves (``sync``, ``weight_version``, ``engine_version``, ``boot_id``)
+        and, unless ``probe=false``, whether a 1-token request completes now (``probe``). 503 unless
+        every engine is up, serves the current weights and completes the probe."""
         ups = await asyncio.gather(*(e.health() for e in state.engines))
-        for e, up in zip(state.engines, ups):
+        await state.liveness.check_all()
+        probes = await asyncio.gather(*(state.liveness.probe(e) for e in state.engines)) if probe else [None] * len(state.engines)
+        entries, healthy = [], True
+        for e, up, pr in zip(state.engines, ups, probes):
+            view = state.liveness.of(e).view()
+            ok = bool(up) and view["sync"] in ("in_sync", "untracked") and (pr is None or pr["ok"])
+            healthy &= ok
             state.metrics.engine_up.labels(engine=e.name).set(1 if up else 0)
+            state.metrics.engine_in_sync.labels(engine=e.name).set(1 if view["sync"] in ("in_sync", "untracked") else 0)
+            entries.append({"name": e.name, "kind": e.kind, "up": bool(up), "ok": ok, "logprobs_mode": e.logprobs_mode, **view, "probe": pr})
         body = {
-            "status": "ok" if all(ups) else "degraded",
+            "status": "ok" if healthy else "degraded",
             "weight_version": state.gate.version,
-            "engines": [{"name": e.name, "kind": e.kind, "up": bool(u), "logprobs_mode": e.logprobs_mode} for e, u in zip(state.engines, ups)],
+            "engines": entries,
             "active_streams": state.gate.readers,
         }
-        return JSONResponse(status_code=200 if all(ups) else 503, content=body)
+        return JSONResponse(status_code=200 if healthy else 503, content=body)
 
     @app.get("/metrics")
     async def metrics():
@@ -397,8 +491,13 @@ def create_app(
     return app
 
 
-def serve(engines: Sequence[Engine], host: str = "127.0.0.1", port: int = 8100, **kwargs) -> None:
-    """Run the bridge with uvicorn (blocking)."""
+def serve(engines: Sequence[Engine], host: str = "127.0.0.1", port: int = 8100, allow_remote: bool = False,
+          allowed_hosts: Sequence[str] = (), **kwargs) -> None:
+    """Run the bridge with uvicorn (blocking). Binds loopback only unless ``allow_remote`` and an
+    ``api_key`` are given (:func:`~foursight.trainer_bridge.guards.check_bind`); ``Host``/``Origin``
+    may name loopback, ``host`` and ``allowed_hosts``."""
     import uvicorn
 
-    uvicorn.run(create_app(engines, **kwargs), host=host, port=port, log_level="info")
+    check_bind(host, allow_remote, kwargs.get("api_key"))
+    app = create_app(engines, allowed_hosts=allowed_hosts_for(host, allowed_hosts), **kwargs)
+    uvicorn.run(app, host=host, port=port, log_level="info")

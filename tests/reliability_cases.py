@@ -1,0 +1,97 @@
+"""The cases of issue 14 (hardening) and the tests that show each one's status.
+
+``scripts/reliability_table.py`` turns this list into the table of docs/reliability.md; it
+fails when a named test does not exist (``pytest --collect-only``), and with ``--run`` it runs
+them and reports each test's outcome. Status: ``fixed`` (every named test asserts the new
+behaviour), ``partial`` (what is left is said in the note), ``open`` (not done).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Case(NamedTuple):
+    severity: str
+    case: str
+    status: str
+    tests: tuple[str, ...]
+    note: str = ""
+
+
+BV, BH, BS, BE = ("tests/test_bridge_vllm_restart.py", "tests/test_bridge_hf.py",
+                     "tests/test_bridge_server.py", "tests/test_bridge_edges.py")
+CK, VE, FM = "tests/test_checkpoint.py", "tests/test_vllm_engine.py", "tests/test_format.py"
+
+CASES: list[Case] = [
+    Case("high", "vLLM killed and restarted after an update: samples tagged with the pushed version while the engine "
+         "serves its checkpoint; health ok", "fixed",
+         (f"{BV}::test_engine_restart_after_an_update_is_detected_and_refused",
+          f"{BS}::test_engine_restart_mid_stream_gives_error_events_not_mistagged_samples",
+          f"{BH}::test_hf_engine_reload_is_detected_and_rollouts_refused_until_an_update"),
+         "the engine reports boot id + version (worker extension RPC `foursight_engine_state`); a stale engine gets no "
+         "samples, rollouts answer 503 naming it, health 503; a new update brings it back (no automatic re-push)"),
+    Case("high", "checkpoint with NaN fp8 `weight_scale` or Inf `embed_tokens` row passes inspect and loads in vLLM", "fixed",
+         (f"{CK}::test_inspect_rejects_non_finite_tensor_naming_it",
+          f"{VE}::test_non_finite_checkpoint_refuses_to_load_in_vllm_naming_the_tensor")),
+    Case("high", "HF engine: one huge `max_tokens` + `ignore_eos` request blocks every client; the per-sample timeout "
+         "does not stop it; health ok", "partial",
+         (f"{BH}::test_sample_timeout_stops_the_hf_generation",
+          f"{BH}::test_health_fails_while_the_hf_engine_cannot_complete_a_request",
+          f"{BE}::test_fields_checked_against_the_served_model_name_the_field"),
+         "timeout and disconnect stop the generation, health's 1-token probe fails while the engine is held, "
+         "`--max-tokens-cap` bounds a request; NOT done: fair scheduling / per-request token budget (the HF engine "
+         "still runs one sample at a time until it ends or is cancelled)"),
+    Case("medium", "weight update with NaN in `model.norm.weight` accepted by vLLM, version bumped", "fixed",
+         (f"{BV}::test_engine_restart_after_an_update_is_detected_and_refused",
+          f"{BH}::test_non_finite_update_is_rejected_and_previous_weights_keep_serving",
+          f"{VE}::test_non_finite_update_is_rejected_by_the_worker_and_previous_weights_keep_serving"),
+         "the bridge checks a local file before any engine sees it; the vLLM worker checks it itself"),
+    Case("medium", "BF16 HF engine accepts a NaN tensor in an update", "fixed",
+         (f"{BH}::test_hf_engine_rejects_non_finite_norm_without_applying_anything",)),
+    Case("medium", "update `path` confined to no folder (`/etc/passwd`, `../`, other models); 422 vs 502 tells "
+         "whether a file exists", "fixed",
+         (f"{BE}::test_update_path_outside_weights_dir_gets_one_answer_for_every_reason",
+          f"{BE}::test_shm_name_cannot_leave_the_shm_folder"),
+         "confined with `--weights-dir` (repeatable); without it any readable path is allowed and the CLI warns"),
+    Case("medium", "`Host`/`Origin` not checked (DNS rebinding drives a loopback bridge)", "fixed",
+         (f"{BE}::test_host_and_origin_are_checked_against_dns_rebinding", f"{BE}::test_operator_allowed_host_passes")),
+    Case("medium", "no body size limit; body parsed before the API key is checked", "fixed",
+         (f"{BE}::test_body_over_the_limit_is_413_before_parsing", f"{BE}::test_api_key_is_checked_before_the_body_is_parsed")),
+    Case("medium", "HF engine: client disconnect or per-sample timeout does not stop the generation", "fixed",
+         (f"{BH}::test_client_disconnect_stops_the_hf_generation_and_metrics_stay_true",
+          f"{BH}::test_sample_timeout_stops_the_hf_generation")),
+    Case("medium", "checkpoint with NaN in `model.norm.weight` reported valid; vLLM serves it", "fixed",
+         (f"{CK}::test_inspect_rejects_non_finite_tensor_naming_it",
+          f"{VE}::test_non_finite_checkpoint_refuses_to_load_in_vllm_naming_the_tensor")),
+    Case("low", "`active_streams` stays raised after disconnects; the disconnect counter never counts", "fixed",
+         (f"{BH}::test_client_disconnect_stops_the_hf_generation_and_metrics_stay_true",)),
+    Case("low", "`min_tokens > max_tokens`, ids outside the vocabulary, ids/seeds beyond int64: per-sample engine "
+         "errors instead of a 422 naming the field", "fixed",
+         (f"{BE}::test_fields_checked_against_the_served_model_name_the_field", f"{BE}::test_ids_at_the_vocabulary_edge_are_accepted"),
+         "the vocabulary is the HF model's, or `vocab_size` of the `--tokenizer` folder's config.json for vLLM/SGLang"),
+    Case("low", "(found here) a `request_id` with CR/LF: the response was cut (invalid X-Request-Id header)", "fixed",
+         (f"{BE}::test_fields_checked_against_the_served_model_name_the_field",), "printable ASCII only: 422 naming `request_id`"),
+    Case("low", "nonexistent update path: 502 on vLLM, 422 on HF", "fixed",
+         (f"{BE}::test_update_path_outside_weights_dir_gets_one_answer_for_every_reason",
+          f"{BV}::test_engine_restart_after_an_update_is_detected_and_refused"),
+         "the bridge resolves the path before any engine sees it: one 422 on every engine kind"),
+    Case("low", "truncated safetensors file: raw traceback without the file name", "fixed",
+         (f"{CK}::test_truncated_safetensors_names_the_file",)),
+    Case("low", "`foursight quantize --force` deletes any existing `--out`", "fixed",
+         (f"{CK}::test_force_replaces_only_a_foursight_checkpoint",)),
+    Case("low", "a killed `quantize` leaves its temporary folder, and `inspect` calls it valid", "fixed",
+         (f"{CK}::test_killed_quantize_leaves_a_folder_every_reader_refuses_and_the_next_run_removes",),
+         "a SIGKILLed run cannot clean up: its folder holds a marker every reader refuses, and the next run removes it"),
+    Case("low", "channels-file reader accepts NaN `input_amax` and non-integer indices; non-numeric gives a bare ValueError", "fixed",
+         (f"{FM}::test_channels_file_rules",)),
+    Case("low", "server guards (loopback unless `--allow-remote` with a key) only in the CLI", "fixed",
+         (f"{BE}::test_serve_itself_refuses_remote_binds_without_a_key", "tests/test_bridge_cli.py::test_serve_rejects_bad_options")),
+    Case("build", "SGLang: non-finite checkpoint tensors at load and in its own update path", "open", (),
+         "not done: the SGLang loader is not wrapped (the bridge still checks a local update file before SGLang sees it)"),
+    Case("build", "SGLang engine restart detection", "open", (),
+         "SGLang engines are untracked (no `served_state`): a restart is not detected"),
+    Case("build", "engine killed mid-stream: error events, nothing lost; 100 concurrent streams", "fixed",
+         ("tests/test_bridge_vllm.py::test_zz_engine_killed_mid_stream", "tests/test_bridge_vllm.py::test_sixty_concurrent_streams"),
+         "kept passing (the concurrency test runs 60 streams)"),
+]

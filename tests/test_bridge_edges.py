@@ -1,0 +1,221 @@
+"""The bridge's edge (issue 14): weight paths confined to the weights folders, Host/Origin against DNS
+rebinding, the body limit, the API key before the body, fields checked against the served model,
+and the bind guards in serve() itself. In-process engines: these are the bridge's own checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import pytest
+from safetensors.torch import save_file
+
+from foursight.trainer_bridge.engines import Engine
+from foursight.trainer_bridge.guards import BindError
+from foursight.trainer_bridge.launch import BridgeThread
+from foursight.trainer_bridge.protocol import Rollout
+from foursight.trainer_bridge.server import create_app, serve
+
+KEY = "edge-key"
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+class CountingEngine(Engine):
+    """Fixed answers; counts generate and update calls (what reached the engine)."""
+
+    kind = "counting"
+
+    def __init__(self, vocab: int | None = 100):
+        self.name = "counting"
+        self.generated = 0
+        self.updates: list[tuple[str, int]] = []
+        self._vocab = vocab
+
+    @property
+    def vocab_size(self):
+        return self._vocab
+
+    async def generate(self, prompt_ids, params, max_tokens, seed):
+        self.generated += 1
+        await asyncio.sleep(0.01)
+        return Rollout(prompt_ids=prompt_ids, token_ids=[3] * max_tokens, logprobs=[-0.1] * max_tokens, finish_reason="length")
+
+    async def update_weights(self, path, version):
+        self.updates.append((path, version))
+        return {"engine": self.name, "version": version}
+
+    async def health(self):
+        return True
+
+
+@pytest.fixture()
+def weights_dir(tmp_path):
+    import torch
+
+    d = tmp_path / "weights"
+    d.mkdir()
+    save_file({"model.norm.weight": torch.ones(4)}, str(d / "ok.safetensors"))
+    return d
+
+
+@pytest.fixture()
+def edge(weights_dir):
+    eng = CountingEngine()
+    b = BridgeThread(create_app([eng], api_key=KEY, weights_dirs=[weights_dir], max_body_bytes=64 << 10, max_tokens_cap=512)).start()
+    yield b, eng
+    b.stop()
+
+
+def _update(b, **body):
+    return httpx.post(b.url + "/v1/weights", json={"version": 1, **body}, headers=H, timeout=30)
+
+
+def test_update_path_outside_weights_dir_gets_one_answer_for_every_reason(edge, weights_dir, tmp_path):
+    """/etc/passwd, a ../ escape, a symlink out, a nonexistent path, an unreadable file and a device:
+    all 422 with the same message, nothing reaches the engine, the version stays 0."""
+    b, eng = edge
+    outside = tmp_path / "other.safetensors"
+    save_file({"model.norm.weight": __import__("torch").ones(4)}, str(outside))
+    (weights_dir / "link.safetensors").symlink_to(outside)
+    unreadable = weights_dir / "secret.safetensors"
+    unreadable.write_bytes(b"x")
+    unreadable.chmod(0)
+    cases = ["/etc/passwd", str(weights_dir / ".." / "other.safetensors"), str(weights_dir / "link.safetensors"),
+             str(weights_dir / "missing.safetensors"), str(tmp_path / "missing.safetensors"), "/dev/zero"]
+    if os.geteuid() != 0:  # root reads anything
+        cases.append(str(unreadable))
+    answers = set()
+    for p in cases:
+        r = _update(b, path=p)
+        assert r.status_code == 422, (p, r.text)
+        assert r.json()["fields"][0]["field"] == "path"
+        answers.add(r.json()["error"])
+    assert len(answers) == 1, answers  # nothing tells an existing file from a missing one
+    assert "not an allowed weights file" in answers.pop()
+    assert eng.updates == [] and httpx.get(b.url + "/v1/weights").json()["version"] == 0
+    r = _update(b, path=str(weights_dir / "ok.safetensors"))
+    assert r.status_code == 200, r.text
+    assert eng.updates == [(str((weights_dir / "ok.safetensors").resolve()), 1)]
+
+
+def test_shm_name_cannot_leave_the_shm_folder(edge, tmp_path, monkeypatch):
+    b, eng = edge
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("FOURSIGHT_SHM_DIR", str(shm))
+    (shm / "escape.safetensors").symlink_to("/etc/passwd")
+    for name in ("escape.safetensors", "missing.safetensors", ".."):
+        r = _update(b, shm_name=name)
+        assert r.status_code == 422 and r.json()["fields"][0]["field"] == "shm_name", r.text
+    assert eng.updates == []
+
+
+def test_host_and_origin_are_checked_against_dns_rebinding(edge):
+    """A page on evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example (400)
+    and, from a browser, Origin: http://evil.example (403); loopback names pass."""
+    b, eng = edge
+    body = {"prompts": [{"token_ids": [1, 2]}], "sampling": {"max_tokens": 2}}
+    r = httpx.post(b.url + "/v1/rollouts", json=body, headers={**H, "Host": "evil.example"})
+    assert r.status_code == 400
+    r = httpx.post(b.url + "/v1/rollouts", json=body, headers={**H, "Origin": "http://evil.example"})
+    assert r.status_code == 403 and "Origin" in r.json()["error"]
+    r = httpx.post(b.url + "/v1/weights", json={"version": 1, "shm_name": "x"}, headers={**H, "Origin": "null"})
+    assert r.status_code == 403
+    assert eng.generated == 0 and eng.updates == []
+    r = httpx.post(b.url + "/v1/rollouts", json=body, headers={**H, "Host": f"localhost:{b.port}", "Origin": f"http://127.0.0.1:{b.port}"})
+    assert r.status_code == 200 and eng.generated == 1
+
+
+def test_operator_allowed_host_passes(weights_dir):
+    b = BridgeThread(create_app([CountingEngine()], allowed_hosts=["127.0.0.1", "bridge.internal"])).start()
+    try:
+        body = {"prompts": [{"token_ids": [1]}], "sampling": {"max_tokens": 1}}
+        assert httpx.post(b.url + "/v1/rollouts", json=body, headers={"Host": "bridge.internal"}).status_code == 200
+        assert httpx.post(b.url + "/v1/rollouts", json=body, headers={"Host": "other.internal"}).status_code == 400
+    finally:
+        b.stop()
+
+
+def test_body_over_the_limit_is_413_before_parsing(edge):
+    b, eng = edge
+    big = {"prompts": [{"token_ids": [1] * 40_000}], "sampling": {"max_tokens": 2}}
+    r = httpx.post(b.url + "/v1/rollouts", json=big, headers=H)
+    assert r.status_code == 413 and "larger than 65536 bytes" in r.json()["error"]
+
+    def chunks():  # no Content-Length: the limit is enforced while the body streams in
+        yield b'{"prompts": [{"token_ids": [1'
+        for _ in range(30_000):  # 90 kB
+            yield b", 1"
+        yield b"]}]}"
+
+    r = httpx.post(b.url + "/v1/rollouts", content=chunks(), headers={**H, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert eng.generated == 0
+    assert 'foursight_bridge_errors_total{kind="bad_request"} 2.0' in httpx.get(b.url + "/metrics").text
+
+
+def test_api_key_is_checked_before_the_body_is_parsed(edge):
+    """A wrong key with a malformed body is 401 (before: the body was parsed first and answered 422)."""
+    b, _ = edge
+    for path in ("/v1/rollouts", "/v1/weights"):
+        r = httpx.post(b.url + path, content=b"{not json", headers={"Authorization": "Bearer wrong", "Content-Type": "application/json"})
+        assert r.status_code == 401, (path, r.status_code, r.text)
+        r = httpx.post(b.url + path, content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 401
+    assert httpx.get(b.url + "/v1/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(b.url + "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompts": [{"token_ids": [1]}], "sampling": {"min_tokens": 9, "max_tokens": 3}}, "sampling.min_tokens"),
+        ({"prompts": [{"token_ids": [1], "max_tokens": 3}], "sampling": {"min_tokens": 5, "max_tokens": 10}}, "prompts[0].max_tokens"),
+        ({"prompts": [{"token_ids": [1, 100]}]}, "prompts[0].token_ids[1]"),
+        ({"prompts": [{"token_ids": [1]}, {"token_ids": [2, 3, 250]}]}, "prompts[1].token_ids[2]"),
+        ({"prompts": [{"token_ids": [1]}], "sampling": {"stop_token_ids": [5, 1000]}}, "sampling.stop_token_ids[1]"),
+        ({"prompts": [{"token_ids": [1, 2 ** 63]}]}, "prompts[0].token_ids[1]"),
+        ({"prompts": [{"token_ids": [1]}], "sampling": {"seed": 2 ** 63}}, "sampling.seed"),
+        ({"prompts": [{"token_ids": [1]}], "n": 4, "sampling": {"seed": 2 ** 63 - 2}}, "sampling.seed"),
+        ({"prompts": [{"token_ids": [1]}], "sampling": {"max_tokens": 513}}, "sampling.max_tokens"),
+        ({"prompts": [{"token_ids": [1], "max_tokens": 600}]}, "prompts[0].max_tokens"),
+        ({"prompts": [{"token_ids": [1]}], "request_id": "a\r\nSet-Cookie: x=1"}, "request_id"),  # before: a 500-like cut
+        ({"prompts": [{"token_ids": [1]}], "request_id": ""}, "request_id"),
+    ],
+)
+def test_fields_checked_against_the_served_model_name_the_field(edge, body, field):
+    """min_tokens > max_tokens, ids outside the vocabulary (100 here), ints beyond int64, the
+    server's max_tokens cap and a request id that cannot be a header value: 422 naming the field,
+    and nothing reaches the engine."""
+    b, eng = edge
+    r = httpx.post(b.url + "/v1/rollouts", json=body, headers=H)
+    assert r.status_code == 422, r.text
+    assert field in [f["field"] for f in r.json()["fields"]], r.json()
+    assert field in r.json()["error"]
+    assert eng.generated == 0
+
+
+def test_ids_at_the_vocabulary_edge_are_accepted(edge):
+    b, eng = edge
+    r = httpx.post(b.url + "/v1/rollouts", json={"prompts": [{"token_ids": [0, 99]}], "n": 2,
+                                                  "sampling": {"max_tokens": 512, "seed": 2 ** 63 - 2, "stop_token_ids": [99]}}, headers=H)
+    assert r.status_code == 200 and r.text.count('"type":"sample"') == 2
+
+
+@pytest.mark.parametrize("host, kw, message", [
+    ("0.0.0.0", {}, "allow_remote"),
+    ("0.0.0.0", {"allow_remote": True}, "API key"),
+    ("192.168.1.7", {"allow_remote": True, "api_key": ""}, "API key"),
+])
+def test_serve_itself_refuses_remote_binds_without_a_key(host, kw, message, monkeypatch):
+    """The guard is in serve(), not only the CLI: nothing is bound (uvicorn.run is never reached)."""
+    import uvicorn
+
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: ran.append(k))
+    with pytest.raises(BindError, match=message):
+        serve([CountingEngine()], host=host, **kw)
+    assert ran == []
+    serve([CountingEngine()], host="0.0.0.0", allow_remote=True, api_key="k")  # allowed with a key
+    assert ran and ran[0]["host"] == "0.0.0.0"

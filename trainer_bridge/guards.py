@@ -1,0 +1,254 @@
+"""The bridge's edge: who may call it, how much they may send, what it may be made to read.
+
+* :func:`check_bind`: loopback unless ``allow_remote`` with an API key (``serve()`` and the CLI).
+* :func:`add_guards`: ASGI middleware, outermost first: ``Host`` checked against the allowed hosts
+  (Starlette's ``TrustedHostMiddleware``: a DNS-rebinding page sends its own host name), a
+  cross-site ``Origin`` refused (403), the API key checked before any body byte is read (401),
+  and a body size limit (413, from ``Content-Length`` or while a chunked body streams in).
+* :class:`WeightsRoots`: an update ``path`` must resolve (symlinks and ``..`` followed) to a file or
+  folder inside one of the operator's ``--weights-dir`` folders; anything else, existing or not,
+  gets the same answer, so a caller learns nothing about the rest of the disk.
+* :func:`engine_field_errors`: prompt and sampling fields checked against the served model
+  (vocabulary size, ``min_tokens`` against each prompt's ``max_tokens``, the max_tokens cap, seeds
+  within int64).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+from urllib.parse import urlsplit
+
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from foursight.trainer_bridge.protocol import INT64_MAX, RolloutRequest
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+#: default request body limit (a rollout request of 65536 token-id prompts fits)
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+#: (method, path) that need no API key: health, metrics and the current version (read-only)
+OPEN_ROUTES = {("GET", "/v1/health"), ("GET", "/metrics"), ("GET", "/v1/weights"), ("HEAD", "/v1/health")}
+
+
+class BindError(ValueError):
+    """``serve()`` was asked to bind where it must not."""
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
+    """Loopback only, unless ``allow_remote`` and an API key (raises :class:`BindError`)."""
+    if is_loopback(host):
+        return
+    if not allow_remote:
+        raise BindError(f"host {host} is not loopback; pass allow_remote=True (--allow-remote) and an API key to expose the bridge")
+    if not api_key:
+        raise BindError("allow_remote needs an API key (--api-key or FOURSIGHT_BRIDGE_API_KEY)")
+
+
+def allowed_hosts_for(bind_host: str, extra: Iterable[str] = ()) -> list[str]:
+    """Host names a request may name: loopback, the bind address, and the operator's list.
+    A wildcard bind (``0.0.0.0``, ``::``) without an operator list allows any host (the API key,
+    required there by :func:`check_bind`, is then the guard)."""
+    extra = [h for h in extra if h]
+    if bind_host in ("0.0.0.0", "::", "") and not extra:
+        return ["*"]
+    hosts = ["127.0.0.1", "localhost", "::1", "[::1]", *extra]
+    if bind_host not in ("0.0.0.0", "::", ""):
+        hosts.append(bind_host)
+    return list(dict.fromkeys(hosts))
+
+
+def _host_allowed(host: str, allowed: Sequence[str]) -> bool:
+    if "*" in allowed:
+        return True
+    for pattern in allowed:
+        if host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:])):
+            return True
+    return False
+
+
+def _json(status: int, error: str, **extra) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": error, **extra})
+
+
+class OriginMiddleware:
+    """Refuse (403) a request whose ``Origin`` names a host outside the allowed ones: a web page of
+    another site may send requests to a loopback bridge, but its browser always says where from."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: Sequence[str], on_reject: Callable[[str], None] = lambda kind: None):
+        self.app, self.allowed, self.on_reject = app, list(allowed_hosts), on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            origin = dict(scope["headers"]).get(b"origin")
+            if origin is not None:
+                host = urlsplit(origin.decode("latin-1")).hostname or ""
+                if origin == b"null" or not _host_allowed(host, self.allowed) and not _host_allowed(f"[{host}]", self.allowed):
+                    self.on_reject("origin")
+                    await _json(403, f"cross-origin request refused: Origin {origin.decode('latin-1')!r} is not an allowed host")(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """The API key (``Authorization: Bearer KEY`` or ``X-API-Key``) on every route but the open ones,
+    checked in constant time before the body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, on_reject: Callable[[str], None] = lambda kind: None):
+        self.app, self.key, self.on_reject = app, api_key, on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key is None or scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode("latin-1")
+        if not given or not secrets.compare_digest(given.encode(), self.key.encode()):
+            self.on_reject("unauthorized")
+            resp = JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                                content={"error": "missing or wrong API key (Authorization: Bearer KEY or X-API-Key)",
+                                         "detail": "missing or wrong API key (Authorization: Bearer KEY or X-API-Key)"})
+            await resp(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over ``max_bytes``: at once from ``Content-Length``, or as soon as a chunked
+    body passes the limit (nothing beyond it is buffered)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[str], None] = lambda kind: None):
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+
+    def _too_large(self) -> JSONResponse:
+        self.on_reject("bad_request")
+        return _json(413, f"request body larger than {self.max_bytes} bytes", limit_bytes=self.max_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                n = -1
+            if n < 0:
+                await _json(400, "invalid Content-Length")(scope, receive, send)
+                return
+            if n > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+        seen = 0
+        rejected = False
+
+        async def limited_receive():
+            # past the limit: answer 413 ourselves and tell the app the client went away (the app
+            # is still reading the body, so it has sent nothing; whatever it sends later is dropped)
+            nonlocal seen, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    rejected = True
+                    await self._too_large()(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded_send(msg):
+            if not rejected:
+                await send(msg)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+
+def add_guards(app, *, api_key: str | None, allowed_hosts: Sequence[str], max_body_bytes: int,
+               on_reject: Callable[[str], None]) -> None:
+    """Install the edge middleware on a FastAPI/Starlette app (added last = runs first)."""
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_reject=on_reject)
+    app.add_middleware(ApiKeyMiddleware, api_key=api_key, on_reject=on_reject)
+    app.add_middleware(OriginMiddleware, allowed_hosts=allowed_hosts, on_reject=on_reject)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+
+
+class WeightsRoots:
+    """The folders a weight update may be read from (``--weights-dir``, repeatable).
+
+    ``None`` roots means no confinement (the library default, kept for in-process use; the CLI
+    warns). Shared memory (``shm_name``) is always confined to ``$FOURSIGHT_SHM_DIR``
+    (``/dev/shm``) by the name's pattern.
+    """
+
+    NOT_ALLOWED = "not an allowed weights file or folder (it does not exist, cannot be read, or lies outside the weights folders)"
+
+    def __init__(self, roots: Sequence[str | Path] | None):
+        self.roots = None if roots is None else [Path(r).resolve() for r in roots]
+        for r in self.roots or []:
+            if not r.is_dir():
+                raise ValueError(f"weights folder {r} is not a folder")
+
+    def resolve(self, path: str) -> Path | None:
+        """The resolved file or folder, or None when it is not allowed (one answer for every reason)."""
+        try:
+            p = Path(path).resolve(strict=True)
+        except (OSError, RuntimeError, ValueError):
+            return None
+        if self.roots is not None and not any(p == r or p.is_relative_to(r) for r in self.roots):
+            return None
+        if not (p.is_file() or p.is_dir()) or not os.access(p, os.R_OK):
+            return None
+        return p
+
+
+def engine_field_errors(req: RolloutRequest, prompt_ids: Sequence[Sequence[int]] | None, vocab_size: int | None,
+                        max_tokens_cap: int | None) -> list[dict[str, Any]]:
+    """Fields of a parsed request that the served model cannot take, each ``{"field", "message"}``.
+
+    With ``prompt_ids`` None only the fields known before tokenization are checked.
+    """
+    errs: list[dict[str, Any]] = []
+    sp = req.sampling
+    total = len(req.prompts) * req.n
+    if sp.seed is not None and sp.seed + total - 1 > INT64_MAX:
+        errs.append({"field": "sampling.seed", "message": f"seed + len(prompts) * n - 1 = {sp.seed + total - 1} exceeds int64 ({INT64_MAX})"})
+    if max_tokens_cap is not None and sp.max_tokens > max_tokens_cap:
+        errs.append({"field": "sampling.max_tokens", "message": f"{sp.max_tokens} exceeds the server's cap {max_tokens_cap}"})
+    for i, p in enumerate(req.prompts):
+        if p.max_tokens is None:
+            continue  # sampling.min_tokens <= sampling.max_tokens is checked by SamplingParams
+        if max_tokens_cap is not None and p.max_tokens > max_tokens_cap:
+            errs.append({"field": f"prompts[{i}].max_tokens", "message": f"{p.max_tokens} exceeds the server's cap {max_tokens_cap}"})
+        if sp.min_tokens > p.max_tokens:
+            errs.append({"field": f"prompts[{i}].max_tokens", "message": f"{p.max_tokens} is less than sampling.min_tokens {sp.min_tokens}"})
+    if vocab_size is not None:
+        for j, t in enumerate(sp.stop_token_ids):
+            if t >= vocab_size:
+                errs.append({"field": f"sampling.stop_token_ids[{j}]", "message": f"token id {t} is outside the vocabulary (size {vocab_size})"})
+        for i, ids in enumerate(prompt_ids or []):
+            bad = next(((k, t) for k, t in enumerate(ids) if t >= vocab_size), None)
+            if bad is not None:
+                errs.append({"field": f"prompts[{i}].token_ids[{bad[0]}]", "message": f"token id {bad[1]} is outside the vocabulary (size {vocab_size})"})
+    return errs
+
+
+def unprocessable(errs: list[dict[str, Any]], **extra) -> JSONResponse:
+    msg = "; ".join(f"{e['field']}: {e['message']}" for e in errs)
+    return JSONResponse(status_code=422, content={"error": f"invalid request: {msg}", "fields": errs, **extra})
+
