@@ -11,15 +11,59 @@ SGLang has no registration decorator. ``QUANTIZATION_METHODS`` is a dict that
 CLI's ``--quantization`` choices are extended through ``add_quantization_method_choices``; and
 on x86 CPUs with AMX, where SGLang only accepts methods listed in ``CPU_QUANTIZATION_METHODS``,
 the method is added there too (it runs the PyTorch reference on CPU).
+
+Registering also makes SGLang's weight iterator check every tensor of a ``foursight`` model finite
+(checkpoint load and ``update_weights_from_disk``), so a NaN norm or an Inf embedding row stops the
+load with an error naming the tensor instead of killing the engine at its first request; a local
+folder is checked whole before any weight is written, so a refused update leaves the served
+weights in place.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger("foursight.quant_methods.sglang")
 
 NAME = "foursight"
+
+
+def _install_load_check() -> None:
+    """Wrap ``DefaultModelLoader._get_weights_iterator`` so that, for models whose quantization is
+    ``foursight``, every tensor it yields is checked finite (:func:`foursight.schema.check_finite`
+    raises ``CheckpointError`` naming it). Idempotent; other models are untouched."""
+    try:
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+    except ImportError:  # another SGLang layout: the FourSight layers' own checks still run
+        return
+    original = DefaultModelLoader._get_weights_iterator
+    if getattr(original, "_foursight_checked", False):
+        return
+
+    def _checked(it, where):
+        from foursight.schema import check_finite
+
+        for name, t in it:
+            check_finite(name, t, where)
+            yield name, t
+
+    def _get_weights_iterator(self, source, *args, **kwargs):
+        if getattr(getattr(source, "model_config", None), "quantization", None) != NAME:
+            return original(self, source, *args, **kwargs)
+        path = getattr(source, "model_or_path", "")
+        if os.path.isdir(path):
+            # read and check every safetensors tensor *now*, when SGLang asks for the iterator and
+            # before any weight is written: an update then fails with "Failed to get weights
+            # iterator" and the served weights stay (SGLang's own rollback after a failure inside
+            # the iterator would re-read the new, bad path)
+            from foursight.schema import check_safetensors
+
+            check_safetensors(path)
+        return _checked(original(self, source, *args, **kwargs), f" in {path}")
+
+    _get_weights_iterator._foursight_checked = True  # type: ignore[attr-defined]
+    DefaultModelLoader._get_weights_iterator = _get_weights_iterator
 
 
 def register() -> None:
@@ -29,6 +73,7 @@ def register() -> None:
     except ImportError:  # SGLang absent: nothing to register with
         logger.debug("sglang not importable; FourSight SGLang plugin not registered")
         return
+    _install_load_check()
     from foursight.quant_methods.sglang_method import FourSightSGLangConfig
 
     q.QUANTIZATION_METHODS[NAME] = FourSightSGLangConfig

@@ -191,3 +191,45 @@ def test_missing_tensor_fails_at_load_naming_it(tiny_ckpt, tmp_path):
     text = log.read_text()
     assert proc.returncode != 0
     assert "CheckpointError: missing tensor model.layers.1.self_attn.k_proj.weight_scale" in text, text[-3000:]
+
+
+def _nan_norm_copy(src: Path, dst: Path, name: str = "model.norm.weight") -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    t[name] = t[name].clone()
+    t[name][3] = float("nan")
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_non_finite_update_from_disk_is_refused_and_previous_weights_keep_serving(server, tiny_ckpt, tmp_path):
+    """An update whose model.norm.weight holds a NaN fails naming the tensor; SGLang then reloads the
+    weights it served, and the logprobs are bit-equal to those before."""
+    prompts = prompt_ids(tiny_ckpt, n=2)
+    before = _server_logprobs(server, prompts)
+    bad = _nan_norm_copy(tiny_ckpt, tmp_path / "nan_norm")
+    r = httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(bad)}, timeout=300)
+    body = r.json()
+    assert not body["success"], r.text
+    assert "model.norm.weight" in body["message"] and "non-finite" in body["message"], body["message"]
+    assert _server_logprobs(server, prompts) == before
+
+
+def test_non_finite_checkpoint_fails_at_load_naming_the_tensor(tiny_ckpt, tmp_path):
+    bad = _nan_norm_copy(tiny_ckpt, tmp_path / "bad", "model.embed_tokens.weight")
+    log = tmp_path / "bad.log"
+    proc = _launch(bad, free_port(), log)
+    try:
+        proc.wait(STARTUP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        raise AssertionError(f"server with a NaN embedding did not exit:\n{log.read_text()[-3000:]}")
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert proc.returncode != 0
+    assert "tensor model.embed_tokens.weight" in text and "non-finite" in text, text[-3000:]
