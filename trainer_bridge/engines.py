@@ -316,8 +316,10 @@ class SGLangHTTPEngine(_HTTPEngine):
 
     ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, text|null], ...]``;
     ``meta_info.finish_reason`` is ``{"type": "stop"|"length"|"abort", ...}``. Weight updates use
-    ``POST /update_weights_from_disk`` with ``model_path`` and ``weight_version``.
-    (Exercised against a recorded-format stand-in only in this repo's CPU tests; see docs/bridge.md.)
+    ``POST /update_weights_from_disk`` with ``model_path`` and ``weight_version``, and the served
+    version is read back from ``GET /get_model_info`` (:meth:`served_state`). Generation parsing is
+    exercised against a recorded-format stand-in in the bridge tests, updates and the served version
+    against a real SGLang CPU server in tests/sglang (docs/bridge.md).
     """
 
     kind = "sglang"
@@ -393,6 +395,22 @@ class SGLangHTTPEngine(_HTTPEngine):
         if r.status_code != 200 or not r.json().get("success", False):
             raise EngineError(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")
         return {"engine": self.name, "version": version, "response": r.json(), "seconds": time.monotonic() - t0}
+
+    async def served_state(self) -> dict[str, Any] | None:
+        """The ``weight_version`` SGLang reports on ``GET /get_model_info``: the bridge sends its version
+        with every update, and a restarted server is back at ``"default"`` (version 0), which is how
+        the bridge sees the restart (SGLang exposes no boot id, so ``boot_id`` is constant). A
+        server started with a non-numeric ``--weight-version`` cannot be tracked (None)."""
+        r = await self.client.get("/get_model_info")
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /get_model_info -> {r.status_code} {r.text[:300]}")
+        wv = r.json().get("weight_version")
+        if wv in (None, "default"):
+            return {"boot_id": "sglang", "version": 0}
+        try:
+            return {"boot_id": "sglang", "version": int(wv)}
+        except (TypeError, ValueError):
+            return None
 
 
 # ---------------------------------------------------------------------------------------------

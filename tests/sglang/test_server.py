@@ -233,3 +233,26 @@ def test_non_finite_checkpoint_fails_at_load_naming_the_tensor(tiny_ckpt, tmp_pa
     text = log.read_text()
     assert proc.returncode != 0
     assert "tensor model.embed_tokens.weight" in text and "non-finite" in text, text[-3000:]
+
+
+def test_bridge_engine_reads_the_version_sglang_serves(server, tiny_ckpt):
+    """The bridge's SGLang engine sends its weight version with an update and reads it back from the
+    server (how the bridge tells a restarted server, back at version 0, from one in sync)."""
+    import asyncio
+
+    from foursight.trainer_bridge.engines import SGLangHTTPEngine
+
+    async def run():
+        eng = SGLangHTTPEngine(server)
+        await eng.start()
+        try:
+            before = await eng.served_state()
+            ack = await eng.update_weights(str(tiny_ckpt), 7)
+            after = await eng.served_state()
+        finally:
+            await eng.aclose()
+        return before, ack, after
+
+    before, ack, after = asyncio.run(run())
+    assert before is not None and isinstance(before["version"], int)
+    assert ack["version"] == 7 and after == {"boot_id": "sglang", "version": 7}
