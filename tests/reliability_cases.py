@@ -35,13 +35,17 @@ CASES: list[Case] = [
          (f"{CK}::test_inspect_rejects_non_finite_tensor_naming_it",
           f"{VE}::test_non_finite_checkpoint_refuses_to_load_in_vllm_naming_the_tensor")),
     Case("high", "HF engine: one huge `max_tokens` + `ignore_eos` request blocks every client; the per-sample timeout "
-         "does not stop it; health ok", "partial",
-         (f"{BH}::test_sample_timeout_stops_the_hf_generation",
+         "does not stop it; health ok", "fixed",
+         (f"{BH}::test_short_request_is_not_starved_by_a_long_one",
+          f"{BH}::test_interleaved_samples_are_identical_to_alone",
+          f"{BH}::test_sample_timeout_stops_the_hf_generation",
           f"{BH}::test_health_fails_while_the_hf_engine_cannot_complete_a_request",
           f"{BE}::test_fields_checked_against_the_served_model_name_the_field"),
-         "timeout and disconnect stop the generation, health's 1-token probe fails while the engine is held, "
-         "`--max-tokens-cap` bounds a request; NOT done: fair scheduling / per-request token budget (the HF engine "
-         "still runs one sample at a time until it ends or is cancelled)"),
+         "the HF engine serves its samples round-robin (4 tokens a turn, a KV cache and a seeded generator per sample): "
+         "a 1-token request finishes while a 1000-token one runs, results bit-identical to running alone; timeout and "
+         "disconnect drop the sample; health's probe fails only when the model cannot complete a forward; "
+         "`--max-tokens-cap` bounds a sample. Fair across samples, not requests: a request with many samples gets a "
+         "proportional share (bounded by `--max-queue`); no cap on a request's total tokens (prompts x n x max_tokens)"),
     Case("medium", "weight update with NaN in `model.norm.weight` accepted by vLLM, version bumped", "fixed",
          (f"{BV}::test_engine_restart_after_an_update_is_detected_and_refused",
           f"{BH}::test_non_finite_update_is_rejected_and_previous_weights_keep_serving",

@@ -227,6 +227,14 @@ def _metric(text: str, name: str) -> float:
     return 0.0
 
 
+def _wait_idle(eng, timeout_s: float = 10.0) -> None:
+    """Wait until the HF engine's scheduler holds no sample; fail if it still does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and eng.active_samples:
+        time.sleep(0.05)
+    assert eng.active_samples == 0, "a cancelled sample is still in the HF engine's scheduler"
+
+
 def _one_token_seconds(c) -> float:
     t0 = time.monotonic()
     c.generate([[5, 6]], {"max_tokens": 1})
@@ -240,7 +248,8 @@ def test_client_disconnect_stops_the_hf_generation_and_metrics_stay_true(tiny_ll
     """A client that goes away mid-sample: the generation stops (the next 1-token request does not
     wait for the 1000-token one), the stream is released (gauge 0, no reader holding the version
     gate) and the disconnect is counted."""
-    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], sample_timeout_s=600)).start()
+    eng = HFEngine(tiny_llama_dir)
+    b = BridgeThread(create_app([eng], sample_timeout_s=600)).start()
     try:
         body = {"prompts": [{"token_ids": [5, 6, 7]}], "n": 1, "sampling": LONG}
         with httpx.Client(timeout=60) as h, h.stream("POST", b.url + "/v1/rollouts", json=body) as r:
@@ -254,6 +263,7 @@ def test_client_disconnect_stops_the_hf_generation_and_metrics_stay_true(tiny_ll
         assert _metric(text, "foursight_bridge_active_streams") == 0.0
         assert 'foursight_bridge_errors_total{kind="client_disconnect"} 1.0' in text
         assert httpx.get(b.url + "/v1/weights").json()["streams_open"] == 0
+        _wait_idle(eng)  # the abandoned sample left the scheduler (it would otherwise run its 1000 tokens)
         with RolloutClient(b.url) as c:
             dt = _one_token_seconds(c)
         assert dt < 5.0, f"the next 1-token request took {dt:.1f} s: the abandoned generation kept the engine"
@@ -263,11 +273,13 @@ def test_client_disconnect_stops_the_hf_generation_and_metrics_stay_true(tiny_ll
 
 def test_sample_timeout_stops_the_hf_generation(tiny_llama_dir):
     """The per-sample deadline gives an error event and stops the generation itself."""
-    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)])).start()
+    eng = HFEngine(tiny_llama_dir)
+    b = BridgeThread(create_app([eng])).start()
     try:
         with RolloutClient(b.url) as c:
             out = list(c.stream([[5, 6, 7]], LONG, n=1, raise_on_error=False, timeout_s=1.0))
             assert [o.type for o in out] == ["error"] and "timeout" in out[0].error
+            _wait_idle(eng)
             dt = _one_token_seconds(c)
         assert dt < 5.0, f"the next 1-token request took {dt:.1f} s: the timed-out generation kept running"
     finally:
@@ -275,9 +287,11 @@ def test_sample_timeout_stops_the_hf_generation(tiny_llama_dir):
 
 
 def test_health_fails_while_the_hf_engine_cannot_complete_a_request(tiny_llama_dir):
-    """One long request holds the one-sample-at-a-time HF engine: health's 1-token probe does not
-    finish, so health is 503 naming why; once the long request is gone health is 200 again."""
-    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], probe_timeout_s=1.0)).start()
+    """A long request does not hold the round-robin HF engine: health's 1-token probe completes
+    meanwhile (200). A stuck model (its lock held, as by a forward that never returns) does: the
+    probe does not finish, so health is 503 naming why; once it is released health is 200 again."""
+    eng = HFEngine(tiny_llama_dir)
+    b = BridgeThread(create_app([eng], probe_timeout_s=1.0)).start()
     try:
         h = httpx.get(b.url + "/v1/health", timeout=30)
         assert h.status_code == 200 and h.json()["engines"][0]["probe"]["ok"] is True
@@ -285,6 +299,11 @@ def test_health_fails_while_the_hf_engine_cannot_complete_a_request(tiny_llama_d
         with httpx.Client(timeout=60) as hc, hc.stream("POST", b.url + "/v1/rollouts", json=body) as r:
             assert r.status_code == 200
             time.sleep(0.5)
+            h = httpx.get(b.url + "/v1/health", timeout=30)
+            assert h.status_code == 200 and h.json()["engines"][0]["probe"]["ok"] is True, h.json()
+            assert eng.active_samples == 1  # the long one is still running
+        _wait_idle(eng)
+        with eng._lock:
             h = httpx.get(b.url + "/v1/health", timeout=30)
             assert h.status_code == 503 and h.json()["status"] == "degraded"
             e = h.json()["engines"][0]
@@ -296,6 +315,64 @@ def test_health_fails_while_the_hf_engine_cannot_complete_a_request(tiny_llama_d
         assert httpx.get(b.url + "/v1/health", timeout=30).status_code == 200
     finally:
         b.stop()
+
+
+def test_short_request_is_not_starved_by_a_long_one(tiny_llama_dir):
+    """Round-robin: while a 1000-token ignore_eos request runs, a 1-token request submitted after it
+    finishes while the long one has produced less than half its tokens, and in less than half the
+    long one's time."""
+    eng = HFEngine(tiny_llama_dir)
+    b = BridgeThread(create_app([eng], sample_timeout_s=600)).start()
+    try:
+        long_done, long_out = [], []
+
+        def long_request():
+            t0 = time.monotonic()
+            with RolloutClient(b.url) as c:
+                long_out.extend(c.generate([[5, 6, 7]], LONG))
+            long_done.append(time.monotonic() - t0)
+
+        th = threading.Thread(target=long_request)
+        th.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(n >= 8 for n in eng.active_progress()):
+            time.sleep(0.01)  # the long one is decoding
+        with RolloutClient(b.url) as c:
+            t0 = time.monotonic()
+            short = c.generate([[9, 10]], {"max_tokens": 1})
+            dt_short = time.monotonic() - t0
+        long_tokens = eng.active_progress()
+        assert len(short) == 1 and len(short[0].token_ids) == 1
+        assert not long_done and long_tokens and long_tokens[0] < LONG["max_tokens"] // 2, long_tokens
+        th.join(600)
+        assert long_done and len(long_out) == 1 and len(long_out[0].token_ids) == LONG["max_tokens"]
+        assert dt_short < long_done[0] / 2, (dt_short, long_done[0])
+    finally:
+        b.stop()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "top_k": 50, "top_p": 0.9}],
+                         ids=["greedy", "seeded"])
+def test_interleaved_samples_are_identical_to_alone(tiny_llama_dir, sampling):
+    """A sample's tokens and logprobs are bit-identical whether it runs alone or interleaved
+    (slices of 4 tokens) with other samples, and equal to the one-call HF generation (``hf_generate``)."""
+    from foursight.trainer_bridge.engines import hf_generate
+    from foursight.trainer_bridge.protocol import SamplingParams
+
+    eng = HFEngine(tiny_llama_dir)
+    eng._load()
+    jobs = [([5, 6, 7], 30, 11), ([9, 10], 17, 12), ([3, 4, 5, 6, 7, 8], 25, 13), ([5, 6, 7], 30, 14)]
+    sp = SamplingParams(ignore_eos=True, **sampling)
+    alone = [eng.generate_sync(p, sp, n, seed) for p, n, seed in jobs]
+    for (p, n, seed), a in zip(jobs, alone):
+        ref = hf_generate(eng.model, [p], n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=seed)[0]
+        assert a.token_ids == ref.token_ids and a.logprobs == ref.logprobs
+    futures = [eng._submit(p, sp, n, seed, None).future for p, n, seed in jobs]  # all active at once
+    together = [f.result(120) for f in futures]
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids and t.logprobs == a.logprobs
+    if sampling["temperature"] > 0:
+        assert alone[0].token_ids != alone[3].token_ids  # same prompt, other seed: another sample
 
 
 def test_hf_engine_reload_is_detected_and_rollouts_refused_until_an_update(tiny_llama_dir, tmp_path):

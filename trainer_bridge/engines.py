@@ -20,6 +20,8 @@ the HF backend re-quantizes through ``FourSightLinear.set_weight`` and never dup
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import os
 import threading
 import time
@@ -427,8 +429,87 @@ def read_safetensors(path: str | Path) -> dict[str, Any]:
         raise EngineError(str(e)) from None
 
 
+class _HFSample:
+    """One sample of the HF engine's round-robin scheduler: its own KV cache and RNG."""
+
+    def __init__(self, prompt_ids, params, max_tokens, seed, eos, cancel):
+        import random
+
+        import torch
+
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.params = params
+        self.max_tokens = int(max_tokens)
+        self.eos = eos
+        self.cancel = cancel
+        # a per-sample generator: the draws of one sample do not depend on the others
+        self.gen = torch.Generator(device="cpu").manual_seed(int(seed) if seed is not None else random.getrandbits(63))
+        self.cache: Any = None
+        self.next_logits: Any = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+
+def _settle(fut: Any, result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete a sample's future unless its caller already cancelled it."""
+    try:
+        fut.set_exception(exc) if exc is not None else fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
+    """Advance one sample by up to ``n_tokens`` tokens (the first call also runs the prefill) with
+    the model's own forward and its KV cache (``past_key_values``); sets ``finish_reason`` when done.
+    The same prompt, parameters and seed give the same tokens and logprobs however the sample's
+    steps are interleaved with other samples'."""
+    import torch
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    p = s.params
+    if s.max_tokens <= 0:
+        s.finish_reason = "length"
+        return
+    dev = next(model.parameters()).device
+    if s.cache is None:
+        out = model(input_ids=torch.tensor([s.prompt_ids], device=dev), use_cache=True)
+        s.cache, s.next_logits = out.past_key_values, out.logits[:, -1, :]
+    for _ in range(n_tokens):
+        if s.cancel is not None and s.cancel.is_set():
+            return
+        raw = s.next_logits.float()
+        scores = raw.clone()
+        if len(s.token_ids) < p.min_tokens and s.eos:
+            scores[:, sorted(s.eos)] = -float("inf")
+        if p.temperature > 0:
+            scores = TemperatureLogitsWarper(p.temperature)(None, scores)
+            if p.top_k > 0:
+                scores = TopKLogitsWarper(p.top_k)(None, scores)
+            if p.top_p < 1.0:
+                scores = TopPLogitsWarper(p.top_p)(None, scores)
+            tok = int(torch.multinomial(torch.softmax(scores, -1).cpu(), 1, generator=s.gen)[0, 0])
+        else:
+            tok = int(scores.argmax(-1)[0])
+        s.token_ids.append(tok)
+        s.logprobs.append(float(torch.log_softmax(raw, -1)[0, tok]))
+        if tok in s.eos:
+            s.finish_reason = "stop"
+            return
+        if len(s.token_ids) >= s.max_tokens:
+            s.finish_reason = "length"
+            return
+        out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=s.cache, use_cache=True)
+        s.cache, s.next_logits = out.past_key_values, out.logits[:, -1, :]
+
+
 class HFEngine(Engine):
-    """A Hugging Face causal LM in this process (CPU or CUDA), one sample at a time.
+    """A Hugging Face causal LM in this process (CPU or CUDA); samples share it round-robin.
+
+    One scheduler thread serves the active samples in turn, ``slice_tokens`` decode steps per
+    turn, each sample with its own KV cache and seeded ``torch.Generator`` (:meth:`_run`), so a
+    short request is not starved by a long one and a sample's result does not depend on the others.
 
     Loads ``model_dir`` as BF16, or, when its ``config.json`` has a FourSight
     ``quantization_config``, as the FourSight reference model (:func:`foursight.hf.load_reference_model`).
@@ -439,7 +520,8 @@ class HFEngine(Engine):
     kind = "hf"
     atomic_updates = True
 
-    def __init__(self, model_dir: str | Path | None = None, model: Any = None, tokenizer: str | Path | None = None, device: str = "cpu"):
+    def __init__(self, model_dir: str | Path | None = None, model: Any = None, tokenizer: str | Path | None = None, device: str = "cpu",
+                 slice_tokens: int = 4):
         if (model_dir is None) == (model is None):
             raise EngineError("HFEngine: give exactly one of model_dir, model")
         self.model_dir = Path(model_dir) if model_dir is not None else None
@@ -448,7 +530,13 @@ class HFEngine(Engine):
         self.name = f"hf@{self.model_dir.name if self.model_dir else type(model).__name__}"
         tok = tokenizer or self.model_dir
         self.tokenizer = LocalTokenizer(tok) if tok else None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the model: one forward (a scheduler turn, a score, an update) at a time
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_HFSample] = collections.deque()
+        self._current: _HFSample | None = None
+        self._worker: threading.Thread | None = None
+        #: tokens a sample generates per scheduler turn before the next active sample's turn
+        self.slice_tokens = max(1, int(slice_tokens))
         self.logprobs_mode = "raw_logprobs"
         #: weight version of the last update applied in this process (0 after a load)
         self.version = 0
@@ -485,29 +573,84 @@ class HFEngine(Engine):
             ids.update(int(x) for x in e)
         return ids
 
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
+                cancel: threading.Event | None) -> _HFSample:
+        eos = self._eos_ids() | set(params.stop_token_ids) if not params.ignore_eos else set(params.stop_token_ids)
+        s = _HFSample(prompt_ids, params, max_tokens, seed, eos, cancel)
+        with self._cv:
+            self._queue.append(s)
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._run, name=f"{self.name}-scheduler", daemon=True)
+                self._worker.start()
+            self._cv.notify()
+        return s
+
+    @property
+    def active_samples(self) -> int:
+        """Samples submitted and not yet finished, failed or cancelled (the scheduler's queue)."""
+        with self._cv:
+            return len(self._queue) + (self._current is not None)
+
+    def active_progress(self) -> list[int]:
+        """Tokens generated so far by each active sample (the one in its turn first, then the queue)."""
+        with self._cv:
+            return [len(s.token_ids) for s in ([self._current] if self._current is not None else []) + list(self._queue)]
+
+    def _run(self) -> None:
+        """The scheduler: round-robin over the active samples, ``slice_tokens`` tokens per turn.
+
+        A sample takes its turn (prefill + first tokens, or the next slice) under the engine lock
+        and goes back to the end of the queue; a cancelled one is dropped before its next turn or
+        at its next token. So a sample waits at most one slice of each other active sample per
+        turn, and a short request does not wait for a long one to end."""
+        import torch
+
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                s = self._current = self._queue.popleft()
+            try:
+                if s.future.cancelled() or (s.cancel is not None and s.cancel.is_set()):
+                    _settle(s.future, exc=EngineError(f"{self.name}: cancelled after {len(s.token_ids)} tokens"))
+                    continue
+                try:
+                    with self._lock, torch.no_grad():
+                        _hf_sample_step(self.model, s, self.slice_tokens)
+                except Exception as e:  # noqa: BLE001 - goes to the caller
+                    _settle(s.future, exc=e if isinstance(e, EngineError) else EngineError(f"{self.name}: {type(e).__name__}: {e}"))
+                    continue
+                if s.future.cancelled() or (s.cancel is not None and s.cancel.is_set()):
+                    _settle(s.future, exc=EngineError(f"{self.name}: cancelled after {len(s.token_ids)} tokens"))
+                elif s.finish_reason is not None:
+                    s.cache = s.next_logits = None
+                    p = s.params
+                    _settle(s.future, result=Rollout(prompt_ids=s.prompt_ids, token_ids=s.token_ids, logprobs=s.logprobs,
+                                                finish_reason=s.finish_reason, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k))
+                else:
+                    with self._cv:
+                        self._queue.append(s)
+                        self._current = None
+            finally:
+                with self._cv:
+                    self._current = None
+
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
                       cancel: threading.Event | None = None) -> Rollout:
-        """Blocking generation (runs under a lock: one sample at a time, in arrival order of the lock).
+        """Blocking generation through the round-robin scheduler (:meth:`_run`).
 
-        ``cancel`` set (the caller went away or timed out) stops it before the next token, or before
-        it starts when it was still waiting for the lock; it then raises :class:`EngineError`.
+        ``cancel`` set (the caller went away or timed out) stops it at its next token, or before its
+        next turn; it then raises :class:`EngineError`.
         """
-        eos = sorted(self._eos_ids() | set(params.stop_token_ids)) if not params.ignore_eos else sorted(set(params.stop_token_ids))
-        with self._lock:
-            if cancel is not None and cancel.is_set():
-                raise EngineError(f"{self.name}: cancelled before it started")
-            out = hf_generate(self.model, [prompt_ids], max_tokens, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, min_new_tokens=params.min_tokens, eos_ids=eos, seed=seed, cancel=cancel)[0]
-        if cancel is not None and cancel.is_set():
-            raise EngineError(f"{self.name}: cancelled after {len(out.token_ids)} tokens")
-        return out.model_copy(update={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k})
+        return self._submit(prompt_ids, params, max_tokens, seed, cancel).future.result()
 
     async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
-        """The generation runs in a thread; when this call is cancelled (client disconnect, the
-        bridge's per-sample timeout) the thread is told to stop at its next token."""
+        """The sample joins the scheduler's round-robin; when this call is cancelled (client
+        disconnect, the bridge's per-sample timeout) the sample is dropped at its next token."""
         cancel = threading.Event()
+        s = self._submit(prompt_ids, params, max_tokens, seed, cancel)
         try:
-            return await asyncio.to_thread(self.generate_sync, prompt_ids, params, max_tokens, seed, cancel)
+            return await asyncio.wrap_future(s.future)
         except asyncio.CancelledError:
             cancel.set()
             raise
