@@ -53,10 +53,12 @@ def test_serve_passes_the_edge_options_to_serve(tmp_path, monkeypatch):
     got = {}
     monkeypatch.setattr(server, "serve", lambda engines, **kw: got.update(kw))
     r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--weights-dir", str(tmp_path),
-                                 "--allowed-host", "bridge.internal", "--max-body-bytes", "4096", "--max-tokens-cap", "100"])
+                                 "--allowed-host", "bridge.internal", "--max-body-bytes", "4096", "--max-tokens-cap", "100",
+                                 "--max-request-tokens", "5000"])
     assert r.exit_code == 0, r.output
     assert got["weights_dirs"] == [str(tmp_path)] and got["allowed_hosts"] == ["bridge.internal"]
     assert got["max_body_bytes"] == 4096 and got["max_tokens_cap"] == 100 and got["allow_remote"] is False
+    assert got["max_request_tokens"] == 5000
     r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--weights-dir", str(tmp_path / "nope")],
                            env={"COLUMNS": "300"})
     assert r.exit_code != 0 and "--weights-dir" in r.output and "is not a folder" in r.output

@@ -196,6 +196,25 @@ def test_fields_checked_against_the_served_model_name_the_field(edge, body, fiel
     assert eng.generated == 0
 
 
+def test_per_request_token_budget_names_the_field():
+    """--max-request-tokens: n times the sum of the prompts' max_tokens (a prompt's own max_tokens
+    counts instead of the sampling one); over the budget 422 naming n, nothing reaches the engine;
+    at the budget the request runs."""
+    eng = CountingEngine()
+    b = BridgeThread(create_app([eng], api_key=KEY, max_request_tokens=100)).start()
+    try:
+        over = {"prompts": [{"token_ids": [1]}, {"token_ids": [2], "max_tokens": 30}], "n": 2, "sampling": {"max_tokens": 21}}
+        r = httpx.post(b.url + "/v1/rollouts", json=over, headers=H)
+        assert r.status_code == 422 and "n" in [f["field"] for f in r.json()["fields"]], r.text
+        assert "102" in r.json()["error"] and "token budget 100" in r.json()["error"]
+        assert eng.generated == 0
+        at = {**over, "sampling": {"max_tokens": 20}}
+        r = httpx.post(b.url + "/v1/rollouts", json=at, headers=H)
+        assert r.status_code == 200 and r.text.count('"type":"sample"') == 4, r.text
+    finally:
+        b.stop()
+
+
 def test_ids_at_the_vocabulary_edge_are_accepted(edge):
     b, eng = edge
     r = httpx.post(b.url + "/v1/rollouts", json={"prompts": [{"token_ids": [0, 99]}], "n": 2,

@@ -72,6 +72,8 @@ def serve(
                                            "(repeat; '*.example.com' patterns)"),
     max_body_bytes: int = typer.Option(32 << 20, "--max-body-bytes", min=1024, help="request body limit (413 beyond it)"),
     max_tokens_cap: Optional[int] = typer.Option(None, "--max-tokens-cap", min=1, help="largest max_tokens a request may ask for"),
+    max_request_tokens: Optional[int] = typer.Option(None, "--max-request-tokens", min=1,
+                                                     help="per-request token budget: n times the sum of the prompts' max_tokens"),
 ) -> None:
     """Run the rollout bridge in front of engine servers (or an in-process HF model)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -95,4 +97,5 @@ def serve(
                f"{' (API key required)' if api_key else ''}", err=True)
     _serve(engines, host=host, port=port, allow_remote=allow_remote, allowed_hosts=allowed_host, api_key=api_key,
            max_concurrency=max_concurrency, max_queue=max_queue, sample_timeout_s=sample_timeout, initial_version=initial_version,
-           weights_dirs=[str(d) for d in weights_dir] or None, max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap)
+           weights_dirs=[str(d) for d in weights_dir] or None, max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap,
+           max_request_tokens=max_request_tokens)

@@ -218,10 +218,12 @@ class WeightsRoots:
 
 
 def engine_field_errors(req: RolloutRequest, prompt_ids: Sequence[Sequence[int]] | None, vocab_size: int | None,
-                        max_tokens_cap: int | None) -> list[dict[str, Any]]:
+                        max_tokens_cap: int | None, max_request_tokens: int | None = None) -> list[dict[str, Any]]:
     """Fields of a parsed request that the served model cannot take, each ``{"field", "message"}``.
 
-    With ``prompt_ids`` None only the fields known before tokenization are checked.
+    ``max_request_tokens`` is the per-request token budget: the completion tokens the request may
+    ask for in all (``n`` times the sum of every prompt's ``max_tokens``). With ``prompt_ids`` None
+    only the fields known before tokenization are checked.
     """
     errs: list[dict[str, Any]] = []
     sp = req.sampling
@@ -237,6 +239,11 @@ def engine_field_errors(req: RolloutRequest, prompt_ids: Sequence[Sequence[int]]
             errs.append({"field": f"prompts[{i}].max_tokens", "message": f"{p.max_tokens} exceeds the server's cap {max_tokens_cap}"})
         if sp.min_tokens > p.max_tokens:
             errs.append({"field": f"prompts[{i}].max_tokens", "message": f"{p.max_tokens} is less than sampling.min_tokens {sp.min_tokens}"})
+    if max_request_tokens is not None:
+        asked = req.n * sum(p.max_tokens if p.max_tokens is not None else sp.max_tokens for p in req.prompts)
+        if asked > max_request_tokens:
+            errs.append({"field": "n", "message": f"n * sum of max_tokens over the prompts = {asked} exceeds the server's "
+                                                  f"per-request token budget {max_request_tokens}"})
     if vocab_size is not None:
         for j, t in enumerate(sp.stop_token_ids):
             if t >= vocab_size:

@@ -222,6 +222,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_tokens_cap: int | None = None,
+    max_request_tokens: int | None = None,
     probe_timeout_s: float = 10.0,
 ) -> FastAPI:
     """Build the bridge app.
@@ -239,6 +240,8 @@ def create_app(
             bind address).
         max_body_bytes: request body limit (413 beyond it).
         max_tokens_cap: largest ``max_tokens`` a request may ask for (None: the protocol's bound).
+        max_request_tokens: per-request token budget, ``n`` times the sum of the prompts' ``max_tokens``
+            (None: no budget beyond the per-sample cap).
         probe_timeout_s: seconds the health probe (a 1-token request per engine) may take.
     """
     state = BridgeState(engines, api_key, max_concurrency, max_queue, sample_timeout_s, initial_version)
@@ -279,7 +282,7 @@ def create_app(
             return JSONResponse(status_code=422, content={"error": f"invalid request: n: len(prompts) * n = {total} exceeds {MAX_SAMPLES_PER_REQUEST}",
                                                           "fields": [{"field": "n", "message": "too many samples"}]})
         vocab = state.engines[0].vocab_size
-        errs = engine_field_errors(req, None, vocab, max_tokens_cap)
+        errs = engine_field_errors(req, None, vocab, max_tokens_cap, max_request_tokens)
         if errs:
             state.metrics.errors.labels(kind="bad_request").inc()
             return unprocessable(errs)
