@@ -32,6 +32,11 @@ import httpx
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 
 
+#: connect attempts the HTTP engine clients retry (a restarting engine, a full accept queue):
+#: httpx retries only a failed connect, with backoff 0, 0.5, 1, 2, 4 s (7.5 s in all)
+CONNECT_RETRIES = 5
+
+
 class EngineError(RuntimeError):
     """An engine refused or failed a call; the message says which engine and why."""
 
@@ -124,7 +129,11 @@ class _HTTPEngine(Engine):
         self.client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
+        # a refused or timed-out connect is retried by the transport (CONNECT_RETRIES, backoff
+        # 0.5 s * 2**i): the request never reached the engine, so no call is ever sent twice
+        transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES, limits=self._limits)
+        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0),
+                                        transport=transport)
 
     async def aclose(self) -> None:
         if self.client is not None:

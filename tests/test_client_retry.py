@@ -1,0 +1,93 @@
+"""The HTTP clients (engine backends, the bridge client) retry a refused connect: a server that
+comes up a moment late is reached, and one that never comes up still fails, after the bounded
+backoff (httpx's transport retries, which never resend a request that reached the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+import time
+
+import httpx
+import pytest
+
+from foursight.trainer_bridge.client import RolloutClient
+from foursight.trainer_bridge.engines import VLLMHTTPEngine
+from foursight.trainer_bridge.launch import free_port
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        body = b'{"version": 3, "update_in_progress": false, "streams_open": 0}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def _serve_later(port: int, delay_s: float) -> tuple[threading.Thread, list]:
+    box: list = []
+
+    def run():
+        time.sleep(delay_s)
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Health)
+        box.append(srv)
+        srv.serve_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def _refused(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_engine_client_reaches_a_server_that_starts_late():
+    port = free_port()
+    assert _refused(port)  # nothing listens yet: a client without retries fails here
+    _, box = _serve_later(port, 1.2)
+    eng = VLLMHTTPEngine(f"http://127.0.0.1:{port}", model="m")
+
+    async def go():
+        await eng.start()
+        try:
+            t0 = time.monotonic()
+            up = await eng.health()
+            return up, time.monotonic() - t0
+        finally:
+            await eng.aclose()
+
+    try:
+        up, waited = asyncio.run(go())
+        assert up and waited >= 1.0  # it waited for the server, through refused connects
+    finally:
+        box and box[0].shutdown()
+
+
+def test_bridge_client_reaches_a_bridge_that_starts_late():
+    port = free_port()
+    assert _refused(port)
+    _, box = _serve_later(port, 1.2)
+    try:
+        with RolloutClient(f"http://127.0.0.1:{port}") as c:
+            assert c.weight_version() == 3
+    finally:
+        box and box[0].shutdown()
+
+
+def test_retries_are_bounded():
+    port = free_port()
+    t0 = time.monotonic()
+    with RolloutClient(f"http://127.0.0.1:{port}") as c, pytest.raises(httpx.ConnectError):
+        c.weight_version()
+    assert 5.0 < time.monotonic() - t0 < 30.0  # backoff 0.5 + 1 + 2 + 4 s, then the error
