@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from foursight.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
-VERBS = ("models", "calibrate", "quantize", "inspect", "serve", "bridge", "compare", "rl")
+VERBS = ("models", "calibrate", "quantize", "inspect", "export", "import", "serve", "bridge", "compare", "rl")
 
 
 def _commands() -> dict:
