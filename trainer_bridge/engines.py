@@ -203,6 +203,12 @@ class VLLMHTTPEngine(_HTTPEngine):
         }
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.min_p:
+            body["min_p"] = params.min_p
+        if params.repetition_penalty != 1.0:
+            body["repetition_penalty"] = params.repetition_penalty
         if seed is not None:
             body["seed"] = seed
         return body
@@ -294,6 +300,12 @@ class SGLangHTTPEngine(_HTTPEngine):
         }
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
+        if params.stop:
+            sp["stop"] = list(params.stop)
+        if params.min_p:
+            sp["min_p"] = params.min_p
+        if params.repetition_penalty != 1.0:
+            sp["repetition_penalty"] = params.repetition_penalty
         if seed is not None:
             sp["sampling_seed"] = seed
         return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
@@ -421,9 +433,13 @@ class HFEngine(Engine):
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> Rollout:
         """Blocking generation (runs under a lock: one sample at a time)."""
         eos = sorted(self._eos_ids() | set(params.stop_token_ids)) if not params.ignore_eos else sorted(set(params.stop_token_ids))
+        if params.stop and self.tokenizer is None:
+            raise EngineError(f"{self.name}: stop strings need a tokenizer (pass --tokenizer or --model)")
         with self._lock:
             out = hf_generate(self.model, [prompt_ids], max_tokens, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, min_new_tokens=params.min_tokens, eos_ids=eos, seed=seed)[0]
+                              top_k=params.top_k, min_new_tokens=params.min_tokens, eos_ids=eos, seed=seed,
+                              min_p=params.min_p, repetition_penalty=params.repetition_penalty, stop=params.stop,
+                              tokenizer=self.tokenizer.tok if self.tokenizer else None)[0]
         return out.model_copy(update={"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k})
 
     async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
@@ -495,12 +511,16 @@ class HFEngine(Engine):
 
 
 def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                top_k: int = -1, min_new_tokens: int = 0, eos_ids: list[int] | tuple[int, ...] = (), seed: int | None = None) -> list[Rollout]:
+                top_k: int = -1, min_new_tokens: int = 0, eos_ids: list[int] | tuple[int, ...] = (), seed: int | None = None,
+                min_p: float = 0.0, repetition_penalty: float = 1.0, stop: list[str] | tuple[str, ...] = (),
+                tokenizer: Any = None) -> list[Rollout]:
     """FourSight's one HF generation: a left-padded batch of prompts, ``temperature=0`` greedy.
 
     Each :class:`Rollout` holds the raw log-prob (log-softmax of the unprocessed logits, before
-    any logits processor) of every sampled token; a completion ends at its first token in
-    ``eos_ids`` (``finish_reason`` "stop") or after ``max_new_tokens`` ("length").
+    any logits processor: temperature, top-p/k, ``min_p``, ``repetition_penalty``) of every
+    sampled token; a completion ends at its first token in ``eos_ids`` (``finish_reason`` "stop"),
+    with the token that completes one of the ``stop`` strings (decoded with ``tokenizer``; "stop"),
+    or after ``max_new_tokens`` ("length").
     """
     import torch
 
@@ -517,9 +537,15 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
     kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None, do_sample=temperature > 0,
                               output_logits=True, return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad)
     if temperature > 0:
-        kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
+        kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, min_p=min_p or None)
     else:
         kw.update(temperature=None, top_p=None, top_k=None)
+    if repetition_penalty != 1.0:
+        kw["repetition_penalty"] = repetition_penalty
+    if stop:
+        if tokenizer is None:
+            raise ValueError("hf_generate: stop strings need a tokenizer")
+        kw.update(stop_strings=list(stop), tokenizer=tokenizer)
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
@@ -537,6 +563,11 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
             if t in eos_set:
                 n, reason = i + 1, "stop"
                 break
+        if stop:  # or with the token that completes a stop string (HF pads after it too)
+            for i in range(n):
+                if any(s in tokenizer.decode(toks[: i + 1]) for s in stop):
+                    n, reason = i + 1, "stop"
+                    break
         res.append(Rollout(prompt_ids=[int(t) for t in p], token_ids=[int(t) for t in toks[:n]],
                            logprobs=[float(v) for v in lp[b, :n]], finish_reason=reason))
     return res

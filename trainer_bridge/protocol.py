@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PROTOCOL_VERSION = 1
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
@@ -67,8 +67,21 @@ class SamplingParams(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     stop_token_ids: list[int] = Field(default_factory=list)
+    #: stop strings: a sample ends with the token that completes one (vLLM semantics: the returned
+    #: tokens include it; the OpenAI routes cut the text before it)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    #: vLLM's min-p and repetition penalty (logits processors: ``raw_logprobs`` stay unprocessed)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0)
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
 
 
 class RolloutRequest(_Strict):
