@@ -18,7 +18,10 @@ from foursight.trainer_bridge.launch import free_port
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
+    seen_auth: list = []
+
     def do_GET(self):  # noqa: N802 - http.server's name
+        _Health.seen_auth.append(self.headers.get("Authorization"))
         body = b'{"version": 3, "update_in_progress": false, "streams_open": 0}'
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -91,3 +94,30 @@ def test_retries_are_bounded():
     with RolloutClient(f"http://127.0.0.1:{port}") as c, pytest.raises(httpx.ConnectError):
         c.weight_version()
     assert 5.0 < time.monotonic() - t0 < 30.0  # backoff 0.5 + 1 + 2 + 4 s, then the error
+
+
+def test_compare_sends_its_api_key_to_a_given_engine_url(tmp_path):
+    """``foursight compare --api-key`` reaches a server given by ``--engine-url`` as a bearer token."""
+    from foursight.compare.engines import open_engine
+    from foursight.compare.spec import EngineSpec
+
+    port = free_port()
+    _, box = _serve_later(port, 0.0)
+    try:
+        eng, srv = open_engine(EngineSpec("vllm", "bf16"), {"bf16": tmp_path}, {"vllm:bf16": f"http://127.0.0.1:{port}"},
+                               tmp_path / "logs", "python", 256, api_key="k-123")
+        assert srv is None
+        eng.model = "m"  # skip /v1/models; /health is what this server answers
+
+        async def go():
+            await eng.start()
+            try:
+                return await eng.health()
+            finally:
+                await eng.aclose()
+
+        _Health.seen_auth.clear()
+        assert asyncio.run(go())
+        assert _Health.seen_auth == ["Bearer k-123"]
+    finally:
+        box and box[0].shutdown()
