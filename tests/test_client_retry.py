@@ -22,7 +22,7 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802 - http.server's name
         _Health.seen_auth.append(self.headers.get("Authorization"))
-        body = b'{"version": 3, "update_in_progress": false, "streams_open": 0}'
+        body = b'{"data": [{"id": "served-model"}]}' if self.path == "/v1/models" else b'{"version": 3, "update_in_progress": false, "streams_open": 0}'
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -56,23 +56,36 @@ def _refused(port: int) -> bool:
 
 
 def test_engine_client_reaches_a_server_that_starts_late():
+    """The engine client's first call (``GET /v1/models`` at start) waits through refused connects;
+    its health probe does not (a dead engine is reported at once, not after the backoff)."""
     port = free_port()
     assert _refused(port)  # nothing listens yet: a client without retries fails here
-    _, box = _serve_later(port, 1.2)
-    eng = VLLMHTTPEngine(f"http://127.0.0.1:{port}", model="m")
 
-    async def go():
-        await eng.start()
+    async def probe():
+        dead = VLLMHTTPEngine(f"http://127.0.0.1:{port}", model="m")  # a given model: start() connects to nothing
+        await dead.start()
         try:
             t0 = time.monotonic()
-            up = await eng.health()
-            return up, time.monotonic() - t0
+            return await dead.health(), time.monotonic() - t0
+        finally:
+            await dead.aclose()
+
+    up, took = asyncio.run(probe())
+    assert not up and took < 2.0
+    eng = VLLMHTTPEngine(f"http://127.0.0.1:{port}")
+    _, box = _serve_later(port, 1.2)
+
+    async def go():
+        t0 = time.monotonic()
+        await eng.start()
+        try:
+            return eng.model, await eng.health(), time.monotonic() - t0
         finally:
             await eng.aclose()
 
     try:
-        up, waited = asyncio.run(go())
-        assert up and waited >= 1.0  # it waited for the server, through refused connects
+        model, up, waited = asyncio.run(go())
+        assert model == "served-model" and up and waited >= 1.0  # it waited for the server, through refused connects
     finally:
         box and box[0].shutdown()
 

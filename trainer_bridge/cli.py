@@ -27,7 +27,8 @@ def _group() -> None:
 
 
 def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], tokenizer: Optional[Path],
-                  engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu") -> list:
+                  engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu",
+                  weight_sync: str = "collective_rpc") -> list:
     """Engine objects for the CLI options (raises :class:`~foursight.cli_util.OptionError` naming the option)."""
     from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
 
@@ -43,7 +44,12 @@ def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], to
     if not engine_urls:
         raise OptionError(f"--engine {engine} needs at least one --engine-url URL")
     if engine == "vllm":
-        return [VLLMHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "raw_logprobs") for u in engine_urls]
+        from foursight.trainer_bridge.engines import WEIGHT_SYNC_ROUTES
+
+        if weight_sync not in WEIGHT_SYNC_ROUTES:
+            raise OptionError(f"--weight-sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
+        return [VLLMHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "raw_logprobs",
+                               weight_sync=weight_sync) for u in engine_urls]
     return [SGLangHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "processed_logprobs") for u in engine_urls]
 
 
@@ -66,6 +72,9 @@ def serve(
     initial_version: int = typer.Option(0, "--initial-version", min=0),
     device: str = typer.Option("cpu", "--device", help="hf engine device"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow a non-loopback --host (requires --api-key)"),
+    weight_sync: str = typer.Option("collective_rpc", "--weight-sync",
+                                    help="vllm engine weight updates: collective_rpc (FourSight worker extension) or native "
+                                         "(vLLM >= 0.32, --weight-transfer-config '{\"backend\": \"foursight_file\"}')"),
 ) -> None:
     """Run the rollout bridge in front of engine servers (or an in-process HF model)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -76,7 +85,7 @@ def serve(
             raise OptionError(f"--host {host} is not loopback; pass --allow-remote (and --api-key) to expose the bridge")
         if not api_key:
             raise OptionError("--allow-remote needs --api-key (or FOURSIGHT_BRIDGE_API_KEY)")
-    engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device)
+    engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device, weight_sync)
     from foursight.trainer_bridge.server import serve as _serve
 
     typer.echo(f"FourSight bridge on http://{host}:{port} -> {', '.join(e.name for e in engines)}"

@@ -37,6 +37,12 @@ from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 CONNECT_RETRIES = 5
 
 
+#: how VLLMHTTPEngine sends a weight update: vLLM's /collective_rpc with the FourSight worker
+#: extension (any vLLM version), or vLLM's native weight-transfer API with the foursight_file
+#: backend (vLLM >= 0.32); both need VLLM_SERVER_DEV_MODE=1 in vLLM 0.32 (docs/vllm.md)
+WEIGHT_SYNC_ROUTES = ("collective_rpc", "native")
+
+
 class EngineError(RuntimeError):
     """An engine refused or failed a call; the message says which engine and why."""
 
@@ -134,14 +140,17 @@ class _HTTPEngine(Engine):
         transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES, limits=self._limits)
         self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0),
                                         transport=transport)
+        # health answers at once: a dead engine is reported, not waited for through the retries
+        self._probe = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=5.0)
 
     async def aclose(self) -> None:
         if self.client is not None:
             await self.client.aclose()
+            await self._probe.aclose()
 
     async def health(self) -> bool:
         try:
-            r = await self.client.get("/health", timeout=5.0)
+            r = await self._probe.get("/health")
             return r.status_code == 200
         except httpx.HTTPError:
             return False
@@ -159,9 +168,14 @@ class VLLMHTTPEngine(_HTTPEngine):
     kind = "vllm"
 
     def __init__(self, url: str, model: str | None = None, tokenizer: str | Path | None = None,
-                 api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512):
+                 api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512,
+                 weight_sync: str = "collective_rpc"):
         super().__init__(url, "vllm", tokenizer, api_key, logprobs_mode, max_connections)
+        if weight_sync not in WEIGHT_SYNC_ROUTES:
+            raise EngineError(f"weight_sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
         self.model = model
+        self.weight_sync = weight_sync
+        self._transfer_ready = False
 
     async def start(self) -> None:
         await super().start()
@@ -255,7 +269,31 @@ class VLLMHTTPEngine(_HTTPEngine):
             raise EngineError(f"{self.name}: malformed prompt_logprobs response ({type(e).__name__}: {e})") from None
         return vals
 
+    async def _post_ok(self, route: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        r = await self.client.post(route, json=body or {})
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: {route} -> {r.status_code} {r.text[:300]}")
+        return r
+
+    async def _update_native(self, path: str, version: int) -> dict[str, Any]:
+        """vLLM's native weight-transfer API with the ``foursight_file`` backend (vLLM >= 0.32)."""
+        t0 = time.monotonic()
+        if not self._transfer_ready:
+            await self._post_ok("/init_weight_transfer_engine", {"init_info": {}})
+            self._transfer_ready = True
+        await self._post_ok("/start_weight_update")
+        await self._post_ok("/update_weights", {"update_info": {"path": path}})
+        await self._post_ok("/finish_weight_update", {"weight_version": str(version)})
+        await self._post_ok("/reset_prefix_cache")
+        r = await self.client.get("/weight_info")
+        got = r.json().get("weight_version") if r.status_code == 200 else None
+        if got != str(version):
+            raise EngineError(f"{self.name}: after the update /weight_info reports version {got!r}, expected {str(version)!r}")
+        return {"engine": self.name, "version": version, "route": "native", "seconds": time.monotonic() - t0}
+
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        if self.weight_sync == "native":
+            return await self._update_native(path, version)
         t0 = time.monotonic()
         r = await self.client.post("/collective_rpc", json={"method": "foursight_update_weights", "args": [path, str(version)]})
         if r.status_code != 200:
@@ -268,7 +306,7 @@ class VLLMHTTPEngine(_HTTPEngine):
         versions = [int(v) for v in r3.json().get("results", [])] if r3.status_code == 200 else []
         if not versions or any(v != version for v in versions):
             raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
-        return {"engine": self.name, "version": version, "workers": results, "seconds": time.monotonic() - t0}
+        return {"engine": self.name, "version": version, "route": "collective_rpc", "workers": results, "seconds": time.monotonic() - t0}
 
 
 # ---------------------------------------------------------------------------------------------
