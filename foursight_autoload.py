@@ -28,9 +28,15 @@ def _loaded() -> bool:
 
 
 def _register() -> None:
-    from foursight.hf_quantizer import register
+    """Register; a failure warns instead of breaking the import of transformers that triggered it."""
+    try:
+        from foursight.hf_quantizer import register
 
-    register()
+        register()
+    except Exception as e:  # noqa: BLE001 - this runs inside someone else's import
+        import warnings
+
+        warnings.warn(f"foursight: the transformers quantizer was not registered ({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
 
 
 class _Loader(importlib.abc.Loader):
