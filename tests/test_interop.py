@@ -141,7 +141,8 @@ def test_stock_vllm_takes_the_export_as_compressed_tensors_nvfp4(exported, tmp_p
     r = subprocess.run([sys.executable, str(tmp_path / "s.py")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode != 0
-    assert "quantization=compressed-tensors" in out and "foursight" not in out.lower().replace(str(exported).lower(), "")
+    # (vLLM's INFO config line is not printed under every logging setup: the traceback is the evidence)
+    assert "foursight" not in out.lower().replace(str(exported).lower(), "")
     assert "compressed_tensors_w4a4_nvfp4.py" in out and "Failed to find a kernel that can implement the NVFP4 linear layer" in out
 
 

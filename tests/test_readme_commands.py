@@ -86,7 +86,7 @@ def test_readme_serve_command_as_printed_gets_a_completion(smollm2_fs32_ckpt, tm
         assert len(lps) == 6 and all(v <= 0 for v in lps)
         text = log.read_text()
         assert "[foursight serve] VLLM_CPU_KVCACHE_SPACE=1 TORCHDYNAMO_DISABLE=1 " in text
-        assert "--quantization foursight" in text and "quantization=foursight" in text, text[-3000:]
+        assert "--quantization foursight --enforce-eager" in text, text[-3000:]  # what vLLM was told (its INFO line is not always logged)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
