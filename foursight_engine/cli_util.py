@@ -46,7 +46,7 @@ def guarded(fn: F) -> F:
 
 #: The flags several verbs take, declared once so that each means one thing everywhere.
 DEFAULT_CHANNELS = "32"
-ModelOption = Annotated[Optional[str], typer.Option("--model", help="BF16 HF model folder (default: the packaged SmolLM2-135M-Instruct).")]
+ModelOption = Annotated[Optional[str], typer.Option("--model", help="BF16 HF model folder, or a Hub id already in the local HF cache (no download); default: the packaged SmolLM2-135M-Instruct.")]
 ChannelsOption = Annotated[str, typer.Option("--channels", help="BF16 channels per input: a count (e.g. 128) or a percentage of K (e.g. 2%); 0 = plain NVFP4.")]
 CalibOption = Annotated[Optional[Path], typer.Option("--calib", help="Calibration JSONL ({'text': ...} or {'messages': [...]} per line); default: built-in texts.")]
 IgnoreOption = Annotated[list[str], typer.Option("--ignore", help="Modules kept unquantized (name, suffix or re:<regex>); repeatable.")]

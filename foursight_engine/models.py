@@ -5,7 +5,8 @@
 * :func:`build_tiny_model` builds a small random Llama or Qwen2 model in code, with a BPE
   tokenizer trained offline on the built-in texts, for fast unit tests.
 
-Nothing here touches a model hub.
+Nothing here downloads: a Hub id given as ``--model`` is resolved in the local Hugging Face
+cache only (:func:`resolve_model`).
 """
 
 from __future__ import annotations
@@ -207,11 +208,38 @@ def build_tiny_model(
     return out
 
 
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and "\\" not in model
+
+
 def resolve_model(model: str | None) -> Path:
-    """Turn a ``--model`` value into a folder: None or ``smollm2-135m`` gives the packaged model."""
+    """Turn a ``--model`` value into a folder.
+
+    None or ``smollm2-135m`` gives the packaged model; a folder with a ``config.json`` is itself; a
+    Hub id (``org/name``) is looked up in the local Hugging Face cache only
+    (``huggingface_hub.snapshot_download(local_files_only=True)``: nothing is downloaded).
+    Raises ``FileNotFoundError`` saying which of these failed.
+    """
     if model is None or model == DEFAULT_MODEL:
         return prepare_smollm2()
     p = Path(model)
-    if not (p / "config.json").exists():
-        raise FileNotFoundError(f"--model {model}: no config.json in that folder (and it is not '{DEFAULT_MODEL}')")
-    return p
+    if (p / "config.json").exists():
+        return p
+    if p.exists() or not _looks_like_hub_id(model):
+        raise FileNotFoundError(f"--model {model}: no config.json in that folder (and it is not '{DEFAULT_MODEL}' or a Hub id org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        raise FileNotFoundError(f"--model {model}: not a folder, and huggingface_hub (for Hub ids) is not installed") from None
+    try:
+        snap = Path(snapshot_download(model, local_files_only=True))
+    except LocalEntryNotFoundError:
+        from huggingface_hub import constants
+
+        raise FileNotFoundError(f"--model {model}: not a folder and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+                                f"FourSight does not download: fetch it first (e.g. `hf download {model}`)") from None
+    if not (snap / "config.json").exists():
+        raise FileNotFoundError(f"--model {model}: the cached snapshot {snap} has no config.json")
+    return snap

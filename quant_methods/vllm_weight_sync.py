@@ -94,8 +94,47 @@ def to_engine_tensors(model: torch.nn.Module, weights: Iterable[tuple[str, torch
             yield name, t
 
 
+def begin_update(model: torch.nn.Module) -> dict:
+    """Start one weight update: remember each FourSight layer's load count (what
+    :func:`finish_update` compares against to find the layers that received a tensor)."""
+    layers = foursight_layers(model)
+    return {"layers": layers, "before": {n: m.foursight_plan.load_events for n, m in layers.items()}, "count": 0}
+
+
+def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], session: dict) -> int:
+    """Load ``(HF name, tensor)`` pairs through the model's ``load_weights`` (steps 2-3 of the
+    module docstring), within a :func:`begin_update` session; returns the number of tensors."""
+    n0 = session["count"]
+
+    def counted(it):
+        for item in it:
+            session["count"] += 1
+            yield item
+
+    model.load_weights(weights=counted(to_engine_tensors(model, weights)))
+    return session["count"] - n0
+
+
+def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dict:
+    """Re-run the idempotent post-load processing of every layer that received a tensor in the
+    session, and the CPU embedding re-pack (step 4). Returns ``{"updated_tensors", "requantized_layers"}``."""
+    from foursight.quant_methods.vllm_method import _tp_context
+
+    tp_context = tp_context or _tp_context
+    layers, before = session["layers"], session["before"]
+    touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
+    for n in touched:
+        m = layers[n]
+        plan: LayerPlan = m.foursight_plan
+        m.foursight_state = plan.process(layer_params(m, plan), tp_context(m))
+    refresh_unquantized_embeddings(model)
+    return {"updated_tensors": session["count"], "requantized_layers": len(touched)}
+
+
 def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tp_context=None) -> dict:
-    """Load new BF16 weights into a FourSight vLLM model and re-quantize the touched layers.
+    """Load new BF16 weights into a FourSight vLLM model and re-quantize the touched layers
+    (:func:`begin_update`, :func:`load_update`, :func:`finish_update` in one go; the native
+    weight-transfer backend, :mod:`foursight.quant_methods.vllm_weight_transfer`, runs the same three).
 
     Args:
         model: the engine's model (``worker.model_runner.model``).
@@ -104,27 +143,9 @@ def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, tor
     Returns:
         ``{"updated_tensors": int, "requantized_layers": int}``.
     """
-    from foursight.quant_methods.vllm_method import _tp_context
-
-    tp_context = tp_context or _tp_context
-    layers = foursight_layers(model)
-    before = {n: m.foursight_plan.load_events for n, m in layers.items()}
-    count = 0
-
-    def counted(it):
-        nonlocal count
-        for item in it:
-            count += 1
-            yield item
-
-    model.load_weights(weights=counted(to_engine_tensors(model, weights)))
-    touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
-    for n in touched:
-        m = layers[n]
-        plan: LayerPlan = m.foursight_plan
-        m.foursight_state = plan.process(layer_params(m, plan), tp_context(m))
-    refresh_unquantized_embeddings(model)
-    return {"updated_tensors": count, "requantized_layers": len(touched)}
+    session = begin_update(model)
+    load_update(model, weights, session)
+    return finish_update(model, session, tp_context)
 
 
 def refresh_unquantized_embeddings(model: torch.nn.Module) -> int:

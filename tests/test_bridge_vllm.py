@@ -255,6 +255,35 @@ def test_weight_update_on_plain_bf16_vllm_fails_explicitly(bridge, client, tmp_p
     assert ei.value.status == 409 and "version" in str(ei.value)
 
 
+def test_openai_routes_forward_vllm_sampling_fields(bridge, vllm_server, tiny_llama_dir):
+    """An OpenAI client at the bridge's /v1/completions with vLLM's sampling fields gets what vLLM's
+    own /v1/completions returns for the same request (greedy, repetition penalty, min_p, stop): the
+    same tokens and logprobs, and the bridge's rollout record with the weight version."""
+    openai = pytest.importorskip("openai")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = tok.encode(TEXTS[0])
+    c = openai.OpenAI(base_url=bridge.url + "/v1", api_key=KEY, max_retries=0)
+    model = httpx.get(vllm_server.url + "/v1/models").json()["data"][0]["id"]
+    for extra in ({"repetition_penalty": 1.4}, {"min_p": 0.2, "repetition_penalty": 1.1}):
+        r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0.0, logprobs=0, extra_body=extra)
+        (x,) = [ch.model_extra["rollout"] for ch in r.choices]
+        want = httpx.post(vllm_server.url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 12, "temperature": 0.0,
+                                                                     "logprobs": 0, "return_tokens_as_token_ids": True, **extra},
+                          timeout=120).json()["choices"][0]
+        assert x["token_ids"] == [int(t.split(":", 1)[1]) for t in want["logprobs"]["tokens"]], extra
+        assert r.choices[0].logprobs.token_logprobs == x["logprobs"] == want["logprobs"]["token_logprobs"]
+        assert x["weight_version"] == r.model_extra["weight_version"] and x["engine"].startswith("vllm@")
+    plain = x["token_ids"]
+    stop = tok.decode(plain[:5])[-3:]
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0.0, stop=[stop], extra_body={"min_p": 0.2, "repetition_penalty": 1.1})
+    want = httpx.post(vllm_server.url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 12, "temperature": 0.0,
+                                                                 "min_p": 0.2, "repetition_penalty": 1.1, "stop": [stop]}, timeout=120).json()
+    assert r.choices[0].finish_reason == want["choices"][0]["finish_reason"] == "stop"
+    assert r.choices[0].text == want["choices"][0]["text"]
+
+
 def test_zz_engine_killed_mid_stream(bridge, client, vllm_server):
     """Kill vLLM while samples are running: every unfinished sample gets an error event, the end
     event says "error", the counts add up, and the client raises. Runs last (kills the server)."""

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from foursight.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
-VERBS = ("models", "calibrate", "quantize", "inspect", "bridge", "compare", "rl")
+VERBS = ("models", "calibrate", "quantize", "inspect", "export", "import", "serve", "bridge", "compare", "rl")
 
 
 def _commands() -> dict:
@@ -37,7 +37,7 @@ def test_every_verb_is_mounted():
     assert r.exit_code == 0
     for verb in VERBS:
         assert verb in r.output, verb
-    assert {"bridge serve", "compare", "rl", "quantize", "calibrate", "inspect", "models prepare", "models tiny"} <= set(_commands())
+    assert {"bridge serve", "compare", "rl", "quantize", "calibrate", "inspect", "serve", "models prepare", "models tiny"} <= set(_commands())
 
 
 def test_channels_has_one_default():
@@ -101,3 +101,44 @@ def test_no_python_dash_m_side_doors():
                 if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
                     doors.append(f"{f.relative_to(REPO)}:{node.lineno}")
     assert not doors, doors
+
+
+def test_compare_and_serve_flags_all_have_help():
+    """Every option of ``compare`` and ``serve`` says what it does (``--help`` is the reference)."""
+    import click
+
+    for verb in ("compare", "serve"):
+        bare = [p.opts for p in _commands()[verb].params if isinstance(p, click.Option) and not (p.help or "").strip()]
+        assert not bare, (verb, bare)
+    (key,) = [p for p in _commands()["compare"].params if "--api-key" in getattr(p, "opts", ())]
+    assert key.envvar == "FOURSIGHT_ENGINE_API_KEY"
+
+
+def test_model_resolves_a_hub_id_from_the_local_cache_only(tmp_path, monkeypatch):
+    """``--model org/name`` is the snapshot of the local Hugging Face cache (the cache layout
+    huggingface_hub reads: refs/main -> snapshots/<commit>); an id not in the cache is refused
+    without a download, naming the id and the cache."""
+    import huggingface_hub.constants as hc
+    import pytest
+
+    from foursight.models import resolve_model
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-lm" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--acme--tiny-lm" / "refs").mkdir()
+    (cache / "models--acme--tiny-lm" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("acme/tiny-lm") == snap
+    with pytest.raises(FileNotFoundError, match=r"--model acme/other: not a folder and not in the local Hugging Face cache"):
+        resolve_model("acme/other")
+    with pytest.raises(FileNotFoundError, match="no config.json in that folder"):
+        resolve_model(str(tmp_path))
+    # a local folder wins over a cached id of the same name
+    local = tmp_path / "acme" / "tiny-lm"
+    local.mkdir(parents=True)
+    (local / "config.json").write_text("{}")
+    assert resolve_model("acme/tiny-lm") == Path("acme/tiny-lm")

@@ -78,3 +78,28 @@ def test_compare_end_to_end_vllm(tiny_llama_dir, tmp_path):
     assert "| vllm:foursight |" in md and "cdf_abs_dlogp.png" in md
     for png in ("cdf_abs_dlogp.png", "seq_max_hist.png", "dlogp_vs_position.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_label_the_histogram_and_keep_the_legend_off_the_data(tmp_path):
+    """The per-sequence histogram says what its y-axis counts, and the position plot's legend
+    sits outside the axes (its box and the axes' box do not overlap once drawn)."""
+    from foursight.compare.report import write_plots
+
+    g = torch.Generator().manual_seed(0)
+    learner = [-torch.rand(30, generator=g, dtype=torch.float64) for _ in range(8)]
+    scores = {f"vllm:{p}": [a + 0.3 * torch.randn(30, generator=g, dtype=torch.float64) for a in learner]
+              for p in ("bf16", "foursight", "nvfp4")}
+    figs: dict = {}
+    files = write_plots(tmp_path, learner, scores, tail_threshold=0.5, figures=figs)
+    assert files == ["cdf_abs_dlogp.png", "seq_max_hist.png", "dlogp_vs_position.png"]
+    hist_axes = figs["seq_max_hist.png"].axes
+    assert len(hist_axes) == 3 and all(ax.get_ylabel() == "sequences" for ax in hist_axes)
+    fig = figs["dlogp_vs_position.png"]
+    (ax,) = fig.axes
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    leg, box = ax.get_legend().get_window_extent(r), ax.get_window_extent(r)
+    assert leg.x0 >= box.x1 or not leg.overlaps(box), (leg, box)
+    assert len(ax.get_legend().get_texts()) == 3
+    for png in files:
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

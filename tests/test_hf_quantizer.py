@@ -57,6 +57,43 @@ def test_registered_on_import_without_importing_transformers():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_from_pretrained_without_importing_foursight(tiny_ckpt, tmp_path):
+    """A script that never imports foursight (a reward-model loader, lm-eval's ``hf`` backend, TRL)
+    gets the FourSight layers and the reference logits: torch's ``torch.backends`` entry point
+    registers the quantizer at ``import torch``. With that autoloading switched off
+    (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``) the same script does not see the quantizer (docs/ecosystem.md)."""
+    import os
+
+    ids = torch.randint(0, 400, (2, 10), generator=torch.Generator().manual_seed(1))
+    torch.save(ids, tmp_path / "ids.pt")
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tiny_ckpt)!r})\n"
+        "kinds = sorted({type(x).__name__ for x in m.modules()})\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        "with torch.no_grad():\n"
+        f"    torch.save(m(ids).logits, {str(tmp_path / 'logits.pt')!r})\n"
+        "print('KINDS', kinds)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    ref = load_reference_model(tiny_ckpt)
+    with torch.no_grad():
+        want = ref(ids).logits
+    # as scripts do it, and with transformers' quantizer registry imported first (it imports torch
+    # itself, so the entry point runs while that module is half-imported)
+    for prefix in ("", "import transformers.quantizers.auto\n"):
+        r = subprocess.run([sys.executable, "-c", prefix + code], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "FourSightLinear" in r.stdout, r.stdout
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want, rtol=0, atol=0)
+        (tmp_path / "logits.pt").unlink()
+    check = "import torch, transformers.quantizers.auto as a; print('REGISTERED', 'foursight' in a.AUTO_QUANTIZER_MAPPING)"
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert "REGISTERED False" in r.stdout, (r.stdout, r.stderr[-2000:])
+
+
 def test_tiny_from_pretrained_matches_reference(tiny_ckpt):
     """Biases and static activation scales go through the same layer builder as the reference model."""
     m = _from_pretrained(tiny_ckpt)

@@ -53,7 +53,7 @@ def test_vllm_loads_the_plugin_from_a_plain_install(tmp_path, tiny_llama_dir):
     ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", progress=False).out_dir
     wheels, target, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
     # build from a copy of the tracked sources (no stale build/ folder can leak into the wheel)
-    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "foursight_engine", "kernels", "quant_methods", "trainer_bridge"],
+    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "LICENSE", "foursight_autoload.py", "foursight_engine", "kernels", "quant_methods", "trainer_bridge"],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +62,13 @@ def test_vllm_loads_the_plugin_from_a_plain_install(tmp_path, tiny_llama_dir):
                         "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = wheels.glob("foursight-*.whl")
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:  # the SPDX license field and the license file travel in the wheel
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        lic = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert lic and z.read(lic[0]) == (REPO / "LICENSE").read_bytes()
+    assert "License-Expression: Apache-2.0" in meta.splitlines(), meta[:1500]
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps", "--target", str(target),
                         str(wheel)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -27,7 +27,8 @@ def _group() -> None:
 
 
 def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], tokenizer: Optional[Path],
-                  engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu") -> list:
+                  engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu",
+                  weight_sync: str = "collective_rpc") -> list:
     """Engine objects for the CLI options (raises :class:`~foursight.cli_util.OptionError` naming the option)."""
     from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
 
@@ -43,7 +44,12 @@ def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], to
     if not engine_urls:
         raise OptionError(f"--engine {engine} needs at least one --engine-url URL")
     if engine == "vllm":
-        return [VLLMHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "raw_logprobs") for u in engine_urls]
+        from foursight.trainer_bridge.engines import WEIGHT_SYNC_ROUTES
+
+        if weight_sync not in WEIGHT_SYNC_ROUTES:
+            raise OptionError(f"--weight-sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
+        return [VLLMHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "raw_logprobs",
+                               weight_sync=weight_sync) for u in engine_urls]
     return [SGLangHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "processed_logprobs") for u in engine_urls]
 
 
@@ -74,6 +80,9 @@ def serve(
     max_tokens_cap: Optional[int] = typer.Option(None, "--max-tokens-cap", min=1, help="largest max_tokens a request may ask for"),
     max_request_tokens: Optional[int] = typer.Option(None, "--max-request-tokens", min=1,
                                                      help="per-request token budget: n times the sum of the prompts' max_tokens"),
+    weight_sync: str = typer.Option("collective_rpc", "--weight-sync",
+                                    help="vllm engine weight updates: collective_rpc (FourSight worker extension) or native "
+                                         "(vLLM >= 0.32, --weight-transfer-config '{\"backend\": \"foursight_file\"}')"),
 ) -> None:
     """Run the rollout bridge in front of engine servers (or an in-process HF model)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -88,7 +97,7 @@ def serve(
     for d in weights_dir:
         if not d.is_dir():
             raise OptionError(f"--weights-dir {d} is not a folder")
-    engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device)
+    engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device, weight_sync)
     if not weights_dir:
         typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
     from foursight.trainer_bridge.server import serve as _serve

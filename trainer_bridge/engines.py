@@ -35,6 +35,17 @@ import httpx
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 
 
+#: connect attempts the HTTP engine clients retry (a restarting engine, a full accept queue):
+#: httpx retries only a failed connect, with backoff 0, 0.5, 1, 2, 4 s (7.5 s in all)
+CONNECT_RETRIES = 5
+
+
+#: how VLLMHTTPEngine sends a weight update: vLLM's /collective_rpc with the FourSight worker
+#: extension (any vLLM version), or vLLM's native weight-transfer API with the foursight_file
+#: backend (vLLM >= 0.32); both need VLLM_SERVER_DEV_MODE=1 in vLLM 0.32 (docs/vllm.md)
+WEIGHT_SYNC_ROUTES = ("collective_rpc", "native")
+
+
 class EngineError(RuntimeError):
     """An engine refused or failed a call; the message says which engine and why."""
 
@@ -159,15 +170,22 @@ class _HTTPEngine(Engine):
         return self._vocab_size
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0), limits=self._limits)
+        # a refused or timed-out connect is retried by the transport (CONNECT_RETRIES, backoff
+        # 0.5 s * 2**i): the request never reached the engine, so no call is ever sent twice
+        transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES, limits=self._limits)
+        self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0),
+                                        transport=transport)
+        # health answers at once: a dead engine is reported, not waited for through the retries
+        self._probe = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=5.0)
 
     async def aclose(self) -> None:
         if self.client is not None:
             await self.client.aclose()
+            await self._probe.aclose()
 
     async def health(self) -> bool:
         try:
-            r = await self.client.get("/health", timeout=5.0)
+            r = await self._probe.get("/health")
             return r.status_code == 200
         except httpx.HTTPError:
             return False
@@ -185,9 +203,14 @@ class VLLMHTTPEngine(_HTTPEngine):
     kind = "vllm"
 
     def __init__(self, url: str, model: str | None = None, tokenizer: str | Path | None = None,
-                 api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512):
+                 api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512,
+                 weight_sync: str = "collective_rpc"):
         super().__init__(url, "vllm", tokenizer, api_key, logprobs_mode, max_connections)
+        if weight_sync not in WEIGHT_SYNC_ROUTES:
+            raise EngineError(f"weight_sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
         self.model = model
+        self.weight_sync = weight_sync
+        self._transfer_ready = False
 
     async def start(self) -> None:
         await super().start()
@@ -229,6 +252,12 @@ class VLLMHTTPEngine(_HTTPEngine):
         }
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.min_p:
+            body["min_p"] = params.min_p
+        if params.repetition_penalty != 1.0:
+            body["repetition_penalty"] = params.repetition_penalty
         if seed is not None:
             body["seed"] = seed
         return body
@@ -275,7 +304,31 @@ class VLLMHTTPEngine(_HTTPEngine):
             raise EngineError(f"{self.name}: malformed prompt_logprobs response ({type(e).__name__}: {e})") from None
         return vals
 
+    async def _post_ok(self, route: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        r = await self.client.post(route, json=body or {})
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: {route} -> {r.status_code} {r.text[:300]}")
+        return r
+
+    async def _update_native(self, path: str, version: int) -> dict[str, Any]:
+        """vLLM's native weight-transfer API with the ``foursight_file`` backend (vLLM >= 0.32)."""
+        t0 = time.monotonic()
+        if not self._transfer_ready:
+            await self._post_ok("/init_weight_transfer_engine", {"init_info": {}})
+            self._transfer_ready = True
+        await self._post_ok("/start_weight_update")
+        await self._post_ok("/update_weights", {"update_info": {"path": path}})
+        await self._post_ok("/finish_weight_update", {"weight_version": str(version)})
+        await self._post_ok("/reset_prefix_cache")
+        r = await self.client.get("/weight_info")
+        got = r.json().get("weight_version") if r.status_code == 200 else None
+        if got != str(version):
+            raise EngineError(f"{self.name}: after the update /weight_info reports version {got!r}, expected {str(version)!r}")
+        return {"engine": self.name, "version": version, "route": "native", "seconds": time.monotonic() - t0}
+
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        if self.weight_sync == "native":
+            return await self._update_native(path, version)
         t0 = time.monotonic()
         r = await self.client.post("/collective_rpc", json={"method": "foursight_update_weights", "args": [path, str(version)]})
         if r.status_code != 200:
@@ -288,7 +341,7 @@ class VLLMHTTPEngine(_HTTPEngine):
         versions = [int(v) for v in r3.json().get("results", [])] if r3.status_code == 200 else []
         if not versions or any(v != version for v in versions):
             raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
-        return {"engine": self.name, "version": version, "workers": results, "seconds": time.monotonic() - t0}
+        return {"engine": self.name, "version": version, "route": "collective_rpc", "workers": results, "seconds": time.monotonic() - t0}
 
     async def served_state(self) -> dict[str, Any] | None:
         """``foursight_engine_state`` of every worker (the FourSight worker extension): one boot id
@@ -341,6 +394,12 @@ class SGLangHTTPEngine(_HTTPEngine):
         }
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
+        if params.stop:
+            sp["stop"] = list(params.stop)
+        if params.min_p:
+            sp["min_p"] = params.min_p
+        if params.repetition_penalty != 1.0:
+            sp["repetition_penalty"] = params.repetition_penalty
         if seed is not None:
             sp["sampling_seed"] = seed
         return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
@@ -432,7 +491,7 @@ def read_safetensors(path: str | Path) -> dict[str, Any]:
 class _HFSample:
     """One sample of the HF engine's round-robin scheduler: its own KV cache and RNG."""
 
-    def __init__(self, prompt_ids, params, max_tokens, seed, eos, cancel):
+    def __init__(self, prompt_ids, params, max_tokens, seed, eos, cancel, decode=None):
         import random
 
         import torch
@@ -442,6 +501,7 @@ class _HFSample:
         self.max_tokens = int(max_tokens)
         self.eos = eos
         self.cancel = cancel
+        self.decode = decode  # token ids -> text, for stop strings
         # a per-sample generator: the draws of one sample do not depend on the others
         self.gen = torch.Generator(device="cpu").manual_seed(int(seed) if seed is not None else random.getrandbits(63))
         self.cache: Any = None
@@ -466,7 +526,8 @@ def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
     The same prompt, parameters and seed give the same tokens and logprobs however the sample's
     steps are interleaved with other samples'."""
     import torch
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
 
     p = s.params
     if s.max_tokens <= 0:
@@ -481,6 +542,11 @@ def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
             return
         raw = s.next_logits.float()
         scores = raw.clone()
+        # transformers' own processors, in generate()'s order: repetition penalty over prompt and
+        # completion, the min_tokens EOS mask, then temperature, top-k, top-p, min-p
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor([s.prompt_ids + s.token_ids], device=scores.device)
+            scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(seen, scores)
         if len(s.token_ids) < p.min_tokens and s.eos:
             scores[:, sorted(s.eos)] = -float("inf")
         if p.temperature > 0:
@@ -489,6 +555,8 @@ def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
                 scores = TopKLogitsWarper(p.top_k)(None, scores)
             if p.top_p < 1.0:
                 scores = TopPLogitsWarper(p.top_p)(None, scores)
+            if p.min_p > 0:
+                scores = MinPLogitsWarper(p.min_p)(None, scores)
             tok = int(torch.multinomial(torch.softmax(scores, -1).cpu(), 1, generator=s.gen)[0, 0])
         else:
             tok = int(scores.argmax(-1)[0])
@@ -496,6 +564,9 @@ def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
         s.logprobs.append(float(torch.log_softmax(raw, -1)[0, tok]))
         if tok in s.eos:
             s.finish_reason = "stop"
+            return
+        if p.stop and s.decode is not None and any(x in s.decode(s.token_ids) for x in p.stop):
+            s.finish_reason = "stop"  # the token that completes a stop string is kept (vLLM semantics)
             return
         if len(s.token_ids) >= s.max_tokens:
             s.finish_reason = "length"
@@ -576,7 +647,10 @@ class HFEngine(Engine):
     def _submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
                 cancel: threading.Event | None) -> _HFSample:
         eos = self._eos_ids() | set(params.stop_token_ids) if not params.ignore_eos else set(params.stop_token_ids)
-        s = _HFSample(prompt_ids, params, max_tokens, seed, eos, cancel)
+        if params.stop and self.tokenizer is None:
+            raise EngineError(f"{self.name}: stop strings need a tokenizer (pass --tokenizer or --model)")
+        decode = self.tokenizer.tok.decode if self.tokenizer is not None else None
+        s = _HFSample(prompt_ids, params, max_tokens, seed, eos, cancel, decode)
         with self._cv:
             self._queue.append(s)
             if self._worker is None or not self._worker.is_alive():
@@ -733,13 +807,16 @@ class HFEngine(Engine):
 
 def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                 top_k: int = -1, min_new_tokens: int = 0, eos_ids: list[int] | tuple[int, ...] = (), seed: int | None = None,
-                cancel: threading.Event | None = None) -> list[Rollout]:
+                cancel: threading.Event | None = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                stop: list[str] | tuple[str, ...] = (), tokenizer: Any = None) -> list[Rollout]:
     """FourSight's one HF generation: a left-padded batch of prompts, ``temperature=0`` greedy.
 
     Each :class:`Rollout` holds the raw log-prob (log-softmax of the unprocessed logits, before
-    any logits processor) of every sampled token; a completion ends at its first token in
-    ``eos_ids`` (``finish_reason`` "stop") or after ``max_new_tokens`` ("length"). When ``cancel``
-    is set, generation stops after the current token (a stopping criterion checked every step).
+    any logits processor: temperature, top-p/k, ``min_p``, ``repetition_penalty``) of every
+    sampled token; a completion ends at its first token in ``eos_ids`` (``finish_reason`` "stop"),
+    with the token that completes one of the ``stop`` strings (decoded with ``tokenizer``; "stop"),
+    or after ``max_new_tokens`` ("length"). When ``cancel`` is set, generation stops after the
+    current token (a stopping criterion checked every step).
     """
     import torch
 
@@ -756,7 +833,7 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
     kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens or None, do_sample=temperature > 0,
                               output_logits=True, return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad)
     if temperature > 0:
-        kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
+        kw.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, min_p=min_p or None)
     else:
         kw.update(temperature=None, top_p=None, top_k=None)
     if cancel is not None:
@@ -767,6 +844,12 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
                 return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool, device=input_ids.device)
 
         kw["stopping_criteria"] = StoppingCriteriaList([_Cancelled()])
+    if repetition_penalty != 1.0:
+        kw["repetition_penalty"] = repetition_penalty
+    if stop:
+        if tokenizer is None:
+            raise ValueError("hf_generate: stop strings need a tokenizer")
+        kw.update(stop_strings=list(stop), tokenizer=tokenizer)
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
@@ -784,6 +867,11 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
             if t in eos_set:
                 n, reason = i + 1, "stop"
                 break
+        if stop:  # or with the token that completes a stop string (HF pads after it too)
+            for i in range(n):
+                if any(s in tokenizer.decode(toks[: i + 1]) for s in stop):
+                    n, reason = i + 1, "stop"
+                    break
         res.append(Rollout(prompt_ids=[int(t) for t in p], token_ids=[int(t) for t in toks[:n]],
                            logprobs=[float(v) for v in lp[b, :n]], finish_reason=reason))
     return res

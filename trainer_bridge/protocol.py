@@ -68,6 +68,12 @@ class SamplingParams(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     stop_token_ids: list[TokenId] = Field(default_factory=list)
+    #: stop strings: a sample ends with the token that completes one (vLLM semantics: the returned
+    #: tokens include it; the OpenAI routes cut the text before it)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    #: vLLM's min-p and repetition penalty (logits processors: ``raw_logprobs`` stay unprocessed)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=INT64_MAX)
 
@@ -77,6 +83,13 @@ class SamplingParams(_Strict):
         mt = info.data.get("max_tokens")
         if mt is not None and v > mt:
             raise ValueError(f"min_tokens {v} is greater than max_tokens {mt}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
         return v
 
 

@@ -491,6 +491,9 @@ def create_app(
         state.metrics.refresh_rate()
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    from foursight.trainer_bridge.openai_api import make_router  # /v1/completions, /v1/chat/completions
+
+    app.include_router(make_router(state))  # the API key, Host/Origin and body limit: the guards' middleware
     return app
 
 

@@ -25,7 +25,7 @@ def compare_command(
     out: Path = typer.Option(Path("report"), "--out", help="Report folder (report.md, metrics.json, plots)."),
     generator: Optional[str] = typer.Option(None, "--generator", help="KIND:PRECISION that samples the rollouts (default: the first of --engines)."),
     channels: ChannelsOption = DEFAULT_CHANNELS,
-    temperature: float = typer.Option(1.0, "--temperature", min=0.0),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature of the generator (0 = greedy)."),
     seed: int = typer.Option(0, "--seed", help="Rollout i is sampled with seed + i."),
     engine_url: Optional[list[str]] = typer.Option(None, "--engine-url", help="KIND:PRECISION=URL of a running server (repeatable)."),
     foursight_ckpt: Optional[Path] = typer.Option(None, "--foursight-ckpt", help="Use this FourSight checkpoint instead of quantizing."),
@@ -36,7 +36,9 @@ def compare_command(
     attribute_by: str = typer.Option("type", "--attribute-by", help="type (q_proj, ... across blocks) or block."),
     attribute_n: int = typer.Option(16, "--attribute-n", min=1, help="Rollouts used by --attribute."),
     sglang_python: Optional[str] = typer.Option(None, "--sglang-python", help="Python of the SGLang venv (default .venv-sglang)."),
-    max_model_len: int = typer.Option(1024, "--max-model-len", min=16),
+    max_model_len: int = typer.Option(1024, "--max-model-len", min=16, help="--max-model-len of the vLLM servers compare starts."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FOURSIGHT_ENGINE_API_KEY",
+                                          help="API key for the servers given by --engine-url (sent as Authorization: Bearer KEY)."),
 ):
     """Measure training-inference mismatch across engines and precisions; write report.md, metrics.json and plots.
 
@@ -53,6 +55,6 @@ def compare_command(
     run_compare(src, specs, out, prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
                 generator=generator, channels=channels, engine_urls=engine_url or [], foursight_ckpt=foursight_ckpt,
                 nvfp4_ckpt=nvfp4_ckpt, tail_threshold=tail_threshold, attribute=attribute, attribute_by=attribute_by,
-                attribute_n=attribute_n, sglang_python=sglang_python, max_model_len=max_model_len,
+                attribute_n=attribute_n, sglang_python=sglang_python, max_model_len=max_model_len, api_key=api_key,
                 command="foursight compare " + " ".join(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "compare" else "")
     print(f"report: {out / 'report.md'}")

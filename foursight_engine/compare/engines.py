@@ -59,8 +59,9 @@ def default_sglang_python() -> str:
 
 
 def open_engine(spec: EngineSpec, model_dirs: dict[str, Path], urls: dict[str, str], logs: Path, sglang_python: str,
-                max_model_len: int):
-    """Start (or connect to) one engine: ``(backend, server or None)``."""
+                max_model_len: int, api_key: str | None = None):
+    """Start (or connect to) one engine: ``(backend, server or None)``; ``api_key`` goes to a server
+    given by URL (the servers compare starts itself have none)."""
     from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
 
     src = model_dirs[spec.precision]
@@ -76,7 +77,7 @@ def open_engine(spec: EngineSpec, model_dirs: dict[str, Path], urls: dict[str, s
         return HFEngine(src), None
     backend = VLLMHTTPEngine if spec.kind == "vllm" else SGLangHTTPEngine
     if spec.name in urls:
-        return backend(urls[spec.name]), None
+        return backend(urls[spec.name], api_key=api_key), None
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{spec.kind}-{spec.precision}.log"
     extra = ["--quantization", "foursight"] if spec.precision != "bf16" else []

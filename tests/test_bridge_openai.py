@@ -1,0 +1,143 @@
+"""The bridge's OpenAI-compatible routes (/v1/completions, /v1/chat/completions) with the
+in-process HF engine, driven by the ``openai`` package: completions with per-token logprobs, the
+weight version and the bridge's rollout record, vLLM's sampling fields, and 4xx naming fields.
+
+References: the same BF16 model teacher-forced (``scoring.score``) and transformers' own
+``generate`` for greedy decoding with a repetition penalty."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from foursight.trainer_bridge.engines import HFEngine
+from foursight.trainer_bridge.launch import BridgeThread
+from foursight.trainer_bridge.protocol import Rollout
+from foursight.trainer_bridge.scoring import pad_rollouts, score
+from foursight.trainer_bridge.server import create_app
+from weight_helpers import perturbed_state
+
+openai = pytest.importorskip("openai")
+KEY = "sekrit"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def bridge(tiny_llama_dir):
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=KEY, sample_timeout_s=120)).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def client(bridge):
+    return openai.OpenAI(base_url=bridge.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _rollouts(choices) -> list[Rollout]:
+    return [Rollout.model_validate(c.model_extra["rollout"] if hasattr(c, "model_extra") and c.model_extra else c["rollout"]) for c in choices]
+
+
+def _greedy(model, ids: list[int], n: int, **kw) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, temperature=None, top_p=None, top_k=None,
+                             eos_token_id=None, pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def test_openai_client_gets_completions_with_logprobs(client, model, tok):
+    r = client.completions.create(model="tiny", prompt=[PROMPT, "Hello"], max_tokens=10, temperature=1.0, n=2, logprobs=0, seed=3)
+    assert len(r.choices) == 4 and [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.model_extra["weight_version"] == 0
+    rs = _rollouts(r.choices)
+    assert [(x.prompt_index, x.sample_index) for x in rs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert rs[0].prompt_ids == tok.encode(PROMPT) and rs[2].prompt_ids == tok.encode("Hello")
+    for c, x in zip(r.choices, rs):
+        assert c.logprobs.token_logprobs == x.logprobs and len(x.logprobs) == len(x.token_ids) == 10
+        assert c.text == tok.decode(x.token_ids, skip_special_tokens=True)
+        assert x.weight_version == 0 and x.engine.startswith("hf@") and x.logprobs_mode == "raw_logprobs"
+    assert r.usage.completion_tokens == 40
+    # the logprobs are the model's: the same BF16 model teacher-forced on the sampled tokens
+    lt, lr, mask = pad_rollouts(rs, score(model, rs))
+    assert float((lt - lr)[mask].abs().max()) < 0.1
+
+
+def test_chat_completion_templates_and_returns_logprobs(client, model, tok):
+    msgs = [{"role": "user", "content": "Say hi"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0.0, logprobs=True)
+    (c,) = r.choices
+    (x,) = _rollouts(r.choices)
+    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert x.prompt_ids == list(want)
+    assert x.token_ids == _greedy(model, x.prompt_ids, len(x.token_ids))
+    assert [e.logprob for e in c.logprobs.content] == x.logprobs and c.message.role == "assistant"
+    assert c.message.content == tok.decode(x.token_ids, skip_special_tokens=True)
+
+
+def test_vllm_sampling_fields(client, model, tok):
+    ids = tok.encode(PROMPT)
+    # repetition_penalty: greedy equals transformers' greedy with the same penalty (and differs from plain greedy)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.0, extra_body={"repetition_penalty": 1.5})
+    (x,) = _rollouts(r.choices)
+    assert x.token_ids == _greedy(model, ids, 16, repetition_penalty=1.5)
+    plain = _greedy(model, ids, 16)
+    assert x.token_ids != plain
+    # min_p = 1 keeps only the most likely token: sampling at temperature 1 is greedy
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=5, extra_body={"min_p": 1.0})
+    assert _rollouts(r.choices)[0].token_ids == plain
+    # stop: the completion ends with the token that completes the stop string; the text stops before it
+    stop = tok.decode(plain[:4])[-3:]
+    assert stop.strip()
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.0, stop=[stop])
+    (c,) = r.choices
+    (x,) = _rollouts(r.choices)
+    first = next(i for i in range(16) if stop in tok.decode(plain[: i + 1]))
+    assert x.token_ids == plain[: first + 1] and c.finish_reason == "stop"
+    assert stop not in c.text and tok.decode(plain[: first + 1]).startswith(c.text)
+
+
+def test_weight_version_follows_updates(bridge, client, tiny_llama_dir, tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file(perturbed_state(tiny_llama_dir), str(path))
+    r = httpx.post(bridge.url + "/v1/weights", json={"path": str(path), "version": 4}, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.0)
+    assert r.model_extra["weight_version"] == 4 and _rollouts(r.choices)[0].weight_version == 4
+
+
+def test_bad_requests_name_the_field(bridge, client):
+    h = {"Authorization": f"Bearer {KEY}"}
+    url = bridge.url + "/v1/completions"
+    cases = [({"prompt": "x", "max_tokens": 4, "frobnicate": 1}, "frobnicate"),
+             ({"prompt": "x", "logprobs": 5}, "logprobs"),
+             ({"prompt": "x", "stream": True}, "stream"),
+             ({"prompt": "x", "temperature": -1}, "temperature"),
+             ({"prompt": [], "max_tokens": 2}, "prompt")]
+    for body, field in cases:
+        r = httpx.post(url, json=body, headers=h, timeout=30)
+        assert r.status_code == 422, (body, r.text)
+        assert any(f["field"].startswith(field) or field in f["message"] for f in r.json()["error"]["fields"]), r.text
+    r = httpx.post(bridge.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
+                   headers=h, timeout=30)
+    assert r.status_code == 422 and "top_logprobs" in r.text
+    assert httpx.post(url, json={"prompt": "x"}, timeout=30).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=bridge.url + "/v1", api_key="wrong", max_retries=0).completions.create(model="m", prompt="x")

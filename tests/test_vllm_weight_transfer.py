@@ -1,0 +1,129 @@
+"""RL weight updates through vLLM 0.32's native weight-transfer API with the FourSight backend
+(``--weight-transfer-config '{"backend": "foursight_file"}'``), on the vLLM CPU engine.
+
+Oracles: ``foursight.layer.quantize_weight`` of the new weights with the layer's channels, and
+the ``/collective_rpc`` route (FourSightWorkerExtension), which must leave a bit-identical engine."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from foursight.checkpoint import quantize_model  # noqa: E402
+from foursight.layer import quantize_weight  # noqa: E402
+from foursight.models import builtin_texts  # noqa: E402
+from foursight.quant_methods.vllm_eval import engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from weight_helpers import perturbed_state  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
+
+
+def _engine_model(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def _files(tiny_llama_dir, tmp_path) -> tuple[Path, Path, Path]:
+    """The perturbed weights split over two files (the native API takes an update in chunks) and whole."""
+    from safetensors.torch import save_file
+
+    new = perturbed_state(tiny_llama_dir, seed=3)
+    names = sorted(new)
+    a, b, whole = tmp_path / "a.safetensors", tmp_path / "b.safetensors", tmp_path / "whole.safetensors"
+    save_file({n: new[n] for n in names[::2]}, str(a))
+    save_file({n: new[n] for n in names[1::2]}, str(b))
+    save_file(new, str(whole))
+    return a, b, whole
+
+
+def test_native_update_equals_the_collective_rpc_route(tiny_llama_dir, tmp_path):
+    """A checkpoint-mode engine updated through start/update (two chunks)/finish: every layer is
+    quantize_weight(new W, same channels); its logprobs are bit-identical to the same update
+    through /collective_rpc's foursight_update_weights, and differ from the old weights'."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ck", channels="16", progress=False).out_dir
+    a, b, whole = _files(tiny_llama_dir, tmp_path)
+    seqs = fixed_sequences(AutoTokenizer.from_pretrained(ckpt), builtin_texts()[:3], 32)
+    llm = LLM(model=str(ckpt), enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, worker_extension_cls=EXT,
+              weight_transfer_config={"backend": "foursight_file"})
+    try:
+        lp_old = engine_prompt_logprobs(llm, seqs)
+        llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        llm.start_weight_update()
+        llm.update_weights(WeightTransferUpdateRequest(update_info={"path": str(a)}))
+        llm.update_weights(WeightTransferUpdateRequest(update_info={"path": str(b)}))
+        llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        lp_native = engine_prompt_logprobs(llm, seqs)
+        sd = load_file(str(whole))
+        n = 0
+        for mod in _engine_model(llm).modules():
+            plan = getattr(mod, "foursight_plan", None)
+            if plan is None:
+                continue
+            st = mod.foursight_state
+            exp = torch.cat([quantize_weight(sd[f"{s}.weight"], st.channels).weight_packed for s in plan.shard_names])
+            assert torch.equal(st.qw.weight_packed, exp), plan.prefix
+            n += 1
+        assert n == 8
+        # back to the original weights, then the same update through the other route
+        llm.collective_rpc("foursight_update_weights", args=(str(Path(tiny_llama_dir) / "model.safetensors"), 1))
+        llm.reset_prefix_cache()
+        assert engine_prompt_logprobs(llm, seqs)[0].tolist() != lp_native[0].tolist()
+        llm.collective_rpc("foursight_update_weights", args=(str(whole), 2))
+        llm.reset_prefix_cache()
+        lp_rpc = engine_prompt_logprobs(llm, seqs)
+        assert all(torch.equal(x, y) for x, y in zip(lp_native, lp_rpc))
+        assert max(float((x - y).abs().max()) for x, y in zip(lp_native, lp_old)) > 0.01
+    finally:
+        del llm
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_bridge_updates_a_vllm_server_through_the_native_api(tiny_llama_dir, tmp_path):
+    """The bridge with ``--weight-sync native`` updates a vLLM server started with
+    --weight-transfer-config foursight_file (no worker extension): the server reports the new
+    version (``/weight_info``) and the rollouts' logprobs are the new weights' (vLLM's own
+    /v1/completions before and after agree with the bridge's stream)."""
+    from foursight.trainer_bridge.client import RolloutClient
+    from foursight.trainer_bridge.engines import VLLMHTTPEngine
+    from foursight.trainer_bridge.launch import BridgeThread, VLLMServer
+    from foursight.trainer_bridge.server import create_app
+
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ck", channels="16", progress=False).out_dir
+    _, _, whole = _files(tiny_llama_dir, tmp_path)
+    srv = VLLMServer(ckpt, max_model_len=256, log_path=tmp_path / "vllm.log",
+                     extra_args=["--quantization", "foursight", "--weight-transfer-config", json.dumps({"backend": "foursight_file"})]).start(300)
+    bridge = None
+    try:
+        bridge = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=ckpt, weight_sync="native")])).start()
+        with RolloutClient(bridge.url) as c:
+            before = c.generate([[5, 9, 13, 17]], {"max_tokens": 8, "temperature": 0.0})[0]
+            ack = c.update_weights(version=3, path=str(whole))
+            assert ack["version"] == 3 and ack["engines"][0]["route"] == "native", ack
+            after = c.generate([[5, 9, 13, 17]], {"max_tokens": 8, "temperature": 0.0})[0]
+        assert after.weight_version == 3 and before.weight_version == 0
+        assert httpx.get(srv.url + "/weight_info").json()["weight_version"] == "3"
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+        own = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": [5, 9, 13, 17], "max_tokens": 8, "temperature": 0.0,
+                                                            "logprobs": 0, "return_tokens_as_token_ids": True}, timeout=120).json()
+        assert after.logprobs == own["choices"][0]["logprobs"]["token_logprobs"]
+        assert after.logprobs != before.logprobs
+    finally:
+        if bridge is not None:
+            bridge.stop()
+        srv.stop()
