@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--targets", default="0.1,0.2,0.3")
     ap.add_argument("--w4a16-k", type=int, default=32)
     ap.add_argument("--no-vllm", action="store_true", help="HF BF16 samples the rollouts; no floor row, no cross-check")
+    ap.add_argument("--no-cross-check", action="store_true", help="skip the vLLM CPU FourSight k=32 cross-check (saves a quantize + server start)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fidelity"))
     a = ap.parse_args()
     import os
@@ -207,6 +208,7 @@ def main() -> None:
             "exact_kl": None, "k3": met["tim/k3_mean"], "tail_token_fraction": met["tim/tail_token_fraction"],
             "tail_seq_fraction": met["tim/tail_seq_fraction"], "filters_keep": filter_keeps(learner, floor),
             "k_mean": None, "k_fraction": None}, **rows}
+    if floor is not None and not a.no_cross_check:
         # 3. the vLLM CPU engine on the FourSight k=32 checkpoint, same tokens
         t1 = time.time()
         dirs = ensure_checkpoints(md, {"foursight"}, "32", work / "checkpoints", None, None)
@@ -222,7 +224,8 @@ def main() -> None:
                  "hf_mean_abs_dlogp": rows["foursight k=32"]["mean_abs_dlogp"], "seconds": time.time() - t1}
         print(f"cross-check: {cross}", flush=True)
     res = {"command": "python benchmarks/fidelity_table.py " + (f"--model {a.model} " if a.model else "") + f"--n {a.n} --max-tokens {a.max_tokens} --seed {a.seed} --ks {a.ks} "
-                      f"--targets {a.targets} --w4a16-k {a.w4a16_k}" + (" --no-vllm" if a.no_vllm else ""),
+                      f"--targets {a.targets} --w4a16-k {a.w4a16_k}" + (" --no-vllm" if a.no_vllm else "")
+                      + (" --no-cross-check" if a.no_cross_check else ""),
            "model": str(md), "generator": generator, "n": len(rollouts), "tokens": sum(len(r.token_ids) for r in rollouts),
            "max_tokens": a.max_tokens, "tail_threshold": DEFAULT_TAIL_THRESHOLD, "rows": rows, "vllm_cross_check": cross,
            "seconds": time.time() - t0, "torch": torch.__version__, "threads": torch.get_num_threads()}

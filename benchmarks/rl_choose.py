@@ -76,6 +76,8 @@ def main() -> None:
         budgets[f"error-target {t}"] = channel_summary(bf, ch)
         print(f"error target {t}: {budgets[f'error-target {t}']} ({time.time() - t0:.0f} s)", flush=True)
     del bf
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"budgets": budgets, "partial": "rollouts not measured yet"}, indent=2))  # kept if stopped later
     eng = HFRollout(learner, tok, "foursight", ch2)
     seq_max = []
     n_tok = 0
