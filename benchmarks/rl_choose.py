@@ -53,7 +53,7 @@ def main() -> None:
     # then the k of every level from the same statistics
     from foursight import schema
     from foursight.calibration import collect_stats, select_channels
-    from foursight.checkpoint import _choose_k, find_linears
+    from foursight.checkpoint import choose_k_levels, find_linears
 
     names = find_linears(bf, schema.FourSightConfig(ignore=["lm_head"]))
     groups = collect_stats(bf, tok, texts, names, batch_size=8, max_length=256, keep_rows=512, progress=False)
@@ -69,11 +69,15 @@ def main() -> None:
 
     ch2 = chans(lambda g: schema.parse_channel_budget("2%", g.in_features, layer=g.members[0]))
     budgets["channels 2%"] = channel_summary(bf, ch2)
-    for t in [float(x) for x in a.targets.split(",")]:
-        ch = chans(lambda g, t=t: _choose_k(g, [bf.get_submodule(n).weight.detach() for n in g.members], "2%", t, 256))
+    targets = [float(x) for x in a.targets.split(",")]
+    kt = {g.key: choose_k_levels(g, [bf.get_submodule(n).weight.detach() for n in g.members], targets, 256) for g in groups.values()}
+    for t in targets:
+        ch = chans(lambda g, t=t: kt[g.key][t])
         budgets[f"error-target {t}"] = channel_summary(bf, ch)
         print(f"error target {t}: {budgets[f'error-target {t}']} ({time.time() - t0:.0f} s)", flush=True)
     del bf
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"budgets": budgets, "partial": "rollouts not measured yet"}, indent=2))  # kept if stopped later
     eng = HFRollout(learner, tok, "foursight", ch2)
     seq_max = []
     n_tok = 0

@@ -111,6 +111,26 @@ def _choose_k(group: InputGroup, weights: list[torch.Tensor], spec: str, error_t
     return best
 
 
+def choose_k_levels(group: InputGroup, weights: list[torch.Tensor], targets: list[float], max_k: int | None = None) -> dict[float, int]:
+    """:func:`_choose_k` for several error targets at once: each candidate's error is computed once
+    (for tables that compare targets); ``{target: k}``."""
+    if group.rows is None or group.rows.shape[0] == 0:
+        raise CheckpointError(f"layer {group.members[0]}: no calibration rows for --error-target")
+    res: dict[float, int] = {}
+    cands = budget_candidates(group.in_features, max_k)
+    for k in cands:
+        ch = select_channels(group.stats.variance, k)
+        err = max(_layer_error(group.rows, w, quantize_weight(w, ch)) for w in weights)
+        for t in targets:
+            if t not in res and err <= t:
+                res[t] = k
+        if len(res) == len(targets):
+            break
+    for t in targets:
+        res.setdefault(t, cands[-1])
+    return res
+
+
 @dataclass
 class QuantizeResult:
     out_dir: Path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption, guarded
@@ -41,7 +43,7 @@ def rl_command(
     error_target: float = typer.Option(0.0, "--error-target", help="foursight: per-group k = smallest of 0,16,32,... with relative W4A4 error <= this (0: use --channels)"),
     max_k: int = typer.Option(0, "--max-k", help="cap on k for --error-target (0: none)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the checkpoint of --out (skip a completed log)"),
-    checkpoint: str = typer.Option("", "--checkpoint", help="resume checkpoint path (default: OUT.ckpt)"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="resume checkpoint path (default: OUT.ckpt)"),
     stop_at: float = typer.Option(0.0, "--stop-at", help="pause with a checkpoint before a step starting after this Unix time (0: never)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="also checkpoint every N steps (0: only when pausing)"),
 ) -> None:
@@ -53,5 +55,5 @@ def rl_command(
                    device=device, out=out, time_budget_s=time_budget_s, sync=sync, tis_cap=tis_cap or None,
                    filter_tau=filter_tau or None, filter_quantile=filter_quantile or None, format_bonus=format_bonus,
                    prompt_style=prompt_style, prefill=prefill, error_target=error_target or None, max_k=max_k or None,
-                   resume=resume, checkpoint=checkpoint or None, stop_at=stop_at, checkpoint_every=checkpoint_every)
+                   resume=resume, checkpoint=checkpoint, stop_at=stop_at, checkpoint_every=checkpoint_every)
     typer.echo(f"wrote {run_rl(cfg, log=typer.echo)}")

@@ -1,0 +1,71 @@
+"""benchmarks/fidelity_table.py's pieces: the exact KL against hand values, the per-target k against
+foursight.checkpoint._choose_k, and a tiny end-to-end run (HF only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("fidelity_table", ROOT / "benchmarks" / "fidelity_table.py")
+fid = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(fid)
+
+
+def test_exact_kl_hand_values():
+    p = torch.log(torch.tensor([[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]))
+    q = torch.log(torch.tensor([[0.25, 0.25, 0.5], [1 / 3, 1 / 3, 1 / 3]]))
+    want = (0.5 * math.log(2) + 0.25 * math.log(0.5)) / 2  # second token: 0
+    assert fid.exact_kl([p], [q]) == pytest.approx(want, rel=1e-6)
+    assert fid.exact_kl([p], [p]) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_choose_k_levels_equals_choose_k(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from foursight import schema
+    from foursight.calibration import collect_stats, load_calibration_texts
+    from foursight.checkpoint import _choose_k, find_linears
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    groups = collect_stats(m, tok, load_calibration_texts(None)[:8], find_linears(m, schema.FourSightConfig()), progress=False)
+    targets = [0.05, 0.1, 0.2, 0.5]
+    got = fid.choose_k_levels(groups, m, targets)
+    ks = set()
+    for g in groups.values():
+        w = [m.get_submodule(n).weight.detach() for n in g.members]
+        for t in targets:
+            assert got[g.key][t] == _choose_k(g, w, "0", t, None), (g.key, t)
+            ks.add(got[g.key][t])
+    assert len(ks) > 1  # the targets do pick different budgets
+    from foursight.checkpoint import choose_k_levels
+
+    for g in groups.values():  # with a cap, as foursight rl --error-target --max-k
+        w = [m.get_submodule(n).weight.detach() for n in g.members]
+        capped = choose_k_levels(g, w, targets, 32)
+        assert capped == {t: _choose_k(g, w, "0", t, 32) for t in targets}, g.key
+
+
+def test_fidelity_table_tiny_end_to_end(tiny_llama_dir, tmp_path):
+    out = tmp_path / "fid"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fidelity_table.py"), "--model", str(tiny_llama_dir), "--n", "3",
+                        "--max-tokens", "6", "--ks", "16", "--targets", "0.1", "--w4a16-k", "16", "--no-vllm", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    rows = res["rows"]
+    assert list(rows) == ["nvfp4", "foursight k=16", "foursight error-target 0.1", "w4a16 foursight k=16", "fp8 rowwise"]
+    for name, row in rows.items():
+        assert row["exact_kl"] >= 0 and row["mean_abs_dlogp"] > 0, name
+        assert set(row["filters_keep"]) == {"max_token", "max_token(τ=2.5)", "tail_count", "geo_mean", "quantile"}
+    assert rows["nvfp4"]["k_fraction"] == 0 and rows["foursight k=16"]["k_fraction"] > 0
+    assert rows["fp8 rowwise"]["exact_kl"] < rows["nvfp4"]["exact_kl"]
+    assert "| fp8 rowwise |" in out.with_suffix(".md").read_text()
