@@ -211,6 +211,10 @@ def _encode(ev, fmt: str) -> bytes:
     return (data + "\n").encode()
 
 
+async def _const(v):
+    return v
+
+
 def create_app(
     engines: Sequence[Engine],
     api_key: str | None = None,
@@ -468,8 +472,13 @@ def create_app(
         and, unless ``probe=false``, whether a 1-token request completes now (``probe``). 503 unless
         every engine is up, serves the current weights and completes the probe."""
         ups = await asyncio.gather(*(e.health() for e in state.engines))
-        await state.liveness.check_all()
-        probes = await asyncio.gather(*(state.liveness.probe(e) for e in state.engines)) if probe else [None] * len(state.engines)
+        # an engine that does not answer its health route is reported at once: its state and the
+        # probe would only wait for the clients' connect retries
+        live = [e for e, up in zip(state.engines, ups) if up]
+        await asyncio.gather(*(state.liveness.of(e).check(state.liveness.state_timeout_s) for e in live))
+        down = {"ok": False, "seconds": 0.0, "error": "the engine does not answer its health route"}
+        probes = (await asyncio.gather(*(state.liveness.probe(e) if up else _const(down) for e, up in zip(state.engines, ups)))
+                  if probe else [None] * len(state.engines))
         entries, healthy = [], True
         for e, up, pr in zip(state.engines, ups, probes):
             view = state.liveness.of(e).view()
