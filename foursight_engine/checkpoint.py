@@ -101,6 +101,7 @@ def _choose_k(group: InputGroup, weights: list[torch.Tensor], spec: str, error_t
         return schema.parse_channel_budget(spec, kdim, layer=group.members[0])
     if group.rows is None or group.rows.shape[0] == 0:
         raise CheckpointError(f"layer {group.members[0]}: no calibration rows for --error-target")
+    weights = [w.to(group.rows.device) for w in weights]  # the calibration rows stay where they were taken (CPU)
     best = 0
     for k in budget_candidates(kdim, max_k):
         ch = select_channels(group.stats.variance, k)
@@ -116,6 +117,7 @@ def choose_k_levels(group: InputGroup, weights: list[torch.Tensor], targets: lis
     (for tables that compare targets); ``{target: k}``."""
     if group.rows is None or group.rows.shape[0] == 0:
         raise CheckpointError(f"layer {group.members[0]}: no calibration rows for --error-target")
+    weights = [w.to(group.rows.device) for w in weights]
     res: dict[float, int] = {}
     cands = budget_candidates(group.in_features, max_k)
     for k in cands:
