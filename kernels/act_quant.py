@@ -44,6 +44,9 @@ from .primitives import MAX_ONEPASS_K, _global_scale, _quant_block, _quant_block
 #: Match PyTorch-on-CUDA's ``tensor / 6.0`` (multiplication by fp32(1/6)) in the block scales, so
 #: that the kernel is bit-exact with foursight.layer run on the same CUDA device.
 DIV6_RECIP_ON_CUDA: bool = True
+#: up to this many rows (decode batches) one row runs on 32 warps: on the H200 at K = 8192 that took
+#: 4.1-4.6 us against 6.0-6.8 us on 8 (benchmarks/probe_fragment.py; docs/kernels.md)
+FEW_ROWS: int = 128
 
 
 @triton.jit
@@ -272,6 +275,7 @@ def act_quant_launch(
     write_xs: bool,
     post: torch.Tensor | None = None,
     deq_dtype: torch.dtype = torch.float16,
+    num_warps: int | None = None,
 ):
     """Launch ``_act_quant_kernel``; ``post`` (fp32 [1]) selects the FQ output: ``deq`` is then the
     bf16 fake-quantized activation ``q*s*post/gs`` with ``X[:, S]`` at the S columns; otherwise
@@ -289,6 +293,10 @@ def act_quant_launch(
     one_pass = k_dim <= MAX_ONEPASS_K
     block_k = triton.next_power_of_2(k_dim) if one_pass else 4096
     nw = 4 if block_k <= 2048 else (8 if block_k <= 8192 else 16)
+    if m <= FEW_ROWS and block_k >= 4096:
+        nw = 32  # few rows: the row's latency chain is the time, so spread it over the most threads
+    if num_warps is not None:
+        nw = num_warps
     if interpreting():
         nw = 4
     dummy = gs_out

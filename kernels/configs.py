@@ -101,11 +101,15 @@ class FragmentConfig(_Config):
     block_k: int = 128
     num_stages: int = 3
     split_k: int = 0
+    #: register cap per thread for ptxas (0 = the compiler's choice): 128 lets four one-warpgroup
+    #: programs share an SM instead of three (the decode tiles use 140)
+    max_regs: int = 0
 
     def __post_init__(self):
-        if self.block_n % 64 or self.block_k not in (128, 256) or self.block_m not in (16, 32, 64, 128, 256):
+        if (self.block_n % 64 or self.block_k not in (128, 256) or self.block_m not in (16, 32, 64, 128, 256)
+                or self.max_regs not in (0, *range(64, 256, 8))):
             raise ValueError(
-                f"FragmentConfig: block_n a multiple of 64, block_k 128 or 256 and block_m in 16..256 (a power of two), got {self}"
+                f"FragmentConfig: block_n a multiple of 64, block_k 128 or 256, block_m in 16..256 (a power of two) and max_regs 0 or a multiple of 8 in 64..248, got {self}"
             )
 
 
@@ -119,6 +123,8 @@ DECODE_CONFIGS: tuple = (
     FragmentConfig(16, 64, 256, 3),
     FragmentConfig(16, 128, 256, 3),
     FragmentConfig(16, 256, 128, 2),
+    FragmentConfig(16, 64, 256, 3, max_regs=128),
+    FragmentConfig(16, 64, 128, 3, max_regs=128),
     GemvConfig(8, 1024, 4),
     GemvConfig(16, 1024, 8),
     GemvConfig(8, 2048, 8),
@@ -137,6 +143,8 @@ MID_CONFIGS: tuple = (
     FragmentConfig(128, 64),
     FragmentConfig(32, 128, 256, 3),
     FragmentConfig(64, 128, 256, 2),
+    FragmentConfig(64, 64, 128, 3, max_regs=128),
+    FragmentConfig(32, 64, 128, 3, max_regs=128),
     SwapConfig(32, 64, 256, 4, 3),
     SwapConfig(64, 64, 128, 4, 4),
     SSConfig(64, 64, 128, 4, 4),

@@ -442,18 +442,35 @@ def fragment_of(pw) -> FragmentWeight:
     return fw
 
 
-def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, split: int, device) -> tuple[int, int, int]:
-    """(splits, chunks per split, chunks of split 0) for ``kcp`` 128-column chunks. ``split`` 0 =
-    automatic (about 4 programs per SM), 1 = no split. Split 0 also runs the BF16 segment, worth
-    about ``k/32`` chunks of bytes (2k bytes per row against 64 per chunk), so it gets that many
-    fewer chunks."""
-    from .swap import _programs_target
+#: fixed cost of one program (pipeline fill, epilogue, its share of the split reduction) in units of
+#: the time one program takes for the whole K: the split plan trades it against the wave tail
+PROGRAM_OVERHEAD: float = 0.02
 
+
+def _wave_split(tiles: int, steps: int, slots: int) -> int:
+    """The split count that minimizes ``waves(s) * (1/s + PROGRAM_OVERHEAD)``, waves(s) = the
+    number of rounds ``tiles * s`` programs need on ``slots`` resident programs (the smallest such s
+    on ties). A split count that leaves a partial last wave costs a whole wave: with 3 resident
+    programs per SM, 128 tiles x 5 splits took 1.6 waves (Nsight Compute, docs/kernels.md)."""
+    if tiles >= slots:  # a full wave without splitting: the split's traffic would not pay
+        return 1
+    best, best_cost = 1, float("inf")
+    for s in range(1, max(1, min(steps, 64)) + 1):
+        cost = triton.cdiv(tiles * s, slots) * (1.0 / s + PROGRAM_OVERHEAD)
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, split: int, slots: int) -> tuple[int, int, int]:
+    """(splits, chunks per split, chunks of split 0) for ``kcp`` 128-column chunks. ``split`` 0 =
+    automatic (:func:`_wave_split` over ``slots``, the programs that can be resident at once),
+    1 = no split. Split 0 also runs the BF16 segment, worth about ``k/32`` chunks of bytes (2k bytes
+    per row against 64 per chunk), so it gets that many fewer chunks."""
     steps = triton.cdiv(kcp, step)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split == 0:
-        target = _programs_target(device)
-        split = 1 if 2 * tiles >= target else min(triton.cdiv(target, tiles), steps)
+        split = _wave_split(tiles, steps, slots)
         split = max(1, min(split, (256 * 2**20) // max(1, 4 * m * n)))  # workspace <= 256 MB
     split = max(1, min(split, steps))
     if split == 1:
@@ -463,6 +480,38 @@ def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, 
     first = max(0, (cps - seg) // step * step)
     splits = 1 + triton.cdiv(max(0, kcp - first), cps)
     return splits, cps, first
+
+
+_SLOTS: dict = {}
+
+
+def _resident_slots(device, key, compile_fn) -> int:
+    """Programs of one compiled variant that fit on the device at once: SMs x blocks per SM, the
+    blocks per SM limited by its registers, shared memory and threads (the CUDA occupancy rule).
+    ``compile_fn`` compiles the variant without launching it (``JITFunction.warmup``). Under the
+    interpreter, or if the compiled kernel does not say, 8 programs (CPU) or 4 per SM."""
+    if interpreting() or device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ck = (idx, key)
+    if ck not in _SLOTS:
+        props = torch.cuda.get_device_properties(idx)
+        per_sm = 4
+        try:
+            k = compile_fn()
+            if getattr(k, "n_regs", None) is None and hasattr(k, "_init_handles"):
+                k._init_handles()
+            regs, shared = int(k.n_regs), int(k.metadata.shared)
+            warp_regs = -(-max(regs, 1) * 32 // 256) * 256
+            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * 4)
+            smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+            by_smem = smem // (shared + 1024)
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // 128
+            per_sm = max(1, min(by_regs, by_smem, by_threads, 32))
+        except Exception:  # noqa: BLE001 - an introspection gap costs speed, never correctness
+            pass
+        _SLOTS[ck] = per_sm * props.multi_processor_count
+    return _SLOTS[ck]
 
 
 _COUNTERS: dict = {}
@@ -495,25 +544,35 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
     kk = pw.num_channels
     kcp = fw.words.shape[1] // 16
     step = bk // FRAG_COLS
-    splits, cps, first = _split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, out.device)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     dummy = pw.weight_global_scale
+    consts = dict(A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SCALE_BF16=fw.scale_bf16,
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
+                  GROUP_M=8, INTERP=interpreting())
+    opts = dict(num_warps=4, num_stages=cfg.num_stages)
+    if cfg.max_regs and not interpreting():
+        opts["maxnreg"] = cfg.max_regs
+
+    def args(ws, cnt, splits, cps, first):
+        return (a, a.stride(0),
+                a_gs if a_gs is not None else dummy,
+                x, x.stride(0),
+                pw.bf16_channels if kk else pw.channel_mask,
+                fw.words, fw.words.stride(0),
+                fw.scales, fw.scales.stride(0),
+                pw.weight_global_scale,
+                pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
+                bias if bias is not None else dummy,
+                out, out.stride(0), ws, cnt, splits,
+                m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0])
+
+    slots = 8
+    if cfg.split_k == 0:
+        key = (str(cfg), tuple(sorted(consts.items())), a.dtype, out.dtype, bias.dtype if bias is not None else None)
+        cnt0 = _counters(out.device, 1)
+        slots = _resident_slots(out.device, key, lambda: _fragment_gemm_kernel.warmup(
+            *args(dummy, cnt0, 2, 16, 16), SPLIT=True, **consts, **opts, grid=(1, 1)))
+    splits, cps, first = _split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, slots)
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
     cnt = _counters(out.device, tiles) if splits > 1 else dummy
-    return _fragment_gemm_kernel[(tiles, splits)](
-        a, a.stride(0),
-        a_gs if a_gs is not None else dummy,
-        x, x.stride(0),
-        pw.bf16_channels if kk else pw.channel_mask,
-        fw.words, fw.words.stride(0),
-        fw.scales, fw.scales.stride(0),
-        pw.weight_global_scale,
-        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
-        bias if bias is not None else dummy,
-        out, out.stride(0), ws, cnt, splits,
-        m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0],
-        A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, SCALE_BF16=fw.scale_bf16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
-        GROUP_M=8, INTERP=interpreting(),
-        num_warps=4, num_stages=cfg.num_stages,
-    )
+    return _fragment_gemm_kernel[(tiles, splits)](*args(ws, cnt, splits, cps, first), SPLIT=splits > 1, **consts, **opts)

@@ -414,7 +414,8 @@ def test_fragment_weight_round_trips_the_codes(N, K):
     assert not got[N:].any() and not got[:, K:].any()
 
 
-_FRAG_CONFIGS = [FragmentConfig(16, 64, 128, 1, 1), FragmentConfig(16, 64, 256, 1, 2), FragmentConfig(32, 128, 128, 1, 0)]
+_FRAG_CONFIGS = [FragmentConfig(16, 64, 128, 1, 1), FragmentConfig(16, 64, 256, 1, 2), FragmentConfig(32, 128, 128, 1, 0),
+                 FragmentConfig(16, 64, 128, 1, 3, max_regs=128)]
 
 
 @pytest.mark.parametrize("scale_bf16", [False, True], ids=["e5m3", "bf16"])
@@ -468,3 +469,17 @@ def test_fragment_split_k_reduces_in_one_launch_and_leaves_counters_at_zero():
     assert not frag._COUNTERS[str(x.device)].any()
     ref = reference_linear(x, qw, out_dtype=torch.float32)
     torch.testing.assert_close(y1.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+def test_fragment_split_plan_fills_whole_waves():
+    """The automatic split count leaves no partial wave when one exists: 128 tiles on 396 resident
+    programs (3 per SM x 132) take 3 splits (384 programs, one wave), not 5 (640: 1.6 waves)."""
+    from foursight.kernels.fragment import _split_plan, _wave_split
+
+    assert _wave_split(128, 32, 396) == 3
+    assert _wave_split(128, 32, 528) == 4
+    assert _wave_split(64, 56, 396) == 6
+    assert _wave_split(1000, 32, 396) == 1  # more tiles than resident programs: no split
+    assert _wave_split(2, 4, 8) == 4  # capped by the K steps
+    splits, cps, first = _split_plan(16, 8192, 64, 128, 16, 64, 2, 0, 396)
+    assert splits == 3 and first + (splits - 1) * cps >= 64 and first < cps
