@@ -38,7 +38,7 @@ from foursight.kernels.gemv import _splice_gemv1_kernel
 from foursight.kernels.ss import _splice_gemm_ss_kernel
 from foursight.kernels.swap import _splice_gemm_kernel
 
-_INTS = ("M", "N", "K", "KS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP")
+_INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP")
 
 # name: (kernel, pointer types, constexprs, num_warps, num_stages, weight elements per thread per K step)
 CASES = {
@@ -62,8 +62,13 @@ CASES = {
     "fragment": (_fragment_gemm_kernel,
                  {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32", "sf_ptr": "*u8",
                   "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-                 dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                 dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=False, SCALE_BF16=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
                       BLOCK_KS=64, GROUP_M=8, INTERP=False), 4, 3, 64 * 128 // 128),
+    "fragment256": (_fragment_gemm_kernel,
+                    {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32", "sf_ptr": "*i16",
+                     "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32"},
+                    dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=True, BLOCK_M=16, BLOCK_N=64,
+                         BLOCK_K=256, BLOCK_KS=64, GROUP_M=8, INTERP=False), 4, 3, 64 * 256 // 128),
     "act_quant": (_act_quant_kernel,
                   {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
                    "deq_ptr": "*fp16", "xs_ptr": "*bf16"},
@@ -83,7 +88,11 @@ CASES = {
 def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: int):
     """``triton.compile`` for sm_90 with launch-like specialization (see the module docstring)."""
     sig = {}
-    for p in inspect.signature(fn.fn).parameters:
+    params = inspect.signature(fn.fn).parameters
+    # a constexpr parameter left out of ``consts`` takes its default, as at launch
+    consts = {**{p: v.default for p, v in params.items() if "constexpr" in str(v.annotation) and v.default is not v.empty},
+              **consts}
+    for p in params:
         if p in consts:
             sig[p] = "constexpr"
         elif p in ptr_types:
@@ -93,7 +102,7 @@ def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: 
         else:
             sig[p] = "*fp32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-             if t.startswith("*") or (t == "i32" and n not in ("M", "N", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP"))}
+             if t.startswith("*") or (t == "i32" and n not in ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP"))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
