@@ -10,6 +10,10 @@
 # 500 s after the study starts), the SAME call 2 again (machine still warm) continues every run from its last step and skips
 # completed ones; $OUT/manifest.json records what ran in each call.
 #
+# Call 1 with RL_SMOKE=0 skips the smoke (when it already ran in this session): the two calls must follow within
+# the machine's 30 s warm window, so a short call 1 is the safer one.
+# Results: $OUT/rl_study.tgz (logs, manifest, summary), $OUT/study.log, $OUT/convert.txt, $OUT/smoke.log.
+#
 # Runs (3 seeds each, seed-major, all started at once, round-robin over every visible GPU via
 # CUDA_VISIBLE_DEVICES): bf16 | fp8 (rowwise W8A8) | nvfp4 (k=0) | fs_comp (FourSight 2%, no filter) |
 # fs_filter (FourSight 2% + max_token τ=2.5) | fs_budget (FourSight --error-target 0.12) | w4a16 (FourSight 2%
@@ -57,6 +61,7 @@ stage() {
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $BASE/site $STAGE/*.whl || exit 1
     nvidia-smi --query-gpu=index,name,memory.used --format=csv; DEV=cuda
   fi
+  [ "${RL_SMOKE:-1}" = 0 ] && { echo "smoke skipped (RL_SMOKE=0)"; return 0; }
   DEV=$DEV $PY - <<'PY' 2>&1 | tee $OUT/smoke.log
 import json, os, time, torch
 from foursight.models import build_tiny_model
@@ -98,17 +103,23 @@ got, want = state_dict_sha256(p), pathlib.Path(".devcarry/b/weights.sha256").rea
 print("weights sha256 device", got, "cpu", want, "IDENTICAL" if got == want else "DIFFERENT")
 PY
   M=$(ls -d $FOURSIGHT_CACHE/models/smollm2-135m-instruct-bf16) || exit 4
+  # at most 8 files come back from a device call: the 21 logs, their stdout and the manifest are published to
+  # $PUB and packed into $OUT/rl_study.tgz every 30 s and at the end (so a killed call still returns them)
+  PUB=$BASE/fsrl_pub; mkdir -p $PUB
+  pack() { tar czf $OUT/rl_study.tgz.part -C $PUB . 2>/dev/null && mv $OUT/rl_study.tgz.part $OUT/rl_study.tgz; }
+  ( while sleep 30; do pack; done ) & PACKER=$!
   if [ "$DRY" = 1 ]; then
     # the study on the tiny model (seed 0 only by default: 7 runs, each process start costs ~10 CPU-s on 2
     # cores): the first call pauses every run at a 1 s deadline, the second resumes them, a third skips them
-    S="--state $STATE --out $OUT --slots 3 --seeds ${RL_DRY_SEEDS:-0}"
+    S="--state $STATE --out $PUB --slots 3 --seeds ${RL_DRY_SEEDS:-0}"
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s ${RL_DRY_DEADLINE_S:-1} 2>&1 | tee $OUT/study_call1.log
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call2.log
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call3.log
   else
-    $PY benchmarks/rl_study.py --model $M --state $STATE --out $OUT --deadline-s ${RL_DEADLINE_S:-500} 2>&1 | tee -a $OUT/study.log
+    $PY benchmarks/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-500} 2>&1 | tee -a $OUT/study.log
   fi
-  $PY benchmarks/rl_summary.py $OUT 2>&1 | tail -n 30 || true
+  $PY benchmarks/rl_summary.py $PUB 2>&1 | tail -n 30 || true
+  kill $PACKER 2>/dev/null; pack; ls -la $OUT
 }
 
 case $MODE in
