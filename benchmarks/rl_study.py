@@ -44,6 +44,10 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "w4a16": ("w4a16", []),
 }
 SEEDS = (0, 1, 2)
+#: objective name -> flags added to every run: the first study used the engine's log-probs as π_old
+#: with no correction (every quantized run collapsed, docs/rl.md); learner-tis is what verl / TRL /
+#: FlashRL users run (recomputed π_old, the engine's log-probs only in r, the filter and token TIS)
+OBJECTIVES: dict[str, list[str]] = {"rollout": [], "learner-tis": ["--old-logprobs", "learner", "--tis-cap", "2"]}
 #: shared settings of every run (the equal-step study)
 COMMON = {"task": "add", "steps": 30, "prompts-per-step": 8, "group-size": 8, "max-new-tokens": 8, "lr": "2e-5",
           "eval-every": 5, "eval-size": 64, "channels": "2%"}
@@ -102,12 +106,18 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=0, help="concurrent runs per GPU (0: all at once)")
     ap.add_argument("--only", default="", help="comma list of run names (default: all 21)")
     ap.add_argument("--seeds", default="", help="comma list of seeds (default 0,1,2)")
+    ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="rollout",
+                    help="π_old and mismatch correction of every run (docs/rl.md): rollout = the engine's log-probs as "
+                         "π_old, no TIS (the 2026-12-03 study); learner-tis = the learner's π_old + token TIS cap 2")
     a = ap.parse_args()
     dry = os.environ.get("RL_DRY") == "1"
     t0 = time.time()
     stop_at = t0 + a.deadline_s
     a.state.mkdir(parents=True, exist_ok=True)
-    common = DRY if dry else COMMON
+    common = dict(DRY if dry else COMMON)
+    if a.objective != "rollout":
+        flags = OBJECTIVES[a.objective]
+        common.update(dict(zip((f[2:] for f in flags[::2]), flags[1::2])))
     model = a.model
     if dry and model is None:
         from foursight.models import build_tiny_model
@@ -124,7 +134,7 @@ def main() -> None:
     names = [n for n in run_names(seeds=seeds) if not a.only or n in a.only.split(",")]
     slots = a.slots or len(names)
     manifest = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "deadline_s": a.deadline_s, "gpus": ngpu,
-                "dry_run": dry, "common": common, "configs": {k: {"rollout_precision": p, "extra": e} for k, (p, e) in CONFIGS.items()},
+                "dry_run": dry, "objective": a.objective, "common": common, "configs": {k: {"rollout_precision": p, "extra": e} for k, (p, e) in CONFIGS.items()},
                 "calls": [], "runs": {}}
     old = a.state / "manifest.json"
     if old.exists():  # keep the record of earlier calls

@@ -108,7 +108,7 @@ def test_config_errors_name_the_option():
                      ({"engine": "vllm", "rollout_precision": "fp8"}, "--engine vllm"),
                      ({"rollout_precision": "nvfp4", "error_target": 0.1}, "--error-target"),
                      ({"rollout_precision": "foursight", "error_target": -1.0}, "--error-target"),
-                     ({"checkpoint_every": -1}, "--checkpoint-every"),
+                     ({"checkpoint_every": -1}, "--checkpoint-every"), ({"old_logprobs": "engine"}, "--old-logprobs"),
                      ({"task": "x"}, "--task"), ({"group_size": 1}, "--group-size"), ({"engine": "trt"}, "--engine"),
                      ({"steps": 0}, "--steps"), ({"engine": "vllm", "rollout_precision": "bf16"}, "--engine vllm")]:
         with pytest.raises(RLError, match=name):
@@ -221,6 +221,27 @@ def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir):
         assert r["filtered_fraction"] == pytest.approx(r["filter/dropped_sequences"] / 8)
         assert r["time/step"] == pytest.approx(r["time/sync"] + r["time/rollout"] + r["time/score"] + r["time/update"], rel=1e-6)
         assert r["tim/abs_log_ratio_mean"] > 0  # quantized rollouts differ from the BF16 learner
+
+
+def test_old_logprobs_learner_makes_the_ratio_one(tmp_path, tiny_llama_dir):
+    """--old-logprobs learner: π_old is the learner's own detached log-prob, so every kept token's ratio
+    is exactly 1 (no clipping), while the rollout log-probs still give r, the filter and the TIS
+    weights; the default (rollout) on the same quantized rollouts has ratio != 1."""
+    def one(old, tag):
+        out = tmp_path / f"{tag}.jsonl"
+        run_rl(RLConfig(model=str(tiny_llama_dir), rollout_precision="nvfp4", steps=1, prompts_per_step=2, group_size=4,
+                        max_new_tokens=4, eval_every=1, eval_size=2, out=str(out), device="cpu", tis_cap=2.0,
+                        old_logprobs=old), log=lambda s: None)
+        recs = _read(out)
+        assert recs[0]["old_logprobs"] == old
+        return [r for r in recs if r["type"] == "step"][0]
+
+    learner, rollout = one("learner", "l"), one("rollout", "r")
+    assert learner["ratio_mean"] == 1.0 and learner["clip_fraction"] == 0.0
+    assert learner["tim/abs_log_ratio_mean"] > 0 and learner["filter/tis_weight_mean"] > 0  # r and TIS still computed
+    assert rollout["ratio_mean"] != 1.0
+    # same seed, same rollouts: the rollout-side statistics agree, only the surrogate's π_old differs
+    assert learner["tim/abs_log_ratio_mean"] == pytest.approx(rollout["tim/abs_log_ratio_mean"], rel=1e-6)
 
 
 @pytest.mark.parametrize("prec,extra", [("bf16", {}), ("fp8", {}), ("nvfp4", {}), ("foursight", {}), ("w4a16", {}),

@@ -35,6 +35,7 @@ def rl_command(
     time_budget_s: float = typer.Option(0.0, "--time-budget", help="stop after this many seconds of training (0: none)"),
     sync: str = typer.Option("inproc", "--sync", help="hf engine weight sync: inproc (set_weight) | file (HFEngine.update_weights)"),
     tis_cap: float = typer.Option(0.0, "--tis-cap", help="token TIS cap (0: off)"),
+    old_logprobs: str = typer.Option("rollout", "--old-logprobs", help="π_old of the clipped surrogate: rollout (the engine's log-probs) | learner (the learner's detached log-probs, as verl/TRL; use with --tis-cap)"),
     filter_tau: float = typer.Option(0.0, "--filter-tau", help="τ of max_token/tail_count (0: default ln 3)"),
     filter_quantile: float = typer.Option(0.0, "--filter-quantile", help="q of the quantile filter (0: default)"),
     format_bonus: float = typer.Option(0.1, "--format-bonus", help="reward for a well-formed answer that is wrong"),
@@ -52,7 +53,7 @@ def rl_command(
     cfg = RLConfig(model=model, task=task, rollout_precision=rollout_precision, filter=filter, engine=engine, steps=steps,
                    prompts_per_step=prompts_per_step, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
                    clip_eps=clip_eps, kl_coef=kl_coef, channels=channels, eval_every=eval_every, eval_size=eval_size, seed=seed,
-                   device=device, out=out, time_budget_s=time_budget_s, sync=sync, tis_cap=tis_cap or None,
+                   device=device, out=out, time_budget_s=time_budget_s, sync=sync, tis_cap=tis_cap or None, old_logprobs=old_logprobs,
                    filter_tau=filter_tau or None, filter_quantile=filter_quantile or None, format_bonus=format_bonus,
                    prompt_style=prompt_style, prefill=prefill, error_target=error_target or None, max_k=max_k or None,
                    resume=resume, checkpoint=checkpoint, stop_at=stop_at, checkpoint_every=checkpoint_every)

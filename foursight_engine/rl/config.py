@@ -15,6 +15,11 @@ PRECISIONS = ("bf16", "fp8", "nvfp4", "foursight", "w4a16")
 CHANNEL_PRECISIONS = ("foursight", "w4a16")
 FILTERS = ("none", "max_token", "tail_count", "geo_mean", "quantile")
 ENGINES = ("hf", "vllm")
+#: where π_old of the clipped surrogate comes from: the rollout engine's log-probs of the sampled
+#: tokens (ρ = π_θ / π_rollout, the study of 2026-12-03), or the learner's own detached log-probs
+#: (ρ = 1 on the one update per batch: verl's recomputed old_log_prob, TRL's default); with
+#: "learner" the rollout log-probs still feed the TIM metrics, the filter and --tis-cap weights
+OLD_LOGPROBS = ("rollout", "learner")
 
 
 class RLError(ValueError):
@@ -52,6 +57,7 @@ class RLConfig:
     prompt_style: str = "plain"
     prefill: str = "Answer:"
     tis_cap: float | None = None
+    old_logprobs: str = "rollout"
     filter_tau: float | None = None
     filter_quantile: float | None = None
     #: FourSight only: per input group the smallest k of 0, 16, 32, ... whose relative W4A4 output
@@ -75,6 +81,8 @@ class RLConfig:
             raise RLError(f"--rollout-precision: expected one of {PRECISIONS}, got {self.rollout_precision!r}")
         if self.filter not in FILTERS:
             raise RLError(f"--filter: expected one of {FILTERS}, got {self.filter!r}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise RLError(f"--old-logprobs: expected one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
         if self.engine not in ENGINES:
             raise RLError(f"--engine: expected one of {ENGINES}, got {self.engine!r}")
         if self.engine == "vllm" and self.rollout_precision not in ("nvfp4", "foursight"):

@@ -251,8 +251,11 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             w = torch.zeros_like(logp_new)
             lw = fres.loss_weights()
             w[:, : lw.shape[1]] = lw.to(dev)[:, :T]
-            old = torch.zeros_like(logp_new)
-            old[:, : lr_.shape[1]] = lr_.to(dev)[:, :T]
+            if cfg.old_logprobs == "learner":
+                old = logp_new.detach()  # ρ = 1; the rollout log-probs act only through the filter / TIS weights in w
+            else:
+                old = torch.zeros_like(logp_new)
+                old[:, : lr_.shape[1]] = lr_.to(dev)[:, :T]
             logp_ref = None
             if ref is not None:
                 with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
