@@ -569,9 +569,8 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
     slots = 8
     if cfg.split_k == 0:
         key = (str(cfg), tuple(sorted(consts.items())), a.dtype, out.dtype, bias.dtype if bias is not None else None)
-        cnt0 = _counters(out.device, 1)
         slots = _resident_slots(out.device, key, lambda: _fragment_gemm_kernel.warmup(
-            *args(dummy, cnt0, 2, 16, 16), SPLIT=True, **consts, **opts, grid=(1, 1)))
+            *args(dummy, _counters(out.device, 1), 2, 16, 16), SPLIT=True, **consts, **opts, grid=(1, 1)))
     splits, cps, first = _split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, slots)
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
     cnt = _counters(out.device, tiles) if splits > 1 else dummy
