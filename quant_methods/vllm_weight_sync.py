@@ -22,7 +22,11 @@ How an update is applied (``apply_weight_update``):
    current channel set; for layers in *online* mode and every other parameter (norms,
    embeddings, lm_head, biases) the tensor goes through unchanged;
 3. everything is loaded through the model's own ``load_weights`` (vLLM's name mapping, fused
-   q/k/v and gate/up shards, TP slicing);
+   q/k/v and gate/up shards, TP slicing); unquantized linear layers whose weight vLLM's CPU
+   backend pre-packed (the parameter is left empty) get their model-format parameter back
+   through vLLM's layerwise reload first and are re-packed once all their elements arrived
+   (:func:`cpu_packed_linears`); an update that gives only some shards of such a fused layer
+   is refused, naming it;
 4. the idempotent post-load processing (``LayerPlan.process``) of every FourSight layer that
    received a tensor rebuilds its quantized execution state (online layers re-quantize their
    BF16 weight; with the weight-based channel fallback the channels are re-selected from the
@@ -94,11 +98,76 @@ def to_engine_tensors(model: torch.nn.Module, weights: Iterable[tuple[str, torch
             yield name, t
 
 
+def cpu_packed_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Unquantized linear layers whose weight vLLM's CPU backend moved into a pre-packed GEMM
+    (``dispatch_cpu_unquantized_gemm(remove_weight=True)`` leaves ``weight`` as an empty tensor).
+
+    A plain ``load_weights`` cannot write into them; :func:`begin_update` gives them back their
+    model-format parameters through vLLM's own layerwise reload (``model_loader.reload``), which
+    re-runs their post-load step (the re-pack) once every element of the layer has arrived.
+    Empty on GPU, and for FourSight layers (they keep their tensors).
+    """
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    out = {}
+    for n, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if (isinstance(m, LinearBase) and isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)
+                and isinstance(w, torch.Tensor) and w.numel() == 0 and not w.is_meta):
+            out[n] = m
+    return out
+
+
+def _open_packed_for_reload(layers: dict[str, torch.nn.Module]) -> None:
+    """vLLM's ``initialize_layerwise_reload`` for the given layers only: keep the kernel tensors,
+    put the recorded model-format parameters back (on meta) and buffer their loads."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info, initialize_online_processing
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    for n, layer in layers.items():
+        info = get_layerwise_info(layer)
+        if "weight" not in info.restore_metadata[0]:
+            raise RuntimeError(f"{n}: vLLM recorded no model-format metadata for this layer; it cannot be reloaded")
+        if info.can_load():  # a previous update that failed half-way: start it over
+            info.reset()
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        restore_layer_on_meta(layer, info)
+        initialize_online_processing(layer)
+
+
+def _close_packed_reload(layers: dict[str, torch.nn.Module]) -> list[str]:
+    """Finish the layerwise reload of :func:`_open_packed_for_reload`. A fully loaded layer was
+    already re-packed by its wrapped loader; an untouched one gets its kernel tensors back. A
+    layer that received only some of its elements (say ``q_proj`` but not ``k_proj``/``v_proj``
+    of a fused ``qkv_proj``) also keeps its old kernel tensors; its name is returned."""
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, _place_kernel_tensors, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    partial = []
+    for n, layer in layers.items():
+        info = get_layerwise_info(layer)
+        if not info.can_load():  # processed during the load
+            continue
+        if info.load_numel > 0:
+            partial.append(f"{n} ({info.load_numel} of {info.load_numel_total} elements)")
+        for t in get_layer_tensors(layer).values():
+            t.weight_loader = _get_original_loader(t)
+        _place_kernel_tensors(layer, info)
+        info.reset()
+    return partial
+
+
 def begin_update(model: torch.nn.Module) -> dict:
     """Start one weight update: remember each FourSight layer's load count (what
-    :func:`finish_update` compares against to find the layers that received a tensor)."""
+    :func:`finish_update` compares against to find the layers that received a tensor) and open
+    the CPU-packed unquantized layers for reloading (:func:`cpu_packed_linears`)."""
     layers = foursight_layers(model)
-    return {"layers": layers, "before": {n: m.foursight_plan.load_events for n, m in layers.items()}, "count": 0}
+    packed = cpu_packed_linears(model)
+    _open_packed_for_reload(packed)
+    return {"layers": layers, "before": {n: m.foursight_plan.load_events for n, m in layers.items()}, "count": 0,
+            "packed": packed}
 
 
 def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], session: dict) -> int:
@@ -121,6 +190,7 @@ def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dic
     from foursight.quant_methods.vllm_method import _tp_context
 
     tp_context = tp_context or _tp_context
+    partial = _close_packed_reload(session.get("packed", {}))
     layers, before = session["layers"], session["before"]
     touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
     for n in touched:
@@ -128,6 +198,10 @@ def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dic
         plan: LayerPlan = m.foursight_plan
         m.foursight_state = plan.process(layer_params(m, plan), tp_context(m))
     refresh_unquantized_embeddings(model)
+    if partial:
+        raise CheckpointError(
+            "the update gave only part of these fused layers, which therefore keep their previous weights: "
+            + ", ".join(partial) + "; send every shard of a fused layer (q/k/v, gate/up) in one update")
     return {"updated_tensors": session["count"], "requantized_layers": len(touched)}
 
 
