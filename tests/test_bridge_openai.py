@@ -141,3 +141,28 @@ def test_bad_requests_name_the_field(bridge, client):
     assert httpx.post(url, json={"prompt": "x"}, timeout=30).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=bridge.url + "/v1", api_key="wrong", max_retries=0).completions.create(model="m", prompt="x")
+
+
+def test_openai_routes_run_the_served_model_checks_of_rollouts(tiny_llama_dir, tok):
+    """The OpenAI routes go through the bridge's one admission path: the server's token caps, the
+    vocabulary and int64 bounds give a 422 naming the field as OpenAI spells it (before: these
+    reached the engine, a per-sample error or a 200 beyond the server's cap)."""
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], max_tokens_cap=8, max_request_tokens=20)).start()
+    try:
+        url = b.url + "/v1/completions"
+        big = len(tok)
+        cases = [({"prompt": [5, big + 3], "max_tokens": 2}, "prompt[0].token_ids[1]"),
+                 ({"prompt": "x", "max_tokens": 9}, "max_tokens"),
+                 ({"prompt": "x", "max_tokens": 8, "n": 3}, "n"),
+                 ({"prompt": "x", "max_tokens": 2, "n": 2, "seed": 2**63 - 1}, "seed"),
+                 ({"prompt": "x", "max_tokens": 2, "stop_token_ids": [big]}, "stop_token_ids[0]")]
+        for body, field in cases:
+            r = httpx.post(url, json=body, timeout=60)
+            assert r.status_code == 422, (body, r.text)
+            assert field in [f["field"] for f in r.json()["error"]["fields"]], (body, r.text)
+        r = httpx.post(b.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}, timeout=60)
+        assert r.status_code == 422 and r.json()["error"]["fields"][0]["field"] == "max_tokens", r.text
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 8, "n": 2}, timeout=120)  # 16 <= 20: served
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    finally:
+        b.stop()

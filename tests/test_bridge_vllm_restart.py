@@ -64,6 +64,9 @@ def test_engine_restart_after_an_update_is_detected_and_refused(tiny_llama_dir, 
             with pytest.raises(BridgeHTTPError) as ei:
                 c.generate(prompts, sp, n=2)
             assert ei.value.status == 503 and "reports weight version 0" in str(ei.value)
+            # the OpenAI route takes the same admission path: refused too, not tagged version 21
+            r = httpx.post(b.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
+            assert r.status_code == 503 and "reports weight version 0" in r.json()["error"]["message"], r.text
 
             # the trainer pushes again: the engine is back on the new weights, samples say 22
             c.update_weights(version=22, path=str(tmp_path / "step21.safetensors"))

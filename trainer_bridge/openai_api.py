@@ -2,9 +2,12 @@
 ``POST /v1/chat/completions`` (non-streaming), for agent loops and trainers written against vLLM's
 OpenAI server (docs/bridge.md lists the accepted fields).
 
-Each request is one stream of the bridge: it holds the weight version it started under (a weight
-update waits for it), its samples go to the least-loaded engine under the bridge's concurrency
-limit, and every choice carries, next to the OpenAI fields, the bridge's one rollout record
+Each request is translated into a :class:`~foursight.trainer_bridge.protocol.RolloutRequest` and
+goes through the bridge's one admission and sampling path, the one ``/v1/rollouts`` uses: the
+served model's field checks (a bad field is a 422 naming it in the OpenAI spelling), refusal when
+no engine serves the current weights (503), the weight version held for the whole request (a
+weight update waits for it), the least-loaded engine under the concurrency limit, the per-sample
+timeout. Every choice carries, next to the OpenAI fields, the bridge's one rollout record
 (``choice["rollout"]``: :class:`~foursight.trainer_bridge.protocol.Rollout` with token ids,
 per-token logprobs in the engine's ``logprobs_mode``, engine and weight version). The response's
 ``weight_version`` is that version too. Sampling fields are vLLM's: top-level ``max_tokens``,
@@ -15,7 +18,7 @@ per-token logprobs in the engine's ``logprobs_mode``, engine and weight version)
 
 from __future__ import annotations
 
-import asyncio
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -24,7 +27,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from foursight.trainer_bridge.protocol import ChatMessage, Prompt, Rollout, SamplingParams
+from foursight.trainer_bridge.protocol import ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
 
 
 class _Sampling(BaseModel):
@@ -93,14 +96,46 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
-def _invalid(exc: ValidationError | ValueError, field: str = "<body>") -> JSONResponse:
+def _openai_field(name: str, kind: str) -> str:
+    """A bridge field name (``sampling.seed``, ``prompts[1].token_ids[3]``) as the OpenAI request spells it."""
+    if name.startswith("sampling."):
+        return name[len("sampling."):]
+    if name.startswith("prompts"):
+        return "messages" if kind == "chat" else "prompt" + name[len("prompts"):]
+    return name
+
+
+def _loc(loc) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
+    return out or "<body>"
+
+
+def _error(status: int, fields: list[dict[str, str]], **extra) -> JSONResponse:
+    msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    return JSONResponse(status_code=status, content={"error": {"message": f"invalid request: {msg}", "type": "invalid_request_error",
+                                                               "fields": fields}, **extra})
+
+
+def _invalid(exc: ValidationError | ValueError, field: str = "<body>", kind: str | None = None) -> JSONResponse:
     if isinstance(exc, ValidationError):
-        fields = [{"field": ".".join(str(p) for p in e["loc"]) or "<body>", "message": e["msg"]} for e in exc.errors()]
+        fields = [{"field": _loc(e["loc"]), "message": e["msg"]} for e in exc.errors()]
     else:
         fields = [{"field": field, "message": str(exc)}]
-    msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
-    return JSONResponse(status_code=422, content={"error": {"message": f"invalid request: {msg}", "type": "invalid_request_error",
-                                                            "fields": fields}})
+    if kind is not None:
+        fields = [{**f, "field": _openai_field(f["field"], kind)} for f in fields]
+    return _error(422, fields)
+
+
+def _from_bridge_error(resp: JSONResponse, kind: str) -> JSONResponse:
+    """An error answer of the bridge's admission (422 naming fields, 503 when no engine serves the
+    current weights) in the OpenAI error shape, field names translated."""
+    body = json.loads(bytes(resp.body))
+    if "fields" in body:
+        return _error(resp.status_code, [{**f, "field": _openai_field(f["field"], kind)} for f in body["fields"]])
+    extra = {k: v for k, v in body.items() if k != "error"}
+    return JSONResponse(status_code=resp.status_code, content={"error": {"message": body["error"], "type": "engine_unavailable"}, **extra})
 
 
 def make_router(state: Any) -> APIRouter:
@@ -115,60 +150,32 @@ def make_router(state: Any) -> APIRouter:
         return tok
 
     async def _sample(prompts: list[Prompt], req: _Sampling, max_tokens: int, kind: str) -> tuple[int, list[list[Rollout]]] | JSONResponse:
+        """The request as a :class:`RolloutRequest` through the bridge's one admission and sampling
+        path (``server.create_app``'s ``admit`` and ``events``): the same field checks, stale-engine
+        refusal, version hold, timeouts and cancellation as ``/v1/rollouts``."""
         try:
-            sp = req.sampling(max_tokens)
+            rreq = RolloutRequest(prompts=prompts, n=req.n, sampling=req.sampling(max_tokens))
         except ValidationError as e:
-            return _invalid(e)
-        ids: list[list[int]] = []
-        for i, p in enumerate(prompts):
-            try:
-                ids.append(await state.engines[0].tokenize(p))
-            except Exception as e:  # noqa: BLE001 - named for the caller
-                return _invalid(ValueError(f"cannot tokenize: {e}"), f"prompt[{i}]" if kind == "completion" else "messages")
+            return _invalid(e, kind=kind)
+        got = await state.admit(rreq)
+        if isinstance(got, JSONResponse):
+            return _from_bridge_error(got, kind)
+        prompt_ids, usable = got
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        m = state.metrics
-        async with state.gate.read() as version:
-            m.active_streams.inc()
-
-            async def one(pi: int, j: int) -> Rollout:
-                idx = pi * req.n + j
-                seed = None if sp.seed is None else sp.seed + idx
-                async with state.sem:
-                    engine = state.pick_engine()
-                    state.inflight[id(engine)] += 1
-                    t0 = time.monotonic()
-                    try:
-                        r = await asyncio.wait_for(engine.generate(ids[pi], sp, max_tokens, seed), state.sample_timeout_s)
-                    except (asyncio.TimeoutError, TimeoutError):
-                        m.errors.labels(kind="timeout").inc()
-                        raise RuntimeError(f"engine {engine.name}: no answer within {state.sample_timeout_s} s") from None
-                    except Exception as e:
-                        m.errors.labels(kind="engine").inc()
-                        raise RuntimeError(f"engine {engine.name}: {type(e).__name__}: {e}") from None
-                    finally:
-                        state.inflight[id(engine)] -= 1
-                    m.latency.observe(time.monotonic() - t0)
-                    m.samples.labels(status="ok").inc()
-                    m.add_tokens(len(r.token_ids))
-                    return r.model_copy(update={"engine": engine.name, "weight_version": version, "request_id": rid,
-                                                "prompt_index": pi, "sample_index": j, "logprobs_mode": engine.logprobs_mode})
-
-            try:
-                tasks = [asyncio.create_task(one(pi, j)) for pi in range(len(ids)) for j in range(req.n)]
-                try:
-                    flat = await asyncio.gather(*tasks)
-                except Exception:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
-            except RuntimeError as e:
-                m.samples.labels(status="error").inc()
-                return JSONResponse(status_code=502, content={"error": {"message": str(e), "type": "engine_error"},
-                                                              "weight_version": version})
-            finally:
-                m.active_streams.dec()
-        grouped = [flat[i * req.n:(i + 1) * req.n] for i in range(len(ids))]
+        out: dict[tuple[int, int], Rollout] = {}
+        version = None
+        gen = state.events(rreq, rid, prompt_ids, usable)
+        try:
+            async for ev in gen:
+                version = ev.weight_version
+                if ev.type == "error":  # one failed sample fails the request; the others are cancelled
+                    return JSONResponse(status_code=502, content={"error": {"message": f"engine {ev.engine}: {ev.error}", "type": "engine_error"},
+                                                                  "weight_version": version})
+                if ev.type == "sample":
+                    out[(ev.prompt_index, ev.sample_index)] = Rollout.model_validate(ev.model_dump(exclude={"type"}))
+        finally:
+            await gen.aclose()
+        grouped = [[out[(pi, j)] for j in range(req.n)] for pi in range(len(prompt_ids))]
         return version, grouped
 
     def _text(tok, r: Rollout, stops: list[str]) -> tuple[str, list[str]]:

@@ -164,6 +164,9 @@ class BridgeState:
         self.gate: VersionGate | None = None
         self.liveness: Liveness | None = None
         self.sem: asyncio.Semaphore | None = None
+        # set by create_app: the one admission and sampling path, shared with the OpenAI routes
+        self.admit: Any = None
+        self.events: Any = None
 
     def pick_engine(self, allowed: Sequence[Engine] | None = None) -> Engine:
         """The engine with the fewest calls in flight (first one on ties), among ``allowed``."""
@@ -279,8 +282,11 @@ def create_app(
         msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
         return JSONResponse(status_code=422, content={"error": f"invalid request: {msg}", "fields": fields})
 
-    @app.post("/v1/rollouts")
-    async def rollouts(req: RolloutRequest):
+    async def admit(req: RolloutRequest) -> tuple[list[list[int]], list[Engine]] | JSONResponse:
+        """Everything a request must pass before a sample starts, for every route that samples
+        (``/v1/rollouts`` and the OpenAI routes): sample count, the served model's field checks
+        (``guards.engine_field_errors``), tokenization, and the engines that serve the current
+        weights. Returns the prompts' token ids and those engines, or the error response."""
         total = len(req.prompts) * req.n
         if total > MAX_SAMPLES_PER_REQUEST:
             return JSONResponse(status_code=422, content={"error": f"invalid request: n: len(prompts) * n = {total} exceeds {MAX_SAMPLES_PER_REQUEST}",
@@ -313,11 +319,31 @@ def create_app(
             return JSONResponse(status_code=503, content={"error": "no engine serves the current weights: " + "; ".join(r or "" for r in reasons),
                                                           "weight_version": state.gate.version,
                                                           "engines": [{"name": e.name, **state.liveness.of(e).view()} for e in state.engines]})
+        return prompt_ids, usable
+
+    @app.post("/v1/rollouts")
+    async def rollouts(req: RolloutRequest):
+        got = await admit(req)
+        if isinstance(got, JSONResponse):
+            return got
+        prompt_ids, usable = got
         rid = req.request_id or uuid.uuid4().hex
         media = "text/event-stream" if req.stream_format == "sse" else "application/x-ndjson"
         return RolloutStreamResponse(_stream(req, rid, prompt_ids, usable), media_type=media, headers={"X-Request-Id": rid})
 
     async def _stream(req: RolloutRequest, rid: str, prompt_ids: list[list[int]], usable: list[Engine]) -> AsyncIterator[bytes]:
+        gen = events(req, rid, prompt_ids, usable)
+        try:
+            async for ev in gen:
+                yield _encode(ev, req.stream_format)
+        finally:
+            await gen.aclose()
+
+    async def events(req: RolloutRequest, rid: str, prompt_ids: list[list[int]],
+                     usable: list[Engine]) -> AsyncIterator[SampleEvent | ErrorEvent | EndEvent]:
+        """The samples of one admitted request as events, each as soon as it finishes, then the end
+        event: the one sampling path of the bridge (version held, backpressure, timeouts, engine
+        failures as error events, cancellation when the consumer leaves)."""
         m = state.metrics
         t_accept = time.monotonic()
         sp = req.sampling
@@ -402,10 +428,9 @@ def create_app(
                     else:
                         n_err += 1
                         m.samples.labels(status="error").inc()
-                    yield _encode(ev, req.stream_format)
-                end = EndEvent(request_id=rid, status="ok" if n_err == 0 else "error", num_samples=n_ok, num_errors=n_err,
+                    yield ev
+                yield EndEvent(request_id=rid, status="ok" if n_err == 0 else "error", num_samples=n_ok, num_errors=n_err,
                                weight_version=version, elapsed_s=time.monotonic() - t_accept)
-                yield _encode(end, req.stream_format)
                 finished = True
             finally:
                 m.active_streams.dec()
@@ -502,6 +527,7 @@ def create_app(
 
     from foursight.trainer_bridge.openai_api import make_router  # /v1/completions, /v1/chat/completions
 
+    state.admit, state.events = admit, events  # the OpenAI routes sample through the same path
     app.include_router(make_router(state))  # the API key, Host/Origin and body limit: the guards' middleware
     return app
 
