@@ -281,36 +281,31 @@ def remove_interrupted_runs(out_dir: Path) -> list[Path]:
     return gone
 
 
-def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force) -> None:
+def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> list[str]:
+    """Write ``tensors`` into ``folder`` as ``model.safetensors``, or as
+    ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` when they
+    exceed ``max_shard_bytes`` (default :data:`SHARD_BYTES`): huggingface_hub's splitter, the
+    layout transformers, vLLM and SGLang read. Every file carries the FourSight metadata. Returns the file names."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_bytes or SHARD_BYTES)
+    meta = {"format": "pt", "quant_method": schema.QUANT_METHOD, "format_version": str(schema.FORMAT_VERSION)}
+    for fname, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n].contiguous() for n in names}, str(folder / fname), metadata=meta)
+    if split.is_sharded:
+        (folder / schema.SAFETENSORS_INDEX).write_text(
+            json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
+    return list(split.filename_to_tensors)
+
+
+def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
         (tmp / INCOMPLETE_MARKER).write_text("written by foursight quantize; removed when the checkpoint is complete\n")
-        names = list(tensors)
-        shards: list[list[str]] = [[]]
-        size = 0
-        for n in names:
-            b = tensors[n].numel() * tensors[n].element_size()
-            if shards[-1] and size + b > SHARD_BYTES:
-                shards.append([])
-                size = 0
-            shards[-1].append(n)
-            size += b
-        meta = {"format": "pt", "quant_method": schema.QUANT_METHOD, "format_version": str(schema.FORMAT_VERSION)}
-        if len(shards) == 1:
-            save_file({n: tensors[n].contiguous() for n in shards[0]}, str(tmp / "model.safetensors"), metadata=meta)
-        else:
-            weight_map = {}
-            for i, sh in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: tensors[n].contiguous() for n in sh}, str(tmp / fname), metadata=meta)
-                weight_map.update({n: fname for n in sh})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-            )
+        write_safetensors(tmp, tensors)
         hf_cfg = model.config.to_dict()
         hf_cfg["quantization_config"] = cfg.model_dump()
         hf_cfg["torch_dtype"] = "bfloat16"

@@ -272,11 +272,42 @@ def check_finite(name: str, t: torch.Tensor, where: str = "") -> None:
             raise CheckpointError(f"tensor {name}{where} holds {int(bad.sum())} non-finite value(s) (NaN/Inf)")
 
 
+#: the index of a sharded safetensors checkpoint (tensor name -> file), as transformers writes it
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _read_index(folder: Path) -> dict[str, list[str]] | None:
+    """File -> tensor names of ``folder``'s safetensors index, or None without one. Raises
+    :class:`CheckpointError` naming the index or the file it lists that is missing."""
+    p = folder / SAFETENSORS_INDEX
+    if not p.is_file():
+        return None
+    try:
+        wm = json.loads(p.read_text())["weight_map"]
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise TypeError("weight_map is not an object of tensor name -> file name")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{p}: unreadable safetensors index ({type(e).__name__}: {e})") from None
+    out: dict[str, list[str]] = {}
+    for name, fname in wm.items():
+        if Path(fname).name != fname:
+            raise CheckpointError(f"{p}: tensor {name} maps to {fname!r}, not a file of this folder")
+        out.setdefault(fname, []).append(name)
+    for fname in out:
+        if not (folder / fname).is_file():
+            raise CheckpointError(f"{p} lists {fname} (tensor {out[fname][0]}), which does not exist")
+    return out
+
+
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors file ``path``, or every ``*.safetensors`` of the folder ``path`` (sorted).
-    Raises :class:`CheckpointError` naming the path when there is none."""
+    """The safetensors file ``path``, or the files of the folder ``path``: those its
+    ``model.safetensors.index.json`` lists when it has one (other files are not read, as in
+    transformers), else every ``*.safetensors`` (sorted). Raises :class:`CheckpointError` naming the path when there is none."""
     p = Path(path)
     if p.is_dir():
+        index = _read_index(p)
+        if index is not None:
+            return [p / f for f in sorted(index)]
         files = sorted(p.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{p}: no .safetensors files")
@@ -287,21 +318,35 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
 
 
 def iter_safetensors(path: str | os.PathLike, check: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of a safetensors file or folder (:func:`safetensors_files`), in file order.
+    """``(name, tensor)`` of a safetensors file or folder (:func:`safetensors_files`), one tensor
+    at a time (memory-mapped, never a whole file), in file order.
 
     The one reader of checkpoints and weight updates: a truncated or unreadable file raises
-    :class:`CheckpointError` naming the file, and with ``check`` every tensor goes through
-    :func:`check_finite` (the error names the tensor and the file).
+    :class:`CheckpointError` naming the file; in a sharded folder every tensor the index lists
+    must be in its file and every tensor of a listed file in the index (a stale or mixed-up shard
+    is named); with ``check`` every tensor goes through :func:`check_finite` (the error names the
+    tensor and the file).
     """
     from safetensors import safe_open
 
+    p = Path(path)
+    index = _read_index(p) if p.is_dir() else None
     for f in safetensors_files(path):
         try:
             handle = safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
             raise CheckpointError(f"safetensors file {f} is truncated or unreadable ({type(e).__name__}: {e})") from None
         with handle:
-            for name in handle.keys():
+            keys = list(handle.keys())
+            if index is not None:
+                listed = index[f.name]
+                missing = sorted(set(listed) - set(keys))
+                if missing:
+                    raise CheckpointError(f"tensor {missing[0]}: {SAFETENSORS_INDEX} puts it in {f}, which does not hold it")
+                extra = sorted(set(keys) - set(listed))
+                if extra:
+                    raise CheckpointError(f"tensor {extra[0]} in {f} is not in {SAFETENSORS_INDEX} (a stale or mixed-up shard?)")
+            for name in keys:
                 try:
                     t = handle.get_tensor(name)
                 except Exception as e:  # noqa: BLE001

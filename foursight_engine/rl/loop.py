@@ -24,11 +24,9 @@ def state_dict_sha256(model_dir: str | Path) -> str:
     independent of the safetensors file layout: to check that two conversions are bit-identical."""
     import hashlib
 
-    from safetensors.torch import load_file
+    from foursight.schema import iter_safetensors
 
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        sd.update(load_file(str(f)))
+    sd = dict(iter_safetensors(model_dir, check=False))
     h = hashlib.sha256()
     for name in sorted(sd):
         t = sd[name].contiguous()
