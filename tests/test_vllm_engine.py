@@ -332,6 +332,19 @@ def test_non_finite_checkpoint_refuses_to_load_in_vllm_naming_the_tensor(tiny_ck
         make_llm(bad)
 
 
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"])
+def test_non_finite_bf16_weight_refuses_online_quantization_naming_the_tensor(tiny_llama_dir, tmp_path, monkeypatch, tensor):
+    """Online mode (a BF16 model served with --quantization foursight): a NaN in a linear weight
+    (quantized by FourSight at load) or in a norm (loaded by vLLM's own loader) stops the load
+    naming the tensor, before any request."""
+    from foursight.schema import CheckpointError
+
+    monkeypatch.delenv("FOURSIGHT_CHANNELS_FILE", raising=False)
+    bad = _broken(Path(tiny_llama_dir), tmp_path / "bad", _set(tensor, 11, float("nan")))
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {tensor}") + r".*non-finite"):
+        make_llm(bad, quantization="foursight")
+
+
 def test_non_finite_update_is_rejected_by_the_worker_and_previous_weights_keep_serving(llm_fs, tiny_llama_dir, tmp_path):
     """foursight_update_weights with a NaN in model.norm.weight (the engine's own path, no bridge):
     the error names the tensor, the version is unchanged and the engine's logprobs are bit-equal
