@@ -220,12 +220,20 @@ def export(
 def import_(
     ckpt: Path = typer.Argument(..., help="A compressed-tensors NVFP4 checkpoint (nvfp4-pack-quantized, e.g. from llm-compressor)."),
     out: Path = typer.Option(..., "--out", help="FourSight checkpoint folder to write."),
+    channels: ChannelsOption = "0",
+    calib: CalibOption = None,
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
 ):
-    """Convert a compressed-tensors NVFP4 checkpoint into a FourSight k = 0 checkpoint (--quantization foursight serves it)."""
+    """Convert a compressed-tensors NVFP4 checkpoint into a FourSight checkpoint (--quantization foursight serves it).
+
+    --channels defaults to 0 here: the NVFP4 tensors copied bit for bit as a k = 0 checkpoint. With k > 0 (W4A4
+    checkpoints only) the same tensors are kept bit for bit and, per input group, the k highest-variance input
+    channels (calibrated on the dequantized model, --calib) run in BF16 against the dequantized weight columns;
+    the static input scales are recalibrated.
+    """
     from foursight.interop import import_compressed_tensors
 
-    console.print(f"[green]wrote[/] {import_compressed_tensors(ckpt, out, force=force)}")
+    console.print(f"[green]wrote[/] {import_compressed_tensors(ckpt, out, channels=channels, calib=calib, force=force)}")
 
 
 def main() -> None:

@@ -14,7 +14,10 @@ the same E2M1 codes and nibble order, E4M3 block scales of 16, FP32 global scale
 * :func:`import_compressed_tensors` turns a compressed-tensors NVFP4 checkpoint into a FourSight
   k = 0 checkpoint (static activation scales: compressed-tensors' convention), which
   ``--quantization foursight``, ``foursight inspect`` and the reference model take; every other
-  compressed-tensors scheme is refused naming the field.
+  compressed-tensors scheme is refused naming the field. With a channel budget (``channels``
+  giving k > 0, W4A4 only) it adds activation-side compensation (:func:`compensate_import`): S is
+  chosen by calibrating the dequantized model, the NVFP4 tensors stay the imported ones bit for
+  bit, ``weight_bf16`` is ``deq(Wq)[:, S]`` and the static input scales are recalibrated.
 * :func:`refuse_quantized_model` is what ``quantize`` and ``calibrate`` say when given a model that
   is already quantized.
 """
@@ -126,9 +129,11 @@ def _linear_names(hf_cfg: dict[str, Any]) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool) -> Path:
+def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool,
+          channels_file: "schema.ChannelsFile | None" = None) -> Path:
     """Write ``config.json``, one ``model.safetensors`` and the tokenizer/generation files of
-    ``src_dir`` to ``out_dir`` atomically (a temporary folder beside it, then renamed)."""
+    ``src_dir`` (and ``channels_file`` as ``foursight_channels.json`` when given) to ``out_dir``
+    atomically (a temporary folder beside it, then renamed)."""
     from safetensors.torch import save_file
 
     if out_dir.exists() and not force:
@@ -142,6 +147,8 @@ def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[st
             if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template"))
                                 or f.name in ("vocab.json", "merges.txt")):
                 shutil.copy2(f, tmp / f.name)
+        if channels_file is not None:
+            channels_file.write(tmp / schema.CHANNELS_FILE)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -192,11 +199,162 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
     return _save(out_dir, ckpt_dir, hf_cfg, out, force)
 
 
-def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """Convert a compressed-tensors NVFP4 checkpoint into a FourSight k = 0 checkpoint
-    (:func:`read_compressed_tensors`, then written atomically)."""
+def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels: str | int = "0", calib: str | Path | None = None,
+                              force: bool = False, *, batch_size: int = 8, max_length: int = 256, progress: bool = True) -> Path:
+    """Convert a compressed-tensors NVFP4 checkpoint into a FourSight checkpoint, written atomically.
+
+    Args:
+        ct_dir: a compressed-tensors ``nvfp4-pack-quantized`` folder (:func:`read_compressed_tensors`).
+        out_dir: the FourSight checkpoint folder to write (must not exist unless ``force``).
+        channels: BF16 channels per input group, as ``foursight quantize --channels``: a count or a
+            percentage of K (:func:`foursight.schema.parse_channel_budget`). When it gives k = 0 for
+            every layer (the default) the result is the plain k = 0 import: no calibration, the
+            checkpoint's own static input scales. Otherwise :func:`compensate_import` adds the channels.
+        calib: calibration JSONL for the channel choice (None: the built-in texts ``quantize`` uses);
+            only used when ``channels`` gives k > 0.
+        batch_size, max_length, progress: of the calibration (as ``quantize``).
+    Raises:
+        CheckpointError naming the field, layer or tensor (a scheme FourSight cannot read, a
+        ``channels`` budget with k ≥ K for some layer, compensation asked of a W4A16 checkpoint).
+    """
+    ct_dir = Path(ct_dir)
     hf_cfg, tensors = read_compressed_tensors(ct_dir)
-    return _save(Path(out_dir), Path(ct_dir), hf_cfg, tensors, force)
+    ks = _budget_per_layer(tensors, channels)
+    if not any(ks.values()):
+        return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force)
+    hf_cfg, tensors, cf = compensate_import(ct_dir, hf_cfg, tensors, channels, calib, batch_size=batch_size,
+                                            max_length=max_length, progress=progress)
+    return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force, channels_file=cf)
+
+
+def _budget_per_layer(tensors: dict[str, torch.Tensor], channels: str | int) -> dict[str, int]:
+    """k of every FourSight module of ``tensors`` under the budget ``channels`` (checked against each
+    layer's K before any slow work; CheckpointError names the layer)."""
+    out = {}
+    for n, t in tensors.items():
+        if n.endswith("." + schema.WEIGHT_PACKED):
+            name = n[: -len(schema.WEIGHT_PACKED) - 1]
+            out[name] = schema.parse_channel_budget(channels, 2 * t.shape[1], layer=name)
+    return out
+
+
+def dequantized_model(hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor]):
+    """The BF16 HF model of a FourSight checkpoint's ``(config, tensors)`` with every FourSight
+    module as a plain ``nn.Linear`` holding its dequantized weight (``dequantize_weight`` in BF16,
+    BF16 channels included) and every other parameter as stored. CheckpointError names a missing
+    or unexpected tensor."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from foursight.checkpoint import split_modules
+    from foursight.layer import dequantize_weight
+
+    qc = schema.FourSightConfig.parse(hf_cfg["quantization_config"])
+    raw = {k: v for k, v in hf_cfg.items() if k != "quantization_config"}
+    config = AutoConfig.for_model(**raw)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    mods, rest = split_modules(tensors)
+    sd = dict(rest)
+    for name, t in mods.items():
+        n_out, k_half = t[schema.WEIGHT_PACKED].shape
+        qw = schema.decode_module(name, t, n_out, 2 * k_half, qc.channels_for(name))
+        sd[f"{name}.weight"] = dequantize_weight(qw, torch.bfloat16)
+        if schema.BIAS in t:
+            sd[f"{name}.bias"] = t[schema.BIAS]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} in checkpoint")
+    if tied:
+        model.tie_weights()
+    return model.eval()
+
+
+def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], channels: str | int,
+                      calib: str | Path | None = None, batch_size: int = 8, max_length: int = 256,
+                      progress: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor], "schema.ChannelsFile"]:
+    """Add activation-side compensation to the FourSight k = 0 form ``(hf_cfg, tensors)`` of an
+    imported W4A4 checkpoint (:func:`read_compressed_tensors` of ``ct_dir``, whose tokenizer is used).
+
+    1. The dequantized BF16 model (:func:`dequantized_model`) runs the calibration of ``foursight
+       quantize`` (:func:`foursight.calibration.collect_stats` on ``calib`` or the built-in texts):
+       per input group (q/k/v, gate/up share one) the channel variance and the input amax.
+    2. Per group, k from ``channels`` exactly as ``quantize_model`` turns its ``--channels`` into k
+       (:func:`foursight.checkpoint._choose_k`), S = the top-k channels by variance
+       (:func:`foursight.calibration.select_channels`).
+    3. Per member: ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` stay the imported
+       tensors **bit for bit**; ``bf16_channels`` = S; ``weight_bf16`` = ``deq(Wq)[:, S]`` in BF16
+       (the dequantized weight is the only one there is); ``input_global_scale`` =
+       ``448·6 / amax`` of the calibrated FP4 part of the input (S zeroed), shared by the group —
+       ``quantize``'s static scale. ``config.json``'s ``channels``, ``channel_selection`` and
+       ``channel_budget`` are written as ``quantize`` writes them, and the channels file as
+       ``foursight_channels.json``.
+
+    The packed codes of the S columns are *not* zeroed, and need not be: every FourSight forward
+    multiplies them by activation columns that are exactly 0 (:func:`foursight.layer.reference_linear`
+    zeroes X[:, S] before quantizing, or in W4A16, and code 0 dequantizes to 0; the CUDA execution
+    form zeroes those nibbles itself, ``kernels/prepared.py``), so the output is the same as with
+    zeroed codes (tested bit for bit on the reference model).
+
+    Compensation needs quantized activations: with only the dequantized weights, a W4A16 layer's
+    ``X[:, S] · deq(Wq)[:, S]ᵀ`` is the product the FP4 part already computes, so a W4A16 import is
+    refused (CheckpointError naming the field).
+    Returns ``(hf_cfg, tensors, channels_file)``.
+    """
+    from transformers import AutoTokenizer
+
+    from foursight.calibration import collect_stats, load_calibration_texts, select_channels
+    from foursight.checkpoint import _choose_k, find_linears, split_modules
+    from foursight.layer import dequantize_weight
+
+    ct_dir = Path(ct_dir)
+    qc = schema.FourSightConfig.parse(hf_cfg["quantization_config"])
+    if qc.activation_dtype != "nvfp4":
+        raise CheckpointError(
+            f"{ct_dir / 'config.json'}: --channels {channels} asks for BF16 channels, but the checkpoint is W4A16 "
+            "(quantization_config.config_groups.*.input_activations is null): its activations are not quantized and only the "
+            "dequantized weights exist, so X[:, S]·deq(W)[:, S] is what the FP4 part already computes and compensation changes "
+            "nothing; import it with --channels 0")
+    _budget_per_layer(tensors, channels)  # every layer's K checked before the slow part
+    mods, rest = split_modules(tensors)
+    model = dequantized_model(hf_cfg, tensors)
+    names = find_linears(model, qc)
+    absent = sorted(set(names) ^ set(mods))
+    if absent:
+        raise CheckpointError(f"layer {absent[0]}: FourSight tensors and the model's quantized linear layers differ")
+    tok = AutoTokenizer.from_pretrained(ct_dir)
+    groups = collect_stats(model, tok, load_calibration_texts(calib), names, batch_size=batch_size, max_length=max_length,
+                           progress=progress)
+    never = [n for n in names if not any(n in g.members for g in groups.values())]
+    if never:
+        raise CheckpointError(f"layers never called during calibration: {never[:5]}")
+    out = dict(rest)
+    cf = schema.ChannelsFile()
+    ks: dict[str, int] = {}
+    for g in groups.values():
+        deq = {n: model.get_submodule(n).weight.detach() for n in g.members}
+        k = _choose_k(g, list(deq.values()), str(channels), None, None)
+        ch = select_channels(g.stats.variance, k)
+        fp4_amax = g.stats.fp4_amax(ch)
+        in_gs = schema.static_input_scale([fp4_amax])
+        for n in g.members:
+            t = dict(mods[n])
+            n_out, k_half = t[schema.WEIGHT_PACKED].shape
+            qw0 = schema.decode_module(n, t, n_out, 2 * k_half, 0)
+            t[schema.BF16_CHANNELS] = ch.clone()
+            t[schema.WEIGHT_BF16] = dequantize_weight(qw0, torch.float32, include_bf16=False)[:, ch.long()].to(torch.bfloat16).contiguous()
+            t[schema.INPUT_GLOBAL_SCALE] = in_gs.clone()
+            schema.decode_module(n, t, n_out, 2 * k_half, k)
+            out.update({f"{n}.{s}": v for s, v in t.items()})
+            ks[n] = k
+            cf.channels[n] = [int(c) for c in ch]
+            cf.input_amax[n] = fp4_amax
+    fs = qc.model_copy(update={"channels": {n: ks[n] for n in names}, "channel_budget": str(channels),
+                               "channel_selection": "calibration" if any(ks.values()) else "none"})
+    hf_cfg = dict(hf_cfg, quantization_config=schema.FourSightConfig.parse(fs.model_dump()).model_dump())
+    return hf_cfg, out, cf
 
 
 def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
