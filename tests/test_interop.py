@@ -6,6 +6,7 @@ compressed-tensors method."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -39,53 +40,11 @@ def exported(fs0, tmp_path_factory) -> Path:
     return export_compressed_tensors(fs0, tmp_path_factory.mktemp("ct") / "ct")
 
 
-def library_ct_checkpoint(bf16_dir: Path, out: Path, w4a4: bool = True) -> Path:
-    """A compressed-tensors NVFP4 checkpoint made by the compressed-tensors library alone: its
-    global-scale and block-scale helpers, its NVFP4 compressor and its config (llm-compressor's
-    steps without the calibration loop; the input scale from one forward's max |x|)."""
-    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
-    scheme = preset_name_to_scheme("NVFP4" if w4a4 else "NVFP4A16", ["Linear"])
-    amax: dict[str, float] = {}
-    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: amax.__setitem__(n, float(a[0].abs().max())))
-             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-    tok = AutoTokenizer.from_pretrained(bf16_dir)
-    with torch.no_grad():
-        model(**tok("The quick brown fox jumps over the lazy dog. 12 + 30 = 42.", return_tensors="pt"))
-    for h in hooks:
-        h.remove()
-    sd = {}
-    for n, m in model.named_modules():
-        if not isinstance(m, torch.nn.Linear) or n == "lm_head":
-            continue
-        w = m.weight.detach()
-        gs = generate_gparam(w.float().min(), w.float().max()).reshape(1)
-        blocks = w.float().reshape(w.shape[0], -1, 16)
-        scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, global_scale=gs)
-        local = {"weight": w, "weight_scale": scale, "weight_global_scale": gs}
-        if w4a4:
-            local["input_global_scale"] = generate_gparam(torch.tensor(-amax[n]), torch.tensor(amax[n])).reshape(1)
-        for k, v in NVFP4PackedCompressor.compress(local, scheme).items():
-            sd[f"{n}.{k}"] = v.detach().contiguous()
-        if m.bias is not None:
-            sd[f"{n}.bias"] = m.bias.detach()
-    for k, v in model.state_dict().items():
-        if k.rsplit(".", 1)[0] not in {p.rsplit(".", 1)[0] for p in sd} and not (k.endswith("weight") and f"{k[:-7]}.weight_packed" in sd):
-            sd.setdefault(k, v.contiguous())
-    out.mkdir(parents=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="nvfp4-pack-quantized",
-                            quantization_status=QuantizationStatus.COMPRESSED, ignore=["lm_head"]).to_dict()
-    qc["quant_method"] = "compressed-tensors"
-    cfg = json.loads((bf16_dir / "config.json").read_text())
-    cfg["quantization_config"] = json.loads(json.dumps(qc, default=str))
-    (out / "config.json").write_text(json.dumps(cfg))
-    tok.save_pretrained(out)
-    return out
+_CT_SPEC = importlib.util.spec_from_file_location("ct_library", Path(__file__).resolve().parents[1] / "benchmarks" / "ct_library.py")
+_ct_library = importlib.util.module_from_spec(_CT_SPEC)
+_CT_SPEC.loader.exec_module(_ct_library)
+#: the compressed-tensors library's own NVFP4 checkpoint of a BF16 folder (benchmarks/ct_library.py)
+library_ct_checkpoint = _ct_library.library_ct_checkpoint
 
 
 # ---- export -----------------------------------------------------------------------------------
