@@ -41,12 +41,13 @@ CASES: list[Case] = [
           f"{BH}::test_sample_timeout_stops_the_hf_generation",
           f"{BH}::test_health_fails_while_the_hf_engine_cannot_complete_a_request",
           f"{BE}::test_fields_checked_against_the_served_model_name_the_field",
-          f"{BE}::test_per_request_token_budget_names_the_field"),
+          f"{BE}::test_per_request_token_budget_names_the_field",
+          f"{BH}::test_requests_share_the_hf_engine_equally_whatever_their_sample_count"),
          "the HF engine serves its samples round-robin (4 tokens a turn, a KV cache and a seeded generator per sample): "
          "a 1-token request finishes while a 1000-token one runs, results bit-identical to running alone; timeout and "
          "disconnect drop the sample; health's probe fails only when the model cannot complete a forward; "
          "`--max-tokens-cap` bounds a sample and `--max-request-tokens` a request (n x the prompts' max_tokens). Fair "
-         "across samples, not requests: a request with many samples gets a proportional share (bounded by `--max-queue`)"),
+         "across requests, then samples: a request of 6 samples gets the turns of a request of 1"),
     Case("medium", "weight update with NaN in `model.norm.weight` accepted by vLLM, version bumped", "fixed",
          (f"{BV}::test_engine_restart_after_an_update_is_detected_and_refused",
           f"{BH}::test_non_finite_update_is_rejected_and_previous_weights_keep_serving",

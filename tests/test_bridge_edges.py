@@ -36,7 +36,7 @@ class CountingEngine(Engine):
     def vocab_size(self):
         return self._vocab
 
-    async def generate(self, prompt_ids, params, max_tokens, seed):
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None):
         self.generated += 1
         await asyncio.sleep(0.01)
         return Rollout(prompt_ids=prompt_ids, token_ids=[3] * max_tokens, logprobs=[-0.1] * max_tokens, finish_reason="length")

@@ -3,6 +3,7 @@ re-quantization), version tags, timeouts and bad updates."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -407,3 +408,29 @@ def test_hf_engine_reload_is_detected_and_rollouts_refused_until_an_update(tiny_
         assert float((lt - lr)[mask].abs().max()) < 0.1  # the new weights are served again
     finally:
         b.stop()
+
+
+def test_requests_share_the_hf_engine_equally_whatever_their_sample_count(tiny_llama_dir):
+    """Fairness is per request, then per sample: one request of 6 long samples and one of a single
+    sample, submitted at once: the single sample gets every other turn, so it finishes while each
+    of the 6 has made well under half its tokens (per-sample round-robin would give it 1 turn in 7,
+    finishing with the others). Without a request, samples are their own groups (as before)."""
+    from foursight.trainer_bridge.protocol import SamplingParams
+
+    eng = HFEngine(tiny_llama_dir, slice_tokens=2)
+    asyncio.run(eng.start())
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with eng._lock:  # hold the scheduler until every sample is queued
+        big = [eng._submit([5, 6, 7 + i], sp, 40, 0, None, request="big") for i in range(6)]
+        small = eng._submit([9, 10], sp, 40, 0, None, request="small")
+    small.future.result(timeout=300)
+    progress = [len(s.token_ids) for s in big]
+    assert all(p <= 16 for p in progress), progress  # ~ 40/6 + a slice each; 40 for per-sample round-robin
+    for s in big:
+        assert len(s.future.result(timeout=300).token_ids) == 40
+    # the same with no request given: 7 groups of one, so the small one finishes among the others
+    with eng._lock:
+        big = [eng._submit([5, 6, 7 + i], sp, 40, 0, None) for i in range(6)]
+        small = eng._submit([9, 10], sp, 40, 0, None)
+    small.future.result(timeout=300)
+    assert min(len(s.token_ids) for s in big) >= 36

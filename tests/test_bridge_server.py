@@ -30,7 +30,7 @@ class ScriptedEngine(Engine):
         self.fail_prompt_token = fail_prompt_token
         self.version = 0
 
-    async def generate(self, prompt_ids, params, max_tokens, seed):
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None):
         self.calls += 1
         await asyncio.sleep(self.delay_s * (1 + (seed or 0) % 3))
         if self.fail_prompt_token is not None and prompt_ids[0] == self.fail_prompt_token:
@@ -132,7 +132,7 @@ class RestartingEngine(ScriptedEngine):
         super().__init__(delay_s=0.02)
         self.boot, self.crash_at, self.gen_calls = "boot-1", crash_at, 0
 
-    async def generate(self, prompt_ids, params, max_tokens, seed):
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None):
         self.gen_calls += 1
         if self.gen_calls == self.crash_at:
             self.boot, self.version = "boot-2", 0

@@ -124,9 +124,12 @@ class Engine(ABC):
         return await asyncio.to_thread(self.tokenizer.encode, prompt)
 
     @abstractmethod
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> Rollout:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
+                       request: str | None = None) -> Rollout:
         """Sample one continuation of ``prompt_ids`` with the sampled tokens' logprobs (the
-        :class:`Rollout`'s bridge fields left at their defaults)."""
+        :class:`Rollout`'s bridge fields left at their defaults). ``request`` names the bridge
+        request the sample belongs to: an engine that schedules in this process (the HF engine)
+        shares its time between requests by it; engine servers schedule themselves and ignore it."""
 
     async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         """Teacher-forced log-probs (raw: log-softmax of the logits) of ``token_ids`` after ``prompt_ids``."""
@@ -276,7 +279,7 @@ class VLLMHTTPEngine(_HTTPEngine):
             raise EngineError(f"{name}: {len(ids)} tokens but {len(vals)} logprobs")
         return Rollout(prompt_ids=list(prompt_ids or []), token_ids=ids, logprobs=vals, finish_reason=str(ch.get("finish_reason") or "unknown"))
 
-    async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None) -> Rollout:
         r = await self.client.post("/v1/completions", json=self.completion_body(prompt_ids, params, max_tokens, seed))
         if r.status_code != 200:
             raise EngineError(f"{self.name}: /v1/completions -> {r.status_code} {r.text[:300]}")
@@ -419,7 +422,7 @@ class SGLangHTTPEngine(_HTTPEngine):
             raise EngineError(f"{name}: request aborted by the engine: {data['meta_info'].get('finish_reason')}")
         return Rollout(prompt_ids=list(prompt_ids or []), token_ids=ids, logprobs=vals, finish_reason=reason or "unknown")
 
-    async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None) -> Rollout:
         r = await self.client.post("/generate", json=self.generate_body(prompt_ids, params, max_tokens, seed))
         if r.status_code != 200:
             raise EngineError(f"{self.name}: /generate -> {r.status_code} {r.text[:300]}")
@@ -491,7 +494,7 @@ def read_safetensors(path: str | Path) -> dict[str, Any]:
 class _HFSample:
     """One sample of the HF engine's round-robin scheduler: its own KV cache and RNG."""
 
-    def __init__(self, prompt_ids, params, max_tokens, seed, eos, cancel, decode=None):
+    def __init__(self, prompt_ids, params, max_tokens, seed, eos, cancel, decode=None, group: Any = None):
         import random
 
         import torch
@@ -502,6 +505,9 @@ class _HFSample:
         self.eos = eos
         self.cancel = cancel
         self.decode = decode  # token ids -> text, for stop strings
+        # the scheduler's round-robin is over groups (bridge requests), then over a group's samples;
+        # a sample without a request is a group of its own
+        self.group = group if group is not None else ("sample", id(self))
         # a per-sample generator: the draws of one sample do not depend on the others
         self.gen = torch.Generator(device="cpu").manual_seed(int(seed) if seed is not None else random.getrandbits(63))
         self.cache: Any = None
@@ -576,11 +582,13 @@ def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
 
 
 class HFEngine(Engine):
-    """A Hugging Face causal LM in this process (CPU or CUDA); samples share it round-robin.
+    """A Hugging Face causal LM in this process (CPU or CUDA); requests share it round-robin.
 
-    One scheduler thread serves the active samples in turn, ``slice_tokens`` decode steps per
-    turn, each sample with its own KV cache and seeded ``torch.Generator`` (:meth:`_run`), so a
-    short request is not starved by a long one and a sample's result does not depend on the others.
+    One scheduler thread serves the active requests in turn and, within a request, its samples in
+    turn, ``slice_tokens`` decode steps per turn, each sample with its own KV cache and seeded
+    ``torch.Generator`` (:meth:`_run`): a request gets an equal share of the model whatever the
+    others ask for (one with ``n=64`` long samples does not slow a one-sample request 64-fold),
+    none is starved, and a sample's result does not depend on the others.
 
     Loads ``model_dir`` as BF16, or, when its ``config.json`` has a FourSight
     ``quantization_config``, as the FourSight reference model (:func:`foursight.hf.load_reference_model`).
@@ -603,7 +611,8 @@ class HFEngine(Engine):
         self.tokenizer = LocalTokenizer(tok) if tok else None
         self._lock = threading.Lock()  # the model: one forward (a scheduler turn, a score, an update) at a time
         self._cv = threading.Condition()
-        self._queue: collections.deque[_HFSample] = collections.deque()
+        #: active samples by group (bridge request), in round-robin order of the groups
+        self._groups: dict[Any, collections.deque[_HFSample]] = {}
         self._current: _HFSample | None = None
         self._worker: threading.Thread | None = None
         #: tokens a sample generates per scheduler turn before the next active sample's turn
@@ -644,15 +653,28 @@ class HFEngine(Engine):
             ids.update(int(x) for x in e)
         return ids
 
+    def _push(self, s: _HFSample) -> None:
+        """Queue ``s`` at the end of its group (a new group goes to the end of the rotation); under ``_cv``."""
+        self._groups.setdefault(s.group, collections.deque()).append(s)
+
+    def _pop(self) -> _HFSample:
+        """The next turn: the first sample of the first group; the group moves to the end of the rotation. Under ``_cv``."""
+        key = next(iter(self._groups))
+        q = self._groups.pop(key)
+        s = q.popleft()
+        if q:
+            self._groups[key] = q
+        return s
+
     def _submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
-                cancel: threading.Event | None) -> _HFSample:
+                cancel: threading.Event | None, request: str | None = None) -> _HFSample:
         eos = self._eos_ids() | set(params.stop_token_ids) if not params.ignore_eos else set(params.stop_token_ids)
         if params.stop and self.tokenizer is None:
             raise EngineError(f"{self.name}: stop strings need a tokenizer (pass --tokenizer or --model)")
         decode = self.tokenizer.tok.decode if self.tokenizer is not None else None
-        s = _HFSample(prompt_ids, params, max_tokens, seed, eos, cancel, decode)
+        s = _HFSample(prompt_ids, params, max_tokens, seed, eos, cancel, decode, group=request)
         with self._cv:
-            self._queue.append(s)
+            self._push(s)
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._run, name=f"{self.name}-scheduler", daemon=True)
                 self._worker.start()
@@ -663,27 +685,30 @@ class HFEngine(Engine):
     def active_samples(self) -> int:
         """Samples submitted and not yet finished, failed or cancelled (the scheduler's queue)."""
         with self._cv:
-            return len(self._queue) + (self._current is not None)
+            return sum(len(q) for q in self._groups.values()) + (self._current is not None)
 
     def active_progress(self) -> list[int]:
         """Tokens generated so far by each active sample (the one in its turn first, then the queue)."""
         with self._cv:
-            return [len(s.token_ids) for s in ([self._current] if self._current is not None else []) + list(self._queue)]
+            queued = [x for q in self._groups.values() for x in q]
+            return [len(s.token_ids) for s in ([self._current] if self._current is not None else []) + queued]
 
     def _run(self) -> None:
-        """The scheduler: round-robin over the active samples, ``slice_tokens`` tokens per turn.
+        """The scheduler: round-robin over the active requests and, within one, over its samples,
+        ``slice_tokens`` tokens per turn.
 
         A sample takes its turn (prefill + first tokens, or the next slice) under the engine lock
-        and goes back to the end of the queue; a cancelled one is dropped before its next turn or
-        at its next token. So a sample waits at most one slice of each other active sample per
-        turn, and a short request does not wait for a long one to end."""
+        and goes back to the end of its request's queue, the request to the end of the rotation; a
+        cancelled one is dropped before its next turn or at its next token. So a request waits at
+        most one slice of each other active request per turn, and a short request does not wait
+        for a long one to end."""
         import torch
 
         while True:
             with self._cv:
-                while not self._queue:
+                while not self._groups:
                     self._cv.wait()
-                s = self._current = self._queue.popleft()
+                s = self._current = self._pop()
             try:
                 if s.future.cancelled() or (s.cancel is not None and s.cancel.is_set()):
                     _settle(s.future, exc=EngineError(f"{self.name}: cancelled after {len(s.token_ids)} tokens"))
@@ -703,26 +728,26 @@ class HFEngine(Engine):
                                                 finish_reason=s.finish_reason, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k))
                 else:
                     with self._cv:
-                        self._queue.append(s)
+                        self._push(s)
                         self._current = None
             finally:
                 with self._cv:
                     self._current = None
 
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
-                      cancel: threading.Event | None = None) -> Rollout:
+                      cancel: threading.Event | None = None, request: str | None = None) -> Rollout:
         """Blocking generation through the round-robin scheduler (:meth:`_run`).
 
         ``cancel`` set (the caller went away or timed out) stops it at its next token, or before its
         next turn; it then raises :class:`EngineError`.
         """
-        return self._submit(prompt_ids, params, max_tokens, seed, cancel).future.result()
+        return self._submit(prompt_ids, params, max_tokens, seed, cancel, request).future.result()
 
-    async def generate(self, prompt_ids, params, max_tokens, seed) -> Rollout:
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None) -> Rollout:
         """The sample joins the scheduler's round-robin; when this call is cancelled (client
         disconnect, the bridge's per-sample timeout) the sample is dropped at its next token."""
         cancel = threading.Event()
-        s = self._submit(prompt_ids, params, max_tokens, seed, cancel)
+        s = self._submit(prompt_ids, params, max_tokens, seed, cancel, request)
         try:
             return await asyncio.wrap_future(s.future)
         except asyncio.CancelledError:

@@ -371,7 +371,7 @@ def create_app(
 
                         async def call(engine=engine):
                             await state.liveness.ensure(engine)  # an engine that failed a call is re-checked first
-                            return await engine.generate(prompt_ids[pi], sp, max_tokens, seed)
+                            return await engine.generate(prompt_ids[pi], sp, max_tokens, seed, request=rid)
 
                         try:
                             res = await asyncio.wait_for(call(), timeout)
