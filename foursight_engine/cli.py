@@ -3,7 +3,7 @@
 Verbs: ``models prepare|tiny``, ``calibrate``, ``quantize``, ``inspect``, ``export``, ``import``, ``serve`` (vLLM),
 ``bridge serve``, ``compare``, ``rl``. Every verb that takes ``--model`` defaults to the packaged SmolLM2-135M-Instruct;
 ``--channels`` means BF16 channels per input (a count or a percentage of K) and defaults to 32
-everywhere; errors print ``error: <message>`` and exit 2 (:mod:`foursight.cli_util`).
+wherever a BF16 model is calibrated (``import`` defaults to 0: compensation is opt-in there); errors print ``error: <message>`` and exit 2 (:mod:`foursight.cli_util`).
 """
 
 from __future__ import annotations

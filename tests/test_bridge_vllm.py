@@ -300,8 +300,9 @@ def test_zz_engine_killed_mid_stream(bridge, client, vllm_server):
                 ev = json.loads(line)
                 events.append(ev)
                 if t_kill is None and ev["type"] == "sample":
-                    # at once: the 900-token samples run ~1-2 s on the CPU engine, and a loaded
-                    # machine once let two of them finish within a 0.3 s pause (flaky)
+                    # at the first finished sample. Which of the others are done by then is up to
+                    # the CPU engine's scheduling (a 900-token sample has been seen to finish before
+                    # the third 2-token one), so the checks below hold for any split
                     vllm_server.kill()
                     t_kill = time.monotonic()
     kinds = [e["type"] for e in events]
@@ -311,9 +312,13 @@ def test_zz_engine_killed_mid_stream(bridge, client, vllm_server):
     errors = [e for e in events if e["type"] == "error"]
     assert end["status"] == "error"
     assert end["num_samples"] == len(samples) and end["num_errors"] == len(errors)
-    assert len(samples) + len(errors) == 6  # nothing silently lost
-    assert {(e["prompt_index"], e["sample_index"]) for e in samples} == {(0, 0), (0, 1), (0, 2)}
-    assert {(e["prompt_index"], e["sample_index"]) for e in errors} == {(1, 0), (1, 1), (1, 2)}
+    # nothing silently lost: every (prompt, sample) is reported once, as a sample or as an error
+    done = [(e["prompt_index"], e["sample_index"]) for e in samples]
+    failed = [(e["prompt_index"], e["sample_index"]) for e in errors]
+    assert sorted(done + failed) == [(p, i) for p in range(2) for i in range(3)]
+    assert failed, "the kill came after every sample had finished: nothing was tested"
+    # a reported sample is whole, never cut by the kill
+    assert all(len(e["token_ids"]) == (2, 900)[e["prompt_index"]] for e in samples)
     assert all(e["error"] and e["engine"].startswith("vllm@") for e in errors)
     # the client turns it into an exception; health reports the dead engine
     with pytest.raises(RolloutError) as ei:

@@ -41,14 +41,19 @@ def test_every_verb_is_mounted():
 
 
 def test_channels_has_one_default():
-    """``--channels`` is "BF16 channels per input (a count or a percentage of K)" in every verb, default 32."""
+    """``--channels`` is "BF16 channels per input (a count or a percentage of K)" in every verb, default 32
+    (DEFAULT_CHANNELS) wherever the command calibrates a BF16 model; ``import`` defaults to 0 (its NVFP4
+    tensors copied as they are), compensation being an opt-in there."""
+    from foursight.cli_util import DEFAULT_CHANNELS
+
     seen = {}
     for path, cmd in _commands().items():
         for p in cmd.params:
             if "--channels" in getattr(p, "opts", ()):
                 seen[path] = p.default
     assert set(seen) >= {"quantize", "calibrate", "compare", "rl"}
-    assert set(seen.values()) == {"32"}, seen
+    assert seen.pop("import") == "0"
+    assert DEFAULT_CHANNELS == "32" and set(seen.values()) == {DEFAULT_CHANNELS}, seen
 
 
 def test_shared_flags_mean_one_thing():
