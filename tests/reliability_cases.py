@@ -98,10 +98,13 @@ CASES: list[Case] = [
           "tests/sglang/test_server.py::test_non_finite_update_from_disk_is_refused_and_previous_weights_keep_serving"),
          "the plugin checks every tensor SGLang's weight iterator yields, and a local folder whole before any weight "
          "is written (SGLang's own rollback re-reads the new path); run in .venv-sglang"),
-    Case("build", "SGLang engine restart detection", "partial",
-         ("tests/sglang/test_server.py::test_bridge_engine_reads_the_version_sglang_serves",),
+    Case("build", "SGLang engine restart detection", "fixed",
+         ("tests/sglang/test_server.py::test_bridge_engine_reads_the_version_sglang_serves",
+          "tests/sglang/test_server.py::test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts"),
          "through the weight_version the bridge sends and reads back (/get_model_info); SGLang has no boot id, so a "
-         "restart is seen as the version falling back to 0; the restart itself is not exercised against SGLang"),
+         "restart is seen as the version falling back to 0: a real SGLang server restarted behind the bridge after "
+         "version 7 gives health 503 (stale) and refused rollouts, serves its original checkpoint (measured against "
+         "both references), and is in sync after the re-push"),
     Case("build", "engine killed mid-stream: error events, nothing lost; 100 concurrent streams", "fixed",
          ("tests/test_bridge_vllm.py::test_zz_engine_killed_mid_stream", "tests/test_bridge_vllm.py::test_sixty_concurrent_streams"),
          "kept passing (the concurrency test runs 60 streams)"),

@@ -256,3 +256,60 @@ def test_bridge_engine_reads_the_version_sglang_serves(server, tiny_ckpt):
     before, ack, after = asyncio.run(run())
     assert before is not None and isinstance(before["version"], int)
     assert ack["version"] == 7 and after == {"boot_id": "sglang", "version": 7}
+
+
+def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_ckpt, tiny_ckpt_b, tmp_path):
+    """Liveness against a real SGLang restart (issue 14): the bridge pushes version 7, the SGLang server
+    dies and comes back on its original checkpoint at the same URL. SGLang has no boot id; the bridge
+    sees the served version fall back to 0, reports the engine stale (health 503), refuses rollouts
+    rather than tagging them version 7, and is in sync again after the trainer pushes once more."""
+    from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient
+    from foursight.trainer_bridge.engines import SGLangHTTPEngine
+    from foursight.trainer_bridge.launch import BridgeThread
+    from foursight.trainer_bridge.server import create_app
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = [_launch(tiny_ckpt, port, tmp_path / "sglang1.log")]
+    probe = prompt_ids(tiny_ckpt, n=2)
+    bridge = None
+    try:
+        _wait_ready(procs[0], url, tmp_path / "sglang1.log")
+        bridge = BridgeThread(create_app([SGLangHTTPEngine(url)])).start()
+        prompts, sp = [[5, 6, 7, 8], [11, 12, 13]], {"max_tokens": 6, "temperature": 1.0, "seed": 3}
+        with RolloutClient(bridge.url) as c:
+            c.update_weights(version=7, path=str(tiny_ckpt_b))
+            h = c.health()
+            assert h["status"] == "ok" and h["engines"][0]["engine_version"] == 7, h
+
+            _stop(procs[0])  # the server dies and comes back on its checkpoint, same URL
+            procs.append(_launch(tiny_ckpt, port, tmp_path / "sglang2.log"))
+            _wait_ready(procs[1], url, tmp_path / "sglang2.log")
+
+            r = httpx.get(bridge.url + "/v1/health", timeout=60)
+            assert r.status_code == 503 and r.json()["status"] == "degraded", r.text
+            e = r.json()["engines"][0]
+            assert e["up"] is True and e["sync"] == "stale" and e["engine_version"] == 0, e
+            with pytest.raises(BridgeHTTPError) as ei:
+                c.generate(prompts, sp, n=2)
+            assert ei.value.status == 503 and "reports weight version 0" in str(ei.value)
+            stale = _server_logprobs(url, probe)
+
+            c.update_weights(version=8, path=str(tiny_ckpt_b))
+            h = c.health()
+            assert h["status"] == "ok" and h["engines"][0]["engine_version"] == 8, h
+            rs = c.generate(prompts, sp, n=2)
+            synced = _server_logprobs(url, probe)
+        assert len(rs) == 4 and {r.weight_version for r in rs} == {8}
+        # what the health said is what the server served: the restarted server was back on A (the
+        # checkpoint it started with), and after the re-push it serves B
+        ref_a = hf_prompt_logprobs(reference_model(tiny_ckpt), probe)
+        ref_b = hf_prompt_logprobs(reference_model(tiny_ckpt_b), probe)
+        for served, near, far in ((stale, ref_a, ref_b), (synced, ref_b, ref_a)):
+            d_near, d_far = abs_diffs(served, near), abs_diffs(served, far)
+            assert float(d_far.mean()) >= SEPARATION * float(d_near.mean()), (_report("near", d_near), _report("far", d_far))
+    finally:
+        if bridge is not None:
+            bridge.stop()
+        for p in procs:
+            _stop(p)
