@@ -106,6 +106,6 @@ CASES: list[Case] = [
          "version 7 gives health 503 (stale) and refused rollouts, serves its original checkpoint (measured against "
          "both references), and is in sync after the re-push"),
     Case("build", "engine killed mid-stream: error events, nothing lost; 100 concurrent streams", "fixed",
-         ("tests/test_bridge_vllm.py::test_zz_engine_killed_mid_stream", "tests/test_bridge_vllm.py::test_sixty_concurrent_streams"),
-         "kept passing (the concurrency test runs 60 streams)"),
+         ("tests/test_bridge_vllm.py::test_zz_engine_killed_mid_stream", "tests/test_bridge_vllm.py::test_hundred_concurrent_streams"),
+         "kept passing (the load test runs 100 concurrent streams against the real vLLM CPU engine)"),
 ]
