@@ -270,8 +270,8 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    procs = [_launch(tiny_ckpt, port, tmp_path / "sglang1.log")]
     probe = prompt_ids(tiny_ckpt, n=2)
+    procs = [_launch(tiny_ckpt, port, tmp_path / "sglang1.log")]
     bridge = None
     try:
         _wait_ready(procs[0], url, tmp_path / "sglang1.log")
