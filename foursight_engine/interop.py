@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -112,6 +112,45 @@ def _ct_nvfp4_activations(qc: dict[str, Any], where: str) -> str:
     if len(kinds) != 1:
         raise CheckpointError(f"{where}: quantization_config.config_groups mix W4A4 and W4A16 schemes; FourSight needs one activation type")
     return kinds.pop()
+
+
+def foursight_config_from_ct(qc: dict[str, Any], where: str = "quantization_config") -> "schema.FourSightConfig":
+    """The FourSight k = 0 config a compressed-tensors NVFP4 ``quantization_config`` reads as
+    (what ``--quantization foursight`` serves a compressed-tensors folder with): the scheme's
+    activation type, compressed-tensors' static ``input_global_scale``, its ``ignore`` list (the
+    same exact-name / ``re:`` rules), no BF16 channels. Raises CheckpointError naming the field."""
+    act = _ct_nvfp4_activations(qc, where)
+    ignore = qc.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        raise CheckpointError(f"{where}: quantization_config.ignore must be a list of module names, got {ignore!r}")
+    return schema.FourSightConfig(activation_dtype=act, activation_scale="static", ignore=list(ignore), channels={},
+                                  channel_selection="none", channel_budget="0")
+
+
+def k0_tensors(weight_packed: torch.Tensor, activation_dtype: str, has_input_scale: bool) -> dict[str, torch.Tensor]:
+    """What a FourSight k = 0 module holds beyond compressed-tensors' NVFP4 tensors: the empty
+    ``bf16_channels`` / ``weight_bf16``, and for W4A16 (``activation_dtype`` "bf16", which has no
+    ``input_global_scale``) the unused activation scale. The one rule of :func:`read_compressed_tensors`
+    and of :func:`as_foursight_weights`."""
+    n_out = weight_packed.shape[0]
+    out = {schema.BF16_CHANNELS: torch.zeros(0, dtype=torch.int32), schema.WEIGHT_BF16: torch.zeros(n_out, 0, dtype=torch.bfloat16)}
+    if activation_dtype == "bf16" and not has_input_scale:
+        out[schema.INPUT_GLOBAL_SCALE] = torch.tensor([UNUSED_INPUT_SCALE], dtype=torch.float32)
+    return out
+
+
+def as_foursight_weights(weights: Iterable[tuple[str, torch.Tensor]], activation_dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A compressed-tensors NVFP4 checkpoint's ``(name, tensor)`` stream as the FourSight k = 0
+    checkpoint it is: every tensor unchanged, and after each ``<module>.weight_packed`` the module's
+    :func:`k0_tensors`. An engine loading a compressed-tensors folder with ``--quantization
+    foursight`` reads through this, so no conversion is written to disk."""
+    for name, t in weights:
+        yield name, t
+        if name.endswith("." + schema.WEIGHT_PACKED):
+            module = name[: -len(schema.WEIGHT_PACKED) - 1]
+            # W4A16 schemes have no input_global_scale at all, W4A4 ones always one per module
+            for suffix, v in k0_tensors(t, activation_dtype, has_input_scale=activation_dtype != "bf16").items():
+                yield f"{module}.{suffix}", v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,14 +426,11 @@ def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[st
     for name in prefixes:
         t = {s: tensors[f"{name}.{s}"] for s in (*CT_SUFFIXES, schema.BIAS) if f"{name}.{s}" in tensors}
         used.update(f"{name}.{s}" for s in t)
-        if act == "bf16":
-            t.setdefault(schema.INPUT_GLOBAL_SCALE, torch.tensor([UNUSED_INPUT_SCALE], dtype=torch.float32))
+        t.update(k0_tensors(t[schema.WEIGHT_PACKED], act, has_input_scale=schema.INPUT_GLOBAL_SCALE in t))
         for s in (schema.WEIGHT_GLOBAL_SCALE, schema.INPUT_GLOBAL_SCALE):
-            if s in t:
+            if s in t:  # a missing one is named by decode_module below
                 t[s] = t[s].float().reshape(-1)
         n_out, k_half = t[schema.WEIGHT_PACKED].shape
-        t[schema.BF16_CHANNELS] = torch.zeros(0, dtype=torch.int32)
-        t[schema.WEIGHT_BF16] = torch.zeros(n_out, 0, dtype=torch.bfloat16)
         schema.decode_module(name, t, n_out, 2 * k_half, 0)
         out.update({f"{name}.{s}": v for s, v in t.items()})
         channels[name] = 0

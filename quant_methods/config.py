@@ -34,6 +34,32 @@ MIN_CAPABILITY = 80
 DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
+#: ``quant_method`` of the compressed-tensors checkpoints ``--quantization foursight`` also serves.
+CT_METHOD = "compressed-tensors"
+
+
+def parse_quantization_config(config: dict[str, Any]) -> FourSightConfig:
+    """The :class:`FourSightConfig` of a checkpoint's ``quantization_config``.
+
+    A FourSight one goes through the strict schema. A compressed-tensors NVFP4 one (the format
+    llm-compressor writes) is read as the plain-NVFP4 (k = 0) FourSight checkpoint it is, so
+    ``--quantization foursight`` serves it with FourSight's kernels without a conversion
+    (:func:`foursight.interop.foursight_config_from_ct`; the engine's weight iterator adds the empty
+    k = 0 tensors, :func:`foursight.interop.as_foursight_weights`). Raises CheckpointError naming the field.
+    """
+    if config.get("quant_method") == CT_METHOD:
+        from foursight.interop import foursight_config_from_ct
+
+        return foursight_config_from_ct(config)
+    return FourSightConfig.parse(dict(config))
+
+
+def serves_user_choice(hf_quant_cfg: dict[str, Any], user_quant: str | None) -> bool:
+    """Whether ``--quantization foursight`` takes over a checkpoint of another ``quant_method``:
+    only a compressed-tensors one (then validated by :func:`parse_quantization_config`)."""
+    return user_quant == QUANT_METHOD and isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == CT_METHOD
+
+
 class FourSightMethodConfig:
     """What both engine configs share (see the module docstring).
 

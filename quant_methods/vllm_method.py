@@ -10,10 +10,14 @@ module only maps vLLM's hooks onto them:
   never modified, the execution state is rebuilt from them);
 * ``apply`` → ``plan.apply_linear`` (SpliceGEMM on CUDA, the PyTorch reference on CPU).
 
-Two ways in:
+Three ways in:
 
 * a FourSight checkpoint: ``config.json["quantization_config"]["quant_method"] == "foursight"``
   (``from_config``), with or without ``--quantization foursight``;
+* a compressed-tensors NVFP4 checkpoint (llm-compressor's ``nvfp4-pack-quantized``) with
+  ``--quantization foursight``: ``override_quantization_method`` takes it over, ``from_config``
+  reads its config as FourSight k = 0, and the weight iterator adds the empty k = 0 tensors
+  (:func:`foursight.interop.as_foursight_weights`), so FourSight's kernels serve it unconverted;
 * a BF16 checkpoint with ``--quantization foursight``: vLLM finds no config file for this
   method (``get_config_filenames`` is empty) and calls ``FourSightVllmConfig()``, which reads
   the online settings from ``FOURSIGHT_*`` environment variables (channels file, budget,
@@ -34,7 +38,8 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig
+from foursight.quant_methods.config import (CT_METHOD, FourSightLinearMethodBase, FourSightMethodConfig, parse_quantization_config,
+                                            serves_user_choice)
 from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import QUANT_METHOD, FourSightConfig
@@ -84,6 +89,13 @@ def _install_load_check() -> None:
             return
         from foursight.schema import check_finite
 
+        qc = getattr(model_config.hf_config, "quantization_config", None)
+        if isinstance(qc, dict) and qc.get("quant_method") == CT_METHOD:
+            # a compressed-tensors NVFP4 folder served with --quantization foursight: its tensors
+            # are read as the k = 0 FourSight checkpoint they are
+            from foursight.interop import as_foursight_weights
+
+            it = as_foursight_weights(it, parse_quantization_config(qc).activation_dtype)
         for name, t in it:
             check_finite(name, t, f" in {model_config.model}")
             yield name, t
@@ -112,8 +124,16 @@ class FourSightVllmConfig(FourSightMethodConfig, QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "FourSightVllmConfig":
-        """From ``config.json["quantization_config"]``; raises CheckpointError naming a bad field."""
-        return cls(FourSightConfig.parse(dict(config)))
+        """From ``config.json["quantization_config"]`` (FourSight, or compressed-tensors NVFP4 read as
+        k = 0: :func:`~foursight.quant_methods.config.parse_quantization_config`); raises
+        CheckpointError naming a bad field."""
+        return cls(parse_quantization_config(config))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None) -> str | None:
+        """``--quantization foursight`` on a compressed-tensors NVFP4 checkpoint serves it with FourSight
+        (vLLM would otherwise refuse the mismatch between the two method names)."""
+        return QUANT_METHOD if serves_user_choice(hf_quant_cfg, user_quant) else None
 
     @classmethod
     def from_config_file(cls, path: str) -> "FourSightVllmConfig":

@@ -272,3 +272,43 @@ def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, k16_zeroed, tmp
     print(f"\ncompensated import (k=16, W4A4 static) in vLLM vs reference: mean {gap['mean']:.4f} max {gap['max']:.4f} "
           f"({gap['tokens']} tokens); reference vs BF16: mean {effect['mean']:.4f}")
     assert gap["mean"] < 0.6 * effect["mean"]
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_compressed_tensors_folder_directly(ct_dir, tmp_path):
+    """``--quantization foursight`` on the compressed-tensors library's own W4A4 folder, unconverted:
+    vLLM's method-name check is overridden, its config is read as FourSight k = 0 and the engine's
+    weight iterator adds the empty k = 0 tensors. The engine's logprobs equal, bit for bit, those it
+    gives the same folder converted by ``foursight import`` (a separate path: the conversion writes
+    the tensors to disk and its config lists every unquantized layer)."""
+    pytest.importorskip("vllm")
+    k0 = import_compressed_tensors(ct_dir, tmp_path / "k0")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    seqs, direct = _vllm_logprobs(ct_dir, tmp_path / "a")
+    seqs_i, imported = _vllm_logprobs(k0, tmp_path / "b")
+    assert seqs_i == seqs
+    from foursight.quant_methods.vllm_eval import abs_diff_stats
+
+    assert abs_diff_stats(direct, imported)["max"] == 0.0
+
+
+@pytest.mark.vllm
+def test_vllm_config_takes_over_only_compressed_tensors_nvfp4(ct_dir, tmp_path):
+    """The vLLM config's two hooks without an engine: ``--quantization foursight`` takes over a
+    compressed-tensors checkpoint (and no other method, nor a compressed-tensors one without the flag),
+    reads its NVFP4 scheme as static-scale k = 0 with its ignore list, and refuses another
+    compressed-tensors scheme naming the field."""
+    pytest.importorskip("vllm")
+    from foursight.quant_methods.vllm_method import FourSightVllmConfig
+
+    qc = json.loads((ct_dir / "config.json").read_text())["quantization_config"]
+    assert FourSightVllmConfig.override_quantization_method(qc, "foursight") == "foursight"
+    assert FourSightVllmConfig.override_quantization_method(qc, None) is None
+    assert FourSightVllmConfig.override_quantization_method(qc, "compressed-tensors") is None
+    assert FourSightVllmConfig.override_quantization_method({"quant_method": "awq"}, "foursight") is None
+    fs = FourSightVllmConfig.from_config(qc).fs_config
+    assert (fs.activation_dtype, fs.activation_scale, fs.channels) == ("nvfp4", "static", {})
+    assert fs.ignore == qc["ignore"] and fs.is_ignored("lm_head")
+    with pytest.raises(CheckpointError, match="quantization_config.format is 'float-quantized'"):
+        FourSightVllmConfig.from_config(dict(qc, format="float-quantized"))
