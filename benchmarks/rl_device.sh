@@ -12,6 +12,7 @@
 #
 # RL_OBJECTIVE=learner-tis (call 2) runs every configuration with the learner's π_old and token TIS (cap 2)
 # instead of the engine's log-probs as π_old (the 2026-12-03 study, where every quantized run collapsed).
+# RL_STEPS=N and RL_ONLY=name,name (call 2) run only those runs for N steps (a longer follow-up, e.g. BF16's plateau).
 # Call 1 with RL_SMOKE=0 skips the smoke (when it already ran in this session): the two calls must follow within
 # the machine's 30 s warm window, so a short call 1 is the safer one.
 # Results: $OUT/rl_study.tgz (logs, manifest, summary), $OUT/study.log, $OUT/convert.txt, $OUT/smoke.log.
@@ -118,7 +119,8 @@ PY
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call2.log
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call3.log
   else
-    $PY benchmarks/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-500} --objective ${RL_OBJECTIVE:-rollout} 2>&1 | tee -a $OUT/study.log
+    $PY benchmarks/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-500} --objective ${RL_OBJECTIVE:-rollout} \
+      ${RL_STEPS:+--steps $RL_STEPS} ${RL_ONLY:+--only $RL_ONLY} 2>&1 | tee -a $OUT/study.log
   fi
   $PY benchmarks/rl_summary.py $PUB 2>&1 | tail -n 30 || true
   kill $PACKER 2>/dev/null; pack; ls -la $OUT

@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=0, help="concurrent runs per GPU (0: all at once)")
     ap.add_argument("--only", default="", help="comma list of run names (default: all 21)")
     ap.add_argument("--seeds", default="", help="comma list of seeds (default 0,1,2)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"steps of every run (default {COMMON['steps']}; a longer follow-up of some runs, e.g. BF16's plateau)")
     ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="rollout",
                     help="π_old and mismatch correction of every run (docs/rl.md): rollout = the engine's log-probs as "
                          "π_old, no TIS (the 2026-12-03 study); learner-tis = the learner's π_old + token TIS cap 2")
@@ -115,6 +117,8 @@ def main() -> None:
     stop_at = t0 + a.deadline_s
     a.state.mkdir(parents=True, exist_ok=True)
     common = dict(DRY if dry else COMMON)
+    if a.steps is not None:
+        common["steps"] = a.steps
     if a.objective != "rollout":
         flags = OBJECTIVES[a.objective]
         common.update(dict(zip((f[2:] for f in flags[::2]), flags[1::2])))
