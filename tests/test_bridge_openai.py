@@ -166,3 +166,30 @@ def test_openai_routes_run_the_served_model_checks_of_rollouts(tiny_llama_dir, t
         assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     finally:
         b.stop()
+
+
+def test_trl_vllm_client_generates_through_the_bridge(tiny_llama_dir, model, tok):
+    """TRL's own ``VLLMClient`` (trl installed here), pointed at the bridge as at a ``vllm serve``:
+    it polls ``/health``, reads the model id from ``/v1/models`` and generates through
+    ``/v1/completions`` with vLLM's token-id extensions. What it returns (TRL's ``prompt_ids`` /
+    ``completion_ids`` / per-token ``logprobs``) is the model's: the same BF16 model teacher-forced
+    on the returned tokens. Weight sync stays the bridge's (``POST /v1/weights``): TRL's NCCL
+    communicator has no bridge counterpart (docs/bridge.md)."""
+    trl_client = pytest.importorskip("trl.generation.vllm_client")
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], sample_timeout_s=120)).start()  # VLLMClient sends no API key
+    try:
+        c = trl_client.VLLMClient(base_url=b.url, connection_timeout=30)
+        assert c.model.startswith("hf@")  # the bridge's engine name, from /v1/models
+        prompts = [tok.encode(PROMPT), tok.encode("Hello")]
+        out = c.generate(prompts, n=2, max_tokens=8, temperature=1.0, generation_kwargs={"seed": 5, "ignore_eos": True})
+    finally:
+        b.stop()
+    assert out["prompt_ids"] == prompts
+    assert len(out["completion_ids"]) == 4 and all(len(x) == 8 for x in out["completion_ids"])
+    # one logprob per token (logprobs=0: the sampled token alone), and its id is the sampled token
+    assert [[ids[0] for ids in seq] for seq in out["logprob_token_ids"]] == out["completion_ids"]
+    rs = [Rollout(request_id="trl", prompt_index=i // 2, sample_index=i % 2, prompt_ids=out["prompt_ids"][i // 2], token_ids=ids,
+                  logprobs=[lp[0] for lp in lps], finish_reason="length", engine="hf", logprobs_mode="raw_logprobs", weight_version=0)
+          for i, (ids, lps) in enumerate(zip(out["completion_ids"], out["logprobs"]))]
+    lt, lr, mask = pad_rollouts(rs, score(model, rs))
+    assert float((lt - lr)[mask].abs().max()) < 0.1

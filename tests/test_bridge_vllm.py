@@ -280,6 +280,15 @@ def test_openai_routes_forward_vllm_sampling_fields(bridge, vllm_server, tiny_ll
         assert x["token_ids"] == [int(t.split(":", 1)[1]) for t in want["logprobs"]["tokens"]], extra
         assert r.choices[0].logprobs.token_logprobs == x["logprobs"] == want["logprobs"]["token_logprobs"]
         assert x["weight_version"] == r.model_extra["weight_version"] and x["engine"].startswith("vllm@")
+    # vLLM's token-id extensions (what TRL's VLLMClient sends) are answered in vLLM's own shape
+    body = {"prompt": ids, "max_tokens": 12, "temperature": 0.0, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    got = httpx.post(bridge.url + "/v1/completions", json={"model": "tiny", **body}, headers={"X-API-Key": KEY}, timeout=120).json()["choices"][0]
+    want = httpx.post(vllm_server.url + "/v1/completions", json={"model": model, **body}, timeout=120).json()["choices"][0]
+    for key in ("prompt_token_ids", "token_ids"):
+        assert got[key] == want[key], key
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+    assert got["logprobs"]["top_logprobs"] == want["logprobs"]["top_logprobs"]
     plain = x["token_ids"]
     stop = tok.decode(plain[:5])[-3:]
     r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0.0, stop=[stop], extra_body={"min_p": 0.2, "repetition_penalty": 1.1})

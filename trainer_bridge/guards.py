@@ -32,7 +32,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: default request body limit (a rollout request of 65536 token-id prompts fits)
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 #: (method, path) that need no API key: health, metrics and the current version (read-only)
-OPEN_ROUTES = {("GET", "/v1/health"), ("GET", "/metrics"), ("GET", "/v1/weights"), ("HEAD", "/v1/health")}
+OPEN_ROUTES = {("GET", "/v1/health"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/weights"), ("HEAD", "/v1/health"),
+               ("HEAD", "/health")}
 
 
 class BindError(ValueError):

@@ -12,8 +12,10 @@ timeout. Every choice carries, next to the OpenAI fields, the bridge's one rollo
 per-token logprobs in the engine's ``logprobs_mode``, engine and weight version). The response's
 ``weight_version`` is that version too. Sampling fields are vLLM's: top-level ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop``,
-``stop_token_ids``, ``n``, ``seed``, ``min_tokens``, ``ignore_eos``; unknown fields are refused
-(422 naming the field), so that nothing is silently ignored.
+``stop_token_ids``, ``n``, ``seed``, ``min_tokens``, ``ignore_eos``, and vLLM's token-id extensions
+``return_token_ids`` / ``return_tokens_as_token_ids``; unknown fields are refused (422 naming the
+field), so that nothing is silently ignored. ``GET /v1/models`` lists the served model, and the
+bridge answers vLLM's ``GET /health`` too, so TRL's ``VLLMClient`` generates through the bridge.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stream: Literal[False] = False
     user: str | None = None
+    #: vLLM's token-id extensions (what TRL's ``VLLMClient`` sends): every choice also carries
+    #: ``prompt_token_ids`` and ``token_ids``, and logprob tokens are spelled ``"token_id:<id>"``
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -61,8 +67,9 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of token-id lists.
 
-    ``logprobs``: null or 0 (the sampled token's logprob in ``choices[i].logprobs.token_logprobs``;
-    alternatives are not returned). ``echo`` is not supported."""
+    ``logprobs``: null or 0 (the sampled token's logprob in ``choices[i].logprobs.token_logprobs``,
+    and, as vLLM does for 0, ``top_logprobs`` holding that token alone; alternatives are not
+    returned). ``echo`` is not supported."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=0)
@@ -178,14 +185,19 @@ def make_router(state: Any) -> APIRouter:
         grouped = [[out[(pi, j)] for j in range(req.n)] for pi in range(len(prompt_ids))]
         return version, grouped
 
-    def _text(tok, r: Rollout, stops: list[str]) -> tuple[str, list[str]]:
-        """The completion text (special tokens skipped, cut before a stop string that ended it) and each token's text."""
+    def _text(tok, r: Rollout, stops: list[str], as_ids: bool = False) -> tuple[str, list[str]]:
+        """The completion text (special tokens skipped, cut before a stop string that ended it) and each
+        token's text (``"token_id:<id>"`` with ``as_ids``, vLLM's ``return_tokens_as_token_ids``)."""
         text = tok.tok.decode(r.token_ids, skip_special_tokens=True)
         if r.finish_reason == "stop" and stops:
             cut = min((text.find(s) for s in stops if s in text), default=-1)
             if cut >= 0:
                 text = text[:cut]
-        return text, [tok.tok.decode([t]) for t in r.token_ids]
+        return text, [f"token_id:{t}" if as_ids else tok.tok.decode([t]) for t in r.token_ids]
+
+    def _ids(req: _Sampling, r: Rollout) -> dict[str, list[int]]:
+        """vLLM's ``return_token_ids`` fields of a choice."""
+        return {"prompt_token_ids": list(r.prompt_ids), "token_ids": list(r.token_ids)} if req.return_token_ids else {}
 
     def _usage(groups: list[list[Rollout]]) -> dict[str, int]:
         p = sum(len(g[0].prompt_ids) for g in groups)
@@ -194,6 +206,14 @@ def make_router(state: Any) -> APIRouter:
 
     def _model_name(req: _Sampling) -> str:
         return req.model or state.engines[0].name
+
+    @router.get("/v1/models")
+    async def models():
+        """The served model, as vLLM's OpenAI server lists it (clients such as TRL's ``VLLMClient``
+        read the id here and send it back as ``model``)."""
+        name = state.engines[0].name
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "foursight",
+                                            "root": name, "parent": None}]}
 
     @router.post("/v1/completions")
     async def completions(body: dict[str, Any]):
@@ -212,15 +232,16 @@ def make_router(state: Any) -> APIRouter:
         choices = []
         for g in groups:
             for r in g:
-                text, toks = _text(tok, r, stops)
+                text, toks = _text(tok, r, stops, req.return_tokens_as_token_ids)
                 offs, at = [], 0
                 for s in toks:
                     offs.append(at)
                     at += len(s)
-                lp = None if req.logprobs is None else {"tokens": toks, "token_logprobs": r.logprobs, "top_logprobs": None,
+                lp = None if req.logprobs is None else {"tokens": toks, "token_logprobs": r.logprobs,
+                                                         "top_logprobs": [{s: v} for s, v in zip(toks, r.logprobs)],
                                                          "text_offset": offs}
                 choices.append({"index": len(choices), "text": text, "logprobs": lp, "finish_reason": r.finish_reason,
-                                "rollout": r.model_dump()})
+                                **_ids(req, r), "rollout": r.model_dump()})
         return {"id": groups[0][0].request_id, "object": "text_completion", "created": int(time.time()), "model": _model_name(req),
                 "choices": choices, "usage": _usage(groups), "weight_version": version}
 
@@ -243,13 +264,13 @@ def make_router(state: Any) -> APIRouter:
         stops = req.sampling(1).stop
         choices = []
         for r in groups[0]:
-            text, toks = _text(tok, r, stops)
+            text, toks = _text(tok, r, stops, req.return_tokens_as_token_ids)
             lp = None
             if req.logprobs:
                 lp = {"content": [{"token": s, "logprob": v, "bytes": list(s.encode()), "top_logprobs": []}
                                   for s, v in zip(toks, r.logprobs)]}
             choices.append({"index": len(choices), "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": r.finish_reason, "rollout": r.model_dump()})
+                            "finish_reason": r.finish_reason, **_ids(req, r), "rollout": r.model_dump()})
         return {"id": groups[0][0].request_id, "object": "chat.completion", "created": int(time.time()), "model": _model_name(req),
                 "choices": choices, "usage": _usage(groups), "weight_version": version}
 

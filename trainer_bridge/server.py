@@ -6,10 +6,10 @@ Endpoints (docs/bridge.md has the full protocol):
   end event. Each stream holds the weight version it started under; a weight update waits
   until the streams started under the old version have finished (so no stream mixes versions).
 * ``POST /v1/weights`` — versioned BF16 weight update (engines re-quantize); ``GET /v1/weights``.
-* ``GET /v1/health`` — per engine: up, what it serves, a 1-token probe (503 unless all are fine); ``GET /metrics`` — Prometheus.
+* ``GET /v1/health`` (also ``GET /health``, vLLM's spelling) — per engine: up, what it serves, a 1-token probe (503 unless all are fine); ``GET /metrics`` — Prometheus.
 
 The API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is required on every route but
-``GET /v1/health``, ``GET /metrics`` and ``GET /v1/weights`` when the server has one, checked before the body is read; ``Host``,
+``GET /v1/health`` (``/health``), ``GET /metrics`` and ``GET /v1/weights`` when the server has one, checked before the body is read; ``Host``,
 ``Origin`` and the body size are checked first (:mod:`foursight.trainer_bridge.guards`). The bridge
 tracks what each engine serves (:mod:`foursight.trainer_bridge.liveness`). Backpressure: at most ``max_concurrency`` engine
 calls run at once, and each stream has at most ``max_queue`` samples running or finished-but-unsent, so a
@@ -492,6 +492,7 @@ def create_app(
         return {"version": state.gate.version, "update_in_progress": state.gate.writer, "streams_open": state.gate.readers}
 
     @app.get("/v1/health")
+    @app.get("/health")  # vLLM's liveness route, which clients written for vLLM poll (TRL's VLLMClient)
     async def health(probe: bool = True):
         """Per engine: up, what it serves (``sync``, ``weight_version``, ``engine_version``, ``boot_id``)
         and, unless ``probe=false``, whether a 1-token request completes now (``probe``). 503 unless
