@@ -23,15 +23,12 @@ def ckpt(tiny_qwen2_dir, tmp_path_factory):
     return out
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @pytest.mark.parametrize("placement", ["device_map", "to_cuda"])
 def test_from_pretrained_on_cuda_runs_the_triton_kernels_and_matches_the_reference(ckpt, tiny_qwen2_dir, placement):
     from transformers import AutoModelForCausalLM
 
     import foursight  # noqa: F401
+    from foursight.checkpoint import relative_error as _rel
     from foursight.hf import FourSightLinear, load_reference_model
 
     if placement == "device_map":
