@@ -25,8 +25,10 @@ How an update is applied (``apply_weight_update``):
    q/k/v and gate/up shards, TP slicing); unquantized linear layers whose weight vLLM's CPU
    backend pre-packed (the parameter is left empty) get their model-format parameter back
    through vLLM's layerwise reload first and are re-packed once all their elements arrived
-   (:func:`cpu_packed_linears`); an update that gives only some shards of such a fused layer
-   is refused, naming it;
+   (:func:`cpu_packed_linears`). An update that gives only some shards of a fused layer is
+   refused, naming it, and that layer keeps its previous weights on every engine
+   (:class:`FusedShardGate`; the single-file ``foursight_update_weights`` checks the file's names
+   before it loads anything, so a refused file changes nothing);
 4. the idempotent post-load processing (``LayerPlan.process``) of every FourSight layer that
    received a tensor rebuilds its quantized execution state (online layers re-quantize their
    BF16 weight; with the weight-based channel fallback the channels are re-selected from the
@@ -77,6 +79,13 @@ def read_update_file(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     with safe_open(str(p), framework="pt", device="cpu") as f:
         for name in f.keys():
             yield name, f.get_tensor(name)
+
+
+def _safetensors_names(path: str | Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return list(f.keys())
 
 
 def to_engine_tensors(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,6 +168,68 @@ def _close_packed_reload(layers: dict[str, torch.nn.Module]) -> list[str]:
     return partial
 
 
+class FusedShardGate:
+    """Holds back the shards of a fused layer (``q_proj``/``k_proj``/``v_proj`` of ``qkv_proj``,
+    ``gate_proj``/``up_proj`` of ``gate_up_proj``: the model's ``packed_modules_mapping``) until
+    every shard of it has arrived in the update, then lets them through together.
+
+    So an update that gives only some shards of a fused layer writes none of them, whatever the
+    engine does with the layer's weight (vLLM's CPU backend pre-packs unquantized weights on some
+    CPUs and keeps them on others; GPU engines keep them): :meth:`incomplete` names what is left at
+    the end, and :func:`finish_update` refuses the update. The shards may come in any order and
+    across several ``update_weights`` calls of the native API (a sharded state dict may split a
+    layer over two files); only the shards still waiting for their siblings are held in memory.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        mapping = getattr(model, "packed_modules_mapping", None) or {}
+        self._fused = {shard: (fused, tuple(shards)) for fused, shards in mapping.items()
+                       if len(shards) > 1 for shard in shards}
+        self._pending: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}
+
+    def admit(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            mod, _, param = name.rpartition(".")
+            prefix, _, leaf = mod.rpartition(".")
+            if leaf not in self._fused:
+                yield name, t
+                continue
+            fused, shards = self._fused[leaf]
+            key = (f"{prefix}.{fused}" if prefix else fused, param)
+            got = self._pending.setdefault(key, {})
+            got[leaf] = (name, t)
+            if len(got) == len(shards):
+                del self._pending[key]
+                for s in shards:
+                    yield got[s]
+
+    def incomplete(self) -> list[str]:
+        """One line per fused layer still missing shards, e.g.
+        ``model.layers.0.self_attn.qkv_proj.weight (got q_proj; missing k_proj, v_proj)``."""
+        out = []
+        for (fused, param), got in sorted(self._pending.items()):
+            shards = self._fused[next(iter(got))][1]
+            out.append(f"{fused}.{param} (got {', '.join(s for s in shards if s in got)}; "
+                       f"missing {', '.join(s for s in shards if s not in got)})")
+        return out
+
+
+def _partial_fused_error(partial: list[str]) -> CheckpointError:
+    return CheckpointError(
+        "the update gave only part of these fused layers, which therefore keep their previous weights: "
+        + ", ".join(partial) + "; send every shard of a fused layer (q/k/v, gate/up) in one update")
+
+
+def check_fused_complete(model: torch.nn.Module, names: Iterable[str]) -> None:
+    """Refuse, before anything is loaded, an update whose tensor ``names`` give only some shards
+    of a fused layer (:class:`FusedShardGate`); raises CheckpointError naming the layers."""
+    gate = FusedShardGate(model)
+    for _ in gate.admit((n, None) for n in names):
+        pass
+    if gate.incomplete():
+        raise _partial_fused_error(gate.incomplete())
+
+
 def begin_update(model: torch.nn.Module) -> dict:
     """Start one weight update: remember each FourSight layer's load count (what
     :func:`finish_update` compares against to find the layers that received a tensor) and open
@@ -167,7 +238,7 @@ def begin_update(model: torch.nn.Module) -> dict:
     packed = cpu_packed_linears(model)
     _open_packed_for_reload(packed)
     return {"layers": layers, "before": {n: m.foursight_plan.load_events for n, m in layers.items()}, "count": 0,
-            "packed": packed}
+            "packed": packed, "gate": FusedShardGate(model)}
 
 
 def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], session: dict) -> int:
@@ -180,7 +251,7 @@ def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
             session["count"] += 1
             yield item
 
-    model.load_weights(weights=counted(to_engine_tensors(model, weights)))
+    model.load_weights(weights=counted(to_engine_tensors(model, session["gate"].admit(weights))))
     return session["count"] - n0
 
 
@@ -190,7 +261,7 @@ def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dic
     from foursight.quant_methods.vllm_method import _tp_context
 
     tp_context = tp_context or _tp_context
-    partial = _close_packed_reload(session.get("packed", {}))
+    partial = session["gate"].incomplete() + _close_packed_reload(session.get("packed", {}))
     layers, before = session["layers"], session["before"]
     touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
     for n in touched:
@@ -199,9 +270,7 @@ def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dic
         m.foursight_state = plan.process(layer_params(m, plan), tp_context(m))
     refresh_unquantized_embeddings(model)
     if partial:
-        raise CheckpointError(
-            "the update gave only part of these fused layers, which therefore keep their previous weights: "
-            + ", ".join(partial) + "; send every shard of a fused layer (q/k/v, gate/up) in one update")
+        raise _partial_fused_error(partial)
     return {"updated_tensors": session["count"], "requantized_layers": len(touched)}
 
 
@@ -259,8 +328,10 @@ class FourSightWorkerExtension:
         # every tensor is read and checked finite before any is loaded: a rejected update leaves
         # the previous weights serving and the version unchanged (CheckpointError names the tensor)
         check_safetensors(path)
+        model = self._foursight_model()
+        check_fused_complete(model, _safetensors_names(path))
         with torch.no_grad():
-            info = apply_weight_update(self._foursight_model(), read_update_file(path))
+            info = apply_weight_update(model, read_update_file(path))
         self._foursight_version = v
         info.update(version=v, seconds=round(time.perf_counter() - t0, 3))
         return info

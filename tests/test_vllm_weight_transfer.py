@@ -127,3 +127,28 @@ def test_bridge_updates_a_vllm_server_through_the_native_api(tiny_llama_dir, tmp
         if bridge is not None:
             bridge.stop()
         srv.stop()
+
+
+def test_fused_shard_gate_holds_shards_until_the_fused_layer_is_complete():
+    """The gate lets a fused layer's shards through only together (in the mapping's order, across
+    several calls), passes every other tensor at once, and names what is left incomplete."""
+    from foursight.quant_methods.vllm_weight_sync import FusedShardGate, check_fused_complete
+    from foursight.schema import CheckpointError
+
+    class Model(torch.nn.Module):
+        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    att = "model.layers.0.self_attn"
+    gate = FusedShardGate(Model())
+    first = [n for n, _ in gate.admit([(f"{att}.k_proj.weight", 1), (f"{att}.o_proj.weight", 2), (f"{att}.q_proj.weight", 3),
+                                       ("model.layers.0.mlp.up_proj.weight", 4)])]
+    assert first == [f"{att}.o_proj.weight"]
+    assert gate.incomplete() == ["model.layers.0.mlp.gate_up_proj.weight (got up_proj; missing gate_proj)",
+                                 f"{att}.qkv_proj.weight (got q_proj, k_proj; missing v_proj)"]
+    second = list(gate.admit([(f"{att}.v_proj.weight", 5), ("model.layers.0.mlp.gate_proj.weight", 6)]))
+    assert second == [(f"{att}.q_proj.weight", 3), (f"{att}.k_proj.weight", 1), (f"{att}.v_proj.weight", 5),
+                      ("model.layers.0.mlp.gate_proj.weight", 6), ("model.layers.0.mlp.up_proj.weight", 4)]
+    assert gate.incomplete() == []
+    check_fused_complete(Model(), [f"{att}.q_proj.bias", f"{att}.k_proj.bias", f"{att}.v_proj.bias"])
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.bias \(got q_proj; missing k_proj, v_proj\)"):
+        check_fused_complete(Model(), [f"{att}.q_proj.bias", f"{att}.q_proj.weight", f"{att}.k_proj.weight", f"{att}.v_proj.weight"])
