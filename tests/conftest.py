@@ -30,6 +30,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A failed test that started engine servers gets their log tails in its report (CI shows
+    why a server stopped answering, not only the client's ReadError)."""
+    from foursight.trainer_bridge.launch import STARTED
+
+    first = len(STARTED)
+    outcome = yield
+    if outcome.excinfo is not None:
+        for srv in STARTED[first:]:
+            tail = srv.log_tail()
+            if tail:
+                item.add_report_section("call", f"{srv.what} log", tail)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _engine_cache_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-cache")

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 
 import httpx
 
+from foursight.trainer_bridge import connections
 from foursight.trainer_bridge.protocol import (
     EndEvent,
     ErrorEvent,
@@ -117,11 +118,6 @@ class _Tracker:
             raise RolloutError([], self.end)
 
 
-#: connect attempts the clients retry (the bridge restarting): httpx retries only a failed
-#: connect, with backoff 0, 0.5, 1, 2, 4 s, so a request is never sent twice
-CONNECT_RETRIES = 5
-
-
 def _error_body(r: httpx.Response) -> Any:
     try:
         return r.json()
@@ -137,7 +133,7 @@ class RolloutClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout, connect=10.0)
         self._client = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=self.timeout,
-                                    transport=httpx.HTTPTransport(retries=CONNECT_RETRIES))
+                                    transport=connections.transport())
 
     def __enter__(self) -> "RolloutClient":
         return self
@@ -197,8 +193,7 @@ class AsyncRolloutClient:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
-                                         transport=httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES,
-                                                                            limits=httpx.Limits(max_connections=max_connections)))
+                                         transport=connections.async_transport(max_connections))
 
     async def __aenter__(self) -> "AsyncRolloutClient":
         return self

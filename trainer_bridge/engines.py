@@ -32,12 +32,8 @@ from typing import Any
 
 import httpx
 
+from foursight.trainer_bridge import connections
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
-
-
-#: connect attempts the HTTP engine clients retry (a restarting engine, a full accept queue):
-#: httpx retries only a failed connect, with backoff 0, 0.5, 1, 2, 4 s (7.5 s in all)
-CONNECT_RETRIES = 5
 
 
 #: how VLLMHTTPEngine sends a weight update: vLLM's /collective_rpc with the FourSight worker
@@ -164,7 +160,7 @@ class _HTTPEngine(Engine):
         self.logprobs_mode = logprobs_mode
         self.tokenizer = LocalTokenizer(tokenizer) if tokenizer else None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._max_connections = max_connections
         self.client: httpx.AsyncClient | None = None
         self._vocab_size = _config_vocab_size(tokenizer)
 
@@ -173,13 +169,11 @@ class _HTTPEngine(Engine):
         return self._vocab_size
 
     async def start(self) -> None:
-        # a refused or timed-out connect is retried by the transport (CONNECT_RETRIES, backoff
-        # 0.5 s * 2**i): the request never reached the engine, so no call is ever sent twice
-        transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES, limits=self._limits)
+        # connect retries and a keep-alive expiry below the engine's (foursight.trainer_bridge.connections)
         self.client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=httpx.Timeout(None, connect=10.0),
-                                        transport=transport)
+                                        transport=connections.async_transport(self._max_connections))
         # health answers at once: a dead engine is reported, not waited for through the retries
-        self._probe = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=5.0)
+        self._probe = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=5.0, limits=connections.limits(4))
 
     async def aclose(self) -> None:
         if self.client is not None:

@@ -40,6 +40,11 @@ def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
     raise RuntimeError(f"{what} not healthy at {url} after {timeout_s} s")
 
 
+#: every server started in this process, oldest first (the tests attach the log tails of the
+#: servers a failed test started to its report: tests/conftest.py)
+STARTED: list["ServerProcess"] = []
+
+
 class ServerProcess:
     """An engine server as a child process in its own process group, polled on ``/health``.
 
@@ -60,12 +65,22 @@ class ServerProcess:
     def start(self, timeout_s: float = 240.0):
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        STARTED.append(self)
         try:
             wait_http_ok(self.url + "/health", timeout_s, self.proc, what=f"{self.what} ({self.log_path or 'no log'})")
         except Exception:
             self.stop()
             raise
         return self
+
+    def log_tail(self, max_lines: int = 60) -> str:
+        """The last ``max_lines`` lines of the server's log and how the process ended ("" without a log)."""
+        if not self.log_path or not Path(self.log_path).is_file():
+            return ""
+        lines = Path(self.log_path).read_text(errors="replace").splitlines()[-max_lines:]
+        code = None if self.proc is None else self.proc.poll()
+        state = "running" if code is None else f"exited with code {code}"
+        return f"{self.what} {self.url} ({state}), {self.log_path}:\n" + "\n".join(lines)
 
     def kill(self) -> None:
         """SIGKILL the whole server process group (engine core and workers too)."""
