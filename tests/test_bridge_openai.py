@@ -138,6 +138,9 @@ def test_bad_requests_name_the_field(bridge, client):
     r = httpx.post(bridge.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
                    headers=h, timeout=30)
     assert r.status_code == 422 and "top_logprobs" in r.text
+    r = httpx.post(bridge.url + "/v1/chat/completions", headers=h, timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "max_completion_tokens": 5})
+    assert r.status_code == 422 and [f["field"] for f in r.json()["error"]["fields"]] == ["max_completion_tokens"], r.text
     assert httpx.post(url, json={"prompt": "x"}, timeout=30).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=bridge.url + "/v1", api_key="wrong", max_retries=0).completions.create(model="m", prompt="x")

@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from foursight.trainer_bridge.protocol import ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
 
@@ -57,10 +57,23 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop=stops,
+    #: what the routes' error answers call this request's prompt, and its kind (``_openai_field``)
+    prompt_field: ClassVar[str]
+    kind: ClassVar[str]
+
+    def prompts(self) -> list[Prompt]:
+        raise NotImplementedError
+
+    def budget(self) -> int:
+        """``max_tokens`` of each sample (OpenAI's default 16)."""
+        return self.max_tokens or 16
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.budget(), min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop=self.stops(),
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed)
 
 
@@ -70,6 +83,9 @@ class CompletionRequest(_Sampling):
     ``logprobs``: null or 0 (the sampled token's logprob in ``choices[i].logprobs.token_logprobs``,
     and, as vLLM does for 0, ``top_logprobs`` holding that token alone; alternatives are not
     returned). ``echo`` is not supported."""
+
+    prompt_field: ClassVar[str] = "prompt"
+    kind: ClassVar[str] = "completion"
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=0)
@@ -96,11 +112,28 @@ class ChatCompletionRequest(_Sampling):
     ``logprobs: true`` returns the sampled tokens' logprobs in ``choices[i].logprobs.content``;
     ``top_logprobs`` may only be 0."""
 
+    prompt_field: ClassVar[str] = "messages"
+    kind: ClassVar[str] = "chat"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
     add_generation_prompt: bool = True
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_budget(cls, v: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if v and other and v != other:
+            raise ValueError(f"max_tokens ({other}) and max_completion_tokens ({v}) differ")
+        return v
+
+    def prompts(self) -> list[Prompt]:
+        return [Prompt(messages=self.messages, add_generation_prompt=self.add_generation_prompt)]
+
+    def budget(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
 
 
 def _openai_field(name: str, kind: str) -> str:
@@ -156,12 +189,13 @@ def make_router(state: Any) -> APIRouter:
             raise ValueError("the OpenAI routes decode completions with the bridge's tokenizer: start it with --tokenizer (or --model)")
         return tok
 
-    async def _sample(prompts: list[Prompt], req: _Sampling, max_tokens: int, kind: str) -> tuple[int, list[list[Rollout]]] | JSONResponse:
+    async def _sample(req: _Sampling) -> tuple[int, list[list[Rollout]]] | JSONResponse:
         """The request as a :class:`RolloutRequest` through the bridge's one admission and sampling
         path (``server.create_app``'s ``admit`` and ``events``): the same field checks, stale-engine
         refusal, version hold, timeouts and cancellation as ``/v1/rollouts``."""
+        kind = req.kind
         try:
-            rreq = RolloutRequest(prompts=prompts, n=req.n, sampling=req.sampling(max_tokens))
+            rreq = RolloutRequest(prompts=req.prompts(), n=req.n, sampling=req.sampling())
         except ValidationError as e:
             return _invalid(e, kind=kind)
         got = await state.admit(rreq)
@@ -185,27 +219,45 @@ def make_router(state: Any) -> APIRouter:
         grouped = [[out[(pi, j)] for j in range(req.n)] for pi in range(len(prompt_ids))]
         return version, grouped
 
-    def _text(tok, r: Rollout, stops: list[str], as_ids: bool = False) -> tuple[str, list[str]]:
-        """The completion text (special tokens skipped, cut before a stop string that ended it) and each
-        token's text (``"token_id:<id>"`` with ``as_ids``, vLLM's ``return_tokens_as_token_ids``)."""
+    async def _serve(body: dict[str, Any], model: type[_Sampling]):
+        """Validate ``body`` as ``model``, then sample it through :func:`_sample`. Returns
+        ``(req, tok, version, groups)``, or the error response."""
+        try:
+            req = model.model_validate(body)
+            tok = _tokenizer()
+        except ValidationError as e:
+            return _invalid(e)
+        except ValueError as e:
+            return _invalid(e, model.prompt_field)
+        got = await _sample(req)
+        if isinstance(got, JSONResponse):
+            return got
+        return (req, tok, *got)
+
+    def _choice(tok, req: _Sampling, r: Rollout) -> tuple[str, list[str], dict[str, Any]]:
+        """One sample's completion text (special tokens skipped, cut before a stop string that
+        ended it), each token's text (``"token_id:<id>"`` with vLLM's ``return_tokens_as_token_ids``)
+        and the choice fields both routes share (``finish_reason``, vLLM's ``return_token_ids``
+        fields, the FourSight ``rollout``)."""
         text = tok.tok.decode(r.token_ids, skip_special_tokens=True)
+        stops = req.stops()
         if r.finish_reason == "stop" and stops:
             cut = min((text.find(s) for s in stops if s in text), default=-1)
             if cut >= 0:
                 text = text[:cut]
-        return text, [f"token_id:{t}" if as_ids else tok.tok.decode([t]) for t in r.token_ids]
+        toks = [f"token_id:{t}" if req.return_tokens_as_token_ids else tok.tok.decode([t]) for t in r.token_ids]
+        extra: dict[str, Any] = {"finish_reason": r.finish_reason}
+        if req.return_token_ids:
+            extra.update(prompt_token_ids=list(r.prompt_ids), token_ids=list(r.token_ids))
+        extra["rollout"] = r.model_dump()
+        return text, toks, extra
 
-    def _ids(req: _Sampling, r: Rollout) -> dict[str, list[int]]:
-        """vLLM's ``return_token_ids`` fields of a choice."""
-        return {"prompt_token_ids": list(r.prompt_ids), "token_ids": list(r.token_ids)} if req.return_token_ids else {}
-
-    def _usage(groups: list[list[Rollout]]) -> dict[str, int]:
+    def _response(obj: str, req: _Sampling, version, groups: list[list[Rollout]], choices: list[dict]) -> dict[str, Any]:
         p = sum(len(g[0].prompt_ids) for g in groups)
         c = sum(len(r.token_ids) for g in groups for r in g)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def _model_name(req: _Sampling) -> str:
-        return req.model or state.engines[0].name
+        return {"id": groups[0][0].request_id, "object": obj, "created": int(time.time()), "model": req.model or state.engines[0].name,
+                "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+                "weight_version": version}
 
     @router.get("/v1/models")
     async def models():
@@ -217,61 +269,34 @@ def make_router(state: Any) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: dict[str, Any]):
-        try:
-            req = CompletionRequest.model_validate(body)
-            tok = _tokenizer()
-        except ValidationError as e:
-            return _invalid(e)
-        except ValueError as e:
-            return _invalid(e, "prompt")
-        got = await _sample(req.prompts(), req, req.max_tokens or 16, "completion")
+        got = await _serve(body, CompletionRequest)
         if isinstance(got, JSONResponse):
             return got
-        version, groups = got
-        stops = req.sampling(1).stop
+        req, tok, version, groups = got
         choices = []
-        for g in groups:
-            for r in g:
-                text, toks = _text(tok, r, stops, req.return_tokens_as_token_ids)
-                offs, at = [], 0
-                for s in toks:
-                    offs.append(at)
-                    at += len(s)
-                lp = None if req.logprobs is None else {"tokens": toks, "token_logprobs": r.logprobs,
-                                                         "top_logprobs": [{s: v} for s, v in zip(toks, r.logprobs)],
-                                                         "text_offset": offs}
-                choices.append({"index": len(choices), "text": text, "logprobs": lp, "finish_reason": r.finish_reason,
-                                **_ids(req, r), "rollout": r.model_dump()})
-        return {"id": groups[0][0].request_id, "object": "text_completion", "created": int(time.time()), "model": _model_name(req),
-                "choices": choices, "usage": _usage(groups), "weight_version": version}
+        for r in (r for g in groups for r in g):
+            text, toks, extra = _choice(tok, req, r)
+            offs = [sum(len(s) for s in toks[:i]) for i in range(len(toks))]
+            lp = None if req.logprobs is None else {"tokens": toks, "token_logprobs": r.logprobs,
+                                                     "top_logprobs": [{s: v} for s, v in zip(toks, r.logprobs)],
+                                                     "text_offset": offs}
+            choices.append({"index": len(choices), "text": text, "logprobs": lp, **extra})
+        return _response("text_completion", req, version, groups, choices)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: dict[str, Any]):
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-            tok = _tokenizer()
-        except ValidationError as e:
-            return _invalid(e)
-        except ValueError as e:
-            return _invalid(e, "messages")
-        if req.max_tokens and req.max_completion_tokens and req.max_tokens != req.max_completion_tokens:
-            return _invalid(ValueError("max_tokens and max_completion_tokens differ"), "max_completion_tokens")
-        prompt = Prompt(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-        got = await _sample([prompt], req, req.max_completion_tokens or req.max_tokens or 16, "chat")
+        got = await _serve(body, ChatCompletionRequest)
         if isinstance(got, JSONResponse):
             return got
-        version, groups = got
-        stops = req.sampling(1).stop
+        req, tok, version, groups = got
         choices = []
         for r in groups[0]:
-            text, toks = _text(tok, r, stops, req.return_tokens_as_token_ids)
+            text, toks, extra = _choice(tok, req, r)
             lp = None
             if req.logprobs:
                 lp = {"content": [{"token": s, "logprob": v, "bytes": list(s.encode()), "top_logprobs": []}
                                   for s, v in zip(toks, r.logprobs)]}
-            choices.append({"index": len(choices), "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": r.finish_reason, **_ids(req, r), "rollout": r.model_dump()})
-        return {"id": groups[0][0].request_id, "object": "chat.completion", "created": int(time.time()), "model": _model_name(req),
-                "choices": choices, "usage": _usage(groups), "weight_version": version}
+            choices.append({"index": len(choices), "message": {"role": "assistant", "content": text}, "logprobs": lp, **extra})
+        return _response("chat.completion", req, version, groups, choices)
 
     return router
