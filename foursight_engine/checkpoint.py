@@ -281,17 +281,19 @@ def remove_interrupted_runs(out_dir: Path) -> list[Path]:
     return gone
 
 
-def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> list[str]:
+def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None,
+                      metadata: dict[str, str] | None = None) -> list[str]:
     """Write ``tensors`` into ``folder`` as ``model.safetensors``, or as
     ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` when they
     exceed ``max_shard_bytes`` (default :data:`SHARD_BYTES`): huggingface_hub's splitter, the
-    layout transformers, vLLM and SGLang read. Every file carries the FourSight metadata. Returns the file names."""
+    layout transformers, vLLM and SGLang read. Every file carries ``metadata`` (default: the
+    FourSight metadata; a compressed-tensors export passes its own). Returns the file names."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_bytes or SHARD_BYTES)
-    meta = {"format": "pt", "quant_method": schema.QUANT_METHOD, "format_version": str(schema.FORMAT_VERSION)}
+    meta = metadata or {"format": "pt", "quant_method": schema.QUANT_METHOD, "format_version": str(schema.FORMAT_VERSION)}
     for fname, names in split.filename_to_tensors.items():
         save_file({n: tensors[n].contiguous() for n in names}, str(folder / fname), metadata=meta)
     if split.is_sharded:

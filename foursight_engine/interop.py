@@ -169,18 +169,19 @@ def _linear_names(hf_cfg: dict[str, Any]) -> list[str]:
 
 
 def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool,
-          channels_file: "schema.ChannelsFile | None" = None) -> Path:
-    """Write ``config.json``, one ``model.safetensors`` and the tokenizer/generation files of
-    ``src_dir`` (and ``channels_file`` as ``foursight_channels.json`` when given) to ``out_dir``
-    atomically (a temporary folder beside it, then renamed)."""
-    from safetensors.torch import save_file
+          channels_file: "schema.ChannelsFile | None" = None, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``config.json``, the tensors (:func:`foursight.checkpoint.write_safetensors`: one
+    ``model.safetensors`` or index + shards, with ``metadata``, default FourSight's) and the
+    tokenizer/generation files of ``src_dir`` (and ``channels_file`` as ``foursight_channels.json``
+    when given) to ``out_dir`` atomically (a temporary folder beside it, then renamed)."""
+    from foursight.checkpoint import write_safetensors
 
     if out_dir.exists() and not force:
         raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tmp, tensors, metadata=metadata)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         for f in src_dir.iterdir():
             if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template"))
@@ -235,7 +236,7 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
     d = qc.to_dict()
     d["quant_method"] = CT_METHOD
     hf_cfg["quantization_config"] = json.loads(json.dumps(d, default=str))
-    return _save(out_dir, ckpt_dir, hf_cfg, out, force)
+    return _save(out_dir, ckpt_dir, hf_cfg, out, force, metadata={"format": "pt"})
 
 
 def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels: str | int = "0", calib: str | Path | None = None,

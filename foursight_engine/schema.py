@@ -272,6 +272,14 @@ def check_finite(name: str, t: torch.Tensor, where: str = "") -> None:
             raise CheckpointError(f"tensor {name}{where} holds {int(bad.sum())} non-finite value(s) (NaN/Inf)")
 
 
+def checked_finite(weights, where: str = ""):
+    """``(name, tensor)`` pairs of ``weights``, each checked by :func:`check_finite` as it passes:
+    the engine loaders' check of the tensors they read themselves (norms, embeddings, lm_head)."""
+    for name, t in weights:
+        check_finite(name, t, where)
+        yield name, t
+
+
 #: the index of a sharded safetensors checkpoint (tensor name -> file), as transformers writes it
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

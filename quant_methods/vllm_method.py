@@ -87,7 +87,7 @@ def _install_load_check() -> None:
         if getattr(model_config, "quantization", None) != QUANT_METHOD:
             yield from it
             return
-        from foursight.schema import check_finite
+        from foursight.schema import checked_finite
 
         qc = getattr(model_config.hf_config, "quantization_config", None)
         if isinstance(qc, dict) and qc.get("quant_method") == CT_METHOD:
@@ -96,9 +96,7 @@ def _install_load_check() -> None:
             from foursight.interop import as_foursight_weights
 
             it = as_foursight_weights(it, parse_quantization_config(qc).activation_dtype)
-        for name, t in it:
-            check_finite(name, t, f" in {model_config.model}")
-            yield name, t
+        yield from checked_finite(it, f" in {model_config.model}")
 
     get_all_weights._foursight_checked = True  # type: ignore[attr-defined]
     DefaultModelLoader.get_all_weights = get_all_weights

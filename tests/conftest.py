@@ -34,12 +34,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_call(item):
     """A failed test that started engine servers gets their log tails in its report (CI shows
     why a server stopped answering, not only the client's ReadError)."""
-    from foursight.trainer_bridge.launch import STARTED
+    import sys
 
-    first = len(STARTED)
+    launch = sys.modules.get("foursight.trainer_bridge.launch")  # not imported: no server was started
+    first = len(launch.STARTED) if launch else 0
     outcome = yield
-    if outcome.excinfo is not None:
-        for srv in STARTED[first:]:
+    launch = sys.modules.get("foursight.trainer_bridge.launch")
+    if outcome.excinfo is not None and launch is not None:
+        for srv in launch.STARTED[first:]:
             tail = srv.log_tail()
             if tail:
                 item.add_report_section("call", f"{srv.what} log", tail)

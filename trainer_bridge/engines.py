@@ -721,7 +721,7 @@ class HFEngine(Engine):
                     _settle(s.future, result=Rollout(prompt_ids=s.prompt_ids, token_ids=s.token_ids, logprobs=s.logprobs,
                                                 finish_reason=s.finish_reason, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k))
                 else:
-                    with self._cv:
+                    with self._cv:  # back in the queue and no longer current in one step: never counted twice
                         self._push(s)
                         self._current = None
             finally:
