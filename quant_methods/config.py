@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from foursight.interop import CT_METHOD  # the compressed-tensors checkpoints --quantization foursight also serves
 from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
 from foursight.quant_methods.sharding import TPContext, shard_names
@@ -32,10 +33,6 @@ MIN_CAPABILITY = 80
 
 #: The fused-module map of Llama/Qwen-style models, used when an engine gives none.
 DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-
-
-#: ``quant_method`` of the compressed-tensors checkpoints ``--quantization foursight`` also serves.
-CT_METHOD = "compressed-tensors"
 
 
 def parse_quantization_config(config: dict[str, Any]) -> FourSightConfig:

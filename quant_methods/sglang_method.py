@@ -9,7 +9,11 @@ What is SGLang-specific here:
 
 * :class:`FourSightSGLangConfig` -- SGLang's ``QuantizationConfig``. ``from_config`` receives
   ``config.json["quantization_config"]`` (plus SGLang's ``packed_modules_mapping`` /
-  ``hf_config`` keys, stripped before the strict schema parse). With no quantization config in
+  ``hf_config`` keys, stripped before the strict schema parse). A compressed-tensors NVFP4
+  checkpoint (llm-compressor's ``nvfp4-pack-quantized``) served with ``--quantization foursight``
+  is taken over by ``override_quantization_method`` and read as FourSight k = 0; the plugin's
+  weight iterator adds the empty k = 0 tensors (:func:`foursight.interop.as_foursight_weights`),
+  as the vLLM adapter does. With no quantization config in
   the model (a BF16 model served with ``--quantization foursight``) SGLang calls the class with
   no arguments: that is online quantization, configured by ``FOURSIGHT_*`` environment variables
   (see ``online.OnlineSettings``) and, if present, the model folder's ``foursight_channels.json``.
@@ -40,10 +44,10 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase, Quantiz
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
-from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig
+from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig, parse_quantization_config, serves_user_choice
 from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings
 from foursight.quant_methods.sharding import TPContext
-from foursight.schema import CHANNELS_FILE, FourSightConfig
+from foursight.schema import CHANNELS_FILE, QUANT_METHOD, FourSightConfig
 
 logger = logging.getLogger("foursight.quant_methods.sglang")
 
@@ -87,12 +91,19 @@ class FourSightSGLangConfig(FourSightMethodConfig, QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "FourSightSGLangConfig":
-        """Parse ``config.json["quantization_config"]`` with the shared strict schema."""
+        """Parse ``config.json["quantization_config"]`` with the shared strict schema (FourSight, or
+        compressed-tensors NVFP4 read as k = 0: :func:`~foursight.quant_methods.config.parse_quantization_config`)."""
         raw = {k: v for k, v in config.items() if k not in _SGLANG_EXTRA_KEYS}
-        out = cls(FourSightConfig.parse(raw))
+        out = cls(parse_quantization_config(raw))
         if config.get("packed_modules_mapping"):
             out.packed_modules_mapping = dict(config["packed_modules_mapping"])
         return out
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None) -> str | None:
+        """``--quantization foursight`` on a compressed-tensors NVFP4 checkpoint serves it with
+        FourSight (SGLang would otherwise refuse the mismatch between the two method names)."""
+        return QUANT_METHOD if serves_user_choice(hf_quant_cfg, user_quant) else None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[LinearMethodBase]:
         if not isinstance(layer, LinearBase):

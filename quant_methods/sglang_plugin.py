@@ -12,6 +12,10 @@ CLI's ``--quantization`` choices are extended through ``add_quantization_method_
 on x86 CPUs with AMX, where SGLang only accepts methods listed in ``CPU_QUANTIZATION_METHODS``,
 the method is added there too (it runs the PyTorch reference on CPU).
 
+``--quantization foursight`` also serves a compressed-tensors NVFP4 folder unconverted (k = 0):
+the config's ``override_quantization_method`` takes it over and the weight iterator below adds
+the empty k = 0 tensors (:func:`foursight.interop.as_foursight_weights`).
+
 Registering also makes SGLang's weight iterator check every tensor of a ``foursight`` model finite
 (checkpoint load and ``update_weights_from_disk``), so a NaN norm or an Inf embedding row stops the
 load with an error naming the tensor instead of killing the engine at its first request; a local
@@ -26,7 +30,7 @@ import os
 
 logger = logging.getLogger("foursight.quant_methods.sglang")
 
-NAME = "foursight"
+NAME = "foursight"  # foursight.schema.QUANT_METHOD (not imported here: registration stays import-light)
 
 
 def _install_load_check() -> None:
@@ -41,17 +45,11 @@ def _install_load_check() -> None:
     if getattr(original, "_foursight_checked", False):
         return
 
-    def _checked(it, where):
-        from foursight.schema import check_finite
-
-        for name, t in it:
-            check_finite(name, t, where)
-            yield name, t
-
     def _get_weights_iterator(self, source, *args, **kwargs):
         if getattr(getattr(source, "model_config", None), "quantization", None) != NAME:
             return original(self, source, *args, **kwargs)
         path = getattr(source, "model_or_path", "")
+        qc = getattr(getattr(source.model_config, "hf_config", None), "quantization_config", None)
         if os.path.isdir(path):
             # read and check every safetensors tensor *now*, when SGLang asks for the iterator and
             # before any weight is written: an update then fails with "Failed to get weights
@@ -60,7 +58,19 @@ def _install_load_check() -> None:
             from foursight.schema import check_safetensors
 
             check_safetensors(path)
-        return _checked(original(self, source, *args, **kwargs), f" in {path}")
+        from foursight.schema import checked_finite
+
+        it = original(self, source, *args, **kwargs)
+        from foursight.interop import CT_METHOD
+
+        if isinstance(qc, dict) and qc.get("quant_method") == CT_METHOD:
+            # a compressed-tensors NVFP4 folder served with --quantization foursight: its tensors
+            # are read as the k = 0 FourSight checkpoint they are (as the vLLM adapter does)
+            from foursight.interop import as_foursight_weights
+            from foursight.quant_methods.config import parse_quantization_config
+
+            it = as_foursight_weights(it, parse_quantization_config(qc).activation_dtype)
+        return checked_finite(it, f" in {path}")
 
     _get_weights_iterator._foursight_checked = True  # type: ignore[attr-defined]
     DefaultModelLoader._get_weights_iterator = _get_weights_iterator

@@ -9,9 +9,14 @@ by the test-harness stand-in in tests/sglang_harness (installed by scripts/setup
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import torch
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -148,3 +153,56 @@ def within_floor(d: torch.Tensor, floor: torch.Tensor) -> tuple[bool, str]:
     msg = (f"mean |Δ| {float(d.mean()):.5f} (tol {mean_tol:.5f}), max |Δ| {float(d.max()):.5f} (tol {max_tol:.5f}); "
            f"floor sdpa-vs-eager mean {float(floor.mean()):.5f} max {float(floor.max()):.5f}; {d.numel()} tokens")
     return ok, msg
+
+
+# ---- SGLang HTTP servers (python -m sglang.launch_server --quantization foursight) -------------
+
+STARTUP_TIMEOUT = 240
+
+
+def launch_server(model: Path, port: int, log: Path, extra: list[str] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--quantization", "foursight",
+           "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *extra]
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    t0 = time.time()
+    while time.time() - t0 < STARTUP_TIMEOUT:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"server not ready after {STARTUP_TIMEOUT}s:\n{log.read_text()[-4000:]}")
+
+
+def generate_logprobs(url: str, ids: list[int], max_new_tokens: int = 1, start: int = 0) -> dict:
+    r = httpx.post(
+        f"{url}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+              "return_logprob": True, "logprob_start_len": start},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def server_prompt_logprobs(url: str, prompts: list[list[int]]) -> list[list[float]]:
+    return [sglang_prompt_logprobs(generate_logprobs(url, ids)["meta_info"]) for ids in prompts]
+
+

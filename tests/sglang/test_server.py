@@ -26,10 +26,7 @@ of the same model.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +34,12 @@ import httpx
 import pytest
 
 from sglang_helpers import (
-    SERVER_ARGS,
+    STARTUP_TIMEOUT,
+    generate_logprobs,
+    launch_server,
+    server_prompt_logprobs,
+    stop_server,
+    wait_ready,
     abs_diffs,
     free_port,
     hf_prompt_logprobs,
@@ -51,66 +53,19 @@ from sglang_helpers import (
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 SEPARATION = 2.5
-STARTUP_TIMEOUT = 240
-
-
-def _launch(model: Path, port: int, log: Path, extra: list[str] = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--quantization", "foursight",
-           "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *extra]
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    t0 = time.time()
-    while time.time() - t0 < STARTUP_TIMEOUT:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"server not ready after {STARTUP_TIMEOUT}s:\n{log.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("sglang-server") / "server.log"
-    proc = _launch(tiny_ckpt, port, log)
+    proc = launch_server(tiny_ckpt, port, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, url, log)
+        wait_ready(proc, url, log)
         yield url
     finally:
-        _stop(proc)
-
-
-def _generate(url: str, ids: list[int], max_new_tokens: int = 1, start: int = 0) -> dict:
-    r = httpx.post(
-        f"{url}/generate",
-        json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-              "return_logprob": True, "logprob_start_len": start},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _server_logprobs(url: str, prompts: list[list[int]]) -> list[list[float]]:
-    return [sglang_prompt_logprobs(_generate(url, ids)["meta_info"]) for ids in prompts]
+        stop_server(proc)
 
 
 def _report(name: str, d) -> str:
@@ -119,7 +74,7 @@ def _report(name: str, d) -> str:
 
 def test_generate_returns_logprobs(server, tiny_ckpt):
     ids = prompt_ids(tiny_ckpt, n=1)[0]
-    out = _generate(server, ids, max_new_tokens=6, start=-1)
+    out = generate_logprobs(server, ids, max_new_tokens=6, start=-1)
     meta = out["meta_info"]
     toks = meta["output_token_logprobs"]
     assert len(toks) == meta["completion_tokens"] > 0
@@ -128,14 +83,14 @@ def test_generate_returns_logprobs(server, tiny_ckpt):
     # greedy decoding: each generated token's logprob is the max of its distribution, so it
     # equals the teacher-forced logprob of that token when the continuation is fed back
     gen = [t[1] for t in toks]
-    tf = sglang_prompt_logprobs(_generate(server, ids + gen)["meta_info"])[len(ids) - 1:]
+    tf = sglang_prompt_logprobs(generate_logprobs(server, ids + gen)["meta_info"])[len(ids) - 1:]
     d = abs_diffs([[t[0] for t in toks]], [tf])
     assert float(d.max()) < 5e-2, _report("decode vs prefill", d)
 
 
 def test_logprobs_match_reference_model(server, tiny_ckpt, tiny_nvfp4_ckpt, record_property):
     prompts = prompt_ids(tiny_ckpt, n=4)
-    eng = _server_logprobs(server, prompts)
+    eng = server_prompt_logprobs(server, prompts)
     ref_model = reference_model(tiny_ckpt)
     ref = hf_prompt_logprobs(ref_model, prompts)
     fp4 = hf_prompt_logprobs(reference_model(tiny_nvfp4_ckpt), prompts)
@@ -150,11 +105,11 @@ def test_logprobs_match_reference_model(server, tiny_ckpt, tiny_nvfp4_ckpt, reco
 
 def test_update_weights_from_disk_follows_new_policy(server, tiny_ckpt, tiny_ckpt_b):
     prompts = prompt_ids(tiny_ckpt, n=4)
-    before = _server_logprobs(server, prompts)
+    before = server_prompt_logprobs(server, prompts)
     try:
         r = httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(tiny_ckpt_b)}, timeout=300)
         assert r.status_code == 200 and r.json()["success"], r.text
-        after = _server_logprobs(server, prompts)
+        after = server_prompt_logprobs(server, prompts)
         ref_model = reference_model(tiny_ckpt_b)
         ref_b = hf_prompt_logprobs(ref_model, prompts)
         d = abs_diffs(after, ref_b)
@@ -178,16 +133,16 @@ def test_missing_tensor_fails_at_load_naming_it(tiny_ckpt, tmp_path):
     del t["model.layers.1.self_attn.k_proj.weight_scale"]
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     log = tmp_path / "bad.log"
-    proc = _launch(bad, free_port(), log)
+    proc = launch_server(bad, free_port(), log)
     try:
         t0 = time.time()
         proc.wait(STARTUP_TIMEOUT)
         print(f"bad checkpoint: server exited after {time.time() - t0:.0f} s")
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop_server(proc)
         raise AssertionError(f"server with a bad checkpoint did not exit:\n{log.read_text()[-3000:]}")
     finally:
-        _stop(proc)
+        stop_server(proc)
     text = log.read_text()
     assert proc.returncode != 0
     assert "CheckpointError: missing tensor model.layers.1.self_attn.k_proj.weight_scale" in text, text[-3000:]
@@ -210,26 +165,26 @@ def test_non_finite_update_from_disk_is_refused_and_previous_weights_keep_servin
     """An update whose model.norm.weight holds a NaN fails naming the tensor; SGLang then reloads the
     weights it served, and the logprobs are bit-equal to those before."""
     prompts = prompt_ids(tiny_ckpt, n=2)
-    before = _server_logprobs(server, prompts)
+    before = server_prompt_logprobs(server, prompts)
     bad = _nan_norm_copy(tiny_ckpt, tmp_path / "nan_norm")
     r = httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(bad)}, timeout=300)
     body = r.json()
     assert not body["success"], r.text
     assert "model.norm.weight" in body["message"] and "non-finite" in body["message"], body["message"]
-    assert _server_logprobs(server, prompts) == before
+    assert server_prompt_logprobs(server, prompts) == before
 
 
 def test_non_finite_checkpoint_fails_at_load_naming_the_tensor(tiny_ckpt, tmp_path):
     bad = _nan_norm_copy(tiny_ckpt, tmp_path / "bad", "model.embed_tokens.weight")
     log = tmp_path / "bad.log"
-    proc = _launch(bad, free_port(), log)
+    proc = launch_server(bad, free_port(), log)
     try:
         proc.wait(STARTUP_TIMEOUT)
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop_server(proc)
         raise AssertionError(f"server with a NaN embedding did not exit:\n{log.read_text()[-3000:]}")
     finally:
-        _stop(proc)
+        stop_server(proc)
     text = log.read_text()
     assert proc.returncode != 0
     assert "tensor model.embed_tokens.weight" in text and "non-finite" in text, text[-3000:]
@@ -271,10 +226,10 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     probe = prompt_ids(tiny_ckpt, n=2)
-    procs = [_launch(tiny_ckpt, port, tmp_path / "sglang1.log")]
+    procs = [launch_server(tiny_ckpt, port, tmp_path / "sglang1.log")]
     bridge = None
     try:
-        _wait_ready(procs[0], url, tmp_path / "sglang1.log")
+        wait_ready(procs[0], url, tmp_path / "sglang1.log")
         bridge = BridgeThread(create_app([SGLangHTTPEngine(url)])).start()
         prompts, sp = [[5, 6, 7, 8], [11, 12, 13]], {"max_tokens": 6, "temperature": 1.0, "seed": 3}
         with RolloutClient(bridge.url) as c:
@@ -282,9 +237,9 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
             h = c.health()
             assert h["status"] == "ok" and h["engines"][0]["engine_version"] == 7, h
 
-            _stop(procs[0])  # the server dies and comes back on its checkpoint, same URL
-            procs.append(_launch(tiny_ckpt, port, tmp_path / "sglang2.log"))
-            _wait_ready(procs[1], url, tmp_path / "sglang2.log")
+            stop_server(procs[0])  # the server dies and comes back on its checkpoint, same URL
+            procs.append(launch_server(tiny_ckpt, port, tmp_path / "sglang2.log"))
+            wait_ready(procs[1], url, tmp_path / "sglang2.log")
 
             r = httpx.get(bridge.url + "/v1/health", timeout=60)
             assert r.status_code == 503 and r.json()["status"] == "degraded", r.text
@@ -293,13 +248,13 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
             with pytest.raises(BridgeHTTPError) as ei:
                 c.generate(prompts, sp, n=2)
             assert ei.value.status == 503 and "reports weight version 0" in str(ei.value)
-            stale = _server_logprobs(url, probe)
+            stale = server_prompt_logprobs(url, probe)
 
             c.update_weights(version=8, path=str(tiny_ckpt_b))
             h = c.health()
             assert h["status"] == "ok" and h["engines"][0]["engine_version"] == 8, h
             rs = c.generate(prompts, sp, n=2)
-            synced = _server_logprobs(url, probe)
+            synced = server_prompt_logprobs(url, probe)
         assert len(rs) == 4 and {r.weight_version for r in rs} == {8}
         # what the health said is what the server served: the restarted server was back on A (the
         # checkpoint it started with), and after the re-push it serves B
@@ -312,4 +267,4 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
         if bridge is not None:
             bridge.stop()
         for p in procs:
-            _stop(p)
+            stop_server(p)
