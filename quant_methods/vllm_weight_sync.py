@@ -25,10 +25,11 @@ How an update is applied (``apply_weight_update``):
    q/k/v and gate/up shards, TP slicing); unquantized linear layers whose weight vLLM's CPU
    backend pre-packed (the parameter is left empty) get their model-format parameter back
    through vLLM's layerwise reload first and are re-packed once all their elements arrived
-   (:func:`cpu_packed_linears`). An update that gives only some shards of a fused layer is
-   refused, naming it, and that layer keeps its previous weights on every engine
-   (:class:`FusedShardGate`; the single-file ``foursight_update_weights`` checks the file's names
-   before it loads anything, so a refused file changes nothing);
+   (:func:`cpu_packed_linears`). Such a layer cannot take some shards of a fused layer alone
+   (its other shards' model-format weights are gone): an update that gives only some is refused,
+   naming the layer, which keeps its previous weights (:class:`FusedShardGate`; the single-file
+   ``foursight_update_weights`` checks the file's names before it loads anything, so a refused
+   file changes nothing). Every other layer, FourSight ones included, takes a partial update;
 4. the idempotent post-load processing (``LayerPlan.process``) of every FourSight layer that
    received a tensor rebuilds its quantized execution state (online layers re-quantize their
    BF16 weight; with the weight-based channel fallback the channels are re-selected from the
@@ -173,18 +174,22 @@ class FusedShardGate:
     ``gate_proj``/``up_proj`` of ``gate_up_proj``: the model's ``packed_modules_mapping``) until
     every shard of it has arrived in the update, then lets them through together.
 
-    So an update that gives only some shards of a fused layer writes none of them, whatever the
-    engine does with the layer's weight (vLLM's CPU backend pre-packs unquantized weights on some
-    CPUs and keeps them on others; GPU engines keep them): :meth:`incomplete` names what is left at
-    the end, and :func:`finish_update` refuses the update. The shards may come in any order and
-    across several ``update_weights`` calls of the native API (a sharded state dict may split a
-    layer over two files); only the shards still waiting for their siblings are held in memory.
+    Only the fused layers in ``only`` are gated (all of them when None): the engine uses it for
+    the CPU-packed unquantized layers (:func:`cpu_packed_linears`), the one kind that cannot take
+    some shards alone, since vLLM's CPU backend dropped their model-format weight when it
+    re-packed it (oneDNN on AVX-512 BF16 hosts; an AVX2 host falls back to ``F.linear`` and keeps
+    it). FourSight layers and kept weights load a single shard fine. A gated layer whose update
+    gives only some shards writes none of them: :meth:`incomplete` names what is left at the end,
+    and :func:`finish_update` refuses the update. The shards may come in any order and across
+    several ``update_weights`` calls of the native API (a sharded state dict may split a layer
+    over two files); only the shards still waiting for their siblings are held in memory.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, only: Iterable[str] | None = None) -> None:
         mapping = getattr(model, "packed_modules_mapping", None) or {}
         self._fused = {shard: (fused, tuple(shards)) for fused, shards in mapping.items()
                        if len(shards) > 1 for shard in shards}
+        self._only = None if only is None else set(only)
         self._pending: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}
 
     def admit(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,6 +201,9 @@ class FusedShardGate:
                 continue
             fused, shards = self._fused[leaf]
             key = (f"{prefix}.{fused}" if prefix else fused, param)
+            if self._only is not None and key[0] not in self._only:
+                yield name, t
+                continue
             got = self._pending.setdefault(key, {})
             got[leaf] = (name, t)
             if len(got) == len(shards):
@@ -222,8 +230,8 @@ def _partial_fused_error(partial: list[str]) -> CheckpointError:
 
 def check_fused_complete(model: torch.nn.Module, names: Iterable[str]) -> None:
     """Refuse, before anything is loaded, an update whose tensor ``names`` give only some shards
-    of a fused layer (:class:`FusedShardGate`); raises CheckpointError naming the layers."""
-    gate = FusedShardGate(model)
+    of a CPU-packed fused layer (:class:`FusedShardGate`); raises CheckpointError naming the layers."""
+    gate = FusedShardGate(model, only=cpu_packed_linears(model))
     for _ in gate.admit((n, None) for n in names):
         pass
     if gate.incomplete():
@@ -238,7 +246,7 @@ def begin_update(model: torch.nn.Module) -> dict:
     packed = cpu_packed_linears(model)
     _open_packed_for_reload(packed)
     return {"layers": layers, "before": {n: m.foursight_plan.load_events for n, m in layers.items()}, "count": 0,
-            "packed": packed, "gate": FusedShardGate(model)}
+            "packed": packed, "gate": FusedShardGate(model, only=packed)}
 
 
 def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], session: dict) -> int:

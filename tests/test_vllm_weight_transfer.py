@@ -133,7 +133,6 @@ def test_fused_shard_gate_holds_shards_until_the_fused_layer_is_complete():
     """The gate lets a fused layer's shards through only together (in the mapping's order, across
     several calls), passes every other tensor at once, and names what is left incomplete."""
     from foursight.quant_methods.vllm_weight_sync import FusedShardGate, check_fused_complete
-    from foursight.schema import CheckpointError
 
     class Model(torch.nn.Module):
         packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -149,6 +148,10 @@ def test_fused_shard_gate_holds_shards_until_the_fused_layer_is_complete():
     assert second == [(f"{att}.q_proj.weight", 3), (f"{att}.k_proj.weight", 1), (f"{att}.v_proj.weight", 5),
                       ("model.layers.0.mlp.gate_proj.weight", 6), ("model.layers.0.mlp.up_proj.weight", 4)]
     assert gate.incomplete() == []
-    check_fused_complete(Model(), [f"{att}.q_proj.bias", f"{att}.k_proj.bias", f"{att}.v_proj.bias"])
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.bias \(got q_proj; missing k_proj, v_proj\)"):
-        check_fused_complete(Model(), [f"{att}.q_proj.bias", f"{att}.q_proj.weight", f"{att}.k_proj.weight", f"{att}.v_proj.weight"])
+    # restricted to one fused layer (the engine passes its CPU-packed ones): the others pass at once
+    only = FusedShardGate(Model(), only=[f"{att}.qkv_proj"])
+    assert [n for n, _ in only.admit([("model.layers.0.mlp.up_proj.weight", 1), (f"{att}.q_proj.bias", 2)])] == \
+        ["model.layers.0.mlp.up_proj.weight"]
+    assert only.incomplete() == [f"{att}.qkv_proj.bias (got q_proj; missing k_proj, v_proj)"]
+    # an unpacked model (no CPU-packed layer) takes half a fused layer
+    check_fused_complete(Model(), [f"{att}.q_proj.weight"])
