@@ -57,6 +57,20 @@ def serves_user_choice(hf_quant_cfg: dict[str, Any], user_quant: str | None) -> 
     return user_quant == QUANT_METHOD and isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == CT_METHOD
 
 
+def served_weights(weights, hf_quant_cfg: Any, where: str = ""):
+    """The ``(name, tensor)`` stream an engine adapter loads for a ``foursight`` model: every tensor
+    checked finite (:func:`foursight.schema.checked_finite`), and a compressed-tensors NVFP4
+    folder's tensors read as the k = 0 FourSight checkpoint they are
+    (:func:`foursight.interop.as_foursight_weights`). The vLLM and SGLang loaders both wrap this."""
+    from foursight.schema import checked_finite
+
+    if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == CT_METHOD:
+        from foursight.interop import as_foursight_weights
+
+        weights = as_foursight_weights(weights, parse_quantization_config(hf_quant_cfg).activation_dtype)
+    return checked_finite(weights, where)
+
+
 class FourSightMethodConfig:
     """What both engine configs share (see the module docstring).
 

@@ -58,19 +58,9 @@ def _install_load_check() -> None:
             from foursight.schema import check_safetensors
 
             check_safetensors(path)
-        from foursight.schema import checked_finite
+        from foursight.quant_methods.config import served_weights
 
-        it = original(self, source, *args, **kwargs)
-        from foursight.interop import CT_METHOD
-
-        if isinstance(qc, dict) and qc.get("quant_method") == CT_METHOD:
-            # a compressed-tensors NVFP4 folder served with --quantization foursight: its tensors
-            # are read as the k = 0 FourSight checkpoint they are (as the vLLM adapter does)
-            from foursight.interop import as_foursight_weights
-            from foursight.quant_methods.config import parse_quantization_config
-
-            it = as_foursight_weights(it, parse_quantization_config(qc).activation_dtype)
-        return checked_finite(it, f" in {path}")
+        return served_weights(original(self, source, *args, **kwargs), qc, f" in {path}")
 
     _get_weights_iterator._foursight_checked = True  # type: ignore[attr-defined]
     DefaultModelLoader._get_weights_iterator = _get_weights_iterator

@@ -38,7 +38,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from foursight.quant_methods.config import (CT_METHOD, FourSightLinearMethodBase, FourSightMethodConfig, parse_quantization_config,
+from foursight.quant_methods.config import (FourSightLinearMethodBase, FourSightMethodConfig, parse_quantization_config, served_weights,
                                             serves_user_choice)
 from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.sharding import TPContext
@@ -87,16 +87,8 @@ def _install_load_check() -> None:
         if getattr(model_config, "quantization", None) != QUANT_METHOD:
             yield from it
             return
-        from foursight.schema import checked_finite
-
         qc = getattr(model_config.hf_config, "quantization_config", None)
-        if isinstance(qc, dict) and qc.get("quant_method") == CT_METHOD:
-            # a compressed-tensors NVFP4 folder served with --quantization foursight: its tensors
-            # are read as the k = 0 FourSight checkpoint they are
-            from foursight.interop import as_foursight_weights
-
-            it = as_foursight_weights(it, parse_quantization_config(qc).activation_dtype)
-        yield from checked_finite(it, f" in {model_config.model}")
+        yield from served_weights(it, qc, f" in {model_config.model}")
 
     get_all_weights._foursight_checked = True  # type: ignore[attr-defined]
     DefaultModelLoader.get_all_weights = get_all_weights
