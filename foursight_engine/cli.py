@@ -106,12 +106,21 @@ def quantize(
     res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore), error_target=error_target,
                          max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
                          batch_size=batch_size, max_length=max_length, force=force)
-    console.print(layer_table(res.layers))
+    print_layer_table(res.layers)
     n_fs = sum(1 for r in res.layers if r.err_foursight < r.err_nvfp4)
     console.print(f"[green]wrote[/] {res.out_dir}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(markdown_layer_table(res.layers))
+
+
+def print_layer_table(layers, **kw) -> None:
+    """The per-layer table: rich on a terminal; the full Markdown table when the output goes to a file or a pipe
+    (rich cuts cells with "…" to fit 80 columns there)."""
+    if console.is_terminal:
+        console.print(layer_table(layers, **kw))
+    else:
+        print(markdown_layer_table(layers), end="", flush=True)
 
 
 def markdown_layer_table(layers) -> str:
@@ -165,7 +174,7 @@ def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder
         from types import SimpleNamespace
 
         rows = [SimpleNamespace(**r) for r in json.loads(rep.read_text())]
-        console.print(layer_table(rows))
+        print_layer_table(rows)
     console.print(f"[green]valid FourSight checkpoint:[/] {ckpt}")
 
 

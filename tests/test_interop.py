@@ -101,7 +101,12 @@ def test_stock_vllm_takes_the_export_as_compressed_tensors_nvfp4(exported, tmp_p
     out = r.stdout + r.stderr
     assert r.returncode != 0
     # (vLLM's INFO config line is not printed under every logging setup: the traceback is the evidence)
-    assert "foursight" not in out.lower().replace(str(exported).lower(), "")
+    # no FourSight code ran: the word may appear only inside paths (the checkpoint, the clone and its venv,
+    # which can sit in a folder named foursight), never in a module, class or log line of ours
+    repo, prefix = Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()
+    for path in sorted({str(exported), str(repo), str(prefix), os.path.realpath(sys.prefix)}, key=len, reverse=True):
+        out = out.replace(path, "<path>")
+    assert "foursight" not in out.lower()
     assert "compressed_tensors_w4a4_nvfp4.py" in out and "Failed to find a kernel that can implement the NVFP4 linear layer" in out
 
 

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def readme_bash_lines() -> list[str]:
-    """Every command line of the README's ```bash blocks (continuations joined)."""
+    """Every command line of the README's ```bash blocks (continuations joined, trailing `  # comments`
+    dropped), each once: the quick-start block repeats commands that later sections explain."""
     text = (REPO / "README.md").read_text()
     lines: list[str] = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
@@ -33,8 +34,8 @@ def readme_bash_lines() -> list[str]:
             if line.endswith("\\"):
                 cur += line[:-1].strip() + " "
                 continue
-            cur += line.strip()
-            if cur and not cur.startswith("#"):
+            cur += re.sub(r"\s+#\s.*$", "", line).strip()
+            if cur and not cur.startswith("#") and cur not in lines:
                 lines.append(cur)
             cur = ""
     return lines

@@ -38,7 +38,7 @@ SUMMARY_KEYS = [
     ("tim/abs_log_ratio_mean", "mean |Δlogp|"),
     ("abs_dlogp_p99", "p99 |Δlogp|"),
     ("tim/abs_log_ratio_max", "max |Δlogp|"),
-    ("tim/k3_mean", "k3 KL"),
+    ("tim/k3_mean", "mean k3"),
     ("tim/seq_max_abs_log_ratio_mean", "mean seq max |Δ|"),
     ("tim/tail_token_fraction", "tail tokens"),
     ("tim/tail_seq_fraction", "tail seqs"),
@@ -131,6 +131,16 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def k3_note(generator: str) -> str:
+    """What the ``mean k3`` column is for tokens drawn by ``generator`` (it is a KL estimate only on the engine's own samples)."""
+    return (
+        f"`mean k3` is the mean of e^r − 1 − r with r = logp_learner − logp_engine. It estimates KL(engine ‖ learner) only on "
+        f"tokens the engine itself sampled; these tokens were sampled by **{generator}**, so for every other engine it is not a KL "
+        "(with a BF16 generator, whose samples follow the learner, its expectation is χ²(learner ‖ engine) − KL(learner ‖ engine)). "
+        "It ranks engines by drift, but read it as a mismatch score, not as a divergence."
+    )
+
+
 def write_report(out: Path, result: dict, plots: list[str]) -> None:
     lines = [
         "# FourSight mismatch report",
@@ -148,6 +158,7 @@ def write_report(out: Path, result: dict, plots: list[str]) -> None:
     ]
     for name, m in result["engines"].items():
         lines.append(f"| {name} | " + " | ".join(_fmt(k, m.get(k, float('nan'))) for k, _ in SUMMARY_KEYS) + " |")
+    lines += ["", k3_note(result["config"]["generator"])]
     names = list(result["pairwise"])
     lines += ["", "## Pairwise mean |Δlogp| between engines", "", "| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for a in names:

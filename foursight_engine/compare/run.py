@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from foursight.compare.attribution import attribute_layers
+from foursight.compare.config import CompareConfig
 from foursight.compare.engines import _drive, default_sglang_python, open_engine
 from foursight.compare.prompts import load_prompts
 from foursight.compare.report import engine_metrics, pairwise, print_table, write_plots, write_report
 from foursight.compare.spec import LEARNER, EngineSpec, parse_engine_urls
-from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
 from foursight.trainer_bridge.protocol import Rollout
 
 
@@ -38,28 +39,29 @@ def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, wor
     return dirs
 
 
-def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: str = "builtin", n: int = 64,
-                max_tokens: int = 128, temperature: float = 1.0, seed: int = 0, generator: Optional[str] = None,
-                channels: str = "32", engine_urls: Sequence[str] = (), foursight_ckpt: Optional[Path] = None,
-                nvfp4_ckpt: Optional[Path] = None, tail_threshold: float = DEFAULT_TAIL_THRESHOLD, attribute: bool = False,
-                attribute_by: str = "type", attribute_n: int = 16, sglang_python: Optional[str] = None,
-                max_model_len: int = 1024, command: str = "", api_key: Optional[str] = None) -> dict:
-    """Run the whole comparison and write the report; returns the metrics dict. ``api_key`` is sent
-    (``Authorization: Bearer``) to the servers given in ``engine_urls``."""
+def run_compare(model_dir: Path, engines: list[EngineSpec], cfg: CompareConfig | Path, **overrides) -> dict:
+    """Run the whole comparison and write the report; returns the metrics dict.
+
+    ``cfg`` is the run's :class:`CompareConfig` (or just its ``out`` folder, the other options from
+    ``overrides`` and the config's defaults). ``engines`` are the parsed ``cfg.engines``. ``api_key`` is sent
+    (``Authorization: Bearer``) to the servers given in ``engine_url``."""
+    cfg = CompareConfig(out=Path(cfg), **overrides) if isinstance(cfg, (str, Path)) else dataclasses.replace(cfg, **overrides)
+    out, n, max_tokens, temperature, seed, channels = cfg.out, cfg.n, cfg.max_tokens, cfg.temperature, cfg.seed, cfg.channels
+    tail_threshold, max_model_len, api_key = cfg.tail_threshold, cfg.max_model_len, cfg.api_key
     from transformers import AutoTokenizer
 
-    urls = parse_engine_urls(engine_urls)
-    gen = EngineSpec.parse(generator) if generator else engines[0]
+    urls = parse_engine_urls(cfg.engine_url or [])
+    gen = EngineSpec.parse(cfg.generator) if cfg.generator else engines[0]
     if gen.name not in {e.name for e in engines}:
         engines = [gen, *engines]
     specs = list(engines)
     if LEARNER not in {e.name for e in specs}:
         specs.append(EngineSpec("hf", "bf16"))
     out.mkdir(parents=True, exist_ok=True)
-    dirs = ensure_checkpoints(model_dir, {e.precision for e in specs}, channels, out / "checkpoints", foursight_ckpt, nvfp4_ckpt)
+    dirs = ensure_checkpoints(model_dir, {e.precision for e in specs}, channels, out / "checkpoints", cfg.foursight_ckpt, cfg.nvfp4_ckpt)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt_ids = load_prompts(prompts, n, tok)
-    sglang_python = sglang_python or default_sglang_python()
+    prompt_ids = load_prompts(cfg.prompts, n, tok)
+    sglang_python = cfg.sglang_python or default_sglang_python()
 
     t0 = time.time()
     order = [gen] + [e for e in specs if e != gen]
@@ -78,7 +80,7 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: 
     result = {
         "config": {"model": str(model_dir), "engines": [e.name for e in engines], "generator": gen.name, "n": len(rollouts),
                    "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "channels": channels,
-                   "tail_threshold": tail_threshold, "checkpoints": {k: str(v) for k, v in dirs.items()}, "command": command},
+                   "tail_threshold": tail_threshold, "checkpoints": {k: str(v) for k, v in dirs.items()}, "command": cfg.command},
         "num_tokens": int(sum(len(s) for s in learner)),
         "engines": {e.name: engine_metrics(learner, scores[e.name], tail_threshold) for e in engines if e.name != LEARNER},
         "pairwise": pairwise({e.name: scores[e.name] for e in specs}),
@@ -90,9 +92,9 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], out: Path, prompts: 
         d = torch.cat([(torch.tensor(r.logprobs, dtype=torch.float64) - s).abs() for r, s in zip(rollouts, scores[gen.name]) if r.logprobs])
         if d.numel():
             result["generator_self_check"] = {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
-    if attribute:
-        k = min(attribute_n, len(rollouts))
-        result["attribution"] = attribute_layers(model_dir, rollouts[:k], learner[:k], by=attribute_by)
+    if cfg.attribute:
+        k = min(cfg.attribute_n, len(rollouts))
+        result["attribution"] = attribute_layers(model_dir, rollouts[:k], learner[:k], by=cfg.attribute_by)
     result["seconds"] = time.time() - t0
     plots = write_plots(out, learner, {e.name: scores[e.name] for e in specs}, tail_threshold)
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
