@@ -1,26 +1,50 @@
 #!/usr/bin/env python
-"""Compile the FourSight Triton kernels for sm_90 (H100/H200) on a machine without a GPU and count
-the SASS instructions of their loops.
+"""Compile the FourSight Triton kernels for sm_90a (H100/H200) on a machine without a GPU, count the
+SASS instructions of their loops, and count the launches of one linear.
 
 Triton ships ``ptxas`` and ``cuobjdump``, so ``triton.compile`` with a ``GPUTarget("cuda", 90, 32)``
-works on a CPU-only machine. This is how the decode loop was tuned between device runs (figures in
-docs/kernels.md). Integer arguments are marked divisible by 16 and unit strides are specialized,
-as Triton does at launch for contiguous tensors. The local Triton may differ from the GPU machine's
-(3.9 here, 3.6 on the H200), so counts are a guide, not the shipped SASS (the benchmark dumps that).
+(Triton builds ``sm_90a`` for it) works on a CPU-only machine. Integer arguments are marked divisible
+by 16 and unit strides are specialized, as Triton does at launch for contiguous tensors. The local
+Triton may differ from the GPU machine's (3.9 here, 3.6 on the H200), so counts are a guide, not the
+shipped SASS.
 
 Usage::
 
-    python benchmarks/sass_offline.py            # every kernel, default tiles
-    python benchmarks/sass_offline.py gemv1 ss   # a subset
+    python benchmarks/sass_offline.py                      # print: the hand-picked cases below
+    python benchmarks/sass_offline.py fragment act_quant   # a subset of them
+    python benchmarks/sass_offline.py --table --label after --out benchmarks/results/sass_v3 \\
+        [--before benchmarks/results/sass_v3/before.json]
 
-Per kernel it prints the instruction count, the loops (backward branches) with their length and
-most frequent opcodes and, for the loop over K, instructions per weight element per thread.
+``--table`` compiles **every configuration of the default candidate lists** (``DECODE_CONFIGS``,
+``MID_CONFIGS``, ``PREFILL_CONFIGS`` of :mod:`foursight.kernels.configs`, whatever forms the imported
+``foursight.kernels`` has) and the activation quantizer at its decode and prefill launches, and
+counts, in a subprocess under ``TRITON_INTERPRET=1``, the launches of one W4A4 k = 128 linear at
+decode (M = 1 and 16, the decode form) and at prefill (M = 256, the prefill form). It writes
+``<out>/<label>.json`` (commit, sha256 of the kernels folder, Triton version, every figure) and, with
+``--before``, ``<out>/sass_table.md`` with the two side by side. The BEFORE file is made by running
+this same script with ``PYTHONPATH`` pointing at a copy of the older package (docs/kernels.md says
+how). Metrics:
+
+* **instructions per weight value** (main loop): the SASS instructions of the loop over K (the
+  first backward branch) divided by the weight values one thread handles per iteration
+  (``block_n · block_k / threads``); for forms without a K loop (the dequant kernel), the whole
+  kernel's instructions over the values per thread.
+* **instructions per activation element** (quantizer): the kernel's static instructions up to its
+  first ``EXIT`` (the hot path; out-of-line slow-path subroutines such as IEEE division's follow it)
+  divided by the elements per thread; the total including those subroutines is recorded too.
+* **launches per linear**: Triton launches plus the device-kernel-launching torch calls made at the
+  top level of ``splice_linear`` (``mm``, ``addmm``, ``index_copy_``, ``copy_``, ``zero_``,
+  ``fill_``, ``clone``), counted on CPU tensors in the interpreter with the GPU's default form
+  forced.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import hashlib
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -31,67 +55,26 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from foursight.kernels.act_quant import _act_quant_kernel
-from foursight.kernels.dequant import _dequant_weight_kernel
-from foursight.kernels.fragment import _fragment_gemm_kernel
-from foursight.kernels.gemv import _splice_gemv1_kernel
-from foursight.kernels.ss import _splice_gemm_ss_kernel
-from foursight.kernels.swap import _splice_gemm_kernel
-
-_INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP")
-
-# name: (kernel, pointer types, constexprs, num_warps, num_stages, weight elements per thread per K step)
-CASES = {
-    "gemv1": (_splice_gemv1_kernel,
-              {"x_ptr": "*bf16", "a_ptr": "*fp16", "ch_ptr": "*i32", "wq_ptr": "*i32", "ws_ptr": "*u8",
-               "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-              dict(stride_xk=1, stride_on=1, A_MODE=1, HAS_BIAS=False, HAS_KS=True,
-                   BN=8, BK=1024, BLOCK_KS=128, USE_ASM=True, INTERP=False), 4, 1, 8 * 1024 // 128),
-    "ss": (_splice_gemm_ss_kernel,
-           {"a_ptr": "*fp16", "xs_ptr": "*bf16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8", "wb_ptr": "*bf16",
-            "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-           dict(stride_ak=1, stride_xsk=1, stride_on=1, A_QUANT=True, DOT_BF16=False, XS_DENSE=True, HAS_BIAS=False,
-                HAS_KS=True, EVEN_K=True, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_KS=64, GROUP_M=8, PREFETCH=True,
-                INTERP=False), 8, 3, 128 * 64 // 256),
-    "swap": (_splice_gemm_kernel,
-             {"a_ptr": "*fp16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8",
-              "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-             dict(stride_ak=1, stride_xk=1, stride_on=1, A_QUANT=True, DOT_BF16=False, HAS_BIAS=False,
-                  HAS_KS=True, SPLIT=False, EVEN_K=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, BLOCK_KS=64, GROUP_M=8,
-                  INTERP=False), 4, 3, 64 * 256 // 128),
-    "fragment": (_fragment_gemm_kernel,
-                 {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32", "sf_ptr": "*u8",
-                  "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-                 dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=False, SCALE_BF16=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-                      BLOCK_KS=64, GROUP_M=8, INTERP=False), 4, 3, 64 * 128 // 128),
-    "fragment256": (_fragment_gemm_kernel,
-                    {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32", "sf_ptr": "*i16",
-                     "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32"},
-                    dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=True, BLOCK_M=16, BLOCK_N=64,
-                         BLOCK_K=256, BLOCK_KS=64, GROUP_M=8, INTERP=False), 4, 3, 64 * 256 // 128),
-    "act_quant": (_act_quant_kernel,
-                  {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
-                   "deq_ptr": "*fp16", "xs_ptr": "*bf16"},
-                  dict(stride_xk=1, BLOCK_K=4096, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
-                       WRITE_DEQ=True, WRITE_XS=False, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=False), 8, 1, 4096 // 256),
-    "act_fakequant": (_act_quant_kernel,
-                      {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
-                       "deq_ptr": "*bf16", "xs_ptr": "*bf16"},
-                      dict(stride_xk=1, BLOCK_K=8192, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
-                           WRITE_DEQ=True, WRITE_XS=False, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=True), 16, 1, 8192 // 512),
-    "dequant": (_dequant_weight_kernel,
-                {"wp_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16"},
-                dict(DIV_GS=False, BN=32, BK=256), 4, 1, 32 * 256 // 128),
-}
+_INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "KW")
+_NOT_DIV16 = ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP")
 
 
-def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: int):
-    """``triton.compile`` for sm_90 with launch-like specialization (see the module docstring)."""
+def _kernel(module: str, name: str):
+    """``foursight.kernels.<module>.<name>`` or None when the imported package has no such form."""
+    try:
+        mod = __import__(f"foursight.kernels.{module}", fromlist=[name])
+    except ImportError:
+        return None
+    return getattr(mod, name, None)
+
+
+def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: int, maxnreg: int = 0):
+    """``triton.compile`` for sm_90a with launch-like specialization (see the module docstring)."""
     sig = {}
     params = inspect.signature(fn.fn).parameters
     # a constexpr parameter left out of ``consts`` takes its default, as at launch
     consts = {**{p: v.default for p, v in params.items() if "constexpr" in str(v.annotation) and v.default is not v.empty},
-              **consts}
+              **{k: v for k, v in consts.items() if k in params}}
     for p in params:
         if p in consts:
             sig[p] = "constexpr"
@@ -102,9 +85,12 @@ def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: 
         else:
             sig[p] = "*fp32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-             if t.startswith("*") or (t == "i32" and n not in ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP"))}
+             if t.startswith("*") or (t == "i32" and n not in _NOT_DIV16)}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def sass_of(compiled) -> str:
@@ -117,9 +103,13 @@ def sass_of(compiled) -> str:
         os.unlink(f.name)
 
 
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+
+
 def loops(sass: str) -> list[tuple[int, collections.Counter]]:
     """(length, opcode counts) of every loop body, found as a backward branch."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    ins = _instructions(sass)
     out = []
     for addr, text in ins:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
@@ -130,21 +120,307 @@ def loops(sass: str) -> list[tuple[int, collections.Counter]]:
     return out
 
 
-def main(names: list[str]) -> None:
-    for name in names or list(CASES):
-        fn, ptrs, consts, nw, ns, per_thread = CASES[name]
-        sass = sass_of(compile_sm90(fn, ptrs, {k: v for k, v in consts.items() if k in fn.arg_names}, nw, ns))
-        total = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))
-        print(f"== {name}: {total} instructions; constexprs {consts}, {nw} warps")
-        found = loops(sass)
-        for i, (n, ops) in enumerate(found):
-            main_loop = i == 0 and not name.startswith("act_")
-            extra = f" = {n / per_thread:.1f} per weight element per thread" if main_loop else ""
-            if main_loop and "BM" in consts:
-                extra += f" (for all {consts['BM']} activation rows)"
+def hot_path(sass: str) -> int:
+    """Instructions up to and including the first unpredicated ``EXIT`` (the code after it is
+    out-of-line subroutines, e.g. the slow path of IEEE division)."""
+    for i, (_a, t) in enumerate(_instructions(sass)):
+        if re.match(r"^EXIT\b", t.strip()):
+            return i + 1
+    return len(_instructions(sass))
+
+
+# --------------------------------------------------------------------------------------------
+# the hand-picked cases of the plain print mode (kept for quick looks at one kernel)
+# --------------------------------------------------------------------------------------------
+
+def _fragment_ptrs(scale_bf16: bool) -> dict:
+    return {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32",
+            "sf_ptr": "*i16" if scale_bf16 else "*u8", "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "cnt_ptr": "*i32", "xs_ptr": "*bf16", "xq_ptr": "*bf16"}
+
+
+_ACT_PTRS = {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
+             "deq_ptr": "*bf16", "xs_ptr": "*bf16"}
+
+
+def _act_case(block_k: int, nw: int, fq: bool):
+    return dict(stride_xk=1, BLOCK_K=block_k, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
+                WRITE_DEQ=True, WRITE_XS=True, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=fq), nw
+
+
+def form_case(cfg, scale_bf16: bool):
+    """(kernel, pointer types, constexprs, num_warps, num_stages, maxnreg, values per thread per step)
+    for one configuration of a default list, or None for a form this script does not know."""
+    form = type(cfg).__name__
+    if form == "FragmentConfig":
+        fn = _kernel("fragment", "_fragment_gemm_kernel")
+        consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=scale_bf16, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False)
+        return fn, _fragment_ptrs(scale_bf16), consts, 4, cfg.num_stages, getattr(cfg, "max_regs", 0), cfg.block_n * cfg.block_k / 128
+    if form == "GemvConfig":
+        fn = _kernel("gemv", "_splice_gemv1_kernel")
+        ptrs = {"x_ptr": "*bf16", "a_ptr": "*fp16", "ch_ptr": "*i32", "wq_ptr": "*i32", "ws_ptr": "*u8",
+                "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+        consts = dict(stride_xk=1, stride_on=1, A_MODE=1, HAS_BIAS=False, HAS_KS=True, BN=cfg.block_n, BK=cfg.block_k,
+                      BLOCK_KS=128, USE_ASM=True, INTERP=False)
+        return fn, ptrs, consts, cfg.num_warps, cfg.num_stages, 0, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+    if form == "SwapConfig":
+        fn = _kernel("swap", "_splice_gemm_kernel")
+        ptrs = {"a_ptr": "*fp16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8",
+                "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+        consts = dict(stride_ak=1, stride_xk=1, stride_on=1, A_QUANT=True, DOT_BF16=False, HAS_BIAS=False, HAS_KS=True,
+                      SPLIT=True, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64,
+                      GROUP_M=8, INTERP=False)
+        return fn, ptrs, consts, cfg.num_warps, cfg.num_stages, 0, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+    if form == "SSConfig":
+        fn = _kernel("ss", "_splice_gemm_ss_kernel")
+        ptrs = {"a_ptr": "*fp16", "xs_ptr": "*bf16", "ch_ptr": "*i32", "wp_ptr": "*u8", "ws_ptr": "*u8", "wb_ptr": "*bf16",
+                "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+        consts = dict(stride_ak=1, stride_xsk=1, stride_on=1, A_QUANT=True, DOT_BF16=False, XS_DENSE=True, HAS_BIAS=False,
+                      HAS_KS=True, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64,
+                      GROUP_M=8, PREFETCH=cfg.prefetch, INTERP=False)
+        return fn, ptrs, consts, cfg.num_warps, cfg.num_stages, 0, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+    if form == "DequantConfig":
+        fn = _kernel("dequant", "_dequant_weight_kernel")
+        ptrs = {"wp_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "wf_ptr": "*i32", "sf_ptr": "*i8" if not scale_bf16 else "*i16",
+                "wb_ptr": "*bf16", "ch_ptr": "*i32"}
+        consts = dict(DIV_GS=False, BN=cfg.block_n, BK=cfg.block_k, SCALE_BF16=scale_bf16, INTERP=False, HAS_KS=True)
+        return fn, ptrs, consts, cfg.num_warps, 1, 0, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+    return None
+
+
+def _scale_bf16() -> bool:
+    frag = __import__("foursight.kernels.fragment", fromlist=["x"])
+    return bool(getattr(frag, "SCALES_AS_BF16", False))
+
+
+def _kernels_sha() -> str:
+    import foursight.kernels as fk
+
+    root = os.path.dirname(fk.__file__)
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            h.update(name.encode())
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def gemm_rows() -> list[dict]:
+    from foursight.kernels import configs
+
+    scale_bf16 = _scale_bf16()
+    rows, seen = [], set()
+    for lst in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS"):
+        for cfg in getattr(configs, lst):
+            if str(cfg) in seen:
+                continue
+            seen.add(str(cfg))
+            case = form_case(cfg, scale_bf16)
+            row = {"list": lst, "config": str(cfg)}
+            if case is None or case[0] is None:
+                row["error"] = "form unknown to this script"
+                rows.append(row)
+                continue
+            fn, ptrs, consts, nw, ns, maxnreg, per_thread = case
+            try:
+                sass = sass_of(compile_sm90(fn, ptrs, consts, nw, ns, maxnreg))
+            except Exception as e:  # noqa: BLE001 - recorded, a failed compile is a finding
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                rows.append(row)
+                continue
+            found = loops(sass)
+            total = len(_instructions(sass))
+            if found:
+                n_loop, ops = found[0]
+                row.update(loop_instructions=n_loop, per_weight=round(n_loop / per_thread, 2),
+                           top_ops=dict(ops.most_common(6)))
+            else:  # one tile per program: the whole kernel is the per-tile work
+                row.update(loop_instructions=None, per_weight=round(total / per_thread, 2))
+            row.update(total_instructions=total, values_per_thread_per_step=per_thread)
+            rows.append(row)
+            print(f"  {lst:16s} {str(cfg):40s} {row.get('per_weight')}", flush=True)
+    return rows
+
+
+def act_rows() -> list[dict]:
+    fn = _kernel("act_quant", "_act_quant_kernel")
+    rows = []
+    # decode (M <= 128: 32 warps at K >= 4096) and prefill (16 warps at K = 8192) launches, the fp16/bf16
+    # q*s output (fused GEMMs) and the bf16 fake-quantized one (prefill)
+    for name, (block_k, nw, fq) in {"decode K=8192 (q*s)": (8192, 32, False),
+                                     "prefill K=8192 (fake-quant)": (8192, 16, True)}.items():
+        consts, nw = _act_case(block_k, nw, fq)
+        sass = sass_of(compile_sm90(fn, _ACT_PTRS, consts, nw, 1))
+        per_thread = block_k / (32 * nw)
+        total, hot = len(_instructions(sass)), hot_path(sass)
+        rows.append({"case": name, "per_element_hot": round(hot / per_thread, 2), "per_element_total": round(total / per_thread, 2),
+                     "hot_instructions": hot, "total_instructions": total, "elements_per_thread": per_thread})
+        print(f"  act_quant {name}: {rows[-1]['per_element_hot']} hot, {rows[-1]['per_element_total']} total", flush=True)
+    return rows
+
+
+_LAUNCH_PROBE = r"""
+import json, torch, triton
+from triton.runtime.interpreter import InterpretedFunction
+from torch.overrides import TorchFunctionMode
+from foursight.layer import quantize_weight
+import foursight.kernels as fk
+from foursight.kernels import configs
+
+counts = {"n": 0, "inside": 0, "names": []}
+orig_run = InterpretedFunction.run
+def run(self, *a, **k):
+    counts["n"] += 1; counts["names"].append(self.fn.__name__); counts["inside"] += 1
+    try:
+        return orig_run(self, *a, **k)
+    finally:
+        counts["inside"] -= 1
+InterpretedFunction.run = run
+LAUNCHING = {"mm", "addmm", "index_copy_", "copy_", "zero_", "fill_", "clone", "matmul"}
+class Mode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if counts["inside"] == 0 and name in LAUNCHING:
+            counts["n"] += 1; counts["names"].append("torch." + name)
+        return func(*args, **(kwargs or {}))
+
+torch.manual_seed(0)
+n, k = 128, 512
+w = torch.randn(n, k)
+qw = quantize_weight(w, torch.arange(0, k, 4)[:128], name="probe")
+pw = fk.prepare_weight(qw)
+def first(lst, form):
+    return next(c for c in lst if type(c).__name__ == form)
+out = {}
+for label, m, cfg in (("decode M=1", 1, %(DECODE1)s), ("decode M=16", 16, %(DECODE16)s), ("prefill M=256", 256, %(PREFILL)s)):
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    fk.splice_linear(x, pw, config=cfg)  # warm caches (the fragment form is built once per layer)
+    counts.update(n=0, names=[])
+    with Mode():
+        fk.splice_linear(x, pw, config=cfg)
+    out[label] = {"launches": counts["n"], "what": list(counts["names"]), "config": str(cfg)}
+print("LAUNCHES " + json.dumps(out))
+"""
+
+
+def launch_rows(decode1: str, decode16: str, prefill: str) -> dict:
+    code = _LAUNCH_PROBE % {"DECODE1": decode1, "DECODE16": decode16, "PREFILL": prefill}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    for line in r.stdout.splitlines():
+        if line.startswith("LAUNCHES "):
+            return json.loads(line[len("LAUNCHES "):])
+    return {"error": (r.stderr or r.stdout)[-2000:]}
+
+
+def table(label: str, out: str, before: str | None, decode1: str, decode16: str, prefill: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    import torch  # noqa: F401 - the launch probe's parent needs nothing else
+
+    print(f"[{label}] GEMM forms (every default configuration):", flush=True)
+    g = gemm_rows()
+    print(f"[{label}] activation quantizer:", flush=True)
+    a = act_rows()
+    print(f"[{label}] launches per linear (interpreter):", flush=True)
+    launches = launch_rows(decode1, decode16, prefill)
+    print(json.dumps(launches, indent=1), flush=True)
+    res = {"label": label, "commit": os.environ.get("SASS_COMMIT") or _git_commit(), "kernels_sha256": _kernels_sha(),
+           "triton": triton.__version__, "target": "sm_90a (GPUTarget cuda 90)", "gemm": g, "act_quant": a, "launches": launches}
+    path = os.path.join(out, f"{label}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path}")
+    if before:
+        with open(before) as f:
+            b = json.load(f)
+        write_md(b, res, os.path.join(out, "sass_table.md"))
+
+
+def _best(rows: list[dict], lst: str) -> str:
+    vals = [(r["per_weight"], r["config"]) for r in rows if r["list"] == lst and r.get("per_weight") is not None]
+    if not vals:
+        return "–"
+    lo, hi = min(vals), max(vals)
+    return f"{lo[0]} – {hi[0]}"
+
+
+def write_md(b: dict, a: dict, path: str) -> None:
+    lines = [
+        "# SASS offline: before / after (sm_90a, compiled on the CPU machine)",
+        "",
+        f"Before: commit `{b['commit'][:12]}`, kernels sha256 `{b['kernels_sha256'][:16]}`, Triton {b['triton']}.  ",
+        f"After: commit `{a['commit'][:12]}` (the commit this table was written from; the measured kernels are "
+        f"those of kernels sha256 `{a['kernels_sha256'][:16]}`), Triton {a['triton']}.  ",
+        "Written by `benchmarks/sass_offline.py --table` (its docstring defines every metric). Static SASS counts, "
+        "a guide to issue cost, not a timing.",
+        "",
+        "## Summary",
+        "",
+        "| metric | before | after |",
+        "|---|---|---|",
+    ]
+    for lst in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS"):
+        lines.append(f"| instructions per weight value, main loop, {lst} (min – max over the list) | {_best(b['gemm'], lst)} | {_best(a['gemm'], lst)} |")
+    for i, row in enumerate(a["act_quant"]):
+        brow = b["act_quant"][i] if i < len(b["act_quant"]) else {}
+        lines.append(f"| quantizer instructions per activation element, {row['case']}, hot path (total) | "
+                     f"{brow.get('per_element_hot', '–')} ({brow.get('per_element_total', '–')}) | {row['per_element_hot']} ({row['per_element_total']}) |")
+    for key in ("decode M=1", "decode M=16", "prefill M=256"):
+        bl, al = b["launches"].get(key, {}), a["launches"].get(key, {})
+        lines.append(f"| launches per W4A4 k>0 linear, {key} | {bl.get('launches', '–')} ({', '.join(bl.get('what', []))}) | "
+                     f"{al.get('launches', '–')} ({', '.join(al.get('what', []))}) |")
+    lines += ["", "## Every default configuration", "", "| list | configuration | side | instructions per weight value | loop instructions | total |", "|---|---|---|---|---|---|"]
+    for side, d in (("before", b), ("after", a)):
+        for r in d["gemm"]:
+            lines.append(f"| {r['list']} | `{r['config']}` | {side} | {r.get('per_weight', r.get('error', ''))} | {r.get('loop_instructions', '')} | {r.get('total_instructions', '')} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+CASES = {  # the plain print mode: name -> (form config builder)
+    "fragment": lambda c: c.FragmentConfig(16, 64, 128, 3),
+    "fragment256": lambda c: c.FragmentConfig(16, 64, 256, 3),
+    "dequant": lambda c: c.DequantConfig(32, 256),
+}
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*")
+    ap.add_argument("--table", action="store_true")
+    ap.add_argument("--label", default="after")
+    ap.add_argument("--out", default="benchmarks/results/sass_v3")
+    ap.add_argument("--before", default=None)
+    ap.add_argument("--decode1", default="first(configs.DECODE_CONFIGS, 'FragmentConfig')")
+    ap.add_argument("--decode16", default="first(configs.DECODE_CONFIGS, 'FragmentConfig')")
+    ap.add_argument("--prefill", default="first(configs.PREFILL_CONFIGS, 'DequantConfig')")
+    args = ap.parse_args(argv)
+    if args.table:
+        table(args.label, args.out, args.before, args.decode1, args.decode16, args.prefill)
+        return
+    from foursight.kernels import configs
+
+    for name in args.names or [*CASES, "act_quant"]:
+        if name == "act_quant":
+            act_rows()
+            continue
+        fn, ptrs, consts, nw, ns, maxnreg, per_thread = form_case(CASES[name](configs), _scale_bf16())
+        sass = sass_of(compile_sm90(fn, ptrs, consts, nw, ns, maxnreg))
+        print(f"== {name}: {len(_instructions(sass))} instructions; constexprs {consts}, {nw} warps")
+        for i, (n, ops) in enumerate(loops(sass)):
+            extra = f" = {n / per_thread:.2f} per weight value per thread" if i == 0 else ""
             print(f"   loop {i}: {n} instructions{extra}; {ops.most_common(12)}")
-        if name.startswith("act_"):
-            print(f"   straight-line: {total / per_thread:.1f} instructions per element per thread (BLOCK_K = {consts['BLOCK_K']}, {32 * nw} threads)")
 
 
 if __name__ == "__main__":

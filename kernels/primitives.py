@@ -242,8 +242,13 @@ def _e2m1_value(code):
 
 @triton.jit
 def _block_scales(bamax, gs, DIV6_RECIP: tl.constexpr):
-    """Per-block ``(sv fp32, scale byte int32, eff fp32 = sv / gs)`` from block amaxes (any shape;
-    ``gs`` a scalar or broadcastable to ``bamax``)."""
+    """Per-block ``(sv fp32, scale byte int32, eff fp32 = sv / gs, effp, y, p)`` from block amaxes
+    (any shape; ``gs`` a scalar or broadcastable to ``bamax``).
+
+    ``effp = eff · p`` and ``y = RN(1 / effp)`` feed :func:`_quant_elems`' reciprocal multiply;
+    ``p`` is a power of two (2^64, 1 or 2^-64) that keeps ``effp`` and ``y`` normal numbers, so that
+    ``x / eff = (x · p) / effp`` as real numbers (the scaling is exact) and the correction steps
+    there stay exact."""
     if DIV6_RECIP:
         # PyTorch on CUDA divides by a Python scalar as a multiplication by its fp32 reciprocal
         s = gs * (bamax * 0.16666666666666666)
@@ -252,21 +257,41 @@ def _block_scales(bamax, gs, DIV6_RECIP: tl.constexpr):
     s = tl.minimum(s, 448.0)
     sv, sbyte = _e4m3_round(s)
     eff = tl.math.div_rn(sv, tl.full(sv.shape, 1.0, tl.float32) * gs)
-    return sv, sbyte, eff
+    # < 2^-60: times 2^64; > 2^60: times 2^-64
+    p = tl.where(eff < 8.673617379884035e-19, 1.8446744073709552e19,
+                 tl.where(eff > 1.152921504606847e18, 5.421010862427522e-20, 1.0))
+    effp = eff * p
+    y = tl.math.div_rn(tl.full(sv.shape, 1.0, tl.float32), effp)
+    return sv, sbyte, eff, effp, y, p
 
 
 @triton.jit
-def _quant_elems(xb, sv, eff):
+def _quant_elems(xb, sv, effp, y, p):
     """E2M1 codes and ``deq = q * s`` of the elements ``xb`` (blocks of 16 on the last axis) given
-    their block's ``sv`` and ``eff`` (same rank, last dim 1). Returns ``(code int32, deq fp32)``
-    shaped like ``xb``, with ``code = e2m1(clamp(x / eff, -6, 6))`` exactly as the oracle.
+    their block's ``sv``, ``effp``, ``y`` and ``p`` (:func:`_block_scales`; same rank, last dim 1).
+    Returns ``(code int32, deq fp32)`` shaped like ``xb``, with ``code = e2m1(clamp(x / eff, -6, 6))``
+    exactly as the oracle, whose ``x / eff`` is an IEEE round-to-nearest division.
 
-    The division stays an IEEE round-to-nearest ``div_rn`` per element: the codes depend on the
-    exact rounding of ``x / eff`` (with bf16 activations and dynamic scales about 0.13 % of the
-    elements land within 4 ulps of an E2M1 decision point, so an approximate quotient would need
-    the exact one there anyway; see the module notes).
+    No per-element division: ``q0 = RN(x' · y)`` (``x' = x · p``, ``y = RN(1 / effp)``) is within
+    1.5 ulp of the quotient, so its E2M1 code can differ from the oracle's only next to an E2M1
+    decision point (0.25, 0.75, ..., 5) or at a tie. Two Newton-Markstein steps
+    ``q ← RN(q + RN(x' − q · effp) · y)`` (two FMAs each; the residual is exact) make ``q`` the
+    correctly rounded quotient everywhere, so the decision points need no separate test: the first
+    step brings ``q`` within half an ulp plus O(2^-46) (a faithful rounding), and from a faithful
+    ``q`` and ``y = RN(1 / effp)`` one more step gives ``RN(x' / effp)`` (Markstein's theorem; it needs
+    no underflow or overflow, which the power-of-two ``p`` ensures for every ``|q| >= 2^-100``; below
+    that any such value gives code 0 or 8, and the sign is taken from ``x``). Five floating-point
+    instructions per element instead of IEEE division's fast path (about ten, with its range check
+    and slow-path call). Tested bit-exact against the oracle at and next to every decision point and
+    tie, at subnormal scales and inputs, and on random data (tests/test_kernels_actq.py).
     """
-    q = tl.math.div_rn(xb, eff)
+    xp = xb * p
+    q0 = xp * y
+    q = tl.fma(tl.fma(-q0, effp, xp), y, q0)
+    q = tl.fma(tl.fma(-q, effp, xp), y, q)
+    q = tl.where(q == q, q, q0)  # x' overflowed (a static scale far off): inf - inf; the quotient clamps to 6
+    # the sign of -0 and of quotients that underflow follows x (the oracle's x / eff has x's sign)
+    q = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | (xb.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
     code, val = _e2m1_round(q)
     return code, val * sv
 
@@ -274,8 +299,8 @@ def _quant_elems(xb, sv, eff):
 @triton.jit
 def _quant_xb(xb, bamax, gs, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
     """:func:`_quant_block` on ``xb`` = x reshaped [BLOCK/16, 16] with its block amaxes [BLOCK/16]."""
-    sv, sbyte, eff = _block_scales(bamax, gs, DIV6_RECIP)
-    code, deq = _quant_elems(xb, sv[:, None], eff[:, None])
+    sv, sbyte, _eff, effp, y, p = _block_scales(bamax, gs, DIV6_RECIP)
+    code, deq = _quant_elems(xb, sv[:, None], effp[:, None], y[:, None], p[:, None])
     lo, hi = tl.split(tl.reshape(code, (BLOCK // 2, 2)))
     packed = lo | (hi << 4)
     return packed, sbyte, tl.reshape(deq, (BLOCK,))
@@ -295,8 +320,8 @@ def _quant_block(x, gs, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
 @triton.jit
 def _quant_xb_2d(xb, bamax, gs, R: tl.constexpr, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
     """:func:`_quant_block_2d` on ``xb`` [R, BLOCK/16, 16] with its block amaxes [R, BLOCK/16]."""
-    sv, sbyte, eff = _block_scales(bamax, gs[:, None], DIV6_RECIP)
-    code, deq = _quant_elems(xb, sv[:, :, None], eff[:, :, None])
+    sv, sbyte, _eff, effp, y, p = _block_scales(bamax, gs[:, None], DIV6_RECIP)
+    code, deq = _quant_elems(xb, sv[:, :, None], effp[:, :, None], y[:, :, None], p[:, :, None])
     lo, hi = tl.split(tl.reshape(code, (R, BLOCK // 2, 2)))
     packed = lo | (hi << 4)
     return packed, sbyte, tl.reshape(deq, (R, BLOCK))

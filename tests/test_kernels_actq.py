@@ -438,3 +438,22 @@ def test_kernel_two_pass_path_with_rows():
     x[1, 4100] = 900.0  # the row amax in the ragged last chunk
     for gs in (None, torch.tensor([11.0])):
         _check_all(x, [0, 4159], gs, rows=(1, 2), max_onepass=32)
+
+
+def test_reciprocal_multiply_is_corrected_where_a_plain_one_would_differ():
+    """The quantizer multiplies by a per-block reciprocal instead of dividing per element
+    (``_quant_elems``: two Newton-Markstein FMA steps). On rows built around every decision point,
+    with static scales from 2^-100 to 2^100 (E4M3-subnormal block scales, effective scales far
+    outside [2^-60, 2^60] that take the power-of-two rescale), a plain ``x * RN(1/eff)`` gives a
+    different E2M1 code for some elements — checked here, so the rows do exercise the correction —
+    and the kernel still matches the oracle's division bit for bit."""
+    differing = 0
+    for i, gs in enumerate([2.0**-100, 1e-30, 0.013, 1.0, 37.5, 448.0, 3.0e4, 1e30, 2.0**100]):
+        x = torch.cat([_on_decision_points(1024, gs, 500 + 7 * i + j) for j in range(3)])
+        ref = quantize_activation(x, torch.tensor([], dtype=torch.int32), torch.tensor([gs]))
+        eff = (ref.scale.float() / torch.tensor(gs, dtype=torch.float32)).repeat_interleave(16, dim=1)
+        naive = e2m1_codes(torch.clamp(x * (1.0 / eff), -6, 6))
+        exact = unpack_fp4(ref.packed)
+        differing += int((naive != exact).sum())
+        _check_all(x, [], torch.tensor([gs]), rows=(1, 4))
+    assert differing > 0, "no element where a plain reciprocal multiply differs: the test would not catch it"
