@@ -23,7 +23,7 @@ import torch
 
 from foursight.interop import CT_METHOD  # the compressed-tensors checkpoints --quantization foursight also serves
 from foursight.quant_methods.online import OnlineSettings
-from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
+from foursight.quant_methods.plan import WEIGHT, LayerPlan, apply_linear, layer_params, refresh_layer
 from foursight.quant_methods.sharding import TPContext, shard_names
 from foursight.schema import QUANT_METHOD, CheckpointError, FourSightConfig
 
@@ -169,16 +169,36 @@ class FourSightLinearMethodBase:
         engine_loader = extra_weight_attrs.pop("weight_loader", None)
         for spec in plan.param_specs(params_dtype):
             p = torch.nn.Parameter(plan.initial_tensor(spec), requires_grad=False)
-            self.set_attrs(p, {**spec.attrs, **extra_weight_attrs, "weight_loader": self.wrap_loader(layer, plan.make_loader(spec, engine_loader))})
+            core = plan.make_loader(spec, engine_loader, lambda: layer_params(layer, plan))
+            self.set_attrs(p, {**spec.attrs, **extra_weight_attrs, "weight_loader": self.wrap_loader(layer, self._syncing_loader(layer, spec.name, core))})
             layer.register_parameter(spec.name, p)
         layer.foursight_plan = plan
         layer.foursight_state = None
 
+    def _syncing_loader(self, layer: torch.nn.Module, name: str, loader: Callable) -> Callable:
+        """A BF16 ``weight`` load that completes every shard of an already-served layer re-quantizes
+        it at once, in place (:func:`~foursight.quant_methods.plan.refresh_layer`): TRL's
+        one-tensor-at-a-time ``load_weights`` sync has no post-load step (docs/weight-sync.md)."""
+        if name != WEIGHT:
+            return loader
+
+        def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kw: Any) -> None:
+            loader(param, loaded_weight, *args, **kw)
+            plan: LayerPlan = layer.foursight_plan
+            if layer.foursight_state is not None and plan.weight_complete():
+                refresh_layer(layer, self.tp_context(layer))
+
+        return weight_loader
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Validate and build the execution state from the loaded parameters (idempotent; the
-        parameters are never modified, so a second call or a call after a weight reload is safe)."""
+        """Validate and build the execution state from the loaded parameters, when the layer has
+        none yet or a tensor was loaded since the last build (idempotent; the parameters are never
+        modified, so a second call or a call after a weight reload is safe)."""
         plan: LayerPlan = layer.foursight_plan
-        layer.foursight_state = plan.process(layer_params(layer, plan), self.tp_context(layer))
+        if layer.foursight_state is None or plan.stale:
+            refresh_layer(layer, self.tp_context(layer))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.foursight_plan.stale:  # part of a fused layer was synced and no post-load step ran
+            refresh_layer(layer, self.tp_context(layer))
         return apply_linear(layer.foursight_state, x, bias)

@@ -65,6 +65,7 @@ Tensor parallelism:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -108,6 +109,11 @@ class ParamSpec:
             ``packed_factor``); the engine adds its ``weight_loader``.
         per_shard: True if the parameter holds one row per fused shard and is filled by the
             core's own per-shard loader (the engine loader is not used).
+        update_only: True for the empty ``weight`` parameter of a checkpoint-mode layer: it holds
+            nothing and is never part of the checkpoint; it exists so that the engine's own
+            ``load_weights`` finds a parameter for a BF16 ``<module>.weight`` (an RL weight sync)
+            and calls its loader, which quantizes the shard into the checkpoint tensors
+            (:meth:`LayerPlan.load_bf16_shard`).
     """
 
     name: str
@@ -115,6 +121,7 @@ class ParamSpec:
     dtype: torch.dtype
     attrs: dict[str, Any]
     per_shard: bool = False
+    update_only: bool = False
 
 
 @dataclass
@@ -158,6 +165,10 @@ class LayerPlan:
         generation: number of :meth:`process` calls so far.
         load_events: number of tensors loaded so far (a weight update compares it before/after
             to find the layers it touched).
+        stale: True when a tensor was loaded after the last :meth:`process`: the execution state
+            no longer matches the parameters (the adapter re-processes before the next forward).
+        pending_weight: shard indices that received a BF16 ``weight`` since the last process; when
+            it covers every shard the adapter re-processes at once, inside the loader.
     """
 
     prefix: str
@@ -175,6 +186,8 @@ class LayerPlan:
     loaded: set[tuple[str, int]] = field(default_factory=set)
     generation: int = 0
     load_events: int = 0
+    stale: bool = False
+    pending_weight: set[int] = field(default_factory=set)
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -252,6 +265,7 @@ class LayerPlan:
         if self.mode == "online":
             return [ParamSpec(WEIGHT, (n, kl), params_dtype, {"input_dim": 1, "output_dim": 0})]
         return [
+            ParamSpec(WEIGHT, (0,), params_dtype, {}, update_only=True),
             ParamSpec(WEIGHT_PACKED, (n, kl // 2), torch.uint8, {"input_dim": 1, "output_dim": 0, "packed_dim": 1, "packed_factor": 2}),
             ParamSpec(WEIGHT_SCALE, (n, kl // BLOCK_SIZE), torch.float8_e4m3fn, {"input_dim": 1, "output_dim": 0}),
             ParamSpec(WEIGHT_BF16, (n, self.k), torch.bfloat16, {"output_dim": 0}),
@@ -278,13 +292,16 @@ class LayerPlan:
 
     # ---- loading --------------------------------------------------------------------------
 
-    def make_loader(self, spec: ParamSpec, engine_loader: Callable | None) -> Callable:
+    def make_loader(self, spec: ParamSpec, engine_loader: Callable | None,
+                    layer_params: Callable[[], dict[str, torch.Tensor]] | None = None) -> Callable:
         """Weight loader for ``spec``: ``loader(param, loaded_weight, shard_id=None)``.
 
-        Checks the checkpoint dtype (``weight`` in online mode accepts any float dtype), records
-        the load, and delegates: per-shard parameters are copied into their shard row here;
-        others go to ``engine_loader`` (the engine's column/row/fused loader). Shape errors
-        become :class:`CheckpointError` naming the checkpoint tensor.
+        Checks the checkpoint dtype (``weight`` accepts any float dtype), records the load, marks
+        the layer stale, and delegates: per-shard parameters are copied into their shard row here;
+        the checkpoint-mode ``weight`` (``spec.update_only``) quantizes a BF16 shard into the
+        layer's checkpoint tensors (:meth:`load_bf16_shard`, which needs ``layer_params``); others
+        go to ``engine_loader`` (the engine's column/row/fused loader). Shape errors become
+        :class:`CheckpointError` naming the checkpoint tensor.
         """
         plan = self
 
@@ -296,7 +313,11 @@ class LayerPlan:
                     raise CheckpointError(f"tensor {name} has dtype {loaded_weight.dtype}, expected a float dtype")
             elif loaded_weight.dtype != spec.dtype:
                 raise CheckpointError(f"tensor {name} has dtype {loaded_weight.dtype}, expected {spec.dtype}")
-            if spec.per_shard:
+            if spec.update_only:
+                if layer_params is None:
+                    raise RuntimeError(f"{plan.prefix}: no parameters to quantize {name} into")
+                plan.load_bf16_shard(layer_params(), loaded_weight, shard_id)
+            elif spec.per_shard:
                 plan._load_per_shard(param, loaded_weight, idx, name)
             else:
                 if engine_loader is None:
@@ -311,6 +332,11 @@ class LayerPlan:
                         f"tensor {name} has shape {list(loaded_weight.shape)}, which does not fit parameter "
                         f"{plan.prefix}.{spec.name} of local shape {list(param.shape)} (shard {shard_id!r}): {e}"
                     ) from None
+            plan.stale = True
+            if spec.name == WEIGHT:
+                plan.pending_weight.update(range(plan.num_shards) if shard_id is None else (idx,))
+            if spec.update_only:
+                return  # the checkpoint tensors' own loaders recorded the load
             plan.load_events += 1
             if shard_id is None and plan.num_shards > 1 and not spec.per_shard:
                 plan.loaded.update((spec.name, i) for i in range(plan.num_shards))
@@ -318,6 +344,41 @@ class LayerPlan:
                 plan.loaded.add((spec.name, idx))
 
         return loader
+
+    def load_bf16_shard(self, params: dict[str, torch.Tensor], weight: torch.Tensor, shard_id: Any = None) -> None:
+        """Checkpoint mode: quantize one BF16 shard ``<shard>.weight`` (the learner's full, unsharded
+        HF tensor, as ``load_weights`` passes it) with the layer's current channel set into the
+        checkpoint tensors of that shard, and load those through the layer's own loaders (so TP
+        slicing is the engine's, as for a fresh checkpoint load). The static activation scale
+        (``input_global_scale``) is calibration, not weight: it is kept. The result equals a fresh
+        load of a checkpoint quantized from the same weights with the same channels.
+
+        Raises CheckpointError naming the tensor for a non-2-D or non-finite weight, a wrong K,
+        a layer whose channels were never loaded, or a fused tensor given whole (give the shards).
+        """
+        from foursight.schema import encode_module
+
+        if shard_id is None and self.num_shards > 1:
+            raise CheckpointError(f"tensor {self.prefix}.weight: a fused weight given whole; load its shards "
+                                  f"({', '.join(n.rpartition('.')[2] for n in self.shard_names)}) by their own names")
+        idx = shard_index(shard_id, self.num_shards, self.prefix)
+        shard = self.shard_names[idx]
+        if weight.dim() != 2 or weight.shape[1] != self.input_size:
+            raise CheckpointError(f"tensor {shard}.weight has shape {list(weight.shape)}; layer {self.prefix} expects [rows, {self.input_size}]")
+        if (BF16_CHANNELS, idx) not in self.loaded:
+            raise CheckpointError(f"tensor {shard}.weight: layer {self.prefix} has no channel set loaded yet (load the checkpoint first)")
+        channels = params[BF16_CHANNELS].data[idx].to(weight.device)
+        qw = quantize_weight(weight, channels, name=shard)
+        for key, t in encode_module(shard, qw).items():
+            p = params[key.rpartition(".")[2]]
+            if shard_id is None:
+                p.weight_loader(p, t)
+            else:
+                p.weight_loader(p, t, shard_id)
+
+    def weight_complete(self) -> bool:
+        """True when every shard received a BF16 ``weight`` since the last :meth:`process`."""
+        return len(self.pending_weight) == self.num_shards
 
     def _load_per_shard(self, param: torch.Tensor, loaded: torch.Tensor, idx: int, name: str) -> None:
         row = param.data[idx]
@@ -337,7 +398,7 @@ class LayerPlan:
         """
         out = []
         for spec in specs:
-            if spec.name == INPUT_GLOBAL_SCALE and not self.static_act_scale:
+            if spec.update_only or (spec.name == INPUT_GLOBAL_SCALE and not self.static_act_scale):
                 continue
             for i in range(self.num_shards):
                 if (spec.name, i) not in self.loaded:
@@ -480,3 +541,61 @@ def apply_linear(state: LayerState, x: torch.Tensor, bias: torch.Tensor | None =
 def layer_params(layer: Any, plan: LayerPlan) -> dict[str, torch.Tensor]:
     """``{spec name: getattr(layer, spec name)}`` for a plan's parameters."""
     return {s.name: getattr(layer, s.name) for s in plan.param_specs()}
+
+
+def _state_tensors(obj: Any, out: list[torch.Tensor], seen: set[int]) -> None:
+    """Every tensor reachable from an execution state (dataclass fields, tuples, lists, dicts), in
+    a fixed order; an object met twice (the same QuantizedWeight held by the state and by its
+    prepared form) is walked once."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return
+    if id(obj) in seen or obj is None or isinstance(obj, (bool, int, float, str)):
+        return
+    seen.add(id(obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _state_tensors(getattr(obj, f.name), out, seen)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _state_tensors(x, out, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _state_tensors(x, out, seen)
+
+
+def install_state(layer: Any, new: LayerState) -> bool:
+    """Make ``new`` the layer's execution state, in place when possible.
+
+    When the layer already has a state whose tensors match ``new``'s one for one (shape, dtype,
+    device: always so for a weight update with a fixed channel set), the new values are copied
+    into the old tensors, so the storage a captured CUDA graph points at stays valid; the
+    state object is kept. Otherwise (first load, or a re-selected channel set whose count
+    changed) the state is replaced. Returns True when it was updated in place.
+    """
+    old = getattr(layer, "foursight_state", None)
+    if old is not None and type(old.prepared.backend) is type(new.prepared.backend):
+        a: list[torch.Tensor] = []
+        b: list[torch.Tensor] = []
+        _state_tensors(old, a, set())
+        _state_tensors(new, b, set())
+        if len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device for x, y in zip(a, b)):
+            with torch.no_grad():
+                for x, y in zip(a, b):
+                    if x.data_ptr() != y.data_ptr():
+                        x.copy_(y)
+            old.generation = new.generation
+            return True
+    layer.foursight_state = new
+    return False
+
+
+def refresh_layer(layer: Any, tp: TPContext | None = None) -> LayerState:
+    """Re-process a layer from its parameters (:meth:`LayerPlan.process`), install the state in
+    place (:func:`install_state`) and clear its stale marks; the one re-quantization step of every
+    route (the engines' post-load hook, a stale layer's next forward, a completed BF16 sync)."""
+    plan: LayerPlan = layer.foursight_plan
+    install_state(layer, plan.process(layer_params(layer, plan), tp))
+    plan.stale = False
+    plan.pending_weight.clear()
+    return layer.foursight_state

@@ -23,9 +23,13 @@ What is SGLang-specific here:
   ``update_weights_from_distributed`` in a ``begin_weight_update`` / ``end_weight_update``
   session whose end runs ``process_weights_after_loading`` (and ``update_weights_from_disk``
   runs it too); the core's processing is idempotent and never touches the loaded parameters,
-  so this simply rebuilds the execution state. As a safety net for code that calls
-  ``model.load_weights`` directly, every loader also marks its layer stale and ``apply``
-  rebuilds a stale layer before use (:func:`refresh_foursight_layers` does it eagerly).
+  so this simply rebuilds the execution state. A BF16 ``<module>.weight`` reaches a
+  checkpoint-mode layer through its empty ``weight`` parameter and is quantized with the layer's
+  channels (:meth:`~foursight.quant_methods.plan.LayerPlan.load_bf16_shard`). For code that calls
+  ``model.load_weights`` directly, every loader marks its layer stale, a layer whose every shard
+  got a new weight is rebuilt at once, and ``apply`` rebuilds a stale one before use
+  (:func:`refresh_foursight_layers` does it eagerly); the same shared code as the vLLM adapter
+  (docs/weight-sync.md).
 
 Registration with SGLang happens in :mod:`foursight.quant_methods.sglang_plugin` (entry point
 ``sglang.srt.plugins``).
@@ -46,6 +50,7 @@ from sglang.srt.utils import set_weight_attrs
 
 from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig, parse_quantization_config, serves_user_choice
 from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings
+from foursight.quant_methods.plan import refresh_layer
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import CHANNELS_FILE, QUANT_METHOD, FourSightConfig
 
@@ -135,8 +140,8 @@ def _tp_context(layer: torch.nn.Module) -> TPContext:
 
 class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     """SGLang ``LinearMethodBase`` for one FourSight layer (fused q/k/v and gate/up included);
-    the shared hooks are :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`'s.
-    Every load marks the layer stale (see the module docstring); ``apply`` rebuilds a stale layer."""
+    the shared hooks are :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`'s
+    (every load marks the layer stale, ``apply`` rebuilds a stale layer)."""
 
     def tp_context(self, layer: torch.nn.Module) -> TPContext:
         return _tp_context(layer)
@@ -144,36 +149,10 @@ class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     def set_attrs(self, param: torch.nn.Parameter, attrs: dict[str, Any]) -> None:
         set_weight_attrs(param, attrs)
 
-    def wrap_loader(self, layer: torch.nn.Module, loader):
-        return _marking_loader(layer, loader)
-
-    def create_weights(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        super().create_weights(layer, *args, **kwargs)
-        layer.foursight_stale = True
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Rebuild the execution state from the loaded parameters (idempotent; params untouched)."""
-        super().process_weights_after_loading(layer)
-        layer.foursight_stale = False
-
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
-        # Parameters keep their checkpoint layout (process never rewrites them): nothing to undo.
-        layer.foursight_stale = True
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if layer.foursight_stale:
-            self.process_weights_after_loading(layer)
-        return super().apply(layer, x, bias)
-
-
-def _marking_loader(layer: torch.nn.Module, loader):
-    """Wrap a core loader so that any (re)load marks the layer's execution state stale."""
-
-    def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        loader(param, loaded_weight, *args, **kwargs)
-        layer.foursight_stale = True
-
-    return weight_loader
+        # Parameters keep their checkpoint layout (process never rewrites them): nothing to undo;
+        # the layer is rebuilt at the session's end (process_weights_after_loading).
+        layer.foursight_plan.stale = True
 
 
 def foursight_layers(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
@@ -187,8 +166,8 @@ def refresh_foursight_layers(model: torch.nn.Module, only_stale: bool = True) ->
     """Rebuild the execution state of (stale) FourSight layers now; returns how many were rebuilt."""
     n = 0
     for _, m in foursight_layers(model):
-        if m.foursight_stale or not only_stale:
-            m.quant_method.process_weights_after_loading(m)
+        if m.foursight_plan.stale or not only_stale:
+            refresh_layer(m, m.quant_method.tp_context(m))
             n += 1
     return n
 

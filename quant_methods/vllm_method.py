@@ -10,6 +10,13 @@ module only maps vLLM's hooks onto them:
   never modified, the execution state is rebuilt from them);
 * ``apply`` → ``plan.apply_linear`` (SpliceGEMM on CUDA, the PyTorch reference on CPU).
 
+A trainer's BF16 weight sync through vLLM's own ``model.load_weights`` (TRL colocate: one tensor
+at a time, no post-load step; verl: per bucket, then the post-load step once) reaches every
+FourSight layer, in checkpoint and online mode, and is re-quantized before the layer's next
+forward (docs/weight-sync.md; the shared code is :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`).
+The embeddings and lm_head keep vLLM's unquantized method, with a re-pack on CPU after a sync
+(:class:`FourSightEmbeddingMethod`).
+
 Three ways in:
 
 * a FourSight checkpoint: ``config.json["quantization_config"]["quant_method"] == "foursight"``
@@ -36,10 +43,11 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
-from foursight.quant_methods.config import (FourSightLinearMethodBase, FourSightMethodConfig, parse_quantization_config, served_weights,
-                                            serves_user_choice)
+from foursight.quant_methods.config import (FourSightLinearMethodBase, FourSightMethodConfig, check_folder, parse_quantization_config,
+                                            served_weights, serves_user_choice)
 from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import QUANT_METHOD, FourSightConfig
@@ -88,7 +96,8 @@ def _install_load_check() -> None:
             yield from it
             return
         qc = getattr(model_config.hf_config, "quantization_config", None)
-        yield from served_weights(it, qc, f" in {model_config.model}")
+        check_folder(model_config.model)  # an incomplete folder or a truncated file, named before vLLM reads it
+        yield from served_weights(it, qc, f" in {model_config.model}", model=model)
 
     get_all_weights._foursight_checked = True  # type: ignore[attr-defined]
     DefaultModelLoader.get_all_weights = get_all_weights
@@ -131,9 +140,41 @@ class FourSightVllmConfig(FourSightMethodConfig, QuantizationConfig):
         return cls(None, OnlineSettings.from_env(channels_file=path))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, VocabParallelEmbedding):
+            return FourSightEmbeddingMethod()  # embeddings and lm_head (ParallelLMHead) stay unquantized
         if not isinstance(layer, LinearBase):
-            return None  # embeddings and lm_head (ParallelLMHead) stay unquantized
+            return None
         return FourSightLinearMethod(self, prefix) if self.quantizes(prefix) else UnquantizedLinearMethod()
+
+
+class FourSightEmbeddingMethod(UnquantizedEmbeddingMethod):
+    """vLLM's unquantized embedding / lm_head method, never served stale after a BF16 sync.
+
+    On CPU, vLLM's post-load step copies the weight into a pre-packed GEMM operand for the lm_head
+    (``dispatch_cpu_unquantized_gemm``), so a new ``embed_tokens``/``lm_head`` weight loaded by a
+    trainer's ``load_weights`` without a post-load step (TRL colocate) would leave the logits on
+    the old one. Every load of the weight counts on the parameter (shared by a tied lm_head), and
+    ``apply`` re-packs when the count moved. Identical to vLLM's method otherwise (a no-op on GPU)."""
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().create_weights(layer, *args, **kwargs)
+        w = layer.weight
+        inner = w.weight_loader
+
+        def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *a: Any, **kw: Any) -> None:
+            inner(param, loaded_weight, *a, **kw)
+            param.foursight_loads = getattr(param, "foursight_loads", 0) + 1
+
+        w.weight_loader = weight_loader
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        layer.foursight_packed_loads = getattr(layer.weight, "foursight_loads", 0)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if getattr(layer.weight, "foursight_loads", 0) != getattr(layer, "foursight_packed_loads", 0):
+            self.process_weights_after_loading(layer)
+        return super().apply(layer, x, bias)
 
 
 class FourSightLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
@@ -147,4 +188,4 @@ class FourSightLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
         set_weight_attrs(param, attrs)
 
 
-__all__ = ["FourSightVllmConfig", "FourSightLinearMethod"]
+__all__ = ["FourSightVllmConfig", "FourSightLinearMethod", "FourSightEmbeddingMethod"]

@@ -45,9 +45,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from foursight.layer import quantize_weight
-from foursight.quant_methods.plan import WEIGHT, LayerPlan, layer_params
-from foursight.schema import CheckpointError, encode_module
+from foursight.quant_methods.plan import LayerPlan, refresh_layer
+from foursight.schema import CheckpointError
 
 
 #: one id per engine process: a restarted engine has a new one (see ``foursight_engine_state``)
@@ -57,17 +56,6 @@ BOOT_ID = uuid.uuid4().hex
 def foursight_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Engine module name -> module, for every layer with a FourSight plan."""
     return {n: m for n, m in model.named_modules() if getattr(m, "foursight_plan", None) is not None}
-
-
-def checkpoint_shard_index(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, int]]:
-    """Checkpoint module name (``...q_proj``) -> (engine layer, shard index) for checkpoint-mode layers."""
-    out = {}
-    for m in foursight_layers(model).values():
-        plan: LayerPlan = m.foursight_plan
-        if plan.mode == "checkpoint":
-            for i, n in enumerate(plan.shard_names):
-                out[n] = (m, i)
-    return out
 
 
 def read_update_file(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -87,25 +75,6 @@ def _safetensors_names(path: str | Path) -> list[str]:
 
     with safe_open(str(path), framework="pt", device="cpu") as f:
         return list(f.keys())
-
-
-def to_engine_tensors(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn BF16 HF tensors into what the loaded model expects (see the module docstring, step 2)."""
-    index = checkpoint_shard_index(model)
-    for name, t in weights:
-        mod, _, suffix = name.rpartition(".")
-        if suffix == WEIGHT and mod in index:
-            layer, shard = index[mod]
-            state = layer.foursight_state
-            if state is None:
-                raise RuntimeError(f"{mod}: layer not processed yet")
-            if not t.is_floating_point() or t.dim() != 2:
-                raise CheckpointError(f"tensor {name}: expected a 2-D float weight, got {t.dtype} {list(t.shape)}")
-            if t.shape[1] != layer.foursight_plan.input_size:
-                raise CheckpointError(f"tensor {name} has shape {list(t.shape)}; the layer has K={layer.foursight_plan.input_size}")
-            yield from encode_module(mod, quantize_weight(t, state.channels.cpu(), name=mod)).items()
-        else:
-            yield name, t
 
 
 def cpu_packed_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -259,7 +228,7 @@ def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
             session["count"] += 1
             yield item
 
-    model.load_weights(weights=counted(to_engine_tensors(model, session["gate"].admit(weights))))
+    model.load_weights(weights=counted(session["gate"].admit(weights)))
     return session["count"] - n0
 
 
@@ -274,8 +243,8 @@ def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dic
     touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
     for n in touched:
         m = layers[n]
-        plan: LayerPlan = m.foursight_plan
-        m.foursight_state = plan.process(layer_params(m, plan), tp_context(m))
+        if m.foursight_plan.stale:  # a layer whose every shard arrived was re-quantized in its loader
+            refresh_layer(m, tp_context(m))
     refresh_unquantized_embeddings(model)
     if partial:
         raise _partial_fused_error(partial)

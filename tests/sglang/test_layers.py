@@ -140,7 +140,7 @@ def test_processing_is_idempotent_and_reload_refreshes(ckpt, tiny_ckpt_b):
     # RL weight update through the loaders only (what update_weights_from_tensor does):
     # the next forward must use the new weights without an explicit process call
     _load_qkv(qkv, mods_b)
-    assert qkv.foursight_stale
+    assert qkv.foursight_plan.stale
     assert torch.equal(_out(qkv(x)), _ref_qkv(mods_b, x))
     assert not torch.equal(_out(qkv(x)), y1)
 

@@ -1,0 +1,269 @@
+"""A trainer's BF16 weight sync through vLLM's own ``model.load_weights``, into a FourSight engine.
+
+This is the road TRL colocate and verl take (``llm.apply_model(lambda m: m.load_weights(...))``
+with the learner's HF-named BF16 tensors; /work notes: trainer-loops): TRL one tensor at a time
+and no post-load step, verl per bucket and then vLLM's ``process_weights_after_loading`` once.
+Before this road existed, an online-mode engine accepted every tensor and kept serving the old
+weights, and a checkpoint-mode engine failed inside vLLM.
+
+Oracle: a FRESH engine loaded on the updated weights, compared bit for bit on teacher-forced
+prompt logprobs (vLLM CPU is deterministic run to run here: a fresh engine reproduces its own
+logprobs exactly, checked below, so the floor is 0):
+
+* online mode (a BF16 folder with ``quantization="foursight"`` and the checkpoint's channels
+  file): a fresh online engine on a BF16 folder holding the new weights;
+* checkpoint mode: a fresh engine on a FourSight checkpoint whose modules are
+  ``quantize_weight(new W, the checkpoint's channels)`` (the library's quantizer, the oracle of
+  every engine adapter) and whose other tensors are the new ones.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from foursight.models import builtin_texts  # noqa: E402
+from foursight.quant_methods.vllm_eval import engine_prompt_logprobs, fixed_sequences  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+QKV0 = "model.layers.0.self_attn.qkv_proj"
+
+
+def _llm(path):
+    from vllm import LLM
+
+    return LLM(model=str(path), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
+
+
+def _model(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def _new_weights(src: Path, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the BF16 folder moved (what a learner step changes): 2-D weights by 30 % of
+    their std, norms by a few %. HF names, in file order (TRL sends all parameters)."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in load_file(str(src / "model.safetensors")).items():
+        f = t.float()
+        f = f + (0.3 * f.std() if t.dim() == 2 else 0.05 * f.abs().mean()) * torch.randn(t.shape, generator=g)
+        out[n] = f.to(t.dtype).contiguous()
+    return out
+
+
+def _bf16_folder(src: Path, dst: Path, new: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(src / "model.safetensors"))
+    sd.update(new)
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _ckpt_folder(ckpt: Path, dst: Path, new: dict[str, torch.Tensor]) -> Path:
+    """The checkpoint with every FourSight module re-quantized from the new weights with its own
+    channel set (input scales kept), every other tensor replaced."""
+    from safetensors.torch import load_file, save_file
+
+    from foursight.layer import quantize_weight
+    from foursight.schema import encode_module
+
+    shutil.copytree(ckpt, dst)
+    sd = load_file(str(ckpt / "model.safetensors"))
+    for name, w in new.items():
+        mod = name[: -len(".weight")] if name.endswith(".weight") else None
+        if mod is not None and f"{mod}.weight_packed" in sd:
+            sd.update(encode_module(mod, quantize_weight(w, sd[f"{mod}.bf16_channels"], name=mod)))
+        else:
+            sd[name] = w
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _fresh(path, seqs):
+    llm = _llm(path)
+    try:
+        return engine_prompt_logprobs(llm, seqs)
+    finally:
+        del llm
+        gc.collect()
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _gap(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir, tmp_path_factory):
+    """The checkpoint, two learner steps of new weights, a half-synced mix, and the fresh-load
+    logprobs of each in both modes (computed before any engine under test exists)."""
+    from transformers import AutoTokenizer
+
+    from foursight.checkpoint import quantize_model
+
+    src = Path(tiny_llama_dir)
+    tmp = tmp_path_factory.mktemp("load-weights")
+    ckpt = quantize_model(src, tmp / "ckpt", channels="16", progress=False).out_dir
+    os.environ["FOURSIGHT_CHANNELS_FILE"] = str(ckpt / "foursight_channels.json")
+    seqs = fixed_sequences(AutoTokenizer.from_pretrained(src), builtin_texts()[:3], 32)
+    new1, new2 = _new_weights(src, 1), _new_weights(src, 2)
+    mixed = {**new1, Q0: new2[Q0]}  # new1, then only q_proj of layer 0 from new2 (half a fused qkv)
+    ref = {"online": {}, "checkpoint": {}}
+    for key, w in (("new1", new1), ("new2", new2), ("mixed", mixed)):
+        ref["online"][key] = _fresh(_bf16_folder(src, tmp / f"bf16-{key}", w), seqs)
+        ref["checkpoint"][key] = _fresh(_ckpt_folder(ckpt, tmp / f"ckpt-{key}", w), seqs)
+    ref["checkpoint"]["new1-again"] = _fresh(tmp / "ckpt-new1", seqs)  # run-to-run floor: a second fresh engine
+    return {"src": src, "ckpt": ckpt, "seqs": seqs, "new1": new1, "new2": new2, "ref": ref}
+
+
+@pytest.fixture(scope="module", params=["checkpoint", "online"])
+def engine(request, setup):
+    mode = request.param
+    llm = _llm(setup["ckpt"] if mode == "checkpoint" else setup["src"])
+    yield mode, llm
+    del llm
+    gc.collect()
+
+
+def _trl_sync(llm, weights: dict[str, torch.Tensor]) -> None:
+    """TRL colocate's sync: one ``load_weights`` call per parameter, no post-load step."""
+
+    def load(model):
+        for name, t in weights.items():
+            model.load_weights([(name, t)])
+
+    llm.apply_model(load)
+    llm.reset_prefix_cache()
+
+
+def _verl_sync(llm, weights: dict[str, torch.Tensor], buckets: int = 3) -> None:
+    """verl's sync: ``load_weights`` per bucket (buckets cut through fused layers), then vLLM's
+    post-load step once."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    items = list(weights.items())
+    step = -(-len(items) // buckets)
+    model_config = llm.llm_engine.vllm_config.model_config
+
+    def load(model):
+        for i in range(0, len(items), step):
+            model.load_weights(iter(items[i : i + step]))
+        process_weights_after_loading(model, model_config, torch.device("cpu"))
+
+    llm.apply_model(load)
+    llm.reset_prefix_cache()
+
+
+def test_fresh_engines_reproduce_their_logprobs_exactly(setup):
+    """The floor of every comparison below: two fresh engines on the same checkpoint agree bit
+    for bit, and the learner steps move the logprobs far above it."""
+    ref = setup["ref"]["checkpoint"]
+    assert _same(ref["new1"], ref["new1-again"])
+    assert _gap(ref["new1"], ref["new2"]) > 0.1 and _gap(ref["new1"], ref["mixed"]) > 1e-3
+
+
+def test_trl_per_tensor_sync_twice_equals_a_fresh_load(engine, setup):
+    """One tensor at a time (fused q/k/v and gate/up arrive as separate shards), no post-load step,
+    two learner steps in a row, then the second step again (idempotent): each time the engine
+    equals a fresh load of the weights it was given."""
+    mode, llm = engine
+    ref = setup["ref"][mode]
+    before = engine_prompt_logprobs(llm, setup["seqs"])
+    for key in ("new1", "new2", "new2"):
+        _trl_sync(llm, setup[key])
+        got = engine_prompt_logprobs(llm, setup["seqs"])
+        assert _same(got, ref[key]), f"{mode} after {key}: |d| {_gap(got, ref[key]):.4f} from a fresh load"
+    assert _gap(got, before) > 0.1
+    assert not any(m.foursight_plan.stale for m in _model(llm).modules() if getattr(m, "foursight_plan", None))
+
+
+def test_half_a_fused_layer_is_requantized_before_its_next_forward(engine, setup):
+    """Only q_proj of layer 0 arrives (k_proj and v_proj keep their current weights) and no post-load
+    step runs: the layer is marked stale, and the next forward re-quantizes it from the new q and
+    the current k/v (never the old q): equal to a fresh load of that mix."""
+    mode, llm = engine
+    _trl_sync(llm, setup["new1"])
+    ref = setup["ref"][mode]
+
+    def load_q(model):
+        model.load_weights([(Q0, setup["new2"][Q0])])
+        layer = model.get_submodule(QKV0)
+        return layer.foursight_plan.stale, sorted(layer.foursight_plan.pending_weight)
+
+    assert llm.apply_model(load_q) == [(True, [0])]
+    llm.reset_prefix_cache()
+    got = engine_prompt_logprobs(llm, setup["seqs"])
+    assert _same(got, ref["mixed"]), f"{mode}: |d| {_gap(got, ref['mixed']):.4f} from a fresh load of the mix"
+    assert not _model(llm).get_submodule(QKV0).foursight_plan.stale
+
+
+def test_verl_bucketed_sync_then_post_load_equals_a_fresh_load(engine, setup):
+    """verl's loop: buckets that cut through fused layers, then vLLM's post-load step once; twice."""
+    mode, llm = engine
+    ref = setup["ref"][mode]
+    for key in ("new2", "new1"):
+        _verl_sync(llm, setup[key])
+        got = engine_prompt_logprobs(llm, setup["seqs"])
+        assert _same(got, ref[key]), f"{mode} after {key}: |d| {_gap(got, ref[key]):.4f} from a fresh load"
+
+
+def test_sync_updates_the_execution_state_in_place(engine, setup):
+    """The re-quantized state is written into the same storage (what a captured CUDA graph reads):
+    the tensors of every FourSight layer keep their addresses across a sync."""
+    mode, llm = engine
+
+    def ptrs(model):
+        from foursight.quant_methods.plan import _state_tensors
+
+        out = {}
+        for n, m in model.named_modules():
+            if getattr(m, "foursight_plan", None) is not None:
+                ts: list[torch.Tensor] = []
+                _state_tensors(m.foursight_state, ts, set())
+                out[n] = [t.data_ptr() for t in ts]
+        return out
+
+    (a,) = llm.apply_model(ptrs)
+    _trl_sync(llm, setup["new2"])
+    (b,) = llm.apply_model(ptrs)
+    assert a == b
+    assert _same(engine_prompt_logprobs(llm, setup["seqs"]), setup["ref"][mode]["new2"])
+
+
+def test_a_bad_tensor_is_refused_naming_it(engine, setup):
+    """A non-float or mis-shaped weight is refused with an error naming the tensor."""
+    from foursight.schema import CheckpointError
+
+    mode, llm = engine
+    w = setup["new1"][Q0]
+
+    def load(t):
+        def fn(model):
+            try:
+                model.load_weights([(Q0, t)])
+            except CheckpointError as e:
+                return str(e)
+            return None
+        return fn
+
+    (msg,) = llm.apply_model(load(w.to(torch.int32)))
+    assert msg and "q_proj.weight" in msg and "dtype" in msg
+    (msg,) = llm.apply_model(load(w[:, :-16].contiguous()))
+    assert msg and "q_proj.weight" in msg
