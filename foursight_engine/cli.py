@@ -186,6 +186,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address of the vLLM server."),
     port: int = typer.Option(8000, "--port", help="Port of the vLLM server."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the vLLM command and environment instead of running it."),
+    kernel_backend: Optional[str] = typer.Option(None, "--kernel-backend", help="FourSight linear backend on the GPU: auto, triton, reference, dot_scaled or flashinfer (sets FOURSIGHT_KERNEL_BACKEND; the Blackwell ones are opt-in: docs/blackwell.md)."),
 ):
     """Serve MODEL with vLLM's OpenAI server and --quantization foursight (CPU and GPU builds alike).
 
@@ -197,12 +198,19 @@ def serve(
     from foursight.serve import exec_vllm, vllm_command
 
     argv, env = vllm_command(str(resolve_model(model)), host, port, ctx.args)
+    if kernel_backend is not None:
+        from foursight.kernels.blackwell import BACKEND_ENV, BackendUnavailable, requested_backend
+
+        try:
+            env[BACKEND_ENV] = requested_backend({BACKEND_ENV: kernel_backend})
+        except BackendUnavailable as e:
+            raise typer.BadParameter(str(e), param_hint="--kernel-backend") from None
     if dry_run:
         import shlex
 
         from foursight.serve import CPU_ENV
 
-        print(" ".join(f"{k}={env[k]}" for k in CPU_ENV if k in env), shlex.join(argv))
+        print(" ".join(f"{k}={env[k]}" for k in (*CPU_ENV, "FOURSIGHT_KERNEL_BACKEND") if k in env), shlex.join(argv))
         return
     exec_vllm(argv, env)
 

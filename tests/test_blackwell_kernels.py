@@ -1,0 +1,129 @@
+"""The dot_scaled form (``foursight.kernels.dot_scaled``) under TRITON_INTERPRET=1 against the reference.
+
+Triton 3.9's interpreter reads the E4M3 scales of ``tl.dot_scaled`` as E8M0 (``bits << 23``):
+:func:`test_interpreter_reads_e4m3_scales_as_e8m0` shows it on a bare ``tl.dot_scaled``. So under the
+interpreter the kernel takes its ``INTERP`` branch for the MMA alone: both operands decoded exactly
+(``e2m1·scale``) and multiplied with an fp32 ``tl.dot`` — the products the block-scaled MMA forms,
+summed in fp32. Everything else the GPU runs is what these tests run: the packed-code and scale
+indexing of both tile orientations (``swap`` and not), the K masks, the per-row activation scale and
+the per-row weight scale in the epilogue, the BF16 segment as K steps on the same accumulator, bias,
+the transposed store of the swapped tile. Like tests/test_kernels.py this file runs in its own process
+(scripts/test.sh), and skips where the kernels were built for a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
+from foursight.kernels.dot_scaled import INTERP_CONFIGS, DotScaledConfig, dot_scaled_linear, prepare_native_weight  # noqa: E402
+from foursight.layer import quantize_weight, reference_linear  # noqa: E402
+from foursight.nvfp4 import NVFP4Error, e2m1_values, unpack_fp4  # noqa: E402
+from foursight.quant_methods.sharding import concat_shards  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not isinstance(_act_quant_kernel, InterpretedFunction),
+    reason="kernels not built for the Triton interpreter (CUDA machine, or imported earlier); run this file on its own on CPU",
+)
+
+
+@triton.jit
+def _bare_dot_scaled(a_ptr, as_ptr, b_ptr, bs_ptr, o_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    a = tl.load(a_ptr + rm[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+    b = tl.load(b_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+    sa = tl.load(as_ptr + rm[:, None] * (BK // 16) + tl.arange(0, BK // 16)[None, :])
+    sb = tl.load(bs_ptr + rn[:, None] * (BK // 16) + tl.arange(0, BK // 16)[None, :])
+    tl.store(o_ptr + rm[:, None] * BN + rn[None, :], tl.dot_scaled(a, sa, "e2m1", tl.trans(b), sb, "e2m1"))
+
+
+def test_interpreter_reads_e4m3_scales_as_e8m0():
+    """Why the kernel has an INTERP branch. If this fails, Triton's interpreter honours E4M3 scales now,
+    and the INTERP branch can go (the tests below would then run ``tl.dot_scaled`` itself)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=g)
+    sa = (torch.rand(16, 4, generator=g) * 4 + 0.1).to(torch.float8_e4m3fn)
+    sb = (torch.rand(16, 4, generator=g) * 4 + 0.1).to(torch.float8_e4m3fn)
+    out = torch.empty(16, 16)
+    _bare_dot_scaled[(1,)](a, sa, b, sb, out, 16, 16, 64)
+    dq = lambda p, s: e2m1_values(unpack_fp4(p)) * s.repeat_interleave(16, 1)  # noqa: E731
+    as_e4m3 = dq(a, sa.float()) @ dq(b, sb.float()).t()
+    e8m0 = lambda s: (s.view(torch.uint8).int() << 23).view(torch.float32)  # noqa: E731
+    as_e8m0 = dq(a, e8m0(sa)) @ dq(b, e8m0(sb)).t()
+    assert torch.allclose(out, as_e8m0, rtol=1e-6, atol=1e-30)
+    assert not torch.allclose(out, as_e4m3, rtol=1e-2)
+
+
+def _layer(n, k_dim, channels, per_row=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ch = torch.tensor(channels, dtype=torch.int64)
+    if per_row:  # a fused layer: each shard its own weight global scale
+        half = n // 2
+        return concat_shards([quantize_weight(torch.randn(half, k_dim, generator=g), ch),
+                              quantize_weight(3 * torch.randn(n - half, k_dim, generator=g), ch)])
+    return quantize_weight(torch.randn(n, k_dim, generator=g), ch)
+
+
+def _x(m, k_dim, channels, dtype=torch.bfloat16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k_dim, generator=g) * 2
+    if channels:
+        x[:, list(channels)] *= 20
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("cfg", ["swap", "ss"])
+@pytest.mark.parametrize("m,n,k_dim,channels,per_row,static,bias,dtype", [
+    (1, 128, 128, (), False, False, False, torch.bfloat16),
+    (5, 160, 192, (3, 17, 40, 100, 191), True, False, True, torch.bfloat16),  # N not a tile multiple, ragged K tile
+    (20, 128, 80, (7,), False, True, True, torch.bfloat16),  # K = 80: the masked K tail; two token tiles
+    (3, 128, 128, tuple(range(0, 128, 5)), True, True, False, torch.float16),  # k = 26 > BLOCK_KS: two BF16 steps
+])
+def test_dot_scaled_matches_the_reference(cfg, m, n, k_dim, channels, per_row, static, bias, dtype):
+    qw = _layer(n, k_dim, channels, per_row)
+    nw = prepare_native_weight(qw, "L0.mlp.up_proj")
+    x = _x(m, k_dim, channels, dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    igs = torch.tensor([2688.0 / 40]) if static else None
+    y = dot_scaled_linear(x, nw, b, igs, config=INTERP_CONFIGS[cfg])
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref = reference_linear(x, qw, b, igs, out_dtype=torch.float32)
+    # the output's own rounding (bf16: 2^-8 relative, fp16: 2^-11) plus fp32 accumulation order
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-10
+    err = (y.float() - ref).abs()
+    assert (err <= ulp * ref.abs() + 1e-4 * ref.abs().max()).all(), (err.max(), ref.abs().max())
+
+
+def test_dot_scaled_per_row_scale_and_bf16_segment_are_both_needed():
+    """The test above can fail: the same kernel with the BF16 channels dropped from the weight is far off."""
+    channels = (3, 17)
+    qw = _layer(128, 128, channels)
+    x = _x(4, 128, channels)
+    ref = reference_linear(x, qw, None, None, out_dtype=torch.float32)
+    nw = prepare_native_weight(qw)
+    nw.weight_bf16 = torch.zeros_like(nw.weight_bf16)
+    y = dot_scaled_linear(x, nw, None, None, config=INTERP_CONFIGS["swap"])
+    assert (y.float() - ref).abs().max() > 0.1 * ref.abs().max()
+
+
+def test_dot_scaled_refusals():
+    qw = _layer(128, 128, (1,))
+    nw = prepare_native_weight(qw, "L9.o_proj")
+    with pytest.raises(NVFP4Error, match="L9.o_proj: the dot_scaled form takes bf16 or fp16"):
+        dot_scaled_linear(_x(2, 128, (1,), torch.float32), nw, name="L9.o_proj")
+    with pytest.raises(NVFP4Error, match="L9.o_proj: input last dim 64"):
+        dot_scaled_linear(_x(2, 64, ()), nw, name="L9.o_proj")
+    with pytest.raises(ValueError, match="must be >= 128"):
+        DotScaledConfig(swap=False, block_m=16, block_n=128, block_k=256)
