@@ -181,14 +181,16 @@ def write(rows: list[dict], out: str) -> None:
     lines = [f"# dot_scaled form: offline compile for Blackwell (no GPU)", "",
              f"Commit `{meta['commit']}` (the code compiled; uncommitted changes to other files aside), Triton {meta['triton']}, "
              f"ptxas `{meta['ptxas']}`. Command: `{meta['command']}`.", "",
-             "| arch | config | tile (BM x BN x BK) | BF16 segment | FP4 MMA (PTX / SASS) | SASS MMA opcodes | FP4 loops (with BF16 ops) | BF16 MMA | smem B | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| arch | config | tile (BM x BN x BK) | BF16 segment | FP4 MMA (PTX / SASS) | tcgen05 idesc (E2M1, UE4M3) | SASS MMA opcodes | FP4 loops (with BF16 ops) | BF16 MMA | smem B | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['arch']} | {r['config']} | {r['tile']} | {'yes' if r['bf16_segment'] else 'no'} | {r['fp4_mma_ptx']} / {r['fp4_mma_sass']} | "
+                     f"{(', '.join(sorted(set(r['idesc']))) + (' yes' if r['idesc_e2m1_ue4m3'] else ' **no**')) if r['idesc'] else '–'} | "
                      f"{', '.join('`' + o + '`' for o in r['sass_mma_opcodes'])} | {r['fp4_loops']} ({r['fp4_loops_with_bf16']}) | "
                      f"{r['bf16_mma_sass']} | {r['shared_bytes']} | {'yes' if r['ok'] else '**no**'} |")
     lines += ["", "The negative control is not a shipped configuration: an unswapped 16-row tile, which sm_100a cannot run on "
-              "the FP4 tensor cores; Triton emulates it in BF16 there, and the check must say no.", ""]
+              "the FP4 tensor cores (tcgen05's FP4 MMA needs M = 128); Triton emulates it in BF16 there, and the check must say "
+              "no. sm_120a's `mma.sync` m16n8k64 takes it natively, so there it passes.", ""]
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines))
 
