@@ -164,7 +164,9 @@ def select_backend(qw: QuantizedWeight) -> LinearBackend:
         name, reason = choose_backend(cap, requested_backend())
         if (cap, name) not in _LOGGED:
             _LOGGED.add((cap, name))
-            logger.info("FourSight linear backend: %s (%s)", name, reason)
+            # on Blackwell every choice runs code that has not run there yet: say so where it is seen
+            log = logger.warning if cap[0] in (10, 12) else logger.info
+            log("FourSight linear backend: %s (%s)", name, reason)
         if name != "triton" or BY_NAME["triton"].supports(qw):
             return BY_NAME[name]
     for b in BACKENDS:
