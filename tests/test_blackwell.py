@@ -141,6 +141,22 @@ def test_swizzle_128x4_matches_flashinfers_own_reference():
         assert torch.equal(_unswizzle_sf_128x4(flat, rows, cols).reshape(rows, cols), sf)
 
 
+def test_packed_codes_and_scales_match_flashinfers_own_dequantizer():
+    """FlashInfer's pure-PyTorch NVFP4 dequantizer (its CPU fallback, linear scale layout) reads the operands we
+    hand it (codes low nibble first, E4M3 scale bytes) as the values the reference dequantizes; skipped without flashinfer."""
+    pytest.importorskip("flashinfer")
+    from flashinfer.quantization.fp4_quantization import _e2m1_and_ufp8sf_scale_to_float_cpu
+
+    from foursight.nvfp4 import dequantize_nvfp4
+
+    qw = layer(n=64, k_dim=128)
+    nw = prepare_native_weight(qw)
+    gs = qw.weight_global_scale
+    theirs = _e2m1_and_ufp8sf_scale_to_float_cpu(nw.weight_packed, nw.weight_scale, 1.0 / gs, 16, 1, False)
+    ours = dequantize_nvfp4(nw.weight_packed, nw.weight_scale.view(torch.float8_e4m3fn), gs, torch.float32)
+    assert torch.allclose(theirs, ours, rtol=2**-22, atol=0)
+
+
 def test_native_weight_is_the_checkpoint_layout_with_s_codes_zeroed():
     qw = layer()
     ch = qw.bf16_channels.long()
