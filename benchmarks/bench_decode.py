@@ -273,6 +273,10 @@ def build_foursight(model: Decoder, k: int, seed: int) -> tuple[list, dict, dict
     import foursight.kernels as fk  # noqa: PLC0415
 
     out, nbytes, ref = [], 0, {}
+    cuda = model.dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(model.dev)
+        alloc0 = torch.cuda.memory_allocated(model.dev)
     for li, w in enumerate(model.weights):
         layer = {}
         for name, (n, k_dim) in model.cfg.linear_shapes().items():
@@ -282,10 +286,16 @@ def build_foursight(model: Decoder, k: int, seed: int) -> tuple[list, dict, dict
             if li == 0:
                 ref[name] = qw
             del qw
-            nbytes += sum(_nbytes(getattr(pw, f.name)) for f in dataclasses.fields(pw) if isinstance(getattr(pw, f.name), torch.Tensor))
+            nbytes += fk.resident_bytes(pw)  # every tensor the prepared layer keeps (its one weight form included)
             layer[name] = pw
         out.append(layer)
-    return out, {"weight_bytes": nbytes, "channels_per_linear": k}, ref
+    info = {"weight_bytes": nbytes, "weight_bytes_method": "sum of foursight.kernels.resident_bytes over the prepared linears",
+            "channels_per_linear": k}
+    if cuda:
+        torch.cuda.synchronize(model.dev)
+        # real device memory the prepared linears hold (the layer-0 QuantizedWeights kept for the check included)
+        info["device_bytes_allocated"] = torch.cuda.memory_allocated(model.dev) - alloc0
+    return out, info, ref
 
 
 def kernel_check(prepared0: dict, ref: dict, act_quant: bool, ms: list, dev, seed: int) -> dict:
@@ -504,8 +514,14 @@ def environment(dev: torch.device) -> dict:
         h.update(f.read_bytes())
     env["kernels_sha256"] = h.hexdigest()[:16]
     try:
-        env["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
+        from foursight.kernels.primitives import pdl_supported  # noqa: PLC0415
+
+        env["pdl"] = pdl_supported()
+    except Exception:  # noqa: BLE001
+        env["pdl"] = None
+    try:
+        env["git_commit"] = os.environ.get("FOURSIGHT_COMMIT") or subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "kernels"], capture_output=True, text=True,
                                timeout=10).stdout.strip()
         env["kernels_dirty"] = bool(dirty) if env["git_commit"] else None
@@ -801,7 +817,15 @@ def main() -> None:
     ap.add_argument("--cpu-reps", type=int, default=1, help="timed eager runs per measurement on CPU (after the warm-up run)")
     ap.add_argument("--no-graph", action="store_true", help="time eagerly on CUDA too")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry-run", action="store_true", help="no timing: write the result file's environment and arguments only")
     args = ap.parse_args()
+    if args.dry_run:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = {"dry_run": True, "env": environment(torch.device("cpu")), "args": vars(args), "tuned": _tuned_snapshot()}
+        (out / "bench_decode.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.context is None:

@@ -74,8 +74,45 @@ def _rotations(bytes_per_call: int) -> int:
 
 
 def _clone_prepared(pw):
-    return dataclasses.replace(pw, **{f.name: getattr(pw, f.name).clone() for f in dataclasses.fields(pw)
-                                      if isinstance(getattr(pw, f.name), torch.Tensor)}, _cache={})
+    """A copy of a prepared layer with its own device tensors (the weight rotation): tensor fields and
+    tensor fields of dataclass fields (the fragment form) are cloned."""
+    def clone(v):
+        if isinstance(v, torch.Tensor):
+            return v.clone()
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.replace(v, **{f.name: clone(getattr(v, f.name)) for f in dataclasses.fields(v)
+                                             if isinstance(getattr(v, f.name), torch.Tensor)})
+        return v
+    return dataclasses.replace(pw, **{f.name: clone(getattr(pw, f.name)) for f in dataclasses.fields(pw) if f.name != "_cache"},
+                               _cache={})
+
+
+def provenance() -> dict:
+    """What produced a result file: git commit of the tree (``FOURSIGHT_COMMIT`` when the copy has no
+    git), sha256 of the kernels folder's files, Triton/torch versions, the default candidate lists."""
+    import hashlib
+    import os
+    import subprocess
+
+    kdir = Path(fk.__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(kdir.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    commit = os.environ.get("FOURSIGHT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                                    cwd=Path(__file__).resolve().parent).stdout.strip()
+        except Exception:  # noqa: BLE001
+            commit = "unknown"
+    from foursight.kernels import configs  # noqa: PLC0415
+    from foursight.kernels.primitives import pdl_supported  # noqa: PLC0415
+
+    return {"commit": commit, "kernels_sha256": h.hexdigest(), "kernels_dir": str(kdir), "triton": triton.__version__,
+            "torch": torch.__version__, "pdl": pdl_supported(),
+            "default_configs": {name: [str(c) for c in getattr(configs, name)] for name in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS")},
+            "fp16_configs": {p: [str(c) for c in cs] for p, cs in configs.FP16_CONFIGS.items()}}
 
 
 def measure_ceilings() -> dict:
@@ -165,12 +202,14 @@ def run(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.cuda.get_device_properties(0)
     res = {
+        "provenance": provenance(),
         "env": {
             "gpu": dev.name, "sm_count": dev.multi_processor_count, "capability": list(torch.cuda.get_device_capability()),
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "command": " ".join(sys.argv),
         },
         "method": "medians of CUDA-graph replays; weights rotated over R copies per replay (>= 240 MB streamed)",
+        "args": vars(args),
         "rows": [], "quant": [], "batch_invariance": [],
     }
     xq = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16) * 3
@@ -180,7 +219,7 @@ def run(args) -> dict:
     res["quant_exactness_check"] = {"scale_mismatches": int((aq.scale.view(torch.uint8) != rq.scale.view(torch.uint8)).sum()),
                                     "code_mismatches": int((aq.packed != rq.packed).sum())}
     print("quant exactness:", res["quant_exactness_check"], flush=True)
-    res["config_check"] = check_configs()
+    res["config_check"] = {} if args.skip_config_check else check_configs()
     print("config check:", res["config_check"], flush=True)
     res["ceilings"] = measure_ceilings()
     print("ceilings:", res["ceilings"], flush=True)
@@ -195,6 +234,12 @@ def run(args) -> dict:
         shapes = [((8192, 8192), [1, 16, 64, 256, 4096])]
     if args.ms:
         shapes = [(s, [int(v) for v in args.ms.split(",")]) for s, _ in shapes]
+    if args.shapes:
+        want = {tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")}
+        shapes = [(s, m) for s, m in shapes if s in want]
+    if args.smol_ms:
+        shapes = [(s, [int(v) for v in args.smol_ms.split(",")] if s in SMOL_SHAPES else m) for s, m in shapes]
+    ks_all = tuple(int(v) for v in args.ks.split(","))
     t_start = time.time()
     for (N, K), ms in shapes:
         if time.time() - t_start > args.budget_s:
@@ -202,7 +247,7 @@ def run(args) -> dict:
             continue
         w = torch.randn(N, K, device="cuda") * 0.02
         layers = {}
-        for k in (0, 64, 128):
+        for k in ks_all:
             ch = torch.sort(torch.randperm(K, device="cuda")[:k]).values.to(torch.int32)
             qw = quantize_weight(w, ch)
             pw = fk.prepare_weight(qw)
@@ -216,7 +261,7 @@ def run(args) -> dict:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             row = {"N": N, "K": K, "M": M, "path": fk.datapath_for(M)}
             _baseline_rows(N, K, M, w, x, row)
-            ks = (0, 64, 128) if M in (1, 64, 4096) else (0, 128)
+            ks = [k for k in ((0, 64, 128) if M in (1, 64, 4096) else (0, 128)) if k in ks_all]
             for k in ks:
                 qw, pws = layers[k]
                 modes = [True] + ([False] if (k == 128 and (M <= 64 or M == 4096)) else [])
@@ -282,6 +327,8 @@ def markdown(res: dict) -> str:
         f"# SpliceGEMM on {res['env']['gpu']} ({res['env']['date_utc']} UTC)",
         "",
         f"Command: `{res['env']['command']}`; torch {res['env']['torch']}, triton {res['env']['triton']}.",
+        f"Commit `{res.get('provenance', {}).get('commit', '?')}`, kernels sha256 `{res.get('provenance', {}).get('kernels_sha256', '?')[:16]}`, "
+        f"PDL {res.get('provenance', {}).get('pdl')}.",
         f"Ceilings measured in the same process: copy {c.get('copy_TBps', 0):.2f} TB/s (read + write), "
         f"bf16 matmul 8192^3 {c.get('bf16_matmul_TFLOPs', 0):.0f} TFLOP/s. {res['method']}. GemLite: {res.get('gemlite')}.",
         f"Not run (device time): {', '.join(res['not_run'])}." if res.get("not_run") else "",
@@ -332,7 +379,19 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="full M grid on 8192x8192 only, SHORT_MS on the other two shapes")
     ap.add_argument("--ms", default="", help="comma-separated M values (default: the full grid MS)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new shapes after this many seconds")
+    ap.add_argument("--shapes", default="", help="comma-separated NxK to keep (e.g. 8192x8192,576x576; default all)")
+    ap.add_argument("--smol-ms", default="", help="comma-separated M values for SmolLM2's shapes (default SMOL_MS)")
+    ap.add_argument("--ks", default="0,64,128", help="comma-separated BF16 channel counts to run (of 0, 64, 128)")
+    ap.add_argument("--skip-config-check", action="store_true", help="leave out the up-front check of every candidate (the autotuner still checks what it times)")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: write the result file's provenance and arguments only")
     args = ap.parse_args()
+    if args.dry_run:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = {"dry_run": True, "provenance": provenance(), "args": vars(args), "rows": []}
+        (out / "splice_gemm.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_splice_gemm: needs a CUDA GPU")
     res = run(args)

@@ -88,6 +88,8 @@ def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: 
              if t.startswith("*") or (t == "i32" and n not in _NOT_DIV16)}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if consts.get("GDC_WAIT"):
+        opts["launch_pdl"] = True
     if maxnreg:
         opts["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -135,7 +137,7 @@ def hot_path(sass: str) -> int:
 
 def _fragment_ptrs(scale_bf16: bool) -> dict:
     return {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32",
-            "sf_ptr": "*i16" if scale_bf16 else "*u8", "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "sf_ptr": "*i16", "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
             "cnt_ptr": "*i32", "xs_ptr": "*bf16", "xq_ptr": "*bf16"}
 
 
@@ -145,7 +147,7 @@ _ACT_PTRS = {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr
 
 def _act_case(block_k: int, nw: int, fq: bool):
     return dict(stride_xk=1, BLOCK_K=block_k, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
-                WRITE_DEQ=True, WRITE_XS=True, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=fq), nw
+                WRITE_DEQ=True, WRITE_XS=True, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=fq, LAUNCH_DEPS=not fq), nw
 
 
 def form_case(cfg, scale_bf16: bool):
@@ -156,6 +158,9 @@ def form_case(cfg, scale_bf16: bool):
         fn = _kernel("fragment", "_fragment_gemm_kernel")
         consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=scale_bf16, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False)
+        frag = __import__("foursight.kernels.fragment", fromlist=["x"])
+        if hasattr(frag, "PDL_PREFETCH_CHUNKS"):  # the W4A4 default: launched with PDL after the quantizer
+            consts.update(GDC_WAIT=True, PREFETCH_CHUNKS=frag.PDL_PREFETCH_CHUNKS)
         return fn, _fragment_ptrs(scale_bf16), consts, 4, cfg.num_stages, getattr(cfg, "max_regs", 0), cfg.block_n * cfg.block_k / 128
     if form == "GemvConfig":
         fn = _kernel("gemv", "_splice_gemv1_kernel")
@@ -182,7 +187,7 @@ def form_case(cfg, scale_bf16: bool):
         return fn, ptrs, consts, cfg.num_warps, cfg.num_stages, 0, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
     if form == "DequantConfig":
         fn = _kernel("dequant", "_dequant_weight_kernel")
-        ptrs = {"wp_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "wf_ptr": "*i32", "sf_ptr": "*i8" if not scale_bf16 else "*i16",
+        ptrs = {"wp_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "wf_ptr": "*i32", "sf_ptr": "*i16",
                 "wb_ptr": "*bf16", "ch_ptr": "*i32"}
         consts = dict(DIV_GS=False, BN=cfg.block_n, BK=cfg.block_k, SCALE_BF16=scale_bf16, INTERP=False, HAS_KS=True)
         return fn, ptrs, consts, cfg.num_warps, 1, 0, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
@@ -391,7 +396,7 @@ def write_md(b: dict, a: dict, path: str) -> None:
 CASES = {  # the plain print mode: name -> (form config builder)
     "fragment": lambda c: c.FragmentConfig(16, 64, 128, 3),
     "fragment256": lambda c: c.FragmentConfig(16, 64, 256, 3),
-    "dequant": lambda c: c.DequantConfig(32, 256),
+    "dequant": lambda c: c.DequantConfig(64, 256),
 }
 
 

@@ -73,7 +73,12 @@ def _act_quant_kernel(
     ROWS: tl.constexpr = 1,  # rows per program (a power of two)
     post_ptr=None,  # FQ: fp32 [1], an extra factor folded into the fake-quantized value (1/gs_w or 1)
     FQ: tl.constexpr = False,  # WRITE_DEQ writes the bf16 fake-quantized row instead of fp16 q*s (ROWS == 1)
+    LAUNCH_DEPS: tl.constexpr = False,  # PDL: let the GEMM that reads this output start (it waits for us)
 ):
+    if LAUNCH_DEPS:
+        # the dependent GEMM may be scheduled now; it only prefetches weights until its gdc_wait,
+        # which returns once this whole grid has completed and its writes are visible
+        tl.extra.cuda.gdc_launch_dependents()
     if ROWS == 1:
         _act_quant_row(
             x_ptr, stride_xm, stride_xk, smask_ptr, ch_ptr, gs_in_ptr, packed_ptr, scale_ptr, deq_ptr,
@@ -276,10 +281,12 @@ def act_quant_launch(
     post: torch.Tensor | None = None,
     deq_dtype: torch.dtype = torch.float16,
     num_warps: int | None = None,
+    launch_deps: bool = False,
 ):
     """Launch ``_act_quant_kernel``; ``post`` (fp32 [1]) selects the FQ output: ``deq`` is then the
     bf16 fake-quantized activation ``q*s*post/gs`` with ``X[:, S]`` at the S columns; otherwise
-    ``deq`` is the exact ``q*s`` in ``deq_dtype`` (fp16 or bf16: both hold it exactly)."""
+    ``deq`` is the exact ``q*s`` in ``deq_dtype`` (fp16 or bf16: both hold it exactly). ``launch_deps``:
+    the next kernel on the stream is launched with PDL and waits for this one (``gdc_wait``)."""
     m, k_dim = x.shape
     kk = channels.numel()
     dev = x.device
@@ -312,6 +319,7 @@ def act_quant_launch(
             BLOCK_KS=min(256, max(16, triton.next_power_of_2(max(kk, 1)))),
             DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False,
             post_ptr=post if fq else dummy, FQ=fq,
+            LAUNCH_DEPS=launch_deps and not interpreting(),
             num_warps=nw,
         )
     return packed, scale, deq, gs_out, xs

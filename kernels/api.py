@@ -26,6 +26,7 @@ from foursight.nvfp4 import NVFP4Error, check_k
 from . import act_quant as _aq
 from .configs import (
     DECODE_CONFIGS,
+    FP16_CONFIGS,
     INTERP_CONFIGS,
     MID_CONFIGS,
     PREFILL_CONFIGS,
@@ -39,7 +40,8 @@ from .configs import (
 from .dequant import dequant_linear
 from .fragment import fragment_launch
 from .gemv import gemv_launch
-from .prepared import PreparedWeight, prepare_weight
+from .prepared import PreparedWeight, prepare_weight, resident_bytes
+from .primitives import pdl_supported
 from .ss import ss_launch
 from .swap import swap_launch
 from .tuning import TUNE_LOG, TUNED, pick_config
@@ -50,7 +52,8 @@ DECODE_MAX_M: int = 16
 
 __all__ = [
     "DECODE_MAX_M", "TUNED", "TUNE_LOG", "PreparedWeight", "KernelConfig", "GemvConfig", "SwapConfig", "SSConfig",
-    "DequantConfig", "FragmentConfig", "datapath_for", "prepare_weight", "quantize_activation", "splice_gemm", "splice_linear",
+    "DequantConfig", "FragmentConfig", "datapath_for", "prepare_weight", "quantize_activation", "resident_bytes", "splice_gemm",
+    "splice_linear",
 ]
 
 
@@ -112,23 +115,20 @@ def quantize_activation(
 def _candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     """Configurations the autotuner may time for ``path``. ``form``: "deq" (splice_gemm on the fp16
     q*s), "w4a16" (splice_gemm or splice_linear without activation quantization) or "linear"
-    (splice_linear W4A4: the quantization is part of what is timed). The fragment form takes BF16
-    activations only (``bf16``) and not the fp16 q*s of splice_gemm."""
+    (splice_linear W4A4: the quantization is part of what is timed). BF16 activations take the
+    lists of :mod:`.configs` (fragment and dequant forms, which read the one resident weight form);
+    fp16 activations and the fp16 ``q*s`` of splice_gemm take :data:`~.configs.FP16_CONFIGS`."""
+    if form == "deq" or not bf16:
+        return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
-    out = []
-    for c in cands:
-        if isinstance(c, GemvConfig) and m != 1:
-            continue
-        if isinstance(c, FragmentConfig) and (form == "deq" or not bf16):
-            continue
-        if isinstance(c, DequantConfig) and form == "deq":
-            continue
-        out.append(c)
-    return out
+    return list(cands)
 
 
-def _interp_config(path: str, m: int) -> KernelConfig:
-    return INTERP_CONFIGS["gemv"] if m == 1 else INTERP_CONFIGS[path]
+def _interp_config(path: str, m: int, bf16: bool = True, form: str = "linear") -> KernelConfig:
+    if form == "deq" or not bf16:
+        return INTERP_CONFIGS["fp16:gemv"] if m == 1 else INTERP_CONFIGS[f"fp16:{path}"]
+    cfg = INTERP_CONFIGS[path]
+    return cfg
 
 
 def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=None):
@@ -159,9 +159,15 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
     if not act_quant:
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
     want_xs = isinstance(cfg, SSConfig) and pw.num_channels > 0
-    deq_dtype = torch.bfloat16 if isinstance(cfg, FragmentConfig) else torch.float16
+    frag = isinstance(cfg, FragmentConfig)
+    pdl = frag and x2.is_cuda and x2.dtype == torch.bfloat16 and pdl_supported()
+    if pdl:
+        x2 = x2.contiguous()  # before the quantizer: nothing may run between it and the PDL-launched GEMM
+    deq_dtype = torch.bfloat16 if frag else torch.float16
     _, _, deq, gs, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, input_global_scale, False, True, want_xs,
-                                             deq_dtype=deq_dtype)
+                                             deq_dtype=deq_dtype, launch_deps=pdl)
+    if pdl:  # the GEMM's programs start during the quantization (programmatic dependent launch)
+        return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True)
     return _gemm_dispatch(cfg, x2, pw, (deq, gs), bias, out, xs=xs)
 
 
@@ -169,8 +175,8 @@ def _reference_output(pw: PreparedWeight, x, bias, input_global_scale, act_quant
     """fp32 output of :func:`foursight.layer.reference_linear` for the layer ``pw`` was prepared from."""
     from foursight.layer import reference_linear
 
-    qw = QuantizedWeight(pw.weight_packed, pw.weight_scale.view(torch.float8_e4m3fn), pw.weight_global_scale,
-                         pw.bf16_channels, pw.weight_bf16)
+    packed, scale = pw.packed_form(keep=False)  # a temporary: the layer keeps only the fragment form
+    qw = QuantizedWeight(packed, scale.view(torch.float8_e4m3fn), pw.weight_global_scale, pw.bf16_channels, pw.weight_bf16)
     return reference_linear(x, qw, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant,
                             out_dtype=torch.float32)
 
@@ -238,9 +244,13 @@ def splice_gemm(
     def run(cfg):
         _gemm_dispatch(cfg, x, prepared, qa, bias, out)
 
-    cands = [c for c in _candidates(path, m, form, x.dtype == torch.bfloat16) if not isinstance(c, DequantConfig)]
+    bf16 = x.dtype == torch.bfloat16
+    cands = [c for c in _candidates(path, m, form, bf16) if not isinstance(c, DequantConfig)]
     reference = (lambda: _reference_output(prepared, x, bias, None, False)) if qa is None else None
-    cfg = config or pick_config(key, run, cands, _interp_config(path, m), out, reference)
+    interp = _interp_config(path, m, bf16, form)
+    if isinstance(interp, DequantConfig):
+        interp = INTERP_CONFIGS["mid"]
+    cfg = config or pick_config(key, run, cands, interp, out, reference)
     run(cfg)
     return out
 
@@ -293,9 +303,8 @@ def splice_linear(
     def reference():
         return _reference_output(prepared, x2, bias, input_global_scale, act_quant)
 
-    cands = _candidates(path, m, "linear" if act_quant else "w4a16", x2.dtype == torch.bfloat16)
-    if x2.dtype != torch.bfloat16:
-        cands = [c for c in cands if not isinstance(c, DequantConfig)]
-    cfg = config or pick_config(key, run, cands, _interp_config(path, m), out, reference)
+    bf16 = x2.dtype == torch.bfloat16
+    cands = _candidates(path, m, "linear" if act_quant else "w4a16", bf16)
+    cfg = config or pick_config(key, run, cands, _interp_config(path, m, bf16), out, reference)
     run(cfg)
     return out.reshape(*lead, prepared.out_features)

@@ -79,12 +79,17 @@ class SSConfig(_Config):
 @dataclass(frozen=True)
 class DequantConfig(_Config):
     """Dequantize-then-cuBLAS (:mod:`.dequant`): the weight-dequantization kernel's tile
-    ``[block_n, block_k]``; the GEMM itself is one cuBLAS call."""
+    ``[block_n, block_k]`` over the fragment form (``block_n`` a multiple of 64, the stored block;
+    ``block_k`` 128 or 256); the GEMM itself is one cuBLAS call."""
 
     form: ClassVar[str] = "dequant"
     block_n: int
     block_k: int
     num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_n % 64 or self.block_k not in (128, 256):
+            raise ValueError(f"DequantConfig: block_n a multiple of 64 and block_k 128 or 256 (the fragment form's blocks), got {self}")
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,9 @@ class FragmentConfig(_Config):
 
 KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig]
 
-#: Decode datapath (M <= DECODE_MAX_M). M = 1 takes a GEMV; 2..16 rows a swap tile.
+#: Decode datapath (M <= DECODE_MAX_M), bf16 activations: the fragment form only (the GEMV, swap and
+#: SS tiles were never chosen for bf16 on the H200 and read another weight layout; see
+#: :data:`FP16_CONFIGS`).
 DECODE_CONFIGS: tuple = (
     FragmentConfig(16, 64),
     FragmentConfig(16, 128),
@@ -125,17 +132,8 @@ DECODE_CONFIGS: tuple = (
     FragmentConfig(16, 256, 128, 2),
     FragmentConfig(16, 64, 256, 3, max_regs=128),
     FragmentConfig(16, 64, 128, 3, max_regs=128),
-    GemvConfig(8, 1024, 4),
-    GemvConfig(16, 1024, 8),
-    GemvConfig(8, 2048, 8),
-    GemvConfig(16, 512, 4),
-    GemvConfig(4, 2048, 4),
-    SwapConfig(16, 64, 256),
-    SwapConfig(16, 32, 256),
-    SwapConfig(16, 64, 512),
-    SSConfig(16, 32, 256, 4, 3, True),
 )
-#: Mid datapath (DECODE_MAX_M < M <= 128).
+#: Mid datapath (DECODE_MAX_M < M <= 128), bf16 activations.
 MID_CONFIGS: tuple = (
     FragmentConfig(32, 64),
     FragmentConfig(64, 64),
@@ -145,28 +143,47 @@ MID_CONFIGS: tuple = (
     FragmentConfig(64, 128, 256, 2),
     FragmentConfig(64, 64, 128, 3, max_regs=128),
     FragmentConfig(32, 64, 128, 3, max_regs=128),
-    SwapConfig(32, 64, 256, 4, 3),
-    SwapConfig(64, 64, 128, 4, 4),
-    SSConfig(64, 64, 128, 4, 4),
-    DequantConfig(32, 256),
+    DequantConfig(64, 256),
 )
-#: Prefill datapath (M > 128).
+#: Prefill datapath (M > 128), bf16 activations.
 PREFILL_CONFIGS: tuple = (
     FragmentConfig(128, 64),
     FragmentConfig(128, 128),
     FragmentConfig(256, 64, 128, 2),
-    DequantConfig(32, 256),
-    DequantConfig(16, 512),
+    DequantConfig(64, 256),
     DequantConfig(64, 128),
-    DequantConfig(32, 512, 8),
-    SSConfig(256, 128, 64, 8, 3, True),
-    SSConfig(256, 64, 64, 8, 4, True),
-    SSConfig(128, 128, 64, 4, 4),
+    DequantConfig(128, 256, 8),
+    DequantConfig(128, 128, 8),
 )
-#: Fixed small tiles for Triton's CPU interpreter (tests), per datapath.
+#: fp16 activations (and ``splice_gemm`` on an fp16 ``q*s``): the fragment and dequant forms take
+#: bf16 only, so fp16 models run the forms that read the compressed-tensors packed layout, which the
+#: layer then rebuilds once from the fragment form and keeps (a second resident form, for fp16 only).
+FP16_CONFIGS: dict = {
+    "decode": (
+        GemvConfig(8, 1024, 4),
+        GemvConfig(16, 512, 4),
+        SwapConfig(16, 64, 256),
+        SwapConfig(16, 32, 256),
+    ),
+    "mid": (
+        SwapConfig(32, 64, 256, 4, 3),
+        SwapConfig(64, 64, 128, 4, 4),
+        SSConfig(64, 64, 128, 4, 4),
+    ),
+    "prefill": (
+        SSConfig(256, 128, 64, 8, 3, True),
+        SSConfig(256, 64, 64, 8, 4, True),
+        SSConfig(128, 128, 64, 4, 4),
+    ),
+}
+#: Fixed small tiles for Triton's CPU interpreter (tests), per datapath: bf16 activations run the
+#: default forms (fragment, dequant), fp16 the packed-layout forms (``"fp16:<path>"``).
 INTERP_CONFIGS: dict = {
-    "gemv": GemvConfig(16, 64),
-    "decode": SwapConfig(16, 16, 64, 4, 1),
-    "mid": SwapConfig(32, 32, 32, 4, 1, 1),
-    "prefill": SSConfig(32, 32, 32, 4, 1, True),
+    "decode": FragmentConfig(16, 64, 128, 1, 0),
+    "mid": FragmentConfig(32, 64, 128, 1, 0),
+    "prefill": DequantConfig(64, 128),
+    "fp16:gemv": GemvConfig(16, 64),
+    "fp16:decode": SwapConfig(16, 16, 64, 4, 1),
+    "fp16:mid": SwapConfig(32, 32, 32, 4, 1, 1),
+    "fp16:prefill": SSConfig(32, 32, 32, 4, 1, True),
 }

@@ -7,7 +7,8 @@ kernel computes it; cuBLAS is the best BF16 GEMM on the machine. This datapath t
 
 where the two BF16 operands are built by two memory-bound Triton kernels:
 
-* ``W'`` [N, K] (:func:`_dequant_weight_kernel`, then an ``index_copy_``): the NVFP4 weight dequantized,
+* ``W'`` [N, K] (:func:`_dequant_weight_kernel`, then an ``index_copy_``): the NVFP4 weight dequantized
+  from the layer's one resident form, the fragment form the decode GEMM reads (:mod:`.fragment`),
   ``e2m1 · s`` (exact in BF16: at most 6 significant bits, in [2^-10, 2688]), divided by the
   per-output-row weight global scale unless that scale is one per tensor, with the BF16 weight
   columns ``W[:, S]`` written into the S columns (their FP4 codes are zero in the prepared weight).
@@ -35,67 +36,66 @@ import triton.language as tl
 from .act_quant import act_quant_launch
 from .configs import DequantConfig
 from .prepared import PreparedWeight
-from .primitives import _e2m1_f16, _e4m3_f32, _rne_bf16, interpreting
+from .fragment import _fragment_tile, scale_view
+from .primitives import _rne_bf16, interpreting
 
 
 
 @triton.jit
 def _dequant_weight_kernel(
-    wp_ptr, stride_wpn,  # W packed uint8 [N, K/2] (S nibbles zero)
-    ws_ptr, stride_wsn,  # W scale bytes uint8 [N, K/16]
+    wf_ptr, stride_wfn,  # fragment codes as int32 words [Np, Kp/8] (rows of each 64-row block in load order)
+    sf_ptr, stride_sfn,  # fragment scales as int16 ([Np, Kp/32] E5M3 byte pairs, or [Np, Kp/16] bf16 bits with SCALE_BF16)
     w_gs_ptr,  # fp32 [N] weight global scale per output row
     out_ptr, stride_on,  # bf16 [N, K]
-    N, K,
+    N, K, NP,
     DIV_GS: tl.constexpr,  # divide by the per-row global scale (else the caller folds 1/gs_w into A')
+    SCALE_BF16: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """``out[n, k] = e2m1(W)[n, k] · s[n, k // 16] (/ gs_w[n])`` (0 at the S columns, whose codes are
-    0). One program per [BN, BK] tile: many small programs keep enough loads in flight to stream at
-    HBM speed, and the unmasked row stores stay 16-byte vectors. The caller then writes W[:, S]
-    into the S columns (one ``index_copy_``, stream-ordered after this kernel)."""
+    0), read from the fragment form, the same loads and decode as the GEMM's main loop
+    (:func:`~.fragment._fragment_tile`), whose value ``e2m1 · s · 2^-7`` is exact in bf16. One program
+    per [BN, BK] tile (BN a multiple of the stored 64-row block, BK of the 128-column chunk). The
+    caller then writes W[:, S] into the S columns (one ``index_copy_``, stream-ordered after this)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    rl = pid_n * BN + tl.arange(0, BN)  # stored rows (load order)
+    offs_n = pid_n * BN + tl.arange(0, BN)  # real rows after the layout chain
+    WB: tl.constexpr = BK // 8
+    G: tl.constexpr = BK // 16 if SCALE_BF16 else BK // 32
+    rmask = (rl < NP)[:, None]
+    wq = tl.load(wf_ptr + rl.to(tl.int64)[:, None] * stride_wfn + (pid_k * WB + tl.arange(0, WB))[None, :], mask=rmask, other=0)
+    sc = tl.load(sf_ptr + rl.to(tl.int64)[:, None] * stride_sfn + (pid_k * G + tl.arange(0, G))[None, :], mask=rmask, other=0)
+    w = _fragment_tile(wq, sc.to(tl.int32), BN, BK, SCALE_BF16, INTERP).to(tl.float32)
     nmask = offs_n < N
     rn = offs_n.to(tl.int64)
-    G: tl.constexpr = BK // 16
-    g = tl.arange(0, G)
-    j8 = tl.arange(0, 8)
-    k0 = pid_k * BK
     if DIV_GS:
-        inv = 16384.0 / tl.load(w_gs_ptr + rn, mask=nmask, other=1.0)
+        f = 128.0 / tl.load(w_gs_ptr + rn, mask=nmask, other=1.0)
+        v = _rne_bf16(w * f[:, None])  # no-op on the GPU's rounding conversion; the interpreter truncates
     else:
-        inv = tl.full((BN,), 16384.0, tl.float32)
-    gm = (k0 // 16 + g) < K // 16
-    m2 = nmask[:, None] & gm[None, :]
-    p = tl.load(wp_ptr + rn[:, None, None] * stride_wpn + (k0 // 2 + g * 8)[None, :, None] + j8[None, None, :],
-                mask=m2[:, :, None], other=0).to(tl.int32)
-    sb = tl.load(ws_ptr + rn[:, None] * stride_wsn + (k0 // 16 + g)[None, :], mask=m2, other=0).to(tl.int32)
-    f = _e4m3_f32(sb) * inv[:, None]  # [BN, G]: scale, 2^14 and 1/gs_w folded
-    lo = _e2m1_f16(p & 15).to(tl.float32) * f[:, :, None]
-    hi = _e2m1_f16(p >> 4).to(tl.float32) * f[:, :, None]
-    v = tl.reshape(tl.interleave(lo, hi), (BN, BK))
-    if DIV_GS:
-        v = _rne_bf16(v)  # no-op on the GPU's rounding conversion; the interpreter truncates
-    kk = k0 + tl.arange(0, BK)
+        v = w * 128.0  # exact
+    kk = pid_k * BK + tl.arange(0, BK)
     tl.store(out_ptr + rn[:, None] * stride_on + kk[None, :], v.to(tl.bfloat16), mask=nmask[:, None] & (kk < K)[None, :])
 
 
 def dequant_weight(cfg: DequantConfig, pw: PreparedWeight, div_gs: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """W' [N, K] bf16: the dequantized weight with ``W[:, S]`` spliced in (``div_gs``: divided by the
-    per-row weight global scale)."""
+    per-row weight global scale), from the layer's fragment form."""
     bn, bk, nw = cfg.block_n, cfg.block_k, cfg.num_warps
     n, k_dim = pw.out_features, pw.in_features
     kk = pw.num_channels
-    w = torch.empty((n, k_dim), dtype=torch.bfloat16, device=pw.weight_packed.device) if out is None else out
+    fw = pw.fragment
+    sf = scale_view(fw)
+    w = torch.empty((n, k_dim), dtype=torch.bfloat16, device=fw.words.device) if out is None else out
     _dequant_weight_kernel[(triton.cdiv(n, bn), triton.cdiv(k_dim, bk))](
-        pw.weight_packed, pw.weight_packed.stride(0),
-        pw.weight_scale, pw.weight_scale.stride(0),
+        fw.words, fw.words.stride(0),
+        sf, sf.stride(0),
         pw.weight_global_scale,
         w, w.stride(0),
-        n, k_dim,
-        DIV_GS=div_gs, BN=bn, BK=bk,
+        n, k_dim, fw.words.shape[0],
+        DIV_GS=div_gs, SCALE_BF16=fw.scale_bf16, BN=bn, BK=bk, INTERP=interpreting(),
         num_warps=4 if interpreting() else nw,
     )
     if kk:

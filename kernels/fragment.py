@@ -41,7 +41,7 @@ import triton.language as tl
 
 from foursight.nvfp4 import BLOCK_SIZE
 
-from .primitives import _bf16_rne, _mma, _tile_ids, interpreting
+from .primitives import _bf16_rne, _mma, _prefetch_l2, _tile_ids, interpreting, pdl_supported
 
 #: Rows of one stored block (one wgmma M=64 tile of 4 warps) and columns of one stored chunk
 #: (16 bytes per thread: 4 lanes x 32 values).
@@ -52,9 +52,11 @@ SCALE_BIAS_BITS: int = 224 << 7
 #: The decoded weight is ``e2m1 * scale * 2^-7``; the accumulator is multiplied by this once.
 WEIGHT_UNSCALE: float = 128.0
 #: Store the block scales as the bf16 bits of ``scale * 2^119`` (2 bytes per 16 weights, read by the
-#: multiply as they are) instead of the E5M3 byte (1 byte, three instructions to widen); chosen by
-#: measurement on the H200 (docs/kernels.md, "The fragment form").
-SCALES_AS_BF16: bool = True
+#: multiply as they are) instead of the E5M3 byte (1 byte per 16 weights: 0.5625 bytes per weight
+#: instead of 0.625). v3 keeps the byte: two scales of a word are widened together by one byte
+#: permute and one multiply-add (:func:`_decode_word_asm_pair`, 0.25 instructions per weight value),
+#: and the resident weight stays under a third of BF16's (docs/kernels.md).
+SCALES_AS_BF16: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +165,54 @@ def _decode_word_asm(w, sa, sb):
 
 
 @triton.jit
+def _decode_word_asm_pair(w, pair):
+    """As :func:`_decode_word_asm`, the two block scales given as one E5M3 byte pair (``pair`` int32:
+    byte 0 the first group's, byte 1 the second's). Widening both takes two instructions: a byte
+    permute puts them in the two 16-bit halves, one multiply-add shifts them into bf16's exponent and
+    mantissa fields and sets the exponent offset bits (``byte·16 + 224·128``; no carry between the
+    halves); the half-selects of the multiplies are free operand modifiers."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, y, s0, s1;
+        .reg .b16 ha, hb;
+        prmt.b32 y, $9, 0, 0x4140;
+        mad.lo.u32 y, y, 16, 0x70007000;
+        mov.b32 {ha, hb}, y;
+        mov.b32 s0, {ha, ha};
+        mov.b32 s1, {hb, hb};
+        and.b32 q0, $8, 0x81C081C0;
+        shl.b32 t0, $8, 3;
+        and.b32 q1, t0, 0x81C081C0;
+        shl.b32 t1, $8, 6;
+        and.b32 q2, t1, 0x81C081C0;
+        shl.b32 t0, $8, 1;
+        and.b32 t0, t0, 0x80008000;
+        shr.b32 t1, $8, 3;
+        and.b32 t1, t1, 0x01800180;
+        shr.b32 t2, $8, 7;
+        and.b32 t2, t2, 0x00400040;
+        or.b32 t3, t0, t1;
+        or.b32 q3, t3, t2;
+        mul.rn.bf16x2 q0, q0, s0;
+        mul.rn.bf16x2 q1, q1, s0;
+        mul.rn.bf16x2 q2, q2, s1;
+        mul.rn.bf16x2 q3, q3, s1;
+        mov.b32 {$0, $1}, q0;
+        mov.b32 {$2, $3}, q1;
+        mov.b32 {$4, $5}, q2;
+        mov.b32 {$6, $7}, q3;
+        }
+        """,
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        args=[w, pair],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _decode_word_ref(w, sa, sb):
     """Portable twin of :func:`_decode_word_asm` (interpreter): the same bits with Triton integer
     ops; fp32 values (``sa``/``sb`` fp32) rounded once to bf16 (exact)."""
@@ -200,13 +250,52 @@ def _code_value(s, e1, e0, m):
 
 
 @triton.jit
+def _fragment_tile(wq, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Decode one loaded tile of the fragment form: int32 words ``wq`` [BN, BK/8] and the scales
+    ``sc`` (rows in stored/load order): int32 [BN, BK/16] bf16 bits (``SCALE_BF16``), or int32
+    [BN, BK/32] E5M3 byte pairs (the two groups of one word: byte 0 and byte 1) -> bf16 [BN, BK]
+    ``e2m1 · scale · 2^-7`` in real (row, column) order (for the GEMM: the wgmma register operand's
+    layout, a relabel)."""
+    WB: tl.constexpr = BLOCK_K // 8
+    STEP: tl.constexpr = BLOCK_K // 128
+    if SCALE_BF16:  # bf16 bits of scale * 2^119, one per group
+        # the scales of a word's two groups: group 2·(w & 3) + {0, 1} of its 128-column chunk
+        sc = tl.reshape(sc, (BLOCK_N, STEP, 4, 2))
+        s_a, s_b = tl.split(sc)  # [BN, STEP, 4]
+        if INTERP:
+            s_a = ((s_a & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            s_b = ((s_b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            s_a = s_a.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            s_b = s_b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        s_a = tl.reshape(tl.broadcast_to(s_a[:, :, None, :], (BLOCK_N, STEP, 4, 4)), (BLOCK_N, WB))
+        s_b = tl.reshape(tl.broadcast_to(s_b[:, :, None, :], (BLOCK_N, STEP, 4, 4)), (BLOCK_N, WB))
+        if INTERP:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_ref(wq, s_a, s_b)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_asm(wq, s_a, s_b)
+    else:  # one E5M3 byte per group, a word's two groups as one 16-bit pair
+        pr = tl.reshape(sc, (BLOCK_N, STEP, 4))
+        pr = tl.reshape(tl.broadcast_to(pr[:, :, None, :], (BLOCK_N, STEP, 4, 4)), (BLOCK_N, WB))
+        if INTERP:  # fp32 value of the bf16 bits byte*16 + 224*128 = (1 + m/8) * 2^(E5 + 97)
+            b_a = pr & 0xFF
+            b_b = (pr >> 8) & 0xFF
+            s_a = ((b_a & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((b_a >> 3) + 97).to(tl.float32))
+            s_b = ((b_b & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((b_b >> 3) + 97).to(tl.float32))
+            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_ref(wq, s_a, s_b)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_asm_pair(wq, pr)
+    return _frag_rows(_frag_cols(_join8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, WB), BLOCK_N), BLOCK_K)
+
+
+@triton.jit
 def _fragment_gemm_kernel(
     a_ptr, stride_am,  # A: bf16 q*s (A_QUANT) or X (W4A16) [M, K], unit stride along K
     a_gs_ptr,  # fp32 [M] activation global scale (A_QUANT)
     x_ptr, stride_xm,  # X [M, K] bf16, source of the BF16 segment
     ch_ptr,  # int32 [KS] channel indices
     wf_ptr, stride_wfn,  # fragment codes as int32 words [Np, Kp/8] (rows of each 64-row block in load order)
-    sf_ptr, stride_sfn,  # scales [Np, Kp/16]: E5M3 bytes (uint8) or bf16 bits (int16, SCALE_BF16); rows in load order
+    sf_ptr, stride_sfn,  # scales as int16: [Np, Kp/32] E5M3 byte pairs, or [Np, Kp/16] bf16 bits (SCALE_BF16); rows in load order
     w_gs_ptr,  # fp32 [N] weight global scale per output row
     wb_ptr, stride_wbn,  # W_bf16 [N, KS]
     bias_ptr,  # [N]
@@ -230,6 +319,8 @@ def _fragment_gemm_kernel(
     BLOCK_KS: tl.constexpr,
     GROUP_M: tl.constexpr,
     INTERP: tl.constexpr,
+    GDC_WAIT: tl.constexpr = False,  # launched with PDL after the activation quantizer: wait for it
+    PREFETCH_CHUNKS: tl.constexpr = 0,  # with GDC_WAIT: 128-column chunks of weight prefetched into L2 first
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -242,7 +333,8 @@ def _fragment_gemm_kernel(
     rm = (offs_m % M).to(tl.int64)
 
     WB: tl.constexpr = BLOCK_K // 8  # words per row per step
-    G: tl.constexpr = BLOCK_K // 16
+    G: tl.constexpr = BLOCK_K // 16 if SCALE_BF16 else BLOCK_K // 32  # int16 scale elements per step
+    SPC: tl.constexpr = 8 if SCALE_BF16 else 4  # ... per 128-column chunk
     STEP: tl.constexpr = BLOCK_K // 128
     if pid_k == 0:
         c_start = 0
@@ -254,37 +346,28 @@ def _fragment_gemm_kernel(
     og = tl.arange(0, G)
     ok = tl.arange(0, BLOCK_K)
     w_ptrs = wf_ptr + rl.to(tl.int64)[:, None] * stride_wfn + (c_start * 16 + ow)[None, :]
-    s_ptrs = sf_ptr + rl.to(tl.int64)[:, None] * stride_sfn + (c_start * 8 + og)[None, :]
+    s_ptrs = sf_ptr + rl.to(tl.int64)[:, None] * stride_sfn + (c_start * SPC + og)[None, :]
     a_ptrs = a_ptr + rm[:, None] * stride_am + (c_start * 128 + ok)[None, :]
+
+    if GDC_WAIT:
+        # PDL: this program may run while the activation quantizer still does. The weights do not
+        # depend on it: pull this program's first chunks (codes and scales) into L2, one line per
+        # stored row and chunk, then wait for the quantizer's grid to complete before reading A.
+        if PREFETCH_CHUNKS > 0:
+            rows64 = tl.minimum(rl, NP - 1).to(tl.int64)
+            for c in tl.static_range(PREFETCH_CHUNKS):
+                cc = tl.minimum(c_start + c, KCP - 1)
+                _prefetch_l2(wf_ptr + rows64 * stride_wfn + cc * 16)
+                if c % 4 == 0:
+                    _prefetch_l2(sf_ptr + rows64 * stride_sfn + cc * SPC)
+        tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     rmask = (rl < NP)[:, None]  # a tile may reach past the last stored 64-row block
     for c0 in range(c_start, c_end, STEP):
         wq = tl.load(w_ptrs, mask=rmask, other=0)
-        sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)  # [BN, G] (rows in load order)
-        # the scales of a word's two groups: group 2·(w & 3) + {0, 1} of its 128-column chunk
-        sc = tl.reshape(sc, (BLOCK_N, STEP, 4, 2))
-        s_a, s_b = tl.split(sc)  # [BN, STEP, 4]
-        if SCALE_BF16:  # bf16 bits of scale * 2^119
-            if INTERP:
-                s_a = ((s_a & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-                s_b = ((s_b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            else:
-                s_a = s_a.to(tl.int16).to(tl.bfloat16, bitcast=True)
-                s_b = s_b.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        elif INTERP:  # E5M3 byte: fp32 value of the bf16 bits byte*16 + 224*128 = (1 + m/8) * 2^(E5 + 97)
-            s_a = ((s_a & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((s_a >> 3) + 97).to(tl.float32))
-            s_b = ((s_b & 7).to(tl.float32) * 0.125 + 1.0) * tl.exp2(((s_b >> 3) + 97).to(tl.float32))
-        else:
-            s_a = (s_a * 16 + 28672).to(tl.int16).to(tl.bfloat16, bitcast=True)  # scale * 2^119
-            s_b = (s_b * 16 + 28672).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        s_a = tl.reshape(tl.broadcast_to(s_a[:, :, None, :], (BLOCK_N, STEP, 4, 4)), (BLOCK_N, WB))
-        s_b = tl.reshape(tl.broadcast_to(s_b[:, :, None, :], (BLOCK_N, STEP, 4, 4)), (BLOCK_N, WB))
-        if INTERP:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_ref(wq, s_a, s_b)
-        else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word_asm(wq, s_a, s_b)
-        w = _frag_rows(_frag_cols(_join8(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, WB), BLOCK_N), BLOCK_K)
+        sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)  # [BN, G] int16 -> int32 (rows in load order)
+        w = _fragment_tile(wq, sc, BLOCK_N, BLOCK_K, SCALE_BF16, INTERP)
         kmask = (c0 * 128 + ok) < K
         a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
         acc = _mma(w, tl.trans(a), acc, INTERP)
@@ -432,14 +515,58 @@ def fragment_weight(packed: torch.Tensor, scale_bytes: torch.Tensor, scale_bf16:
     return FragmentWeight(words=words, scales=sc, out_features=n, in_features=k, scale_bf16=scale_bf16)
 
 
+def unfragment(fw: FragmentWeight, rows_per_pass: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed-tensors tensors back from the fragment form: ``(packed uint8 [N, K/2], E4M3
+    scale bytes uint8 [N, K/16])``, the inverse of :func:`fragment_weight` (codes of zero-scale
+    blocks come back as 0, which dequantizes to the same 0). Used where a reference or another form
+    needs the packed layout (the autotuner's on-device check builds it as a temporary); it is not kept
+    on the device by the default paths. ``rows_per_pass`` bounds the temporary memory."""
+    n, k = fw.out_features, fw.in_features
+    np_, kw = fw.words.shape
+    kp = kw * 8
+    nc = kp // FRAG_COLS
+    srow, word, bits = _tile_map(fw.words.device)  # [64, 128], [64, 128], [64, 128, 4]
+    shifts = bits.to(torch.int64)
+    packed_parts = []
+    step = max(FRAG_ROWS, rows_per_pass // FRAG_ROWS * FRAG_ROWS)
+    for r0 in range(0, np_, step):
+        w = fw.words[r0:r0 + step].to(torch.int64) & 0xFFFFFFFF
+        nb = w.shape[0] // FRAG_ROWS
+        w = w.reshape(nb, FRAG_ROWS, nc, 16)
+        g = w[:, srow, :, word]  # [64, 128, nb, nc] (advanced indices first): the word of (real row, col)
+        g = g.permute(2, 0, 3, 1)  # [nb, 64, nc, 128]
+        b = (g[..., None] >> shifts[None, :, None, :, :]) & 1  # [nb, 64, nc, 128, 4] = (s, e1, e0, m)
+        codes = (b[..., 0] << 3) | (b[..., 1] << 2) | (b[..., 2] << 1) | b[..., 3]
+        codes = codes.reshape(nb * FRAG_ROWS, kp).to(torch.uint8)
+        packed_parts.append(codes[:, 0::2] | (codes[:, 1::2] << 4))
+    packed = torch.cat(packed_parts)[:n, : k // 2].contiguous()
+    sc = fw.scales.to(torch.int32)
+    if fw.scale_bf16:
+        bits16 = sc & 0xFFFF
+    else:
+        bits16 = torch.where(sc == 0, sc, sc * 16 + SCALE_BIAS_BITS)
+    sc = bits16.reshape(np_ // FRAG_ROWS, FRAG_ROWS, -1)[:, srow[:, 0]].reshape(np_, -1)  # stored -> real rows
+    val = (sc.to(torch.int16).view(torch.bfloat16).float() * 2.0**-119)
+    scale = torch.where(bits16.reshape(np_ // FRAG_ROWS, FRAG_ROWS, -1)[:, srow[:, 0]].reshape(np_, -1) == 0,
+                        torch.zeros_like(val), val)
+    scale = scale.to(torch.float8_e4m3fn).view(torch.uint8)[:n, : k // BLOCK_SIZE].contiguous()
+    return packed, scale
+
+
+def scale_view(fw: FragmentWeight) -> torch.Tensor:
+    """The scales as the kernels load them: int16 elements (bf16 bits, or two E5M3 bytes)."""
+    return fw.scales if fw.scale_bf16 else fw.scales.view(torch.int16)
+
+
+def fragment_bytes(fw: FragmentWeight) -> int:
+    """Bytes of the fragment form on its device (codes and scales, padding included)."""
+    return fw.words.numel() * fw.words.element_size() + fw.scales.numel() * fw.scales.element_size()
+
+
 def fragment_of(pw) -> FragmentWeight:
-    """The fragment form of a :class:`~foursight.kernels.prepared.PreparedWeight`, built once and
-    cached on it."""
-    fw = pw._cache.get("fragment")
-    if fw is None:
-        fw = fragment_weight(pw.weight_packed, pw.weight_scale)
-        pw._cache["fragment"] = fw
-    return fw
+    """The fragment form of a :class:`~foursight.kernels.prepared.PreparedWeight` (built by
+    ``prepare_weight``: the layer's one resident weight form)."""
+    return pw.fragment
 
 
 #: fixed cost of one program (pipeline fill, epilogue, its share of the split reduction) in units of
@@ -532,12 +659,20 @@ def _counters(device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
+#: chunks of weight each program prefetches into L2 while it waits for the quantizer (PDL)
+PDL_PREFETCH_CHUNKS: int = 4
+
+
+def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = False):
     """Launch the fragment kernel (one launch; with split-K the last split of each tile reduces).
 
     ``a``: the bf16 ``q*s`` activation (``a_quant``, ``a_gs`` its per-row global scales) or X itself
-    (W4A16, bf16); ``x``: the source of the BF16 segment's columns (bf16, unit stride along K)."""
+    (W4A16, bf16); ``x``: the source of the BF16 segment's columns (bf16, unit stride along K).
+    ``pdl``: launched with programmatic dependent launch right after the activation quantizer
+    (which called ``gdc_launch_dependents``): each program prefetches its first weight chunks into
+    L2 and then waits for the quantizer (``gdc_wait``) before it reads ``a``."""
     fw = fragment_of(pw)
+    sf = scale_view(fw)
     m = x.shape[0]
     n, k_dim = pw.out_features, pw.in_features
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -552,6 +687,10 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
     opts = dict(num_warps=4, num_stages=cfg.num_stages)
     if cfg.max_regs and not interpreting():
         opts["maxnreg"] = cfg.max_regs
+    pdl = pdl and not interpreting()
+    if pdl:
+        consts.update(GDC_WAIT=True, PREFETCH_CHUNKS=PDL_PREFETCH_CHUNKS)
+        opts["launch_pdl"] = True
 
     def args(ws, cnt, splits, cps, first):
         return (a, a.stride(0),
@@ -559,7 +698,7 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool):
                 x, x.stride(0),
                 pw.bf16_channels if kk else pw.channel_mask,
                 fw.words, fw.words.stride(0),
-                fw.scales, fw.scales.stride(0),
+                sf, sf.stride(0),
                 pw.weight_global_scale,
                 pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
                 bias if bias is not None else dummy,

@@ -1,9 +1,15 @@
-"""The CUDA execution form of a compensated layer (:class:`PreparedWeight`) and the weight-side
-launch arguments every SpliceGEMM kernel form takes.
+"""The CUDA execution form of a compensated layer (:class:`PreparedWeight`), the bytes it keeps on
+the device (:func:`resident_bytes`), and the weight-side launch arguments of the kernel forms.
 
 The checkpoint on disk does not change (compressed-tensors compatible); only this in-memory form
-does: the FP4 codes of the BF16 channels S forced to 0, the E4M3 scales as bytes, the weight
-global scale broadcast to one per output row, and the S column mask.
+does. **One weight form is resident:** the FP4 part is kept only in the fragment execution form
+(:mod:`.fragment`: codes re-laid for the wgmma register operand, block scales beside them), with
+the FP4 codes of the BF16 channels S forced to 0; the decode/mid GEMM (:mod:`.fragment`) and the
+prefill dequantization (:mod:`.dequant`) both read it. Beside it: the weight global scale
+broadcast to one per output row, the S column indices and mask, and ``W[:, S]`` in bf16. The
+compressed-tensors packed layout (``weight_packed``/``weight_scale``) is rebuilt from the fragment
+form only on demand (:func:`~.fragment.unfragment`): by the fp16-activation forms, which then cache
+it (and :func:`resident_bytes` counts it), and as a temporary by the autotuner's reference check.
 """
 
 from __future__ import annotations
@@ -16,15 +22,17 @@ import triton
 from foursight.layer import QuantizedWeight, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
 
+from .fragment import FragmentWeight, fragment_weight, unfragment
+
 
 @dataclass
 class PreparedWeight:
     """CUDA execution form of one compensated linear layer.
 
     Attributes:
-        weight_packed: uint8 [N, K/2] contiguous; the nibbles of the S columns are forced to 0
-            (so the W4A16 mode can feed X with its S columns unzeroed).
-        weight_scale: uint8 [N, K/16] contiguous, the E4M3 bytes of the block scales.
+        fragment: the FP4 part in the fragment execution form (:class:`~.fragment.FragmentWeight`;
+            the nibbles of the S columns forced to 0, so the W4A16 mode can feed X with its S
+            columns unzeroed). The only copy of the FP4 weight the default paths keep.
         weight_global_scale: float32 [N] (the [1] per-tensor scale broadcast, or the per-row one).
         bf16_channels: int32 [k] sorted.
         channel_mask: uint8 [K], 1 at the S columns.
@@ -34,8 +42,7 @@ class PreparedWeight:
             scale); the dequantize-then-cuBLAS datapath then folds it into the activation operand.
     """
 
-    weight_packed: torch.Tensor
-    weight_scale: torch.Tensor
+    fragment: FragmentWeight
     weight_global_scale: torch.Tensor
     bf16_channels: torch.Tensor
     channel_mask: torch.Tensor
@@ -48,6 +55,51 @@ class PreparedWeight:
     @property
     def num_channels(self) -> int:
         return int(self.bf16_channels.numel())
+
+    def packed_form(self, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed uint8 [N, K/2], E4M3 scale bytes uint8 [N, K/16])`` rebuilt from the fragment
+        form; ``keep`` caches them on the layer (a second resident form: only the fp16-activation
+        forms ask for that)."""
+        pk = self._cache.get("packed")
+        if pk is None:
+            pk = unfragment(self.fragment)
+            if keep:
+                self._cache["packed"] = pk
+        return pk
+
+    @property
+    def weight_packed(self) -> torch.Tensor:
+        """uint8 [N, K/2], S nibbles 0 (built on first use and kept: see :meth:`packed_form`)."""
+        return self.packed_form()[0]
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """uint8 [N, K/16] E4M3 bytes (built on first use and kept: see :meth:`packed_form`)."""
+        return self.packed_form()[1]
+
+
+def _tensors_of(obj, seen: set) -> int:
+    if isinstance(obj, torch.Tensor):
+        key = (obj.device, obj.data_ptr())
+        if key in seen or obj.device.type == "meta":
+            return 0
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensors_of(o, seen) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensors_of(o, seen) for o in obj.values())
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(_tensors_of(getattr(obj, f), seen) for f in obj.__dataclass_fields__)
+    return 0
+
+
+def resident_bytes(prepared: PreparedWeight) -> int:
+    """Bytes a prepared layer keeps on its device: every tensor it holds (the fragment form, global
+    scales, channel indices and mask, ``W[:, S]``, and whatever its cache holds, e.g. a packed form
+    an fp16 kernel asked for), each storage counted once. Shared per-device buffers (split-K
+    counters, workspaces, the prefill scratch) are not per layer and not counted here."""
+    return _tensors_of(prepared, set())
 
 
 def _zero_channel_nibbles(packed: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
@@ -87,9 +139,9 @@ def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
     mask = torch.zeros(k_dim, dtype=torch.uint8, device=wp.device)
     if kk:
         mask[ch32.long()] = 1
+    frag = fragment_weight(_zero_channel_nibbles(wp.contiguous(), ch32), ws.contiguous().view(torch.uint8))
     return PreparedWeight(
-        weight_packed=_zero_channel_nibbles(wp.contiguous(), ch32),
-        weight_scale=ws.contiguous().view(torch.uint8).clone(),
+        fragment=frag,
         weight_global_scale=g.expand(n).contiguous().clone() if g.numel() == 1 else g.contiguous().clone(),
         bf16_channels=ch32.contiguous(),
         channel_mask=mask,

@@ -28,6 +28,28 @@ import triton.language as tl
 MAX_ONEPASS_K: int = 16384
 
 
+def pdl_supported() -> bool:
+    """Programmatic dependent launch is usable: Triton has ``tl.extra.cuda.gdc_wait`` /
+    ``gdc_launch_dependents`` and the ``launch_pdl`` launch option (Triton 3.6 and 3.9 do; older
+    ones, and the interpreter, do not). ``FOURSIGHT_PDL=0`` turns it off (the benchmarks' A/B)."""
+    if os.environ.get("FOURSIGHT_PDL", "1") in ("0", ""):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as _cuda
+    except ImportError:  # pragma: no cover
+        return False
+    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(_cuda, "gdc_wait")
+            and hasattr(_cuda, "gdc_launch_dependents"))
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the lines at ``ptrs`` (not under the interpreter)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 def interpreting() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     try:

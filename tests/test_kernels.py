@@ -309,7 +309,7 @@ def test_dequant_cublas_form(M, K, k, per_row_gs):
     assert pw.uniform_global_scale is (not per_row_gs)
     x = _act(M, K, g)
     bias = torch.randn(N, generator=g).bfloat16()
-    cfg = DequantConfig(16, 32)
+    cfg = DequantConfig(64, 128)
     for act_quant, gs in ((True, None), (True, torch.tensor([9.0])), (False, None)):
         y = fk.splice_linear(x, pw, bias=bias, input_global_scale=gs, act_quant=act_quant, config=cfg)
         ref = reference_linear(x, qw, bias=bias, input_global_scale=gs, act_quant=act_quant, out_dtype=torch.float32)
@@ -320,15 +320,20 @@ def test_dequant_cublas_form(M, K, k, per_row_gs):
         fk.splice_linear(x.float(), pw, config=cfg)
 
 
-def test_dequant_weight_is_exact():
-    """W' of the dequant form: e2m1 * s exactly (per-tensor scale), W[:, S] at the S columns."""
+@pytest.mark.parametrize("scale_bf16", [False, True], ids=["e5m3", "bf16"])
+@pytest.mark.parametrize("cfg", [DequantConfig(64, 128), DequantConfig(128, 256)], ids=str)
+def test_dequant_weight_is_exact(cfg, scale_bf16, monkeypatch):
+    """W' of the dequant form, read from the fragment form (the layer's one resident weight form):
+    e2m1 * s exactly (per-tensor scale), W[:, S] at the S columns; padding in N and K."""
+    import foursight.kernels.fragment as frag
     from foursight.kernels.dequant import dequant_weight
     from foursight.nvfp4 import dequantize_nvfp4
 
+    monkeypatch.setattr(frag, "SCALES_AS_BF16", scale_bf16)
     g = torch.Generator().manual_seed(5)
-    qw = _layer(40, 208, 16, g)
+    qw = _layer(130, 400, 16, g)
     pw = fk.prepare_weight(qw)
-    w = dequant_weight(DequantConfig(16, 32), pw, div_gs=False).float()
+    w = dequant_weight(cfg, pw, div_gs=False).float()
     ref = dequantize_nvfp4(qw.weight_packed, qw.weight_scale, torch.ones(1))  # q * s, no global scale
     ch = qw.bf16_channels.long()
     ref[:, ch] = qw.weight_bf16.float()
@@ -483,3 +488,33 @@ def test_fragment_split_plan_fills_whole_waves():
     assert _wave_split(2, 4, 8) == 4  # capped by the K steps
     splits, cps, first = _split_plan(16, 8192, 64, 128, 16, 64, 2, 0, 396)
     assert splits == 3 and first + (splits - 1) * cps >= 64 and first < cps
+
+
+def test_one_weight_form_resident():
+    """A prepared layer keeps only the fragment form of its FP4 part (resident_bytes counts every
+    tensor it holds); the default bf16 paths — decode and mid (fragment), prefill (dequant from the
+    fragment form) and the autotuner's reference check — leave it so; the packed layout rebuilt from
+    the fragment form equals the checkpoint's (S nibbles zeroed), and only an fp16-form call keeps it."""
+    from foursight.kernels.fragment import fragment_bytes, unfragment
+    from foursight.kernels.prepared import _zero_channel_nibbles
+
+    g = torch.Generator().manual_seed(44)
+    N, K, k = 130, 400, 16
+    qw = _layer(N, K, k, g, per_row_gs=True)
+    pw = fk.prepare_weight(qw)
+    small = 4 * N + 4 * k + K + 2 * N * k
+    assert fk.resident_bytes(pw) == fragment_bytes(pw.fragment) + small
+    before = fk.resident_bytes(pw)
+    x = _act(3, K, g)
+    for m, cfg in ((1, None), (17, None), (40, DequantConfig(64, 128)), (40, FragmentConfig(32, 64, 128, 1, 0))):
+        xm = _act(m, K, g)
+        fk.splice_linear(xm, pw, config=cfg)
+        fk.splice_linear(xm, pw, act_quant=False, config=cfg)
+    # only the dequant path's small caches were added (its int64 channel index and the folded scale)
+    assert fk.resident_bytes(pw) == before + 8 * k + 4 and "packed" not in pw._cache
+    before = fk.resident_bytes(pw)
+    packed, scale = unfragment(pw.fragment)
+    assert torch.equal(packed, _zero_channel_nibbles(qw.weight_packed, pw.bf16_channels))
+    assert torch.equal(scale, qw.weight_scale.view(torch.uint8))
+    fk.splice_linear(x.half(), pw)  # an fp16 model: the packed forms, which keep the packed layout
+    assert fk.resident_bytes(pw) == before + N * K // 2 + N * K // 16

@@ -168,9 +168,10 @@ def test_blackwell_gate_false_on_hopper():
 
 
 def _all_configs():
-    from foursight.kernels.configs import DECODE_CONFIGS, MID_CONFIGS, PREFILL_CONFIGS
+    from foursight.kernels.configs import DECODE_CONFIGS, FP16_CONFIGS, MID_CONFIGS, PREFILL_CONFIGS
 
-    return [("decode", c) for c in DECODE_CONFIGS] + [("mid", c) for c in MID_CONFIGS] + [("prefill", c) for c in PREFILL_CONFIGS]
+    return ([("decode", c) for c in DECODE_CONFIGS] + [("mid", c) for c in MID_CONFIGS] + [("prefill", c) for c in PREFILL_CONFIGS]
+            + [(p, c) for p, cs in FP16_CONFIGS.items() for c in cs])
 
 
 @pytest.mark.parametrize("path_cfg", _all_configs() if torch.cuda.is_available() else [], ids=str)
