@@ -64,7 +64,8 @@ def compile_for(cap: int, cfg: DotScaledConfig, has_ks: bool, has_bias: bool = F
     fn = _dot_scaled_kernel
     params = list(inspect.signature(fn.fn).parameters)
     consts = dict(SWAP=cfg.swap, HAS_BIAS=has_bias, HAS_KS=has_ks, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, BLOCK_KS=cfg.block_ks, GROUP_M=cfg.group_m, INTERP=False, stride_on=1)
+                  BLOCK_K=cfg.block_k, BLOCK_KS=cfg.block_ks, GROUP_M=cfg.group_m, EMULATE_MMA=False, INTERP=False,
+                  stride_on=1)
     sig = {p: "constexpr" if p in consts else PTRS.get(p, "i32") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in PTRS or p in DIV16}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()}, attrs=attrs)

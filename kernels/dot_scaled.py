@@ -26,12 +26,15 @@ either.
 
 Reference: :func:`foursight.layer.reference_linear` (equal up to fp32 accumulation order).
 
-**Under Triton's CPU interpreter** (``INTERP``) ``tl.dot_scaled`` reads E4M3 scale bytes as E8M0
-(``bits << 23``; Triton 3.9, ``tests/test_blackwell.py`` shows it), so there the same kernel decodes
-both operands with :func:`~.primitives._fp4_tile` (exact ``e2m1·s·2^-14``) and multiplies them with
-an fp32 ``tl.dot``: the same products (each exact in fp32) summed in fp32, i.e. the equivalent
-formulation of the block-scaled MMA. Everything else (tile indexing, masks, epilogue, BF16 segment,
-stores) is the code the GPU runs. **Nothing of this form has run on a Blackwell GPU.**
+**Under Triton's CPU interpreter** ``tl.dot_scaled`` reads E4M3 scale bytes as E8M0 (``bits << 23``;
+Triton 3.9, ``tests/test_blackwell_kernels.py`` shows it), so there (``EMULATE_MMA``, on with ``INTERP``)
+the same kernel decodes both operands with :func:`~.primitives._fp4_tile` (exact ``e2m1·s·2^-14``) and
+multiplies them with an fp32 ``tl.dot``: the same products (each exact in fp32) summed in fp32, i.e. the
+equivalent formulation of the block-scaled MMA. Everything else (tile indexing, masks, epilogue, BF16
+segment, stores) is the code the GPU runs. The ``tl.dot_scaled`` branch itself is also run by the
+interpreter in a test, with scale bytes compared as E8M0, which checks its operands (packing, transposes,
+scale shapes) but not the scale type (the SASS check does: UE4M3).
+**Nothing of this form has run on a Blackwell GPU.**
 """
 
 from __future__ import annotations
@@ -189,6 +192,7 @@ def _dot_scaled_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_KS: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EMULATE_MMA: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -220,7 +224,7 @@ def _dot_scaled_kernel(
             sa = tl.load(as_ptr + rm[:, None] * stride_asm + (k0 // 16 + g)[None, :], mask=gm[None, :], other=0)
             w = tl.load(wp_ptr + rn[:, None] * stride_wpn + (k0 // 2 + kh)[None, :], mask=km[None, :], other=0)
             sw = tl.load(ws_ptr + rn[:, None] * stride_wsn + (k0 // 16 + g)[None, :], mask=gm[None, :], other=0)
-        if INTERP:
+        if EMULATE_MMA:
             # the interpreter's dot_scaled reads E4M3 scales as E8M0: the same products, decoded exactly
             va = _fp4_tile(tl.reshape(a, (BLOCK_M, G, 8)).to(tl.int32), sa.to(tl.int32), BLOCK_M, BLOCK_K).to(tl.float32)
             vw = _fp4_tile(tl.reshape(w, (BLOCK_N, G, 8)).to(tl.int32), sw.to(tl.int32), BLOCK_N, BLOCK_K).to(tl.float32)
@@ -274,9 +278,12 @@ def _dot_scaled_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-def dot_scaled_launch(cfg: DotScaledConfig, packed, scale, a_gs, xs, pw: NativeWeight, bias, out) -> torch.Tensor:
+def dot_scaled_launch(cfg: DotScaledConfig, packed, scale, a_gs, xs, pw: NativeWeight, bias, out,
+                      emulate_mma: bool | None = None) -> torch.Tensor:
     """Launch the kernel on an already-quantized activation (``packed`` uint8 [M, K/2], ``scale`` uint8
-    [M, K/16], ``a_gs`` fp32 [M], ``xs`` [M, k] = X[:, S]) into ``out`` [M, N]."""
+    [M, K/16], ``a_gs`` fp32 [M], ``xs`` [M, k] = X[:, S]) into ``out`` [M, N]. ``emulate_mma``: decode
+    and fp32-multiply instead of ``tl.dot_scaled`` (default: under the interpreter only; the tests also
+    run ``tl.dot_scaled`` there, with scale bytes it reads as E8M0, to check the native branch's operands)."""
     m = packed.shape[0]
     n, k_dim, kk = pw.out_features, pw.in_features, pw.num_channels
     dummy = pw.weight_global_scale
@@ -293,7 +300,7 @@ def dot_scaled_launch(cfg: DotScaledConfig, packed, scale, a_gs, xs, pw: NativeW
         m, n, k_dim, kk,
         SWAP=cfg.swap, HAS_BIAS=bias is not None, HAS_KS=kk > 0, EVEN_K=k_dim % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=cfg.block_ks, GROUP_M=cfg.group_m,
-        INTERP=interp, **extra,
+        EMULATE_MMA=interp if emulate_mma is None else emulate_mma, INTERP=interp, **extra,
     )
     return out
 

@@ -26,7 +26,14 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
-from foursight.kernels.dot_scaled import INTERP_CONFIGS, DotScaledConfig, dot_scaled_linear, prepare_native_weight  # noqa: E402
+from foursight.kernels.dot_scaled import (  # noqa: E402
+    INTERP_CONFIGS,
+    DotScaledConfig,
+    NativeWeight,
+    dot_scaled_launch,
+    dot_scaled_linear,
+    prepare_native_weight,
+)
 from foursight.layer import quantize_weight, reference_linear  # noqa: E402
 from foursight.nvfp4 import NVFP4Error, e2m1_values, unpack_fp4  # noqa: E402
 from foursight.quant_methods.sharding import concat_shards  # noqa: E402
@@ -64,6 +71,39 @@ def test_interpreter_reads_e4m3_scales_as_e8m0():
     as_e8m0 = dq(a, e8m0(sa)) @ dq(b, e8m0(sb)).t()
     assert torch.allclose(out, as_e8m0, rtol=1e-6, atol=1e-30)
     assert not torch.allclose(out, as_e4m3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("cfg", ["swap", "ss"])
+def test_the_native_mma_branch_with_scales_read_as_e8m0(cfg):
+    """The ``tl.dot_scaled`` branch the GPU compiles, run by the interpreter: with scale bytes in E8M0's
+    useful range and a reference that reads them as E8M0 (what the interpreter does), the output checks
+    that branch's operands — codes packed along K low nibble first, the weight tile transposed (or, swapped,
+    the activation tile), scales [rows, K/16] untransposed — and the epilogue around it, bit for bit up to
+    fp32 summation order. The scale *type* (UE4M3 on the GPU) is the SASS check's business."""
+    g = torch.Generator().manual_seed(3)
+    m, n, k_dim, kk = 5, 160, 192, 3
+    rb = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, generator=g)  # noqa: E731
+    sb = lambda *s: torch.randint(122, 133, s, dtype=torch.uint8, generator=g)  # noqa: E731  (2^-5 .. 2^5 as E8M0)
+    packed, scale = rb(m, k_dim // 2), sb(m, k_dim // 16)
+    a_gs = 2.0 ** torch.randint(-2, 3, (m,), generator=g).float()
+    nw = NativeWeight(weight_packed=rb(n, k_dim // 2), weight_scale=sb(n, k_dim // 16),
+                      weight_global_scale=2.0 ** torch.randint(-2, 3, (n,), generator=g).float(),
+                      bf16_channels=torch.tensor([1, 50, 99], dtype=torch.int32), channel_mask=torch.zeros(k_dim, dtype=torch.uint8),
+                      weight_bf16=torch.randn(n, kk, generator=g).to(torch.bfloat16))
+    xs = torch.randn(m, kk, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    out = torch.empty(m, n)
+    dot_scaled_launch(INTERP_CONFIGS[cfg], packed, scale, a_gs, xs, nw, bias, out, emulate_mma=False)
+    e8m0 = lambda b: 2.0 ** (b.float() - 127)  # noqa: E731
+    av = e2m1_values(unpack_fp4(packed)) * e8m0(scale).repeat_interleave(16, 1)
+    wv = e2m1_values(unpack_fp4(nw.weight_packed)) * e8m0(nw.weight_scale).repeat_interleave(16, 1)
+    ref = (av.double() @ wv.double().t()) / (a_gs.double()[:, None] * nw.weight_global_scale.double()[None, :])
+    ref = ref + xs.double() @ nw.weight_bf16.double().t() + bias.double()
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # the same bytes through the emulated branch give E4M3's reading instead: the two branches differ only there
+    out_e = torch.empty(m, n)
+    dot_scaled_launch(INTERP_CONFIGS[cfg], packed, scale, a_gs, xs, nw, bias, out_e, emulate_mma=True)
+    assert not torch.allclose(out_e, out, rtol=1e-2)
 
 
 def _layer(n, k_dim, channels, per_row=False, seed=0):
