@@ -5,10 +5,13 @@ A checkpoint is an HF folder: ``config.json`` with ``quantization_config`` (see
 :mod:`foursight.schema`, the tokenizer, ``foursight_layers.json`` (the per-layer error table)
 and ``foursight_channels.json`` (channel sets + calibrated input amax, reusable for online
 quantization). It is written to a temporary folder beside the destination and renamed at the
-end, so a failure never leaves a half-written checkpoint. The temporary folder holds the marker
-file :data:`INCOMPLETE_MARKER` until the rename: a run killed outright (no cleanup) leaves a
-folder that every reader refuses as incomplete, and the next ``quantize`` to the same
-destination removes it. ``force`` replaces only a folder that is a FourSight checkpoint.
+end, so a failure never leaves a half-written checkpoint. :func:`folder_writer` is that one
+writer, used by ``quantize``, ``import`` and ``export``: the folder holds the marker file
+:data:`INCOMPLETE_MARKER` until it is complete and renamed, so a run killed outright (no
+cleanup) leaves a folder that every reader refuses as incomplete (:func:`foursight.schema.check_complete`),
+and the next run to the same destination removes it. ``force`` replaces only a folder that is
+ours (:func:`check_replaceable`): a FourSight checkpoint, a folder a FourSight writer wrote
+(:data:`WRITTEN_BY_FILE`), or an incomplete one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +38,7 @@ from foursight.calibration import (
 )
 from foursight.layer import QuantizedWeight, dequantize_weight, dequantized_activation, quantize_weight, splice_matmul
 from foursight.nvfp4 import BLOCK_SIZE
-from foursight.schema import CheckpointError, FourSightConfig
+from foursight.schema import INCOMPLETE_MARKER, CheckpointError, FourSightConfig
 
 SHARD_BYTES = 2 * 1024**3
 
@@ -173,11 +177,7 @@ def quantize_model(
     from tqdm.auto import tqdm
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if out_dir.exists() or out_dir.is_symlink():
-        if not force:
-            raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
-        check_replaceable(out_dir)
-    remove_interrupted_runs(out_dir)
+    prepare_destination(out_dir, force)
     cfg = FourSightConfig.parse(
         {
             "ignore": list(ignore),
@@ -246,39 +246,84 @@ def quantize_model(
     return QuantizeResult(out_dir, cfg, reports)
 
 
-#: present in a checkpoint folder only while ``quantize`` writes it (see the module docstring)
-INCOMPLETE_MARKER = ".foursight-incomplete"
+#: a file each FourSight writer leaves in the folder it wrote (which writer, as JSON): how ``--force``
+#: knows a folder without a FourSight ``config.json`` (a compressed-tensors export) is ours
+WRITTEN_BY_FILE = ".foursight-written"
+
+
+def _is_ours(out_dir: Path) -> bool:
+    if (out_dir / INCOMPLETE_MARKER).exists() or (out_dir / WRITTEN_BY_FILE).is_file():
+        return True
+    try:
+        qc = json.loads((out_dir / "config.json").read_text()).get("quantization_config") or {}
+        return qc.get("quant_method") == schema.QUANT_METHOD
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_replaceable(out_dir: Path) -> None:
-    """``--force`` may replace ``out_dir`` only when it is a FourSight checkpoint (its config.json
-    names ``quant_method: foursight``) or an incomplete one; anything else raises
-    :class:`FileExistsError` and nothing is deleted."""
+    """``--force`` may replace ``out_dir`` only when it is ours: a FourSight checkpoint (its config.json
+    names ``quant_method: foursight``), a folder a FourSight writer wrote (it holds
+    :data:`WRITTEN_BY_FILE`, e.g. a compressed-tensors export) or an incomplete one
+    (:data:`INCOMPLETE_MARKER`); anything else raises :class:`FileExistsError` and nothing is deleted."""
     if out_dir.is_symlink() or not out_dir.is_dir():
         raise FileExistsError(f"refusing to replace {out_dir} with --force: it is not a folder; nothing was deleted")
-    if (out_dir / INCOMPLETE_MARKER).exists():
-        return
-    try:
-        qc = json.loads((out_dir / "config.json").read_text()).get("quantization_config") or {}
-        method = qc.get("quant_method")
-    except (OSError, ValueError, AttributeError):
-        method = None
-    if method != schema.QUANT_METHOD:
-        raise FileExistsError(f"refusing to replace {out_dir} with --force: it is not a FourSight checkpoint (no config.json "
-                              f"with quantization_config.quant_method = {schema.QUANT_METHOD!r}); nothing was deleted, "
-                              "remove it yourself or choose another --out")
+    if not _is_ours(out_dir):
+        raise FileExistsError(f"refusing to replace {out_dir} with --force: it is not a FourSight checkpoint nor a folder a FourSight writer made (no config.json "
+                              f"with quantization_config.quant_method = {schema.QUANT_METHOD!r}, no {WRITTEN_BY_FILE}); nothing was "
+                              "deleted, remove it yourself or choose another --out")
 
 
 def remove_interrupted_runs(out_dir: Path) -> list[Path]:
-    """Remove the temporary folders of killed ``quantize`` runs to ``out_dir`` (they hold the
-    :data:`INCOMPLETE_MARKER`); returns them."""
+    """Remove what killed writer runs to ``out_dir`` left (folders holding :data:`INCOMPLETE_MARKER`:
+    their temporary folders ``<out>.tmp-*``, and ``out_dir`` itself when it is marked); returns them."""
     gone = []
     if out_dir.parent.is_dir():
-        for d in out_dir.parent.glob(out_dir.name + ".tmp-*"):
+        for d in [*out_dir.parent.glob(out_dir.name + ".tmp-*"), out_dir]:
             if d.is_dir() and not d.is_symlink() and (d / INCOMPLETE_MARKER).exists():
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d)
     return gone
+
+
+def prepare_destination(out_dir: Path, force: bool) -> None:
+    """The checks a writer makes before any slow work: ``out_dir`` must not exist unless ``force``
+    and ours (:func:`check_replaceable`); leftovers of killed runs are removed first."""
+    remove_interrupted_runs(out_dir)
+    if out_dir.exists() or out_dir.is_symlink():
+        if not force:
+            raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+        check_replaceable(out_dir)
+
+
+@contextmanager
+def folder_writer(out_dir: str | Path, force: bool, verb: str):
+    """The one checkpoint folder writer: yields a temporary folder beside ``out_dir`` to write into.
+
+    The temporary folder holds :data:`INCOMPLETE_MARKER` from the start; when the block ends
+    without an error :data:`WRITTEN_BY_FILE` is written (naming ``foursight <verb>``), the folder
+    replaces ``out_dir`` (only when ``force`` and :func:`check_replaceable` allow) and the marker is
+    removed last. An error removes the temporary folder; a killed run leaves a marked folder that
+    every reader refuses and the next run removes (:func:`prepare_destination`).
+    """
+    out_dir = Path(out_dir)
+    prepare_destination(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        (tmp / INCOMPLETE_MARKER).write_text(f"written by foursight {verb}; removed when the folder is complete\n")
+        yield tmp
+        (tmp / WRITTEN_BY_FILE).write_text(json.dumps({"written_by": f"foursight {verb}"}) + "\n")
+        if out_dir.exists() or out_dir.is_symlink():
+            if not force:
+                raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
+            check_replaceable(out_dir)
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (out_dir / INCOMPLETE_MARKER).unlink()
 
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None,
@@ -303,10 +348,7 @@ def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_
 
 
 def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
-        (tmp / INCOMPLETE_MARKER).write_text("written by foursight quantize; removed when the checkpoint is complete\n")
+    with folder_writer(out_dir, force, "quantize") as tmp:
         write_safetensors(tmp, tensors)
         hf_cfg = model.config.to_dict()
         hf_cfg["quantization_config"] = cfg.model_dump()
@@ -325,14 +367,6 @@ def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file,
             )
         )
         channels_file.write(tmp / schema.CHANNELS_FILE)
-        (tmp / INCOMPLETE_MARKER).unlink()
-        if out_dir.exists() and force:
-            check_replaceable(out_dir)
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,10 +413,8 @@ def split_modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str,
 def load_quantized_tensors(ckpt_dir: str | Path) -> tuple[FourSightConfig, dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """``(config, modules, rest)`` of a checkpoint: the validated config, the FourSight modules
     (prefix → {suffix: tensor}) and every other tensor (plain BF16 params). A folder left by an
-    interrupted ``quantize`` (it holds :data:`INCOMPLETE_MARKER`) raises :class:`CheckpointError`."""
-    if (Path(ckpt_dir) / INCOMPLETE_MARKER).exists():
-        raise CheckpointError(f"{ckpt_dir}: incomplete checkpoint (an interrupted `foursight quantize` left it; run it again, "
-                              "which also removes this folder)")
+    interrupted writer (it holds :data:`INCOMPLETE_MARKER`) raises :class:`CheckpointError` naming it."""
+    schema.check_complete(ckpt_dir)
     cfg = read_quant_config(ckpt_dir)
     mods, rest = split_modules(read_tensors(ckpt_dir))
     return cfg, mods, rest

@@ -14,11 +14,16 @@ checkpoint's safetensors headers, so a missing or stray tensor raises
 :class:`~foursight.schema.CheckpointError` naming it before anything is initialized at random;
 after loading, each slot is checked by :func:`foursight.schema.decode_module` and becomes a
 :class:`foursight.hf.FourSightLinear` (``foursight.dispatch.prepare_linear``: the PyTorch
-reference on CPU, the Triton kernels on CUDA).
+reference on CPU, the Triton kernels on CUDA). A folder a writer left incomplete
+(:data:`foursight.schema.INCOMPLETE_MARKER`) is refused before anything loads, and after loading
+every tensor of the model is checked finite (:func:`foursight.schema.check_finite`: a NaN norm or an
+Inf embedding row raises :class:`~foursight.schema.CheckpointError` naming it instead of giving
+non-finite logits).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,10 +62,16 @@ def _checkpoint_keys(checkpoint_files: list[str] | None) -> set[str]:
     if not checkpoint_files:
         raise CheckpointError("a FourSight checkpoint loads from .safetensors files; from_pretrained found none")
     keys: set[str] = set()
+    for folder in {str(Path(f).parent) for f in checkpoint_files}:
+        schema.check_complete(folder)
     for f in checkpoint_files:
         if not str(f).endswith(".safetensors"):
             raise CheckpointError(f"{f}: a FourSight checkpoint is read from .safetensors files only")
-        with safe_open(str(f), framework="pt") as fh:
+        try:
+            fh = safe_open(str(f), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
+            raise CheckpointError(f"safetensors file {f} is truncated or unreadable ({type(e).__name__}: {e})") from None
+        with fh:
             keys.update(fh.keys())
     return keys
 
@@ -102,6 +113,8 @@ class FourSightHfQuantizer(HfQuantizer):
         for n in self._names:
             slots = model.get_submodule(n)
             _set_module(model, n, slots.build())
+        for name, t in model.state_dict().items():  # norms, embeddings, lm_head: what decode_module does not see
+            schema.check_finite(name, t, " in the FourSight checkpoint")
         return model
 
     def is_serializable(self) -> bool:

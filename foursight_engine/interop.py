@@ -25,9 +25,7 @@ the same E2M1 codes and nibble order, E4M3 block scales of 16, FP32 global scale
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -157,30 +155,64 @@ def as_foursight_weights(weights: Iterable[tuple[str, torch.Tensor]], activation
 # writing
 
 
-def _linear_names(hf_cfg: dict[str, Any]) -> list[str]:
-    """Names of the ``nn.Linear`` modules of the model a config describes (built on the meta device)."""
-    from torch import nn
+def _meta_model(hf_cfg: dict[str, Any]):
+    """The model a config describes, built on the meta device (no memory, no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = {k: v for k, v in hf_cfg.items() if k != "quantization_config"}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
 
 
-def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool,
+def _linear_names(hf_cfg: dict[str, Any]) -> list[str]:
+    """Names of the ``nn.Linear`` modules of the model a config describes (built on the meta device)."""
+    from torch import nn
+
+    return [n for n, m in _meta_model(hf_cfg).named_modules() if isinstance(m, nn.Linear)]
+
+
+def needed_tensors(hf_cfg: dict[str, Any]) -> tuple[list[str], set[str], set[str]]:
+    """``(linear layer names, tensor names, tied names)`` of the model a config describes: what a
+    checkpoint of it must hold (its state dict, built on the meta device) and what it may leave out
+    (the tied weights, e.g. ``lm_head.weight`` with ``tie_word_embeddings``)."""
+    from torch import nn
+
+    model = _meta_model(hf_cfg)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    if hf_cfg.get("tie_word_embeddings", getattr(model.config, "tie_word_embeddings", False)):
+        tied.add("lm_head.weight")
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)], set(model.state_dict()), tied
+
+
+def check_complete_tensors(names: "Iterable[str]", quantized: "Iterable[str]", hf_cfg: dict[str, Any], where: str) -> None:
+    """Compare a checkpoint's tensor ``names`` with those its model needs (:func:`needed_tensors`):
+    every parameter of a layer not in ``quantized`` must be present (tied ones may be absent) and
+    no tensor may be outside the model. ``quantized`` modules' own tensors are checked by
+    :func:`foursight.schema.decode_module`. Raises CheckpointError naming the first missing or
+    unexpected tensor."""
+    linears, want, tied = needed_tensors(hf_cfg)
+    quantized = set(quantized)
+    have = set(names)
+    missing = sorted(n for n in want - have - tied if n.rpartition(".")[0] not in quantized)
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]} in {where}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + ": the model its config.json describes needs it")
+    unexpected = sorted(n for n in have - want if n.rpartition(".")[0] not in quantized)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} in {where}: not a tensor of the model its config.json describes"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+
+
+def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool, verb: str,
           channels_file: "schema.ChannelsFile | None" = None, metadata: dict[str, str] | None = None) -> Path:
     """Write ``config.json``, the tensors (:func:`foursight.checkpoint.write_safetensors`: one
     ``model.safetensors`` or index + shards, with ``metadata``, default FourSight's) and the
     tokenizer/generation files of ``src_dir`` (and ``channels_file`` as ``foursight_channels.json``
-    when given) to ``out_dir`` atomically (a temporary folder beside it, then renamed)."""
-    from foursight.checkpoint import write_safetensors
+    when given) to ``out_dir`` through the one folder writer (:func:`foursight.checkpoint.folder_writer`:
+    the incomplete-run marker, the ``--force`` rule, a temporary folder renamed at the end)."""
+    from foursight.checkpoint import folder_writer, write_safetensors
 
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
+    with folder_writer(out_dir, force, verb) as tmp:
         write_safetensors(tmp, tensors, metadata=metadata)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         for f in src_dir.iterdir():
@@ -189,12 +221,6 @@ def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[st
                 shutil.copy2(f, tmp / f.name)
         if channels_file is not None:
             channels_file.write(tmp / schema.CHANNELS_FILE)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -212,7 +238,10 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
 
     from foursight.checkpoint import load_quantized_tensors
 
+    from foursight.checkpoint import prepare_destination
+
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    prepare_destination(out_dir, force)
     cfg, mods, rest = load_quantized_tensors(ckpt_dir)
     with_k = sorted(n for n, k in cfg.channels.items() if k)
     if with_k:
@@ -236,7 +265,7 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
     d = qc.to_dict()
     d["quant_method"] = CT_METHOD
     hf_cfg["quantization_config"] = json.loads(json.dumps(d, default=str))
-    return _save(out_dir, ckpt_dir, hf_cfg, out, force, metadata={"format": "pt"})
+    return _save(out_dir, ckpt_dir, hf_cfg, out, force, "export", metadata={"format": "pt"})
 
 
 def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels: str | int = "0", calib: str | Path | None = None,
@@ -257,14 +286,17 @@ def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels:
         CheckpointError naming the field, layer or tensor (a scheme FourSight cannot read, a
         ``channels`` budget with k ≥ K for some layer, compensation asked of a W4A16 checkpoint).
     """
+    from foursight.checkpoint import prepare_destination
+
     ct_dir = Path(ct_dir)
+    prepare_destination(Path(out_dir), force)  # before the slow part
     hf_cfg, tensors = read_compressed_tensors(ct_dir)
     ks = _budget_per_layer(tensors, channels)
     if not any(ks.values()):
-        return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force)
+        return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force, "import")
     hf_cfg, tensors, cf = compensate_import(ct_dir, hf_cfg, tensors, channels, calib, batch_size=batch_size,
                                             max_length=max_length, progress=progress)
-    return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force, channels_file=cf)
+    return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force, "import", channels_file=cf)
 
 
 def _budget_per_layer(tensors: dict[str, torch.Tensor], channels: str | int) -> dict[str, int]:
@@ -446,6 +478,7 @@ def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[st
     stray = sorted(set(prefixes) - set(linears))
     if stray:
         raise CheckpointError(f"unexpected tensor {stray[0]}.{schema.WEIGHT_PACKED}: {stray[0]} is not a linear layer of this model")
+    check_complete_tensors(out, prefixes, hf_cfg, f"the compressed-tensors checkpoint {ct_dir}")
     fs = schema.FourSightConfig(activation_dtype=act, activation_scale="static", ignore=[n for n in linears if n not in channels],
                                 channels=channels, channel_selection="none", channel_budget="0")
     hf_cfg["quantization_config"] = fs.model_dump()

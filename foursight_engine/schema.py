@@ -242,9 +242,7 @@ def decode_module(
         if ch.numel() > 1 and not bool((ch[1:] > ch[:-1]).all()):
             raise CheckpointError(f"tensor {name}.{BF16_CHANNELS} must be strictly increasing")
     for suffix in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE):
-        v = tensors[suffix].float()
-        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
-            raise CheckpointError(f"tensor {name}.{suffix} must be finite and > 0, got {v.tolist()}")
+        check_global_scale(f"{name}.{suffix}", tensors[suffix])
     check_finite(f"{name}.{WEIGHT_SCALE}", tensors[WEIGHT_SCALE])
     if bool((tensors[WEIGHT_SCALE].float() < 0).any()):
         raise CheckpointError(f"tensor {name}.{WEIGHT_SCALE} holds negative block scales")
@@ -260,7 +258,42 @@ def decode_module(
     )
 
 
-# ---- finiteness and the one safetensors reader ----------------------------------------------
+# ---- value ranges, finiteness and the one safetensors reader ---------------------------------
+
+#: The range of a global scale ``gs`` (weight or input): the largest magnitude the layer's FP4 grid
+#: encodes, ``448·6 / gs``, must be a finite BF16 number (else the dequantized weight or the
+#: activation overflows to Inf: 1e-38 already does), so ``gs >= 448·6 / max(bf16)``; and ``gs``
+#: itself a finite, normal float32 (a subnormal one has no finite reciprocal: 1e-40 makes every
+#: output NaN). Zero, negative, subnormal, NaN, Inf and overflowing scales are all refused.
+GLOBAL_SCALE_MIN = float(448.0 * 6.0 / torch.finfo(torch.bfloat16).max)
+GLOBAL_SCALE_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_global_scale(name: str, t: torch.Tensor) -> None:
+    """Raise :class:`CheckpointError` naming tensor ``name`` unless every value of the global scale
+    ``t`` lies in [:data:`GLOBAL_SCALE_MIN`, :data:`GLOBAL_SCALE_MAX`] (finite, > 0, normal, and
+    ``448·6/gs`` finite in BF16)."""
+    v = t.float().reshape(-1)
+    bad = ~(torch.isfinite(v) & (v >= GLOBAL_SCALE_MIN) & (v <= GLOBAL_SCALE_MAX))
+    if bool(bad.any()):
+        got = v[bad][0].item() if v.numel() else None
+        raise CheckpointError(f"tensor {name} must be a global scale in [{GLOBAL_SCALE_MIN:.3g}, {GLOBAL_SCALE_MAX:.3g}] "
+                              f"(finite, > 0, not subnormal; 448*6/scale finite in BF16), got {got!r}")
+
+
+#: present in a checkpoint folder only while a FourSight writer (``quantize``, ``import``,
+#: ``export``: :func:`foursight.checkpoint.folder_writer`) writes it; every reader refuses a
+#: folder that holds it (:func:`check_complete`), and the next run to the same destination removes it
+INCOMPLETE_MARKER = ".foursight-incomplete"
+
+
+def check_complete(folder: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError` naming :data:`INCOMPLETE_MARKER` when ``folder`` holds it
+    (a writer was killed before it finished)."""
+    p = Path(folder)
+    if (p / INCOMPLETE_MARKER).exists():
+        raise CheckpointError(f"{p}: incomplete checkpoint ({INCOMPLETE_MARKER} is present: a `foursight quantize`, `import` or "
+                              "`export` run was interrupted while writing it; run it again, which also removes this folder)")
 
 
 def check_finite(name: str, t: torch.Tensor, where: str = "") -> None:
@@ -313,6 +346,7 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     transformers), else every ``*.safetensors`` (sorted). Raises :class:`CheckpointError` naming the path when there is none."""
     p = Path(path)
     if p.is_dir():
+        check_complete(p)
         index = _read_index(p)
         if index is not None:
             return [p / f for f in sorted(index)]
@@ -338,8 +372,9 @@ def iter_safetensors(path: str | os.PathLike, check: bool = True) -> Iterator[tu
     from safetensors import safe_open
 
     p = Path(path)
+    files = safetensors_files(path)  # refuses a folder a writer left incomplete
     index = _read_index(p) if p.is_dir() else None
-    for f in safetensors_files(path):
+    for f in files:
         try:
             handle = safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
@@ -362,6 +397,22 @@ def iter_safetensors(path: str | os.PathLike, check: bool = True) -> Iterator[tu
                 if check:
                     check_finite(name, t, f" in {f}")
                 yield name, t
+
+
+def check_headers(path: str | os.PathLike) -> int:
+    """Open every safetensors file of ``path`` (:func:`safetensors_files`; headers only, nothing is
+    read) so that a truncated or unreadable one raises :class:`CheckpointError` naming the file
+    before an engine reads it; returns the number of tensors."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in safetensors_files(path):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                n += len(list(handle.keys()))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
+            raise CheckpointError(f"safetensors file {f} is truncated or unreadable ({type(e).__name__}: {e})") from None
+    return n
 
 
 def check_safetensors(path: str | os.PathLike) -> int:

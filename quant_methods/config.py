@@ -57,18 +57,68 @@ def serves_user_choice(hf_quant_cfg: dict[str, Any], user_quant: str | None) -> 
     return user_quant == QUANT_METHOD and isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == CT_METHOD
 
 
-def served_weights(weights, hf_quant_cfg: Any, where: str = ""):
+def check_folder(path: Any) -> None:
+    """Before an engine reads a checkpoint folder: refuse one a writer left incomplete
+    (:func:`foursight.schema.check_complete`, naming the marker) and name a truncated or unreadable
+    safetensors file (headers only: :func:`foursight.schema.check_headers`). A Hub id or a file is
+    left to the engine."""
+    import os
+
+    from foursight.schema import check_complete, check_headers
+
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        check_complete(path)
+        check_headers(path)
+
+
+#: tensors engines skip by name without a parameter for them (rotary tables some checkpoints carry)
+_ENGINE_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def checked_complete(weights, model: torch.nn.Module, where: str = "", packed: dict[str, list[str]] | None = None):
+    """``(name, tensor)`` pairs of ``weights`` passed on unchanged, compared with what ``model`` needs.
+
+    Each checkpoint name is mapped to the engine's parameter name (a fused layer's shards,
+    ``q_proj`` -> ``qkv_proj``, by ``packed`` or the model's ``packed_modules_mapping``); a name
+    outside the model's parameters raises :class:`CheckpointError` ("unexpected tensor") at once,
+    and when the stream ends every parameter that holds data and was not named (a norm, an
+    embedding, an unquantized layer; tied weights are one parameter and need one tensor) raises
+    "missing tensor", naming it. A fused layer's missing shard is the FourSight layer's own check.
+    """
+    packed = packed or dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED_MODULES)
+    shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
+    params = {n for n, p in model.named_parameters() if p.numel() > 0}
+    allowed = {n for n, _ in model.named_parameters()}
+    cfg = getattr(model, "config", None)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    seen: set[str] = set()
+    for name, t in weights:
+        parts = name.split(".")
+        mapped = ".".join(shard_to_fused.get(p, p) for p in parts)
+        if mapped not in allowed and not name.endswith(_ENGINE_SKIPPED) and not (tied and name == "lm_head.weight"):
+            raise CheckpointError(f"unexpected tensor {name}{where}: the model has no parameter for it")
+        seen.add(mapped)
+        yield name, t
+    missing = sorted(params - seen)
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]}{where}" + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else "")
+                              + ": the model needs it and the checkpoint does not hold it")
+
+
+def served_weights(weights, hf_quant_cfg: Any, where: str = "", model: torch.nn.Module | None = None):
     """The ``(name, tensor)`` stream an engine adapter loads for a ``foursight`` model: every tensor
-    checked finite (:func:`foursight.schema.checked_finite`), and a compressed-tensors NVFP4
+    checked finite (:func:`foursight.schema.checked_finite`), a compressed-tensors NVFP4
     folder's tensors read as the k = 0 FourSight checkpoint they are
-    (:func:`foursight.interop.as_foursight_weights`). The vLLM and SGLang loaders both wrap this."""
+    (:func:`foursight.interop.as_foursight_weights`), and with ``model`` the names compared with
+    the model's parameters (:func:`checked_complete`). The vLLM and SGLang loaders both wrap this."""
     from foursight.schema import checked_finite
 
     if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == CT_METHOD:
         from foursight.interop import as_foursight_weights
 
         weights = as_foursight_weights(weights, parse_quantization_config(hf_quant_cfg).activation_dtype)
-    return checked_finite(weights, where)
+    weights = checked_finite(weights, where)
+    return weights if model is None else checked_complete(weights, model, where)
 
 
 class FourSightMethodConfig:

@@ -65,6 +65,20 @@ def _install_load_check() -> None:
     _get_weights_iterator._foursight_checked = True  # type: ignore[attr-defined]
     DefaultModelLoader._get_weights_iterator = _get_weights_iterator
 
+    # the whole load (not an update) is compared with the model's parameters: a missing norm or a
+    # stray tensor is named (foursight.quant_methods.config.checked_complete)
+    original_all = DefaultModelLoader._get_all_weights
+
+    def _get_all_weights(self, model_config, model):
+        it = original_all(self, model_config, model)
+        if getattr(model_config, "quantization", None) != NAME:
+            return it
+        from foursight.quant_methods.config import checked_complete
+
+        return checked_complete(it, model, f" in {getattr(model_config, 'model_path', '')}")
+
+    DefaultModelLoader._get_all_weights = _get_all_weights
+
 
 def register() -> None:
     """Register FourSight with SGLang (idempotent; a no-op when SGLang is not installed)."""
