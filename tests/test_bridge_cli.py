@@ -52,7 +52,7 @@ def test_serve_passes_the_edge_options_to_serve(tmp_path, monkeypatch):
 
     got = {}
     monkeypatch.setattr(server, "serve", lambda engines, **kw: got.update(kw))
-    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--weights-dir", str(tmp_path),
+    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--wait", "0", "--weights-dir", str(tmp_path),
                                  "--allowed-host", "bridge.internal", "--max-body-bytes", "4096", "--max-tokens-cap", "100",
                                  "--max-request-tokens", "5000"])
     assert r.exit_code == 0, r.output

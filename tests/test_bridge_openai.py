@@ -113,6 +113,32 @@ def test_vllm_sampling_fields(client, model, tok):
     assert stop not in c.text and tok.decode(plain[: first + 1]).startswith(c.text)
 
 
+def test_streaming_as_the_openai_client_reads_it(client, model, tok):
+    """``stream=True`` through the official client: one chunk per finished sample (the engines return
+    whole samples), the same texts and logprobs as the non-streaming answer for the same seed, the
+    usage chunk with ``stream_options``, and the chat route's deltas."""
+    kw = dict(model="tiny", prompt=[PROMPT, "Hello"], max_tokens=6, temperature=1.0, n=2, logprobs=0, seed=11)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    samples = [c for c in chunks if c.choices]
+    assert len(samples) == 4 and sorted(c.choices[0].index for c in samples) == [0, 1, 2, 3]
+    by_index = {c.choices[0].index: c.choices[0] for c in samples}
+    for ref in full.choices:
+        got = by_index[ref.index]
+        assert got.text == ref.text and got.logprobs.token_logprobs == ref.logprobs.token_logprobs
+        assert got.finish_reason == ref.finish_reason
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
+    # chat: the assistant's content arrives as a delta, with its logprobs
+    msgs = [{"role": "user", "content": "Say hi"}]
+    ref = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.0, logprobs=True)
+    parts = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.0, logprobs=True, stream=True))
+    text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert text == ref.choices[0].message.content
+    lps = [e.logprob for p in parts if p.choices and p.choices[0].logprobs for e in p.choices[0].logprobs.content]
+    assert lps == [e.logprob for e in ref.choices[0].logprobs.content]
+
+
 def test_weight_version_follows_updates(bridge, client, tiny_llama_dir, tmp_path):
     path = tmp_path / "w.safetensors"
     save_file(perturbed_state(tiny_llama_dir), str(path))
@@ -128,7 +154,8 @@ def test_bad_requests_name_the_field(bridge, client):
     url = bridge.url + "/v1/completions"
     cases = [({"prompt": "x", "max_tokens": 4, "frobnicate": 1}, "frobnicate"),
              ({"prompt": "x", "logprobs": 5}, "logprobs"),
-             ({"prompt": "x", "stream": True}, "stream"),
+             ({"prompt": "x", "stream": "yes please"}, "stream"),
+             ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
              ({"prompt": "x", "temperature": -1}, "temperature"),
              ({"prompt": [], "max_tokens": 2}, "prompt")]
     for body, field in cases:

@@ -2,7 +2,7 @@
 
 Example::
 
-    foursight bridge serve --engine vllm --engine-url http://127.0.0.1:8000 --tokenizer MODEL_DIR --port 8100
+    foursight bridge serve --engine vllm --engine-url http://127.0.0.1:8000 --tokenizer MODEL_DIR --port 8100 --wait 300
     foursight bridge serve --engine hf --model CKPT_DIR --api-key "$KEY"
 """
 
@@ -53,6 +53,36 @@ def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], to
     return [SGLangHTTPEngine(u, tokenizer=tok, api_key=engine_api_key, logprobs_mode=logprobs_mode or "processed_logprobs") for u in engine_urls]
 
 
+def wait_for_engines(urls: list[str], timeout_s: float, api_key: Optional[str] = None, interval_s: float = 2.0) -> None:
+    """Poll each engine's ``GET /health`` until it answers 200, at most ``timeout_s`` seconds in all
+    (an engine started together with the bridge may still be loading its model). Raises
+    :class:`~foursight.cli_util.OptionError` naming the engines that did not answer."""
+    import time
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    waiting = list(urls)
+    said = False
+    while True:
+        for u in list(waiting):
+            try:
+                if httpx.get(u.rstrip("/") + "/health", headers=headers, timeout=5.0).status_code == 200:
+                    waiting.remove(u)
+            except httpx.HTTPError:
+                pass
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            raise OptionError(f"--engine-url {', '.join(waiting)}: no answer from /health within --wait {timeout_s:g} s "
+                              "(is the engine running? start it first, or raise --wait)")
+        if not said:
+            typer.echo(f"waiting up to {timeout_s:g} s for {', '.join(waiting)} to answer /health ...", err=True)
+            said = True
+        time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+
+
 @app.command()
 @guarded
 def serve(
@@ -80,6 +110,8 @@ def serve(
     max_tokens_cap: Optional[int] = typer.Option(None, "--max-tokens-cap", min=1, help="largest max_tokens a request may ask for"),
     max_request_tokens: Optional[int] = typer.Option(None, "--max-request-tokens", min=1,
                                                      help="per-request token budget: n times the sum of the prompts' max_tokens"),
+    wait: float = typer.Option(300.0, "--wait", min=0.0, help="seconds to wait for every --engine-url to answer /health "
+                               "before serving (an engine still loading its model); 0: do not wait or check"),
     weight_sync: str = typer.Option("collective_rpc", "--weight-sync",
                                     help="vllm engine weight updates: collective_rpc (FourSight worker extension) or native "
                                          "(vLLM >= 0.32, --weight-transfer-config '{\"backend\": \"foursight_file\"}')"),
@@ -98,6 +130,8 @@ def serve(
         if not d.is_dir():
             raise OptionError(f"--weights-dir {d} is not a folder")
     engines = build_engines(engine, engine_url, model, tokenizer, engine_api_key, logprobs_mode, device, weight_sync)
+    if engine != "hf" and wait > 0:
+        wait_for_engines(engine_url, wait, engine_api_key)
     if not weights_dir:
         typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
     from foursight.trainer_bridge.server import serve as _serve

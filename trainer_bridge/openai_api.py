@@ -1,5 +1,5 @@
 """OpenAI-compatible routes of the rollout bridge: ``POST /v1/completions`` and
-``POST /v1/chat/completions`` (non-streaming), for agent loops and trainers written against vLLM's
+``POST /v1/chat/completions`` (``stream`` too), for agent loops and trainers written against vLLM's
 OpenAI server (docs/bridge.md lists the accepted fields).
 
 Each request is translated into a :class:`~foursight.trainer_bridge.protocol.RolloutRequest` and
@@ -23,13 +23,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Any, AsyncIterator, ClassVar, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from foursight.trainer_bridge.protocol import ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the request's token counts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
@@ -50,7 +58,8 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stream: Literal[False] = False
+    stream: bool = False
+    stream_options: "StreamOptions | None" = None
     user: str | None = None
     #: vLLM's token-id extensions (what TRL's ``VLLMClient`` sends): every choice also carries
     #: ``prompt_token_ids`` and ``token_ids``, and logprob tokens are spelled ``"token_id:<id>"``
@@ -189,10 +198,10 @@ def make_router(state: Any) -> APIRouter:
             raise ValueError("the OpenAI routes decode completions with the bridge's tokenizer: start it with --tokenizer (or --model)")
         return tok
 
-    async def _sample(req: _Sampling) -> tuple[int, list[list[Rollout]]] | JSONResponse:
-        """The request as a :class:`RolloutRequest` through the bridge's one admission and sampling
-        path (``server.create_app``'s ``admit`` and ``events``): the same field checks, stale-engine
-        refusal, version hold, timeouts and cancellation as ``/v1/rollouts``."""
+    async def _admit(req: _Sampling):
+        """The request as a :class:`RolloutRequest` through the bridge's one admission path
+        (``server.create_app``'s ``admit``): the same field checks and stale-engine refusal as
+        ``/v1/rollouts``. Returns ``(rreq, request id, prompt ids, usable engines)`` or the error response."""
         kind = req.kind
         try:
             rreq = RolloutRequest(prompts=req.prompts(), n=req.n, sampling=req.sampling())
@@ -203,6 +212,15 @@ def make_router(state: Any) -> APIRouter:
             return _from_bridge_error(got, kind)
         prompt_ids, usable = got
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        return rreq, rid, prompt_ids, usable
+
+    async def _sample(req: _Sampling) -> tuple[int, list[list[Rollout]]] | JSONResponse:
+        """All samples of an admitted request through the bridge's one sampling path
+        (``events``: version hold, timeouts, cancellation), grouped per prompt."""
+        got = await _admit(req)
+        if isinstance(got, JSONResponse):
+            return got
+        rreq, rid, prompt_ids, usable = got
         out: dict[tuple[int, int], Rollout] = {}
         version = None
         gen = state.events(rreq, rid, prompt_ids, usable)
@@ -219,6 +237,66 @@ def make_router(state: Any) -> APIRouter:
         grouped = [[out[(pi, j)] for j in range(req.n)] for pi in range(len(prompt_ids))]
         return version, grouped
 
+    async def _stream(req: _Sampling, tok, got) -> AsyncIterator[bytes]:
+        """OpenAI server-sent events: one chunk per sample as soon as it finishes (the engines return
+        whole samples, so a chunk holds the sample's full text, logprobs and finish reason), then the
+        usage chunk if asked, then ``data: [DONE]``. An engine failure ends the stream with an error
+        chunk, as vLLM's server does."""
+        rreq, rid, prompt_ids, usable = got
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        model = req.model or state.engines[0].name
+        n_prompt = sum(len(p) for p in prompt_ids)
+        n_done = 0
+        version = None
+        gen = state.events(rreq, rid, prompt_ids, usable)
+        try:
+            async for ev in gen:
+                version = ev.weight_version
+                if ev.type == "error":
+                    err = {"error": {"message": f"engine {ev.engine}: {ev.error}", "type": "engine_error"}, "weight_version": version}
+                    yield f"data: {json.dumps(err)}\n\n".encode()
+                    break
+                if ev.type != "sample":
+                    continue
+                r = Rollout.model_validate(ev.model_dump(exclude={"type"}))
+                n_done += len(r.token_ids)
+                idx = r.prompt_index * req.n + r.sample_index
+                text, toks, extra = _choice(tok, req, r)
+                if chat:
+                    choice = {"index": idx, "delta": {"role": "assistant", "content": text}, "logprobs": _chat_logprobs(req, toks, r), **extra}
+                else:
+                    choice = {"index": idx, "text": text, "logprobs": _completion_logprobs(req, toks, r), **extra}
+                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "weight_version": version}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            else:
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_done,
+                             "total_tokens": n_prompt + n_done}
+                    yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage, 'weight_version': version})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+        finally:
+            await gen.aclose()
+
+    async def _maybe_stream(req: _Sampling, tok):
+        """A streaming request: admitted now (errors as JSON, before the stream starts), then streamed."""
+        got = await _admit(req)
+        if isinstance(got, JSONResponse):
+            return got
+        return StreamingResponse(_stream(req, tok, got), media_type="text/event-stream", headers={"X-Request-Id": got[1]})
+
+    def _completion_logprobs(req: _Sampling, toks: list[str], r: Rollout):
+        if req.logprobs is None:
+            return None
+        offs = [sum(len(x) for x in toks[:i]) for i in range(len(toks))]
+        return {"tokens": toks, "token_logprobs": r.logprobs, "top_logprobs": [{x: v} for x, v in zip(toks, r.logprobs)], "text_offset": offs}
+
+    def _chat_logprobs(req: _Sampling, toks: list[str], r: Rollout):
+        if not req.logprobs:
+            return None
+        return {"content": [{"token": x, "logprob": v, "bytes": list(x.encode()), "top_logprobs": []} for x, v in zip(toks, r.logprobs)]}
+
     async def _serve(body: dict[str, Any], model: type[_Sampling]):
         """Validate ``body`` as ``model``, then sample it through :func:`_sample`. Returns
         ``(req, tok, version, groups)``, or the error response."""
@@ -229,6 +307,8 @@ def make_router(state: Any) -> APIRouter:
             return _invalid(e)
         except ValueError as e:
             return _invalid(e, model.prompt_field)
+        if req.stream:
+            return await _maybe_stream(req, tok)
         got = await _sample(req)
         if isinstance(got, JSONResponse):
             return got
@@ -270,33 +350,26 @@ def make_router(state: Any) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(body: dict[str, Any]):
         got = await _serve(body, CompletionRequest)
-        if isinstance(got, JSONResponse):
+        if isinstance(got, (JSONResponse, StreamingResponse)):
             return got
         req, tok, version, groups = got
         choices = []
         for r in (r for g in groups for r in g):
             text, toks, extra = _choice(tok, req, r)
-            offs = [sum(len(s) for s in toks[:i]) for i in range(len(toks))]
-            lp = None if req.logprobs is None else {"tokens": toks, "token_logprobs": r.logprobs,
-                                                     "top_logprobs": [{s: v} for s, v in zip(toks, r.logprobs)],
-                                                     "text_offset": offs}
-            choices.append({"index": len(choices), "text": text, "logprobs": lp, **extra})
+            choices.append({"index": len(choices), "text": text, "logprobs": _completion_logprobs(req, toks, r), **extra})
         return _response("text_completion", req, version, groups, choices)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: dict[str, Any]):
         got = await _serve(body, ChatCompletionRequest)
-        if isinstance(got, JSONResponse):
+        if isinstance(got, (JSONResponse, StreamingResponse)):
             return got
         req, tok, version, groups = got
         choices = []
         for r in groups[0]:
             text, toks, extra = _choice(tok, req, r)
-            lp = None
-            if req.logprobs:
-                lp = {"content": [{"token": s, "logprob": v, "bytes": list(s.encode()), "top_logprobs": []}
-                                  for s, v in zip(toks, r.logprobs)]}
-            choices.append({"index": len(choices), "message": {"role": "assistant", "content": text}, "logprobs": lp, **extra})
+            choices.append({"index": len(choices), "message": {"role": "assistant", "content": text},
+                            "logprobs": _chat_logprobs(req, toks, r), **extra})
         return _response("chat.completion", req, version, groups, choices)
 
     return router
