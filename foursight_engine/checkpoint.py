@@ -177,7 +177,7 @@ def quantize_model(
     from tqdm.auto import tqdm
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    prepare_destination(out_dir, force)
+    prepare_destination(out_dir, force, source=model_dir)
     cfg = FourSightConfig.parse(
         {
             "ignore": list(ignore),
@@ -286,9 +286,12 @@ def remove_interrupted_runs(out_dir: Path) -> list[Path]:
     return gone
 
 
-def prepare_destination(out_dir: Path, force: bool) -> None:
-    """The checks a writer makes before any slow work: ``out_dir`` must not exist unless ``force``
-    and ours (:func:`check_replaceable`); leftovers of killed runs are removed first."""
+def prepare_destination(out_dir: Path, force: bool, source: Path | None = None) -> None:
+    """The checks a writer makes before any slow work: ``out_dir`` must not be the ``source`` it
+    reads, nor exist unless ``force`` and ours (:func:`check_replaceable`); leftovers of killed runs
+    are removed first."""
+    if source is not None and Path(out_dir).resolve() == Path(source).resolve():
+        raise FileExistsError(f"--out {out_dir} is the folder being read; write to another folder (nothing was changed)")
     remove_interrupted_runs(out_dir)
     if out_dir.exists() or out_dir.is_symlink():
         if not force:
@@ -376,14 +379,19 @@ def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file,
 def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
     """Parse and validate ``config.json["quantization_config"]`` (CheckpointError names the field)."""
     path = Path(ckpt_dir) / "config.json"
+    if not Path(ckpt_dir).exists():
+        raise CheckpointError(f"{ckpt_dir} does not exist")
     if not path.exists():
         raise CheckpointError(f"{ckpt_dir}: no config.json")
     try:
         raw = json.loads(path.read_text()).get("quantization_config")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
+    if raw is None:
+        raise CheckpointError(f"{path}: no quantization_config: {ckpt_dir} is not a quantized checkpoint (a BF16 model? "
+                              f"make one with `foursight quantize --model {ckpt_dir}`)")
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: no quantization_config object")
+        raise CheckpointError(f"{path}: quantization_config is not an object")
     if raw.get("quant_method") != schema.QUANT_METHOD:
         raise CheckpointError(f"{path}: quantization_config.quant_method is {raw.get('quant_method')!r}, not 'foursight'")
     return FourSightConfig.parse(raw)

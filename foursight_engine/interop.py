@@ -48,7 +48,13 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
+        if not Path(model_dir).exists():
+            raise CheckpointError(f"{model_dir} does not exist") from None
+        if not Path(model_dir).is_dir():
+            raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
         raise CheckpointError(f"{model_dir}: no config.json") from None
+    except NotADirectoryError:
+        raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
 
@@ -241,7 +247,7 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
     from foursight.checkpoint import prepare_destination
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    prepare_destination(out_dir, force)
+    prepare_destination(out_dir, force, source=ckpt_dir)
     cfg, mods, rest = load_quantized_tensors(ckpt_dir)
     with_k = sorted(n for n, k in cfg.channels.items() if k)
     if with_k:
@@ -289,7 +295,7 @@ def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels:
     from foursight.checkpoint import prepare_destination
 
     ct_dir = Path(ct_dir)
-    prepare_destination(Path(out_dir), force)  # before the slow part
+    prepare_destination(Path(out_dir), force, source=ct_dir)  # before the slow part
     hf_cfg, tensors = read_compressed_tensors(ct_dir)
     ks = _budget_per_layer(tensors, channels)
     if not any(ks.values()):

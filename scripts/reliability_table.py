@@ -57,11 +57,11 @@ def run(ids: list[str]) -> dict[str, str]:
 
 
 def table(cases, outcomes: dict[str, str] | None) -> str:
-    rows = ["| severity | case | status | test(s) | note |", "|---|---|---|---|---|"]
+    rows = ["| issue | severity | case | status | test(s) | note |", "|---|---|---|---|---|---|"]
     for c in cases:
         tests = "<br>".join(f"`{t.split('::')[0].removeprefix('tests/')}::{t.split('::')[1]}`"
                             + (f" ({outcomes.get(t, 'not run')})" if outcomes is not None else "") for t in c.tests) or "none"
-        rows.append(f"| {c.severity} | {c.case} | **{c.status}** | {tests} | {c.note} |")
+        rows.append(f"| {c.issue} | {c.severity} | {c.case} | **{c.status}** | {tests} | {c.note} |")
     return "\n".join(rows)
 
 

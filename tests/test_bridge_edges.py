@@ -238,3 +238,96 @@ def test_serve_itself_refuses_remote_binds_without_a_key(host, kw, message, monk
     assert ran == []
     serve([CountingEngine()], host="0.0.0.0", allow_remote=True, api_key="k")  # allowed with a key
     assert ran and ran[0]["host"] == "0.0.0.0"
+
+
+# ---- issue 28: undecodable bodies, the model's context, stalled streams -------------------------
+
+
+@pytest.mark.parametrize("path, shape", [("/v1/rollouts", "bridge"), ("/v1/completions", "openai")])
+def test_body_with_invalid_utf8_gets_the_documented_422(edge, path, shape):
+    """A body that is not UTF-8: 422 naming ``body`` in the route's documented shape (before:
+    FastAPI's 400 {"detail": "There was an error parsing the body"})."""
+    b, eng = edge
+    r = httpx.post(b.url + path, content=b'{"prompts": [{"text": "\xff\xfe"}]}', headers={**H, "Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    body = err if shape == "bridge" else err["message"]
+    fields = r.json()["fields"] if shape == "bridge" else err["fields"]
+    assert body.startswith("invalid request: body:") and "UnicodeDecodeError" in body, r.text
+    assert [f["field"] for f in fields] == ["body"]
+    assert eng.generated == 0
+
+
+@pytest.fixture(scope="module")
+def hf_edge(tiny_llama_dir):
+    """A bridge over the real HF engine (tiny Llama, max_position_embeddings 1024)."""
+    from foursight.trainer_bridge.engines import HFEngine
+
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=KEY)).start()
+    yield b
+    b.stop()
+
+
+@pytest.mark.parametrize("prompt_len, sampling, prompt_max, field", [
+    (1000, {"max_tokens": 100}, None, "sampling.max_tokens"),
+    (1000, {"max_tokens": 8}, 25, "prompts[0].max_tokens"),
+    (12000, {"max_tokens": 1}, None, "prompts[0]"),
+])
+def test_prompt_beyond_the_hf_models_context_is_422_naming_the_field(hf_edge, prompt_len, sampling, prompt_max, field):
+    """The HF engine (1024 positions): a prompt plus its max_tokens beyond the context is refused
+    before any generation, naming the field (before: accepted; a 12k-token prompt held the engine
+    83 s on SmolLM2). At the edge (1000 + 24) the request runs."""
+    prompt = {"token_ids": [5] * prompt_len, **({"max_tokens": prompt_max} if prompt_max else {})}
+    t0 = __import__("time").monotonic()
+    r = httpx.post(hf_edge.url + "/v1/rollouts", json={"prompts": [prompt], "sampling": sampling}, headers=H, timeout=60)
+    assert r.status_code == 422, r.text[:500]
+    assert field in [f["field"] for f in r.json()["fields"]] and "context of 1024 tokens" in r.json()["error"], r.json()
+    assert __import__("time").monotonic() - t0 < 10
+    ok = httpx.post(hf_edge.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5] * 1000}], "sampling": {"max_tokens": 24}},
+                    headers=H, timeout=120)
+    assert ok.status_code == 200 and ok.text.count('"type":"sample"') == 1, ok.text[-500:]
+
+
+def test_openai_route_checks_the_context_too(hf_edge):
+    r = httpx.post(hf_edge.url + "/v1/completions", json={"model": "m", "prompt": [5] * 1020, "max_tokens": 10}, headers=H, timeout=60)
+    assert r.status_code == 422 and "max_tokens" in r.json()["error"]["message"] and "context of 1024" in r.json()["error"]["message"], r.text
+
+
+def _stalled_stream(url: str, n: int = 256, max_tokens: int = 4096):
+    """Open a large rollout stream and never read it (a 4 KiB receive buffer: the server's writes block)."""
+    import json
+    import socket
+
+    host, port = url.split("//")[1].split(":")
+    body = json.dumps({"prompts": [{"token_ids": [1]}], "n": n, "sampling": {"max_tokens": max_tokens}}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    s.sendall(b"POST /v1/rollouts HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
+              + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
+
+
+@pytest.mark.parametrize("write_timeout_s, expect", [(2.0, 200), (None, 409)])
+def test_a_stream_whose_client_stops_reading_is_dropped_and_cannot_block_updates(weights_dir, write_timeout_s, expect):
+    """A client opens a large stream and never reads. With the write timeout (2 s here; 30 s by
+    default) the bridge drops it and a weight update goes through (200, the stream count back to 0);
+    with a timeout longer than the update's drain_timeout_s (the behaviour before: no timeout) the
+    update is refused 409 while the stream holds."""
+    import time
+
+    eng = CountingEngine()
+    app = create_app([eng], api_key=KEY, weights_dirs=[weights_dir], write_timeout_s=write_timeout_s or 600.0)
+    b = BridgeThread(app).start()
+    s = _stalled_stream(b.url)
+    try:
+        time.sleep(1.0)
+        r = httpx.post(b.url + "/v1/weights", json={"version": 1, "path": str(weights_dir / "ok.safetensors"), "drain_timeout_s": 6},
+                       headers=H, timeout=60)
+        assert r.status_code == expect, r.text
+        if expect == 200:
+            assert httpx.get(b.url + "/v1/weights").json() == {"version": 1, "update_in_progress": False, "streams_open": 0}
+            assert 'kind="write_timeout"' in httpx.get(b.url + "/metrics").text
+    finally:
+        s.close()
+        b.stop()

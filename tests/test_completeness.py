@@ -1,6 +1,6 @@
 """Checkpoints are compared with the model they describe, and their scales checked for range, by
 every reader: ``foursight inspect``, ``foursight import``, transformers' ``from_pretrained`` and
-vLLM's loader (SGLang: tests/sglang/test_completeness.py). A missing or unexpected tensor, a
+vLLM's loader (SGLang: tests/sglang/test_load_refusals.py). A missing or unexpected tensor, a
 non-finite tensor, and a global scale that is zero, subnormal, non-finite or overflowing are
 refused naming the tensor."""
 

@@ -131,3 +131,25 @@ def test_a_marked_destination_is_refused_by_readers_and_removed_by_the_next_run(
     r = _cli("export", str(fs0), "--out", str(out))
     assert r.exit_code == 0, r.output
     assert not (out / INCOMPLETE_MARKER).exists() and (out / WRITTEN_BY_FILE).exists()
+
+
+@pytest.mark.parametrize("verb", ["import", "export"])
+def test_out_equal_to_the_source_is_refused_and_the_source_kept(verb, fs0, ct, tmp_path):
+    """(probe) `export CK --out CK --force` replaced the checkpoint it read by its export; now refused
+    before anything is written, the source unchanged."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ct if verb == "import" else fs0, src)
+    before = sorted(p.name for p in src.iterdir())
+    r = _cli(verb, str(src), "--out", str(src), "--force")
+    assert r.exit_code == 2 and "is the folder being read" in " ".join(r.output.split()), r.output
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_inspect_says_what_a_folder_is_not(tiny_llama_dir, tmp_path):
+    """(probe) a path that does not exist was "no config.json"; a BF16 model "no quantization_config object"."""
+    r = _cli("inspect", str(tmp_path / "nope"))
+    assert r.exit_code == 2 and "does not exist" in r.output
+    r = _cli("inspect", str(tiny_llama_dir))
+    assert r.exit_code == 2 and "is not a quantized checkpoint" in " ".join(r.output.split()) and "foursight quantize" in " ".join(r.output.split())

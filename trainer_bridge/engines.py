@@ -105,6 +105,11 @@ class Engine(ABC):
         """Size of the served model's vocabulary (token ids must be below it), None when unknown."""
         return None
 
+    async def context_length(self) -> int | None:
+        """The served model's context in tokens (a prompt plus its ``max_tokens`` must fit;
+        ``guards.engine_field_errors``), None when unknown."""
+        return None
+
     async def start(self) -> None:
         """Connect / load. Called once by the server at startup."""
 
@@ -167,6 +172,18 @@ class _HTTPEngine(Engine):
     @property
     def vocab_size(self) -> int | None:
         return self._vocab_size
+
+    async def context_length(self) -> int | None:
+        """``max_model_len`` of the server's ``GET /v1/models`` (vLLM and SGLang both report it),
+        asked once; None when the server does not say (it then checks the length itself)."""
+        if getattr(self, "_context", None) is None:
+            try:
+                r = await self._probe.get("/v1/models")
+                n = r.json()["data"][0].get("max_model_len") if r.status_code == 200 else None
+                self._context = int(n) if isinstance(n, int) and n > 0 else 0
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+                return None  # asked again next time
+        return self._context or None
 
     async def start(self) -> None:
         # connect retries and a keep-alive expiry below the engine's (foursight.trainer_bridge.connections)
@@ -818,6 +835,11 @@ class HFEngine(Engine):
     @property
     def vocab_size(self) -> int | None:
         n = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return int(n) if n else None
+
+    async def context_length(self) -> int | None:
+        """The model's ``max_position_embeddings`` (its positions end there)."""
+        n = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return int(n) if n else None
 
     async def served_state(self) -> dict[str, Any] | None:

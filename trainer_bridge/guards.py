@@ -4,13 +4,16 @@
 * :func:`add_guards`: ASGI middleware, outermost first: ``Host`` checked against the allowed hosts
   (Starlette's ``TrustedHostMiddleware``: a DNS-rebinding page sends its own host name), a
   cross-site ``Origin`` refused (403), the API key checked before any body byte is read (401),
-  and a body size limit (413, from ``Content-Length`` or while a chunked body streams in).
+  and a body size limit (413, from ``Content-Length`` or while a chunked body streams in); innermost,
+  a write timeout (:class:`WriteTimeoutMiddleware`: a response whose client stops reading is
+  dropped after ``write_timeout_s``, so a stalled stream cannot hold weight updates hostage); and a
+  body that cannot be decoded (invalid UTF-8) gets the documented 422 shape, not FastAPI's 400.
 * :class:`WeightsRoots`: an update ``path`` must resolve (symlinks and ``..`` followed) to a file or
   folder inside one of the operator's ``--weights-dir`` folders; anything else, existing or not,
   gets the same answer, so a caller learns nothing about the rest of the disk.
 * :func:`engine_field_errors`: prompt and sampling fields checked against the served model
   (vocabulary size, ``min_tokens`` against each prompt's ``max_tokens``, the max_tokens cap, seeds
-  within int64).
+  within int64, each prompt plus its ``max_tokens`` within the model's context).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from foursight.trainer_bridge.protocol import INT64_MAX, RolloutRequest
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: default request body limit (a rollout request of 65536 token-id prompts fits)
 DEFAULT_MAX_BODY_BYTES = 32 << 20
+#: seconds one write of a response may wait for the client to read (``--write-timeout-s``): a
+#: stream whose client stops reading is dropped after it, which releases its hold on weight updates
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 #: (method, path) that need no API key: health, metrics and the current version (read-only)
 OPEN_ROUTES = {("GET", "/v1/health"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/weights"), ("HEAD", "/v1/health"),
                ("HEAD", "/health")}
@@ -180,9 +186,71 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, guarded_send)
 
 
+class WriteTimeoutMiddleware:
+    """Each ``send`` of a response may wait at most ``timeout_s`` for the client to take the bytes
+    (the server's write buffer drains only as fast as the client reads). Past it the response is
+    abandoned: the send raises ``TimeoutError`` inside the app (a rollout stream then closes its
+    generator: its engine calls are cancelled and its hold on the version gate released), later
+    sends are dropped, and the server closes the connection, as for a response the app left
+    incomplete. ``timeout_s`` None reads :data:`DEFAULT_WRITE_TIMEOUT_S` at each request."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float | None = None, on_reject: Callable[[str], None] = lambda kind: None):
+        self.app, self.timeout_s, self.on_reject = app, timeout_s, on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        import anyio
+
+        limit = self.timeout_s if self.timeout_s is not None else DEFAULT_WRITE_TIMEOUT_S
+        dropped = False
+
+        async def timed_send(msg):
+            nonlocal dropped
+            if dropped:
+                raise TimeoutError(f"response dropped: the client read nothing for {limit} s")
+            try:
+                with anyio.fail_after(limit):
+                    await send(msg)
+            except TimeoutError:
+                dropped = True
+                self.on_reject("write_timeout")
+                raise TimeoutError(f"response dropped: the client read nothing for {limit} s") from None
+
+        await self.app(scope, receive, timed_send)
+
+
+#: what FastAPI answers (400) when a body cannot be decoded at all (e.g. invalid UTF-8)
+_UNPARSABLE_BODY = "There was an error parsing the body"
+#: the OpenAI routes, whose errors have the OpenAI shape
+_OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+async def _unparsable_body(request, exc):
+    """FastAPI's 400 for a body it cannot decode, in the documented 422 shape (naming ``body``)
+    of the route (the bridge's, or the OpenAI one); every other HTTP error as FastAPI answers it."""
+    from fastapi.exception_handlers import http_exception_handler
+
+    if exc.status_code != 400 or exc.detail != _UNPARSABLE_BODY:
+        return await http_exception_handler(request, exc)
+    cause = exc.__cause__
+    why = f"not decodable as JSON ({type(cause).__name__}: {cause})" if cause is not None else "not decodable as JSON"
+    field = [{"field": "body", "message": why}]
+    if request.url.path in _OPENAI_PATHS:
+        return JSONResponse(status_code=422, content={"error": {"message": f"invalid request: body: {why}", "type": "invalid_request_error",
+                                                                "fields": field}})
+    return JSONResponse(status_code=422, content={"error": f"invalid request: body: {why}", "fields": field})
+
+
 def add_guards(app, *, api_key: str | None, allowed_hosts: Sequence[str], max_body_bytes: int,
-               on_reject: Callable[[str], None]) -> None:
-    """Install the edge middleware on a FastAPI/Starlette app (added last = runs first)."""
+               on_reject: Callable[[str], None], write_timeout_s: float | None = None) -> None:
+    """Install the edge middleware on a FastAPI/Starlette app (added last = runs first) and the
+    undecodable-body handler."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app.add_exception_handler(StarletteHTTPException, _unparsable_body)
+    app.add_middleware(WriteTimeoutMiddleware, timeout_s=write_timeout_s, on_reject=on_reject)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, on_reject=on_reject)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key, on_reject=on_reject)
     app.add_middleware(OriginMiddleware, allowed_hosts=allowed_hosts, on_reject=on_reject)
@@ -219,12 +287,15 @@ class WeightsRoots:
 
 
 def engine_field_errors(req: RolloutRequest, prompt_ids: Sequence[Sequence[int]] | None, vocab_size: int | None,
-                        max_tokens_cap: int | None, max_request_tokens: int | None = None) -> list[dict[str, Any]]:
+                        max_tokens_cap: int | None, max_request_tokens: int | None = None,
+                        context_length: int | None = None) -> list[dict[str, Any]]:
     """Fields of a parsed request that the served model cannot take, each ``{"field", "message"}``.
 
     ``max_request_tokens`` is the per-request token budget: the completion tokens the request may
-    ask for in all (``n`` times the sum of every prompt's ``max_tokens``). With ``prompt_ids`` None
-    only the fields known before tokenization are checked.
+    ask for in all (``n`` times the sum of every prompt's ``max_tokens``). ``context_length`` is the
+    served model's context (``Engine.context_length``): a prompt's tokens plus its ``max_tokens``
+    must fit (the HF engine would otherwise run a 12k-token prompt past its positions). With
+    ``prompt_ids`` None only the fields known before tokenization are checked.
     """
     errs: list[dict[str, Any]] = []
     sp = req.sampling
@@ -245,6 +316,14 @@ def engine_field_errors(req: RolloutRequest, prompt_ids: Sequence[Sequence[int]]
         if asked > max_request_tokens:
             errs.append({"field": "n", "message": f"n * sum of max_tokens over the prompts = {asked} exceeds the server's "
                                                   f"per-request token budget {max_request_tokens}"})
+    if context_length is not None:
+        for i, (p, ids) in enumerate(zip(req.prompts, prompt_ids or [])):
+            mt, field = (p.max_tokens, f"prompts[{i}].max_tokens") if p.max_tokens is not None else (sp.max_tokens, "sampling.max_tokens")
+            if len(ids) >= context_length:
+                errs.append({"field": f"prompts[{i}]", "message": f"{len(ids)} tokens, not below the model's context of {context_length} tokens"})
+            elif len(ids) + mt > context_length:
+                errs.append({"field": field, "message": f"prompts[{i}] has {len(ids)} tokens; with max_tokens {mt} that is "
+                                                        f"{len(ids) + mt}, beyond the model's context of {context_length} tokens"})
     if vocab_size is not None:
         for j, t in enumerate(sp.stop_token_ids):
             if t >= vocab_size:

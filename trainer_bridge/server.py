@@ -232,6 +232,7 @@ def create_app(
     max_tokens_cap: int | None = None,
     max_request_tokens: int | None = None,
     probe_timeout_s: float = 10.0,
+    write_timeout_s: float | None = None,
 ) -> FastAPI:
     """Build the bridge app.
 
@@ -251,6 +252,8 @@ def create_app(
         max_request_tokens: per-request token budget, ``n`` times the sum of the prompts' ``max_tokens``
             (None: no budget beyond the per-sample cap).
         probe_timeout_s: seconds the health probe (a 1-token request per engine) may take.
+        write_timeout_s: seconds one write may wait for a client that stopped reading before its response is
+            dropped (None: ``guards.DEFAULT_WRITE_TIMEOUT_S``, 30 s).
     """
     state = BridgeState(engines, api_key, max_concurrency, max_queue, sample_timeout_s, initial_version)
     state.liveness = Liveness(state.engines, probe_timeout_s=probe_timeout_s)
@@ -274,7 +277,7 @@ def create_app(
     app = FastAPI(title="FourSight rollout bridge", lifespan=lifespan)
     app.state.bridge = state
     add_guards(app, api_key=api_key, allowed_hosts=hosts, max_body_bytes=max_body_bytes,
-               on_reject=lambda kind: state.metrics.errors.labels(kind=kind).inc())
+               on_reject=lambda kind: state.metrics.errors.labels(kind=kind).inc(), write_timeout_s=write_timeout_s)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -307,7 +310,7 @@ def create_app(
             if not prompt_ids[-1]:
                 return JSONResponse(status_code=422, content={"error": f"invalid request: prompts[{i}]: empty after tokenization",
                                                               "fields": [{"field": f"prompts[{i}]", "message": "empty"}]})
-        errs = engine_field_errors(req, prompt_ids, vocab, None)
+        errs = engine_field_errors(req, prompt_ids, vocab, None, context_length=await state.engines[0].context_length())
         if errs:
             state.metrics.errors.labels(kind="bad_request").inc()
             return unprocessable(errs)

@@ -268,3 +268,21 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
             bridge.stop()
         for p in procs:
             stop_server(p)
+
+
+def test_bridge_refuses_a_prompt_beyond_the_sglang_context_naming_the_field(server, tiny_ckpt):
+    """issue 28: the SGLang server's context (its GET /v1/models max_model_len, 1024 for the tiny
+    model): a prompt plus max_tokens beyond it gets 422 from the bridge naming the field."""
+    from foursight.trainer_bridge.engines import SGLangHTTPEngine
+    from foursight.trainer_bridge.launch import BridgeThread
+    from foursight.trainer_bridge.server import create_app
+
+    b = BridgeThread(create_app([SGLangHTTPEngine(server, tokenizer=tiny_ckpt)])).start()
+    try:
+        r = httpx.post(b.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5] * 1000}], "sampling": {"max_tokens": 100}}, timeout=120)
+        assert r.status_code == 422, r.text[:500]
+        assert [f["field"] for f in r.json()["fields"]] == ["sampling.max_tokens"] and "context of 1024 tokens" in r.json()["error"]
+        ok = httpx.post(b.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5] * 1000}], "sampling": {"max_tokens": 24}}, timeout=300)
+        assert ok.status_code == 200 and ok.text.count('"type":"sample"') == 1, ok.text[-500:]
+    finally:
+        b.stop()
