@@ -55,8 +55,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "KW")
-_NOT_DIV16 = ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP")
+_INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "KW", "SEG_PER_SPLIT")
+_NOT_DIV16 = ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "SEG_PER_SPLIT")
 
 
 def _kernel(module: str, name: str):
@@ -157,7 +157,7 @@ def form_case(cfg, scale_bf16: bool):
     if form == "FragmentConfig":
         fn = _kernel("fragment", "_fragment_gemm_kernel")
         consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=scale_bf16, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False)
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False, XS_DENSE=True)
         frag = __import__("foursight.kernels.fragment", fromlist=["x"])
         if hasattr(frag, "PDL_PREFETCH_CHUNKS"):  # the W4A4 default: launched with PDL after the quantizer
             consts.update(GDC_WAIT=True, PREFETCH_CHUNKS=frag.PDL_PREFETCH_CHUNKS)
@@ -225,8 +225,10 @@ def gemm_rows() -> list[dict]:
 
     scale_bf16 = _scale_bf16()
     rows, seen = [], set()
-    for lst in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS"):
-        for cfg in getattr(configs, lst):
+    lists = [(lst, getattr(configs, lst)) for lst in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS")]
+    lists += [(f"FP16_CONFIGS[{p}]", cs) for p, cs in getattr(configs, "FP16_CONFIGS", {}).items()]  # v3: fp16 activations
+    for lst, cfgs in lists:
+        for cfg in cfgs:
             if str(cfg) in seen:
                 continue
             seen.add(str(cfg))
@@ -376,6 +378,13 @@ def write_md(b: dict, a: dict, path: str) -> None:
     ]
     for lst in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS"):
         lines.append(f"| instructions per weight value, main loop, {lst} (min – max over the list) | {_best(b['gemm'], lst)} | {_best(a['gemm'], lst)} |")
+    for lst in sorted({r["list"] for r in a["gemm"]} - {"DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS"}):
+        lines.append(f"| instructions per weight value, main loop, {lst} (fp16 activations only; before: in the lists above) | – | {_best(a['gemm'], lst)} |")
+    for name, lst in (("fragment", "DECODE_CONFIGS"), ("fragment", "MID_CONFIGS"), ("dequant", "PREFILL_CONFIGS")):
+        bb = [r["per_weight"] for r in b["gemm"] if r["list"] == lst and r["config"].startswith(name) and r.get("per_weight")]
+        aa = [r["per_weight"] for r in a["gemm"] if r["list"] == lst and r["config"].startswith(name) and r.get("per_weight")]
+        if bb and aa:
+            lines.append(f"| {name} form in {lst}: mean instructions per weight value | {sum(bb) / len(bb):.2f} | {sum(aa) / len(aa):.2f} |")
     for i, row in enumerate(a["act_quant"]):
         brow = b["act_quant"][i] if i < len(b["act_quant"]) else {}
         lines.append(f"| quantizer instructions per activation element, {row['case']}, hot path (total) | "

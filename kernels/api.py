@@ -158,16 +158,18 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
         return dequant_linear(cfg, x2, pw, bias, input_global_scale, act_quant, out)
     if not act_quant:
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
-    want_xs = isinstance(cfg, SSConfig) and pw.num_channels > 0
     frag = isinstance(cfg, FragmentConfig)
+    want_xs = (isinstance(cfg, SSConfig) or (frag and x2.dtype == torch.bfloat16)) and pw.num_channels > 0
     pdl = frag and x2.is_cuda and x2.dtype == torch.bfloat16 and pdl_supported()
     if pdl:
         x2 = x2.contiguous()  # before the quantizer: nothing may run between it and the PDL-launched GEMM
     deq_dtype = torch.bfloat16 if frag else torch.float16
     _, _, deq, gs, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, input_global_scale, False, True, want_xs,
                                              deq_dtype=deq_dtype, launch_deps=pdl)
-    if pdl:  # the GEMM's programs start during the quantization (programmatic dependent launch)
-        return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True)
+    if frag:  # with PDL the GEMM's programs start during the quantization; X[:, S] read contiguous
+        if x2.dtype != torch.bfloat16:
+            raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x2.dtype}")
+        return fragment_launch(cfg, deq, gs, x2.contiguous(), pw, bias, out, True, pdl=pdl, xs=xs)
     return _gemm_dispatch(cfg, x2, pw, (deq, gs), bias, out, xs=xs)
 
 

@@ -305,9 +305,11 @@ def _fragment_gemm_kernel(
     SPLITS,
     M, N, K, KS,
     CHUNKS_PER_SPLIT,  # 128-column chunks per split (a multiple of BLOCK_K/128); grid axis 1 = split
-    FIRST_CHUNKS,  # chunks of split 0, which also runs the BF16 segment (fewer, to balance the splits)
+    FIRST_CHUNKS,  # chunks of split 0 (equal to CHUNKS_PER_SPLIT: the BF16 segment is spread over the splits)
     KCP,  # 128-column chunks of the padded weight
     NP,  # stored rows (N rounded up to 64)
+    xs_ptr,  # X[:, S] [M, KS] contiguous, written by the activation quantizer (XS_DENSE)
+    SEG_PER_SPLIT,  # BF16-segment columns per split (a multiple of BLOCK_KS)
     A_QUANT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_KS: tl.constexpr,
@@ -321,6 +323,7 @@ def _fragment_gemm_kernel(
     INTERP: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,  # launched with PDL after the activation quantizer: wait for it
     PREFETCH_CHUNKS: tl.constexpr = 0,  # with GDC_WAIT: 128-column chunks of weight prefetched into L2 first
+    XS_DENSE: tl.constexpr = False,  # the BF16 segment reads X[:, S] from xs_ptr (contiguous) instead of gathering it from x
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -383,14 +386,22 @@ def _fragment_gemm_kernel(
         acc = acc * (128.0 / wgs)[:, None]
 
     if HAS_KS:
-        if pid_k == 0:
-            offs_c = tl.arange(0, BLOCK_KS)
-            for k0 in range(0, KS, BLOCK_KS):
-                cm = (k0 + offs_c) < KS
+        # the BF16 columns as ordinary K steps of the same accumulator, spread over the splits: split
+        # s runs columns [s * SEG_PER_SPLIT, (s + 1) * SEG_PER_SPLIT) of S (a short loop Triton
+        # pipelines like the main one), so no split carries a serial tail; X[:, S] is read contiguous
+        # from the quantizer's output (W4A4) or gathered from X (W4A16)
+        offs_c = tl.arange(0, BLOCK_KS)
+        seg_lo = pid_k * SEG_PER_SPLIT
+        seg_hi = tl.minimum(KS, seg_lo + SEG_PER_SPLIT)
+        for k0 in range(seg_lo, seg_hi, BLOCK_KS):
+            cm = (k0 + offs_c) < seg_hi
+            if XS_DENSE:
+                xs = tl.load(xs_ptr + rm[:, None] * KS + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
+            else:
                 ch = tl.load(ch_ptr + k0 + offs_c, mask=cm, other=0).to(tl.int64)
                 xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=cm[None, :], other=0.0)
-                wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-                acc = _mma(wb, tl.trans(xs), acc, INTERP)
+            wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
+            acc = _mma(wb, tl.trans(xs), acc, INTERP)
 
     omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
@@ -592,8 +603,8 @@ def _wave_split(tiles: int, steps: int, slots: int) -> int:
 def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, split: int, slots: int) -> tuple[int, int, int]:
     """(splits, chunks per split, chunks of split 0) for ``kcp`` 128-column chunks. ``split`` 0 =
     automatic (:func:`_wave_split` over ``slots``, the programs that can be resident at once),
-    1 = no split. Split 0 also runs the BF16 segment, worth about ``k/32`` chunks of bytes (2k bytes
-    per row against 64 per chunk), so it gets that many fewer chunks."""
+    1 = no split. Every split gets the same number of chunks: the BF16 segment (``kk`` columns) is
+    spread over the splits (:func:`segment_plan`), not run by split 0 alone."""
     steps = triton.cdiv(kcp, step)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split == 0:
@@ -602,11 +613,19 @@ def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, 
     split = max(1, min(split, steps))
     if split == 1:
         return 1, steps * step, steps * step
-    seg = triton.cdiv(kk, 32)
-    cps = triton.cdiv(triton.cdiv(kcp + seg, split), step) * step
-    first = max(0, (cps - seg) // step * step)
-    splits = 1 + triton.cdiv(max(0, kcp - first), cps)
-    return splits, cps, first
+    cps = triton.cdiv(steps, split) * step
+    splits = triton.cdiv(kcp, cps)
+    return splits, cps, cps
+
+
+def segment_plan(kk: int, splits: int) -> tuple[int, int]:
+    """(BLOCK_KS, columns per split) of the BF16 segment: ``kk`` columns over ``splits`` programs in
+    steps of 16-64 columns (the MMA's K is 16 for bf16)."""
+    if kk == 0:
+        return 16, 16
+    per = triton.cdiv(kk, splits)
+    bks = min(64, max(16, triton.next_power_of_2(per)))
+    return bks, triton.cdiv(per, bks) * bks
 
 
 _SLOTS: dict = {}
@@ -663,14 +682,15 @@ def _counters(device, tiles: int) -> torch.Tensor:
 PDL_PREFETCH_CHUNKS: int = 4
 
 
-def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = False):
+def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = False, xs=None):
     """Launch the fragment kernel (one launch; with split-K the last split of each tile reduces).
 
     ``a``: the bf16 ``q*s`` activation (``a_quant``, ``a_gs`` its per-row global scales) or X itself
     (W4A16, bf16); ``x``: the source of the BF16 segment's columns (bf16, unit stride along K).
     ``pdl``: launched with programmatic dependent launch right after the activation quantizer
     (which called ``gdc_launch_dependents``): each program prefetches its first weight chunks into
-    L2 and then waits for the quantizer (``gdc_wait``) before it reads ``a``."""
+    L2 and then waits for the quantizer (``gdc_wait``) before it reads ``a``. ``xs``: ``X[:, S]``
+    [M, k] contiguous (the quantizer writes it), read by the BF16 segment instead of gathering from ``x``."""
     fw = fragment_of(pw)
     sf = scale_view(fw)
     m = x.shape[0]
@@ -681,9 +701,10 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     step = bk // FRAG_COLS
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     dummy = pw.weight_global_scale
+    xs_dense = xs is not None and kk > 0
     consts = dict(A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SCALE_BF16=fw.scale_bf16,
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=min(64, max(16, triton.next_power_of_2(max(kk, 1)))),
-                  GROUP_M=8, INTERP=interpreting())
+                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=16,
+                  GROUP_M=8, INTERP=interpreting(), XS_DENSE=xs_dense)
     opts = dict(num_warps=4, num_stages=cfg.num_stages)
     if cfg.max_regs and not interpreting():
         opts["maxnreg"] = cfg.max_regs
@@ -692,7 +713,7 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
         consts.update(GDC_WAIT=True, PREFETCH_CHUNKS=PDL_PREFETCH_CHUNKS)
         opts["launch_pdl"] = True
 
-    def args(ws, cnt, splits, cps, first):
+    def args(ws, cnt, splits, cps, first, seg=16):
         return (a, a.stride(0),
                 a_gs if a_gs is not None else dummy,
                 x, x.stride(0),
@@ -703,7 +724,8 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
                 pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
                 bias if bias is not None else dummy,
                 out, out.stride(0), ws, cnt, splits,
-                m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0])
+                m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0],
+                xs if xs_dense else dummy, seg)
 
     slots = 8
     if cfg.split_k == 0:
@@ -711,6 +733,7 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
         slots = _resident_slots(out.device, key, lambda: _fragment_gemm_kernel.warmup(
             *args(dummy, _counters(out.device, 1), 2, 16, 16), SPLIT=True, **consts, **opts, grid=(1, 1)))
     splits, cps, first = _split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, slots)
+    consts["BLOCK_KS"], seg = segment_plan(kk, splits)
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
     cnt = _counters(out.device, tiles) if splits > 1 else dummy
-    return _fragment_gemm_kernel[(tiles, splits)](*args(ws, cnt, splits, cps, first), SPLIT=splits > 1, **consts, **opts)
+    return _fragment_gemm_kernel[(tiles, splits)](*args(ws, cnt, splits, cps, first, seg), SPLIT=splits > 1, **consts, **opts)

@@ -487,7 +487,13 @@ def test_fragment_split_plan_fills_whole_waves():
     assert _wave_split(1000, 32, 396) == 1  # more tiles than resident programs: no split
     assert _wave_split(2, 4, 8) == 4  # capped by the K steps
     splits, cps, first = _split_plan(16, 8192, 64, 128, 16, 64, 2, 0, 396)
-    assert splits == 3 and first + (splits - 1) * cps >= 64 and first < cps
+    assert splits == 3 and first == cps and splits * cps >= 64 and (splits - 1) * cps < 64  # equal FP4 shares
+    # the BF16 segment spread over the splits in 16..64-column steps, every column covered once
+    from foursight.kernels.fragment import segment_plan
+
+    for kk, sp in ((128, 3), (128, 8), (16, 4), (200, 1), (64, 2)):
+        bks, per = segment_plan(kk, sp)
+        assert per % bks == 0 and 16 <= bks <= 64 and sp * per >= kk and per - bks < -(-kk // sp)
 
 
 def test_one_weight_form_resident():
@@ -518,3 +524,37 @@ def test_one_weight_form_resident():
     assert torch.equal(scale, qw.weight_scale.view(torch.uint8))
     fk.splice_linear(x.half(), pw)  # an fp16 model: the packed forms, which keep the packed layout
     assert fk.resident_bytes(pw) == before + N * K // 2 + N * K // 16
+
+
+def test_device_v3_dry_run_writes_provenance(tmp_path):
+    """benchmarks/device_v3.sh (the H200 run of issue 26) on the CPU with DRY_RUN=1: the package is
+    laid out as on the bare device (copies under PYTHONPATH, no install), each benchmark parses its
+    arguments and writes its JSON with the provenance the device results must carry."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    from foursight.kernels import configs
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PY": sys.executable, "STEPS": "grid,breakdown,decode",
+           "FOURSIGHT_COMMIT": "0123abc"}
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run(["bash", str(root / "benchmarks/device_v3.sh")], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for name in ("grid", "breakdown", "decode"):
+        assert f"{name}: dry run ok" in r.stdout, r.stdout[-2000:]
+    grid = json.loads((tmp_path / "splice_gemm.json").read_text())
+    brk = json.loads((tmp_path / "breakdown.json").read_text())
+    for res in (grid, brk):
+        p = res["provenance"]
+        assert p["commit"] == "0123abc" and len(p["kernels_sha256"]) == 64 and p["triton"] == triton.__version__
+        assert p["default_configs"]["DECODE_CONFIGS"] == [str(c) for c in configs.DECODE_CONFIGS]
+        assert "/pp." in p["kernels_dir"]  # the copied package, not this checkout's editable install
+    assert grid["args"]["ks"] == "0,128" and "576x1536" in grid["args"]["shapes"]
+    dec = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert dec["env"]["git_commit"] == "0123abc" and len(dec["env"]["kernels_sha256"]) == 16 and "pdl" in dec["env"]
+    assert grid["provenance"]["kernels_sha256"][:16] == dec["env"]["kernels_sha256"]
