@@ -145,3 +145,55 @@ def test_verl_batch_filter_and_hook(monkeypatch):
                                           "response_mask": b["completion_mask"].clone()})
     _, m2 = helper.compute_rollout_correction_and_add_to_batch(proto2, {"rollout_is": None})
     assert m2["rollout_corr/filter/dropped_sequences"] == 2
+
+
+# ---- TRL server mode against the bridge: FourSightVLLMClient and the bridge's TRL routes ----
+def test_trl_client_syncs_through_the_bridge_routes(tiny_llama_dir, tmp_path):
+    """TRL's client protocol against the bridge (HF engine): /server_info names the file backend,
+    init refuses TRL's NCCL handshake naming the client to use, and FourSightVLLMClient's updates
+    (one per call, or one for a whole ``weight_update()`` block) become bridge weight versions whose
+    engine serves the new weights (its greedy tokens equal transformers' on those weights)."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from foursight.trainer_bridge.engines import HFEngine
+    from foursight.trainer_bridge.launch import BridgeThread
+    from foursight.trainer_bridge.server import create_app
+    from foursight.trainer_bridge.trl import FourSightVLLMClient
+    from weight_helpers import perturbed_state
+
+    key = "k"
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=key, weights_dirs=[str(tmp_path)])).start()
+    try:
+        h = {"Authorization": f"Bearer {key}"}
+        info = httpx.get(b.url + "/server_info", headers=h, timeout=30).json()["vllm_config"]
+        assert info["weight_transfer_config"]["backend"] == "foursight_bridge" and info["model_config"]["logprobs_mode"] == "raw_logprobs"
+        nccl = {"init_info": {"master_address": "10.0.0.1", "master_port": 51216, "rank_offset": 1, "world_size": 2}}
+        r = httpx.post(b.url + "/init_weight_transfer_engine", json=nccl, headers=h, timeout=30)
+        assert r.status_code == 422 and "FourSightVLLMClient" in r.text
+        r = httpx.post(b.url + "/update_weights", json={"update_info": {"names": ["x"], "dtype_names": ["bfloat16"], "shapes": [[1]]}},
+                       headers=h, timeout=30)
+        assert r.status_code == 422 and "update_info" in r.text
+        assert httpx.post(b.url + "/server_info", timeout=30).status_code in (401, 405)
+
+        c = FourSightVLLMClient(base_url=b.url, api_key=key, weights_dir=tmp_path, connection_timeout=30)
+        c.init_communicator(device="cpu")
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).float()  # a float32 learner: sent as BF16
+        new = perturbed_state(tiny_llama_dir, seed=7)
+        model.load_state_dict(new, strict=False)
+        c.update_model_params(model)
+        assert c.last_update["version"] == 1 and httpx.get(b.url + "/v1/weights", timeout=30).json()["version"] == 1
+        with c.weight_update():
+            for name, p in model.named_parameters():
+                c.update_named_param(name, p.data)
+        assert c.last_update["version"] == 2 and c.last_update["engines"][0]["version"] == 2
+        assert not list(tmp_path.glob("foursight-trl-*"))  # the files are removed after each update
+        ids = [5, 6, 7, 8]
+        out = c.generate([ids], n=1, max_tokens=8, temperature=0.0, generation_kwargs={"ignore_eos": True})
+        ref = model.to(torch.bfloat16).generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, temperature=None, top_p=None,
+                                                top_k=None, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out["completion_ids"][0] == ref
+        c.reset_prefix_cache()
+        c.close_communicator()
+    finally:
+        b.stop()

@@ -55,11 +55,14 @@ class FourSightVLLMClient(VLLMClient):
         self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": {"backend": BACKEND}})
 
     def update_named_params(self, metadata: list[tuple[str, str, list[int]]], named_params: Iterator[tuple[str, torch.Tensor]]):
-        """Send the tensors (HF names, any float dtype) to the bridge as one weight update."""
+        """Send the tensors (HF names; floats are sent as BF16) to the bridge as one weight update."""
         names = [m[0] for m in metadata]
         got: dict[str, torch.Tensor] = {}
         for name, t in named_params:
-            got[name] = t.detach().to("cpu").contiguous()
+            # the bridge's weight protocol is BF16 (docs/bridge.md): a float32 learner's tensors are
+            # rounded to nearest, the cast vLLM makes when a bfloat16 engine loads float32 weights
+            dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+            got[name] = t.detach().to("cpu", dtype).contiguous()
         if list(got) != names:
             missing = sorted(set(names) - set(got)) or sorted(set(got) - set(names))
             raise ValueError(f"update_named_params: the tensors do not match their metadata (first differing name: {missing[:1]})")
