@@ -387,7 +387,7 @@ def _fragment_gemm_kernel(
 
     if HAS_KS:
         # the BF16 columns as ordinary K steps of the same accumulator, spread over the splits: split
-        # s runs columns [s * SEG_PER_SPLIT, (s + 1) * SEG_PER_SPLIT) of S (a short loop Triton
+        # s runs columns [s * SEG_PER_SPLIT, (s + 1) * SEG_PER_SPLIT) of S in 16-column steps (a short loop Triton
         # pipelines like the main one), so no split carries a serial tail; X[:, S] is read contiguous
         # from the quantizer's output (W4A4) or gathered from X (W4A16)
         offs_c = tl.arange(0, BLOCK_KS)
@@ -618,14 +618,16 @@ def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, 
     return splits, cps, cps
 
 
+#: columns of one BF16-segment step (the bf16 MMA's K): one value for every split count, so the split
+#: plan never asks for another compiled variant
+SEGMENT_STEP: int = 16
+
+
 def segment_plan(kk: int, splits: int) -> tuple[int, int]:
     """(BLOCK_KS, columns per split) of the BF16 segment: ``kk`` columns over ``splits`` programs in
-    steps of 16-64 columns (the MMA's K is 16 for bf16)."""
-    if kk == 0:
-        return 16, 16
-    per = triton.cdiv(kk, splits)
-    bks = min(64, max(16, triton.next_power_of_2(per)))
-    return bks, triton.cdiv(per, bks) * bks
+    steps of :data:`SEGMENT_STEP` columns."""
+    per = triton.cdiv(max(kk, 1), splits)
+    return SEGMENT_STEP, triton.cdiv(per, SEGMENT_STEP) * SEGMENT_STEP
 
 
 _SLOTS: dict = {}

@@ -488,7 +488,7 @@ def test_fragment_split_plan_fills_whole_waves():
     assert _wave_split(2, 4, 8) == 4  # capped by the K steps
     splits, cps, first = _split_plan(16, 8192, 64, 128, 16, 64, 2, 0, 396)
     assert splits == 3 and first == cps and splits * cps >= 64 and (splits - 1) * cps < 64  # equal FP4 shares
-    # the BF16 segment spread over the splits in 16..64-column steps, every column covered once
+    # the BF16 segment spread over the splits in 16-column steps, every column covered once
     from foursight.kernels.fragment import segment_plan
 
     for kk, sp in ((128, 3), (128, 8), (16, 4), (200, 1), (64, 2)):
