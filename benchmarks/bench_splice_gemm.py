@@ -309,6 +309,7 @@ def run(args) -> dict:
 
 def _write(res: dict, out_dir: Path) -> None:
     res["tuned"] = [{"key": [str(v) for v in k], "config": str(v)} for k, v in fk_tuning.TUNED.items()]
+    res["pdl_errors"] = list(fk_api.PDL_ERRORS)
     res["tune_log"] = [{"key": [str(v) for v in k], "candidates": [{"config": str(cfg), "ms": t, "error": e} for cfg, t, e in v]}
                        for k, v in fk_tuning.TUNE_LOG.items()]
     (out_dir / "splice_gemm.json").write_text(json.dumps(res, indent=1))

@@ -149,6 +149,7 @@ def main() -> None:
                 continue
             row = row_for(N, K, M, args.k, layers)
             res["rows"].append(row)
+            res["pdl_errors"] = list(fk_api.PDL_ERRORS)
             print(json.dumps(row), flush=True)
             (out / "breakdown.json").write_text(json.dumps(res, indent=1))
             (out / "breakdown.md").write_text(markdown(res))

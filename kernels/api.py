@@ -57,6 +57,11 @@ __all__ = [
 ]
 
 
+#: Why programmatic dependent launch was turned off in this process (a failed PDL build), if it was;
+#: the benchmarks record it. Empty: PDL is used wherever :func:`~.primitives.pdl_supported` says so.
+PDL_ERRORS: list = []
+
+
 def datapath_for(m: int) -> str:
     """Datapath name for M rows: ``decode`` (M <= DECODE_MAX_M), ``mid`` (<= 128) or ``prefill``."""
     if m <= DECODE_MAX_M:
@@ -160,7 +165,7 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
     frag = isinstance(cfg, FragmentConfig)
     want_xs = (isinstance(cfg, SSConfig) or (frag and x2.dtype == torch.bfloat16)) and pw.num_channels > 0
-    pdl = frag and x2.is_cuda and x2.dtype == torch.bfloat16 and pdl_supported()
+    pdl = frag and x2.is_cuda and x2.dtype == torch.bfloat16 and not PDL_ERRORS and pdl_supported()
     if pdl:
         x2 = x2.contiguous()  # before the quantizer: nothing may run between it and the PDL-launched GEMM
     deq_dtype = torch.bfloat16 if frag else torch.float16
@@ -169,7 +174,12 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
     if frag:  # with PDL the GEMM's programs start during the quantization; X[:, S] read contiguous
         if x2.dtype != torch.bfloat16:
             raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x2.dtype}")
-        return fragment_launch(cfg, deq, gs, x2.contiguous(), pw, bias, out, True, pdl=pdl, xs=xs)
+        if pdl:
+            try:
+                return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True, xs=xs)
+            except Exception as e:  # noqa: BLE001 - a Triton whose PDL build fails: run without it from now on
+                PDL_ERRORS.append(f"{type(e).__name__}: {str(e)[:300]}")
+        return fragment_launch(cfg, deq, gs, x2.contiguous(), pw, bias, out, True, xs=xs)
     return _gemm_dispatch(cfg, x2, pw, (deq, gs), bias, out, xs=xs)
 
 
