@@ -13,7 +13,9 @@ teacher-forced by every rollout configuration, against the HF BF16 learner.
    ``foursight quantize`` uses): plain NVFP4 (k = 0); FourSight W4A4 with k in ``--ks``;
    FourSight with ``--error-target`` at ``--targets`` (per-group k as ``foursight quantize
    --error-target`` chooses it; the table reports the mean k / K); W4A16 FourSight
-   (``--w4a16-k``); FP8 rowwise W8A8 (:mod:`foursight.fp8`). Each teacher-forces the same tokens in
+   (``--w4a16-k``); FP8 rowwise W8A8 (:mod:`foursight.fp8`); with ``--bf16-layers`` (repeatable),
+   NVFP4 with those whole layers kept in BF16 (:mod:`foursight.bf16_layers`, the practitioners'
+   carve-out; every row reports its BF16 weight share). Each teacher-forces the same tokens in
    the HF reference model (:func:`foursight.hf.quantize_hf_model`; on CPU the layers run
    :func:`foursight.layer.reference_linear`), which gives the full distribution per token.
 3. **Cross-check**: the vLLM CPU engine serving the FourSight k = 32 checkpoint
@@ -105,6 +107,8 @@ def main() -> None:
     ap.add_argument("--w4a16-k", type=int, default=32)
     ap.add_argument("--no-vllm", action="store_true", help="HF BF16 samples the rollouts; no floor row, no cross-check")
     ap.add_argument("--no-cross-check", action="store_true", help="skip the vLLM CPU FourSight k=32 cross-check (saves a quantize + server start)")
+    ap.add_argument("--bf16-layers", action="append", default=[],
+                    help="add a row: NVFP4 with these layers in BF16 (attention, first:N, last:N, & ...; repeatable)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fidelity"))
     a = ap.parse_args()
     import os
@@ -173,6 +177,11 @@ def main() -> None:
         configs.append((f"foursight error-target {t}", {"channels": chans(lambda g, t=t: kt[g.key][t])}))
     configs.append((f"w4a16 foursight k={a.w4a16_k}", {"channels": chans(lambda g: a.w4a16_k), "act_quant": False}))
     configs.append(("fp8 rowwise", {"fp8": True}))
+    from foursight.bf16_layers import bf16_layer_patterns, model_bf16_share, num_blocks_of
+
+    carve = bf16_layer_patterns(a.bf16_layers, num_blocks_of(base)) if a.bf16_layers else []
+    if carve:
+        configs.insert(1, ("nvfp4 + bf16 " + " + ".join(a.bf16_layers), {"channels": {}, "carve": carve}))
     rows: dict[str, dict] = {}
     scores: dict[str, list[torch.Tensor]] = {}
     for name, c in configs:
@@ -181,7 +190,7 @@ def main() -> None:
         if c.get("fp8"):
             quantize_hf_model_fp8(m)
         else:
-            quantize_hf_model(m, c["channels"], act_quant=c.get("act_quant", True))
+            quantize_hf_model(m, c["channels"], ignore=("lm_head", *c.get("carve", [])), act_quant=c.get("act_quant", True))
         samp, full = score_full(m, rollouts)
         del m
         scores[name] = samp
@@ -195,6 +204,7 @@ def main() -> None:
             "filters_keep": filter_keeps(learner, samp),
             "k_mean": None if ks is None else sum(ks) / len(ks),
             "k_fraction": None if ks is None else sum(k / in_f[n] for k, n in zip(ks, names)) / len(names),
+            "bf16_weight_share": None if c.get("fp8") else model_bf16_share(base, ["lm_head"], c.get("carve", []), c["channels"])["bf16_weight_share"],
             "seconds": time.time() - t1,
         }
         del full
@@ -225,7 +235,7 @@ def main() -> None:
         print(f"cross-check: {cross}", flush=True)
     res = {"command": "python benchmarks/fidelity_table.py " + (f"--model {a.model} " if a.model else "") + f"--n {a.n} --max-tokens {a.max_tokens} --seed {a.seed} --ks {a.ks} "
                       f"--targets {a.targets} --w4a16-k {a.w4a16_k}" + (" --no-vllm" if a.no_vllm else "")
-                      + (" --no-cross-check" if a.no_cross_check else ""),
+                      + (" --no-cross-check" if a.no_cross_check else "") + "".join(f" --bf16-layers '{x}'" for x in a.bf16_layers),
            "model": str(md), "generator": generator, "n": len(rollouts), "tokens": sum(len(r.token_ids) for r in rollouts),
            "max_tokens": a.max_tokens, "tail_threshold": DEFAULT_TAIL_THRESHOLD, "rows": rows, "vllm_cross_check": cross,
            "seconds": time.time() - t0, "torch": torch.__version__, "threads": torch.get_num_threads()}
@@ -242,12 +252,13 @@ def to_markdown(res: dict) -> str:
              f"**{res['generator']}** and teacher-forced by every configuration; reference: the HF BF16 learner. "
              f"Tail: |Δlogp| > τ = ln 3. Filters: share of sequences kept.", "",
              f"Command: `{res['command']}` ({res['seconds'] / 60:.1f} min, {res['threads']} CPU threads).", "",
-             "| configuration | source | mean k / K | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | exact KL | tail tokens | tail seqs | "
+             "| configuration | source | mean k / K | BF16 weight share | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | exact KL | tail tokens | tail seqs | "
              + " | ".join(f"keep {x}" for x in fl) + " |",
-             "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(fl)]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(fl)]
     for name, r in res["rows"].items():
         kf = "—" if r["k_fraction"] is None else f"{r['k_fraction']:.1%}"
-        lines.append(f"| {name} | {r['source']} | {kf} | {f(r['mean_abs_dlogp'])} | {f(r['p99_abs_dlogp'])} | {f(r['exact_kl'])} | "
+        sh = "—" if r.get("bf16_weight_share") is None else f"{r['bf16_weight_share']:.2%}"
+        lines.append(f"| {name} | {r['source']} | {kf} | {sh} | {f(r['mean_abs_dlogp'])} | {f(r['p99_abs_dlogp'])} | {f(r['exact_kl'])} | "
                      f"{r['tail_token_fraction']:.2%} | {r['tail_seq_fraction']:.2%} | "
                      + " | ".join(f"{r['filters_keep'][x]:.0%}" for x in fl) + " |")
     c = res.get("vllm_cross_check")

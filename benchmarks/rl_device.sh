@@ -1,43 +1,30 @@
 #!/usr/bin/env bash
-# The H200 RL study of issue 16 (docs/rl.md), in two back-to-back device calls on one warm machine.
+# The H200 RL study v2 (issues 29/30; docs/rl.md "Study v2"), in back-to-back device calls on one warm machine.
 # The packaged model's GGUF is 98 MB, over the 64 MiB one call may carry, so it travels in two
 # halves under .devcarry/ (prepared on the CPU by `python benchmarks/rl_prepare_carry.py`):
-#   call 1:  bash benchmarks/rl_device.sh stage   carry [".devcarry/a"]  wheels + first half; a 2-step CUDA
-#                                                 smoke of every rollout precision on the tiny model (~1-2 min)
-#   call 2:  bash benchmarks/rl_device.sh run     carry [".devcarry/b"]  second half + tokenizer/config; the
-#                                                 21 runs (benchmarks/rl_study.py), ~7-8 min
-# If call 2 ends before every run is done (each run pauses with a checkpoint at RL_DEADLINE_S, default
-# 500 s after the study starts), the SAME call 2 again (machine still warm) continues every run from its last step and skips
-# completed ones; $OUT/manifest.json records what ran in each call.
+#   call 1:  RL_SMOKE=0 bash benchmarks/rl_device.sh stage   carry [".devcarry/a"]  wheels + first half (~30 s;
+#            without RL_SMOKE=0 also a 2-step CUDA smoke of every arm's precision on the tiny model, ~1-2 min)
+#   call 2:  bash benchmarks/rl_device.sh run               carry [".devcarry/b"]  second half + tokenizer/config,
+#            GGUF and tensor sha256 checks, then benchmarks/rl_study.py (a chunk: RL_ARMS x RL_SEEDS)
+#   call 3+: the SAME call 2 again (machine still warm) continues every paused run from its checkpoint and
+#            skips completed ones; $OUT/manifest.json records what ran in each call
+#   timing:  RL_TIMING=1 bash benchmarks/rl_device.sh run   each arm ALONE for 8 steps (isolated step time by
+#            phase: sync, generate, score, filter, learn); logs <arm>_t<seed>.jsonl
 #
-# RL_OBJECTIVE=learner-tis (call 2) runs every configuration with the learner's π_old and token TIS (cap 2)
-# instead of the engine's log-probs as π_old (the 2026-12-03 study, where every quantized run collapsed).
-# RL_STEPS=N and RL_ONLY=name,name (call 2) run only those runs for N steps (a longer follow-up, e.g. BF16's plateau).
-# Call 1 with RL_SMOKE=0 skips the smoke (when it already ran in this session): the two calls must follow within
-# the machine's 30 s warm window, so a short call 1 is the safer one.
-# Results: $OUT/rl_study.tgz (logs, manifest, summary), $OUT/study.log, $OUT/convert.txt, $OUT/smoke.log.
+# Chunk settings (environment of call 2): RL_ARMS (default: bf16,nvfp4,nvfp4_carve,fs_comp,fs_filter,fp8,w4a16),
+# RL_SEEDS (default 0,1,2,3,4,5), RL_SLOTS (concurrent runs on the GPU; default all of the chunk),
+# RL_DEADLINE_S (runs pause with a checkpoint this many seconds after the study starts; default 480, so a
+# 600 s call ends with time for the summary and the pack), RL_STEPS, RL_ONLY (run names), RL_OBJECTIVE
+# (default learner-tis). Runs start seed-major (all arms of seed 0, then seed 1, ...), and none starts in the
+# last 30 s before the deadline. Checkpoints live in /tmp on the device: a machine given back loses them, so
+# a chunk should be sized to finish in its call (docs/rl.md has the arithmetic).
+# Results: $OUT/rl_study.tgz (logs, manifest, the runs' stdout, summary), $OUT/study.log, $OUT/convert.txt, $OUT/smoke.log.
 #
-# Runs (3 seeds each, seed-major, all started at once, round-robin over every visible GPU via
-# CUDA_VISIBLE_DEVICES): bf16 | fp8 (rowwise W8A8) | nvfp4 (k=0) | fs_comp (FourSight 2%, no filter) |
-# fs_filter (FourSight 2% + max_token τ=2.5) | fs_budget (FourSight --error-target 0.12) | w4a16 (FourSight 2%
-# weights, BF16 activations). Same settings for all: --task add --steps 30 --prompts-per-step 8
-# --group-size 8 --max-new-tokens 8 --lr 2e-5 --eval-every 5 --eval-size 64 --channels 2%.
+# Shared settings of every run (benchmarks/rl_study.py COMMON): --task seq --steps 60 --prompts-per-step 16
+# --group-size 8 --max-new-tokens 64 --lr 2e-5 --eval-every 10 --eval-size 256 --channels 2%
+# --old-logprobs learner --tis-cap 2, fixed kernel configs (FOURSIGHT_KERNELS_AUTOTUNE=0), deterministic torch.
 #
-# Time arithmetic (from benchmarks/results/rl/h200/, 5 runs sharing one H200, 8x8 samples, 12 tokens):
-#   in 150 s the five runs made 243 steps together; per-step time while sharing 5 ways was
-#   bf16 1.29 s, nvfp4 3.52, foursight 2.90, comp-only 2.76 -> GPU share per step (t/5):
-#   bf16 0.26, nvfp4 0.70, foursight 0.58; assumed: fp8 0.40 (eager per-token quantization,
-#   _scaled_mm), w4a16 0.55, error budget 0.60 (more channels), fs_filter 0.58.
-#   One step of all 7 configs ~ 0.26+0.40+0.70+0.58+0.58+0.60+0.55 = 3.67 s; x3 seeds = 11.0 s;
-#   8 instead of 12 new tokens cuts the decode-bound rollout (about half the step) by a third -> ~9 s.
-#   Evals: 64 problems (one batch) ~0.45 s GPU share each, 7 per run (steps 0,5,...,30) x 21 = 66 s.
-#   30 steps: 30 x 9 s + 66 s = 336 s, + setup (GGUF convert 10 s, 21 model loads and Triton
-#   compile/autotune under contention ~60 s) ~ 410 s ~ 7 min on one H200 (8 GPUs: ~3 runs each, ~2 min).
-#   36 steps would be ~7.9 min: too close to the 8-minute target, so 30 (BF16 reached 0.70 of its
-#   0.77 final accuracy by step 30 in the previous run; fewer steps with all 21 runs rather than more
-#   steps with missing runs).
-#
-# CPU dry run of the whole script (tiny model, 2 steps, seed 0, pause + resume + skip exercised):  RL_DRY=1 bash benchmarks/rl_device.sh dry
+# CPU dry run of the whole script (tiny model, 2 steps, seed 0; pause, resume and skip exercised):  RL_DRY=1 bash benchmarks/rl_device.sh dry
 set -uo pipefail
 MODE=${1:?stage|run|dry}
 DRY=${RL_DRY:-0}
@@ -74,11 +61,11 @@ d = build_tiny_model(os.environ["FOURSIGHT_CACHE"] + "/rl_tiny")
 # CPU dry run: 1 step, 2 tokens (the CPU reference kernels are slow); device: 2 steps
 kw = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_every=2, eval_size=8) if dev == "cuda" else \
      dict(steps=1, prompts_per_step=1, group_size=2, max_new_tokens=2, eval_every=1, eval_size=2)
-for prec, extra in [("bf16", {}), ("fp8", {}), ("nvfp4", {}), ("foursight", {"filter": "max_token", "filter_tau": 2.5}),
-                    ("foursight", {"error_target": 0.12, "max_k": 64}), ("w4a16", {})]:
+for prec, extra in [("bf16", {}), ("fp8", {}), ("nvfp4", {}), ("nvfp4", {"bf16_layers": ["attention&first:1"]}),
+                    ("foursight", {"filter": "max_token", "filter_tau": 2.5}), ("w4a16", {})]:
     t = time.time()
-    p = run_rl(RLConfig(model=str(d), rollout_precision=prec, channels="16", out=f"/tmp/smoke_{prec}.jsonl", device=dev, **kw, **extra),
-               log=lambda s: None)
+    p = run_rl(RLConfig(model=str(d), task="seq", rollout_precision=prec, channels="16", out=f"/tmp/smoke_{prec}.jsonl", device=dev,
+                        old_logprobs="learner", tis_cap=2.0, **kw, **extra), log=lambda s: None)
     recs = [json.loads(l) for l in open(p)]
     print(prec, extra, "ok" if recs[-1]["type"] == "done" else "NOT DONE", f"{time.time() - t:.1f}s",
           [round(r["time/step"], 3) for r in recs if r["type"] == "step"])
@@ -114,13 +101,14 @@ PY
   if [ "$DRY" = 1 ]; then
     # the study on the tiny model (seed 0 only by default: 7 runs, each process start costs ~10 CPU-s on 2
     # cores): the first call pauses every run at a 1 s deadline, the second resumes them, a third skips them
-    S="--state $STATE --out $PUB --slots 3 --seeds ${RL_DRY_SEEDS:-0}"
+    S="--state $STATE --out $PUB --slots 3 --seeds ${RL_DRY_SEEDS:-0} ${RL_ARMS:+--arms $RL_ARMS}"
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s ${RL_DRY_DEADLINE_S:-1} 2>&1 | tee $OUT/study_call1.log
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call2.log
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call3.log
   else
-    $PY benchmarks/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-500} --objective ${RL_OBJECTIVE:-rollout} \
-      ${RL_STEPS:+--steps $RL_STEPS} ${RL_ONLY:+--only $RL_ONLY} 2>&1 | tee -a $OUT/study.log
+    $PY benchmarks/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-480} --objective ${RL_OBJECTIVE:-learner-tis} \
+      ${RL_ARMS:+--arms $RL_ARMS} ${RL_SEEDS:+--seeds $RL_SEEDS} ${RL_SLOTS:+--slots $RL_SLOTS} ${RL_STEPS:+--steps $RL_STEPS} \
+      ${RL_ONLY:+--only $RL_ONLY} $([ "${RL_TIMING:-0}" = 1 ] && echo --timing) 2>&1 | tee -a $OUT/study.log
   fi
   $PY benchmarks/rl_summary.py $PUB 2>&1 | tail -n 30 || true
   kill $PACKER 2>/dev/null; pack; ls -la $OUT

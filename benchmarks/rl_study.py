@@ -1,22 +1,31 @@
-"""The RL study of issue 16: 7 rollout configurations x 3 seeds, the same number of steps each,
-spread over every visible GPU, resumable (run by ``benchmarks/rl_device.sh run``).
+"""The RL study v2 (issues 29/30): rollout precisions x seeds, the same number of steps each,
+spread over every visible GPU, in resumable chunks of one device call (run by ``benchmarks/rl_device.sh run``).
 
-    python benchmarks/rl_study.py --model DIR --state /tmp/fsrl_state --out $OUT [--deadline-s 540]
+    python benchmarks/rl_study.py --model DIR --state /tmp/fsrl_state --out $OUT [--deadline-s 480]
+        [--arms bf16,nvfp4,...] [--seeds 0,1] [--steps 60]
+    python benchmarks/rl_study.py --model DIR --state S --out O --timing [--arms ...]   # isolated step times
     RL_DRY=1 python benchmarks/rl_study.py --state /tmp/dry --out /tmp/dry_out   # CPU dry run, tiny model
 
 Every run is ``foursight rl`` (:func:`foursight.rl.run_rl`) in its own process with ``--resume``
 and ``--stop-at`` = start + ``--deadline-s``: a run still going at the deadline writes a checkpoint
-and a ``pause`` record, and the same command run again continues it from that step (a completed
-log, ending in ``done``, is skipped). Logs and checkpoints live in ``--state`` (kept between
-device calls while the machine stays warm); the logs, ``manifest.json`` (what ran: per run its
-command, GPU, status, last step, exit code, seconds) and ``study.log`` are copied into ``--out``
-every 15 s and at the end.
+and a ``pause`` record, and the same command run again (machine still warm: the checkpoints live in
+``--state``) continues it from that step; a completed log (ending in ``done``) is skipped. The
+logs, ``manifest.json`` (per call: what was launched and skipped; per run: its command, GPU,
+status, last step, exit code, seconds, BF16 weight share) and the runs' stdout are copied into
+``--out`` every 15 s and at the end.
 
-GPUs: runs are assigned round-robin over ``torch.cuda.device_count()`` GPUs through
-``CUDA_VISIBLE_DEVICES`` and all started at once (``--slots`` per GPU caps it; default: all).
+Arms (:data:`ARMS`): ``bf16``, ``fp8`` (rowwise W8A8, the FlashRL anchor), ``nvfp4`` (k = 0),
+``nvfp4_carve`` (NVFP4 with the practitioners' BF16 carve-out: the attention of the first two and
+the last block, 2.50 % of the linear weights in BF16 on SmolLM2-135M, against FourSight 2 %'s
+2.60 %), ``fs_comp`` (FourSight 2 %), ``fs_filter`` (FourSight 2 % + max_token τ = 2.5),
+``w4a16`` (FourSight 2 % weights, BF16 activations), and the format-bonus ablations
+``bf16_nobonus`` / ``nvfp4_nobonus`` (``--format-bonus 0``). Shared settings: :data:`COMMON`
+(the ``seq`` task, 60 steps, 16 prompts x 8 samples, 64 new tokens, a 256-question eval every 10
+steps, lr 2e-5, the learner's π_old with token TIS cap 2, fixed kernel configs). Seeds: 0-5.
 
-The settings (steps, batch, filter τ, error target) and the time arithmetic are in
-``benchmarks/rl_device.sh``'s header; they are the defaults below.
+``--timing``: each arm alone on the GPU (one process at a time), :data:`TIMING` steps, no eval
+after step 0; the logs' ``time/*`` per phase are the isolated step times (``rl_summary.py``
+reads them from ``<arm>_t<seed>.jsonl``).
 """
 
 from __future__ import annotations
@@ -30,41 +39,53 @@ import sys
 import time
 from pathlib import Path
 
-#: run name -> (--rollout-precision, extra flags). The filter τ and the error target come from
-#: CPU measurements on the real model (docs/rl.md, "Choosing the filter and the error budget").
+#: arm -> (--rollout-precision, extra flags). The filter τ comes from the first H200 run's logs
+#: (docs/rl.md, "Choosing the filter and the error budget"); the carve-out is the practitioners'
+#: attention + first/last blocks pattern at FourSight 2 %'s BF16 weight share (docs/rl.md, "Study v2").
 FILTER_TAU = 2.5
-ERROR_TARGET = 0.12
-CONFIGS: dict[str, tuple[str, list[str]]] = {
+CARVE = ["--bf16-layers", "attention&first:2", "--bf16-layers", "attention&last:1"]
+ARMS: dict[str, tuple[str, list[str]]] = {
     "bf16": ("bf16", []),
     "fp8": ("fp8", []),
     "nvfp4": ("nvfp4", []),
+    "nvfp4_carve": ("nvfp4", CARVE),
     "fs_comp": ("foursight", []),
     "fs_filter": ("foursight", ["--filter", "max_token", "--filter-tau", str(FILTER_TAU)]),
-    "fs_budget": ("foursight", ["--error-target", str(ERROR_TARGET), "--max-k", "256"]),
     "w4a16": ("w4a16", []),
+    "bf16_nobonus": ("bf16", ["--format-bonus", "0"]),
+    "nvfp4_nobonus": ("nvfp4", ["--format-bonus", "0"]),
 }
-SEEDS = (0, 1, 2)
-#: objective name -> flags added to every run: the first study used the engine's log-probs as π_old
-#: with no correction (every quantized run collapsed, docs/rl.md); learner-tis is what verl / TRL /
-#: FlashRL users run (recomputed π_old, the engine's log-probs only in r, the filter and token TIS)
+#: the arms of a plain call, in the order they are launched (the ablations are opt-in with --arms)
+MAIN_ARMS = ("bf16", "nvfp4", "nvfp4_carve", "fs_comp", "fs_filter", "fp8", "w4a16")
+CONFIGS = ARMS  # the name rl_device.sh's manifest used before v2
+SEEDS = (0, 1, 2, 3, 4, 5)
+#: objective name -> flags added to every run: ``rollout`` = the engine's log-probs as π_old (the
+#: 2026-12-03 study, every quantized run collapsed); ``learner-tis`` = what verl / TRL / FlashRL
+#: users run (recomputed π_old; the engine's log-probs only in r, the filter and token TIS, cap 2)
 OBJECTIVES: dict[str, list[str]] = {"rollout": [], "learner-tis": ["--old-logprobs", "learner", "--tis-cap", "2"]}
-#: shared settings of every run (the equal-step study)
-COMMON = {"task": "add", "steps": 30, "prompts-per-step": 8, "group-size": 8, "max-new-tokens": 8, "lr": "2e-5",
-          "eval-every": 5, "eval-size": 64, "channels": "2%"}
-#: the CPU dry run: the tiny model, 3 steps
-DRY = {"task": "add", "steps": 2, "prompts-per-step": 1, "group-size": 2, "max-new-tokens": 2, "lr": "2e-5",
+#: shared settings of every run (the equal-step study v2)
+COMMON = {"task": "seq", "steps": 60, "prompts-per-step": 16, "group-size": 8, "max-new-tokens": 64, "lr": "2e-5",
+          "eval-every": 10, "eval-size": 256, "channels": "2%"}
+#: the isolated timing runs: a few steps, the eval at step 0 only (on 16 questions)
+TIMING = {"steps": 8, "eval-every": 1000, "eval-size": 16}
+#: the CPU dry run: the tiny model, 2 steps
+DRY = {"task": "seq", "steps": 2, "prompts-per-step": 1, "group-size": 2, "max-new-tokens": 3, "lr": "2e-5",
        "eval-every": 1, "eval-size": 2, "channels": "16"}
+#: the carve-out on the tiny model of the dry run (2 blocks)
+DRY_CARVE = ["--bf16-layers", "attention&first:1"]
 
 
-def run_names(configs=CONFIGS, seeds=SEEDS) -> list[str]:
-    """Seed-major order: every configuration of seed 0, then seed 1, ..."""
-    return [f"{c}_s{s}" for s in seeds for c in configs]
+def run_names(arms=MAIN_ARMS, seeds=SEEDS, sep: str = "_s") -> list[str]:
+    """Seed-major order: every arm of seed 0, then seed 1, ... (a chunk cut short has whole seeds)."""
+    return [f"{c}{sep}{s}" for s in seeds for c in arms]
 
 
-def command(name: str, model: str, state: Path, stop_at: float, common: dict, device: str) -> list[str]:
-    cfg, seed = name.rsplit("_s", 1)
-    prec, extra = CONFIGS[cfg]
-    args = [sys.executable, "-c", "from foursight.cli import main; main()", "rl", "--model", model, "--seed", seed,
+def command(name: str, model: str, state: Path, stop_at: float, common: dict, device: str, dry: bool = False) -> list[str]:
+    cfg, seed = name.rsplit("_", 1)
+    prec, extra = ARMS[cfg]
+    if dry and extra == CARVE:
+        extra = DRY_CARVE
+    args = [sys.executable, "-c", "from foursight.cli import main; main()", "rl", "--model", model, "--seed", seed[1:],
             "--rollout-precision", prec, "--out", str(state / f"{name}.jsonl"), "--resume", "--stop-at", f"{stop_at:.0f}",
             "--device", device]
     for k, v in common.items():
@@ -102,26 +123,28 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model folder (dry run: a tiny model is built)")
     ap.add_argument("--state", type=Path, required=True, help="persistent folder: logs and checkpoints")
     ap.add_argument("--out", type=Path, required=True, help="results folder (copies of the logs + manifest.json)")
-    ap.add_argument("--deadline-s", type=float, default=540.0, help="runs pause (checkpoint) at start + this")
-    ap.add_argument("--slots", type=int, default=0, help="concurrent runs per GPU (0: all at once)")
-    ap.add_argument("--only", default="", help="comma list of run names (default: all 21)")
-    ap.add_argument("--seeds", default="", help="comma list of seeds (default 0,1,2)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"steps of every run (default {COMMON['steps']}; a longer follow-up of some runs, e.g. BF16's plateau)")
-    ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="rollout",
-                    help="π_old and mismatch correction of every run (docs/rl.md): rollout = the engine's log-probs as "
-                         "π_old, no TIS (the 2026-12-03 study); learner-tis = the learner's π_old + token TIS cap 2")
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="runs pause (checkpoint) at start + this")
+    ap.add_argument("--slots", type=int, default=0, help="concurrent runs per GPU (0: all at once; --timing: 1)")
+    ap.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma list of arms, launch order (of {sorted(ARMS)})")
+    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma list of seeds")
+    ap.add_argument("--only", default="", help="comma list of run names (<arm>_s<seed>), a subset of --arms x --seeds")
+    ap.add_argument("--steps", type=int, default=None, help=f"steps of every run (default {COMMON['steps']})")
+    ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="learner-tis",
+                    help="π_old and mismatch correction of every run (docs/rl.md): learner-tis (default) = the learner's π_old + "
+                         "token TIS cap 2; rollout = the engine's log-probs as π_old, no TIS (the 2026-12-03 study)")
+    ap.add_argument("--timing", action="store_true", help="isolated step times: each arm alone, a few steps (TIMING)")
     a = ap.parse_args()
     dry = os.environ.get("RL_DRY") == "1"
     t0 = time.time()
     stop_at = t0 + a.deadline_s
     a.state.mkdir(parents=True, exist_ok=True)
     common = dict(DRY if dry else COMMON)
+    if a.timing:
+        common.update({k: v for k, v in TIMING.items() if not dry or k != "steps"})
     if a.steps is not None:
         common["steps"] = a.steps
-    if a.objective != "rollout":
-        flags = OBJECTIVES[a.objective]
-        common.update(dict(zip((f[2:] for f in flags[::2]), flags[1::2])))
+    flags = OBJECTIVES[a.objective]
+    common.update(dict(zip((f[2:] for f in flags[::2]), flags[1::2])))
     model = a.model
     if dry and model is None:
         from foursight.models import build_tiny_model
@@ -134,18 +157,22 @@ def main() -> None:
         import torch
 
         ngpu = torch.cuda.device_count()
-    seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else SEEDS
-    names = [n for n in run_names(seeds=seeds) if not a.only or n in a.only.split(",")]
-    slots = a.slots or len(names)
+    arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in arms if x not in ARMS]
+    if bad:
+        raise SystemExit(f"--arms: unknown {bad}; choose from {sorted(ARMS)}")
+    seeds = tuple(int(x) for x in a.seeds.split(",") if x)
+    names = [n for n in run_names(arms, seeds, "_t" if a.timing else "_s") if not a.only or n in a.only.split(",")]
+    slots = 1 if a.timing and not a.slots else (a.slots or len(names))
     manifest = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "deadline_s": a.deadline_s, "gpus": ngpu,
-                "dry_run": dry, "objective": a.objective, "common": common, "configs": {k: {"rollout_precision": p, "extra": e} for k, (p, e) in CONFIGS.items()},
-                "calls": [], "runs": {}}
+                "dry_run": dry, "timing": a.timing, "objective": a.objective, "common": common,
+                "arms": {k: {"rollout_precision": p, "extra": e} for k, (p, e) in ARMS.items()}, "calls": [], "runs": {}}
     old = a.state / "manifest.json"
     if old.exists():  # keep the record of earlier calls
         prev = json.loads(old.read_text())
         manifest["calls"] = prev.get("calls", [])
         manifest["runs"] = prev.get("runs", {})
-    call = {"started": manifest["started"], "launched": [], "skipped_done": []}
+    call = {"started": manifest["started"], "arms": arms, "seeds": list(seeds), "timing": a.timing, "launched": [], "skipped_done": []}
     manifest["calls"].append(call)
     pending = []
     for i, n in enumerate(names):
@@ -170,18 +197,22 @@ def main() -> None:
         for item in list(pending):
             i, n = item
             gpu = i % ngpu if ngpu else -1
-            if per_gpu.get(gpu, 0) >= slots:
+            if per_gpu.get(gpu, 0) >= slots or (a.timing and procs):
                 continue
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            if time.time() > stop_at - 30:
+                break  # too late to start a run in this call (it would only pause): the next call starts it
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FOURSIGHT_KERNELS_AUTOTUNE="0")
             if gpu >= 0:
                 env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-            cmd = command(n, model, a.state, stop_at, common, "cpu" if dry else "cuda")
+            cmd = command(n, model, a.state, stop_at, common, "cpu" if dry else "cuda", dry)
             fh = open(a.state / f"{n}.log", "a")
             procs[n] = (subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT), time.time(), gpu)
             per_gpu[gpu] = per_gpu.get(gpu, 0) + 1
             manifest["runs"].setdefault(n, {}).update({"command": shlex.join(cmd[3:]), "gpu": gpu})
             call["launched"].append(n)
             pending.remove(item)
+        if pending and not procs and time.time() > stop_at - 30:
+            break
         time.sleep(0.5 if dry else 2.0)
         for n, (p, ts, gpu) in list(procs.items()):
             rc = p.poll()
@@ -191,14 +222,25 @@ def main() -> None:
             del procs[n]
             r = manifest["runs"][n]
             r.update({"exit_code": rc, "seconds_this_call": round(time.time() - ts, 1)})
+            head = _header(a.state / f"{n}.jsonl")
+            r.update({k: head[k] for k in ("bf16_weight_share", "bf16_layer_share", "bf16_channel_share", "channels_k_fraction") if k in head})
             print(f"[{time.time() - t0:6.0f}s] {n}: exit {rc}, {log_status(a.state / f'{n}.jsonl')}", flush=True)
         if time.time() - last_pub > 15:
             refresh()
             last_pub = time.time()
+    call["not_started"] = [n for _, n in pending]
     call["seconds"] = round(time.time() - t0, 1)
     refresh()
     done = sum(manifest["runs"][n].get("status") == "done" for n in names)
-    print(f"study: {done}/{len(names)} runs done in {call['seconds']} s; results in {a.out}", flush=True)
+    print(f"study: {done}/{len(names)} runs done in {call['seconds']} s ({len(pending)} not started in this call); "
+          f"results in {a.out}", flush=True)
+
+
+def _header(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text().splitlines()[0])
+    except (OSError, IndexError, ValueError):
+        return {}
 
 
 if __name__ == "__main__":

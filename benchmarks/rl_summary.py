@@ -1,8 +1,9 @@
-"""Summarise the RL study (benchmarks/rl_study.py logs): curves with seed bands and the table of issue 16.
+"""Summarise the RL study (benchmarks/rl_study.py logs): curves with seed bands, the table, and the statistics.
 
     python benchmarks/rl_summary.py DIR [--ref bf16] [--base nvfp4] [--frac 0.9] [--no-plot]
 
-Reads ``DIR/<config>_s<seed>.jsonl`` (one ``foursight rl`` log per run) and writes into DIR:
+Reads ``DIR/<config>_s<seed>.jsonl`` (one ``foursight rl`` log per run; ``<config>_t<seed>.jsonl``
+are isolated timing runs) and writes into DIR:
 
 * ``summary.json`` / ``summary.md``, per configuration over its seeds (mean ± spread, spread =
   sample standard deviation over seeds, n-1):
@@ -14,6 +15,18 @@ Reads ``DIR/<config>_s<seed>.jsonl`` (one ``foursight rl`` log per run) and writ
     (its last step / this configuration's mean), flagged ``ratio_is_lower_bound``;
   - ``final_acc``, ``tim_abs_log_ratio`` (mean |r| per step, averaged over steps), ``k3``,
     ``filtered_fraction``, ``channels_k_fraction``, and the mean time per phase (steps 4 onward);
+* the statistics of study v2 (``stats`` in summary.json, the second table of summary.md), per
+  configuration: AUC of the eval curve (trapezoid over the evaluated steps up to the last step
+  every run of the folder reached, divided by that span: the mean held-out accuracy over the run)
+  and the accuracy at that common step, each with a 95 % percentile bootstrap interval over seeds
+  (:data:`BOOT` resamples, fixed RNG); per-seed paired differences (same seed, so the same
+  problem stream and the same step-1 sampling seed) against ``bf16``, ``nvfp4`` and
+  ``nvfp4_carve`` with the bootstrap interval of their mean; verl-style health metrics (mean over
+  steps: ``rollout_corr/kl``, ``chi2_token``, ``chi2_seq``, the TIS effective sample size), the
+  BF16 weight share, the rollout-follows-learner metrics (``follow/code_flip_fraction``,
+  ``follow/cos``), and the reward of the kept and the dropped sequences;
+* ``timing`` (from ``_t`` logs): the median time per phase over steps after the first
+  :data:`WARMUP`, and the sync's share of the step;
 * ``curves.png``: eval accuracy, reward (5-step mean), mean |r| and filtered fraction against step,
   the mean over seeds with a ± spread band; ``step_time.png``: time per step by phase.
 """
@@ -26,12 +39,24 @@ import math
 import re
 from pathlib import Path
 
-ORDER = ["bf16", "fp8", "nvfp4", "fs_comp", "fs_filter", "fs_budget", "w4a16"]
-LABELS = {"bf16": "BF16", "fp8": "FP8 rowwise W8A8", "nvfp4": "NVFP4 (k=0)", "fs_comp": "FourSight (comp. only)",
-          "fs_filter": "FourSight + filter", "fs_budget": "FourSight error budget", "w4a16": "FourSight W4A16"}
-PHASES = ["time/sync", "time/rollout", "time/score", "time/update", "time/step"]
+ORDER = ["bf16", "fp8", "nvfp4", "nvfp4_carve", "fs_comp", "fs_filter", "fs_budget", "w4a16", "bf16_nobonus", "nvfp4_nobonus"]
+LABELS = {"bf16": "BF16", "fp8": "FP8 rowwise W8A8", "nvfp4": "NVFP4 (k=0)", "nvfp4_carve": "NVFP4 + BF16 carve-out",
+          "fs_comp": "FourSight (comp. only)", "fs_filter": "FourSight + filter", "fs_budget": "FourSight error budget",
+          "w4a16": "FourSight W4A16", "bf16_nobonus": "BF16, format bonus 0", "nvfp4_nobonus": "NVFP4, format bonus 0"}
+#: the phases of a step (v2 names); older logs' names map onto them (:data:`PHASE_ALIASES`)
+PHASES = ["time/sync", "time/generate", "time/score", "time/filter", "time/learn", "time/step"]
+PHASE_ALIASES = {"time/generate": "time/rollout", "time/learn": "time/update"}
 WARMUP = 3
+#: bootstrap resamples and the interval
+BOOT, CI = 10_000, 0.95
+#: the configurations every other one is paired with, per seed
+PAIR_WITH = ("bf16", "nvfp4", "nvfp4_carve")
+HEALTH = {"kl": "rollout_corr/kl", "chi2_token": "rollout_corr/chi2_token", "chi2_seq": "rollout_corr/chi2_seq",
+          "ess": "rollout_corr/rollout_is_eff_sample_size", "code_flip_fraction": "follow/code_flip_fraction",
+          "follow_cos": "follow/cos", "reward_kept": "reward_kept", "reward_dropped": "reward_dropped",
+          "response_len": "response_len", "adv_zero_groups": "adv_zero_groups"}
 _NAME = re.compile(r"^(?P<cfg>.+)_s(?P<seed>\d+)$")
+_TIMING = re.compile(r"^(?P<cfg>.+)_t(?P<seed>\d+)$")
 
 
 def read_log(path: Path) -> dict:
@@ -41,6 +66,10 @@ def read_log(path: Path) -> dict:
             recs.append(json.loads(line))
         except json.JSONDecodeError:
             break  # a torn last line of a killed run
+    for r in recs:  # v1 phase names -> v2
+        for new, old in PHASE_ALIASES.items():
+            if old in r and new not in r:
+                r[new] = r[old]
     evals: dict[int, float] = {}
     for r in recs:
         if r.get("type") == "eval":
@@ -51,11 +80,11 @@ def read_log(path: Path) -> dict:
             "done": bool(recs) and recs[-1].get("type") == "done"}
 
 
-def load_runs(folder: Path) -> dict[str, dict[int, dict]]:
-    """config -> seed -> run, from ``<config>_s<seed>.jsonl``."""
+def load_runs(folder: Path, pattern: re.Pattern = _NAME) -> dict[str, dict[int, dict]]:
+    """config -> seed -> run, from ``<config>_s<seed>.jsonl`` (``_TIMING``: ``<config>_t<seed>.jsonl``)."""
     out: dict[str, dict[int, dict]] = {}
     for p in sorted(folder.glob("*.jsonl")):
-        m = _NAME.match(p.stem)
+        m = pattern.match(p.stem)
         if not m:
             continue
         out.setdefault(m["cfg"], {})[int(m["seed"])] = read_log(p)
@@ -127,6 +156,133 @@ def summarise(runs: dict[str, dict[int, dict]], ref: str = "bf16", base: str = "
     return res
 
 
+def bootstrap_ci(xs: list[float], n_boot: int = BOOT, ci: float = CI, seed: int = 0) -> tuple[float | None, float | None]:
+    """Percentile bootstrap interval of the mean of ``xs`` (resampling the values with replacement);
+    (x, x) for one value, (None, None) for none."""
+    import numpy as np
+
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    if len(xs) == 1:
+        return xs[0], xs[0]
+    rng = np.random.default_rng(seed)
+    a = np.asarray(xs, dtype=np.float64)
+    means = a[rng.integers(0, len(a), size=(n_boot, len(a)))].mean(1)
+    lo, hi = np.quantile(means, [(1 - ci) / 2, 1 - (1 - ci) / 2])
+    return float(lo), float(hi)
+
+
+def auc(evals: list[tuple[int, float]], upto: int) -> float | None:
+    """Trapezoid area under the eval curve over [0, ``upto``], divided by ``upto`` (the mean accuracy
+    over the run); None when the evals do not reach ``upto``."""
+    pts = [(s, a) for s, a in evals if s <= upto]
+    if not pts or pts[-1][0] != upto or upto <= 0:
+        return None
+    area = sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in zip(pts, pts[1:]))
+    return area / upto
+
+
+def acc_at(evals: list[tuple[int, float]], step: int) -> float | None:
+    return dict(evals).get(step)
+
+
+def common_step(runs: dict[str, dict[int, dict]]) -> int:
+    """The last evaluated step that every run of the folder reached (the step the statistics compare at)."""
+    lasts = [r["evals"][-1][0] for seeds in runs.values() for r in seeds.values() if r["evals"]]
+    return min(lasts) if lasts else 0
+
+
+def statistics(runs: dict[str, dict[int, dict]], upto: int | None = None) -> dict:
+    """AUC and accuracy at the common step with bootstrap intervals, per-seed paired differences
+    against :data:`PAIR_WITH`, and the health metrics (see the module docstring)."""
+    upto = common_step(runs) if upto is None else upto
+    out: dict = {"step": upto, "bootstrap": {"resamples": BOOT, "interval": CI, "method": "percentile, over seeds"}, "configs": {}}
+    per: dict[str, dict[int, dict[str, float | None]]] = {}
+    for cfg, seeds in runs.items():
+        per[cfg] = {sd: {"auc": auc(r["evals"], upto), "acc": acc_at(r["evals"], upto)} for sd, r in seeds.items()}
+        row: dict = {"seeds": sorted(seeds)}
+        for key in ("auc", "acc"):
+            vals = [v[key] for v in per[cfg].values()]
+            m, sp = mean_spread(vals)
+            row[key] = {"mean": m, "spread": sp, "ci": bootstrap_ci(vals), "per_seed": {str(k): v[key] for k, v in per[cfg].items()}}
+        head = next(iter(seeds.values()))["config"]
+        for k in ("bf16_weight_share", "bf16_layer_share", "bf16_channel_share"):
+            row[k] = head.get(k)
+        for name, key in HEALTH.items():
+            row[name], _ = mean_spread([_step_mean(r["steps"], key) for r in seeds.values()])
+        out["configs"][cfg] = row
+    for cfg in runs:
+        pairs = {}
+        for ref in PAIR_WITH:
+            if ref == cfg or ref not in per:
+                continue
+            for key in ("auc", "acc"):
+                d = {sd: per[cfg][sd][key] - per[ref][sd][key] for sd in per[cfg]
+                     if sd in per[ref] and per[cfg][sd][key] is not None and per[ref][sd][key] is not None}
+                m, _ = mean_spread(list(d.values()))
+                pairs[f"{key}_minus_{ref}"] = {"per_seed": {str(k): v for k, v in sorted(d.items())}, "mean": m,
+                                               "ci": bootstrap_ci(list(d.values())),
+                                               "positive_seeds": sum(v > 0 for v in d.values()), "n": len(d)}
+        out["configs"][cfg]["paired"] = pairs
+    return out
+
+
+def timing(runs: dict[str, dict[int, dict]]) -> dict:
+    """Isolated timing runs: the median seconds per phase over steps after :data:`WARMUP` (all
+    seeds' steps pooled) and the sync's share of the step."""
+    out = {}
+    for cfg, seeds in runs.items():
+        steps = [x for r in seeds.values() for x in (r["steps"][WARMUP:] if len(r["steps"]) > WARMUP else r["steps"])]
+        row: dict = {"steps": len(steps), "device": next(iter(seeds.values()))["config"].get("device_name")}
+        for ph in PHASES + ["time/follow"]:
+            vals = sorted(x[ph] for x in steps if x.get(ph) is not None)
+            row[ph.replace("time/", "t_")] = vals[len(vals) // 2] if vals else None
+        row["sync_share"] = row["t_sync"] / row["t_step"] if row.get("t_sync") is not None and row.get("t_step") else None
+        out[cfg] = row
+    return out
+
+
+def _ci(d: dict, fmt: str = "{:.3f}") -> str:
+    if d["mean"] is None:
+        return "n/a"
+    lo, hi = d["ci"]
+    return fmt.format(d["mean"]) + (f" [{fmt.format(lo)}, {fmt.format(hi)}]" if lo is not None else "")
+
+
+def stats_markdown(st: dict) -> str:
+    def f(x, fmt="{:.3f}"):
+        return "n/a" if x is None else fmt.format(x)
+
+    lines = [f"Statistics at step {st['step']} (the last step every run reached): mean [95 % percentile bootstrap interval over seeds, "
+             f"{st['bootstrap']['resamples']} resamples]. AUC = area under the held-out accuracy curve / steps. Paired: per-seed "
+             "difference of the final accuracy (same seed = same problem stream), mean [interval], seeds with a positive difference.", "",
+             "| configuration | seeds | BF16 weight share | AUC | accuracy | − BF16 (acc) | − NVFP4 (acc) | − carve-out (acc) | KL | χ² token | ESS | "
+             "code flips / sync | cos(ΔW_r, ΔW_l) | reward kept / dropped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for cfg, r in st["configs"].items():
+        pr = []
+        for ref in PAIR_WITH:
+            d = r["paired"].get(f"acc_minus_{ref}")
+            pr.append("—" if d is None or d["mean"] is None else f"{_ci(d, '{:+.3f}')} ({d['positive_seeds']}/{d['n']})")
+        share = "n/a" if r["bf16_weight_share"] is None else f"{r['bf16_weight_share']:.2%}"
+        lines.append(f"| {LABELS.get(cfg, cfg)} | {len(r['seeds'])} | {share} | {_ci(r['auc'])} | {_ci(r['acc'])} | {' | '.join(pr)} | "
+                     f"{f(r['kl'], '{:.4f}')} | {f(r['chi2_token'], '{:.3f}')} | {f(r['ess'], '{:.3f}')} | {f(r['code_flip_fraction'], '{:.2e}')} | "
+                     f"{f(r['follow_cos'])} | {f(r['reward_kept'])} / {f(r['reward_dropped'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def timing_markdown(t: dict) -> str:
+    lines = ["Isolated step times (each configuration alone on the device; median seconds over steps after the first "
+             f"{WARMUP}):", "", "| configuration | steps | sync | generate | score | filter | learn | step | sync share |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for cfg, r in t.items():
+        v = " | ".join("n/a" if r[k] is None else f"{r[k]:.3f}" for k in ("t_sync", "t_generate", "t_score", "t_filter", "t_learn", "t_step"))
+        sh = "n/a" if r["sync_share"] is None else f"{r['sync_share']:.1%}"
+        lines.append(f"| {LABELS.get(cfg, cfg)} | {r['steps']} | {v} | {sh} |")
+    return "\n".join(lines) + "\n"
+
+
 def _pm(m, s, fmt="{:.3f}") -> str:
     if m is None:
         return "n/a"
@@ -139,12 +295,12 @@ def to_markdown(s: dict) -> str:
              "(> 1: fewer steps than NVFP4; ≥ marks a lower bound because NVFP4 did not reach the target in some seeds, "
              "whose steps are counted as the last step).", "",
              "| configuration | seeds done | steps to target | reached | ratio vs NVFP4 | final acc | mean \\|r\\| per step | k3 | filtered | k/K | "
-             "t sync | t rollout | t score | t update | t step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "t sync | t generate | t score | t filter | t learn | t step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for cfg, r in s["configs"].items():
         ratio = "n/a" if r["ratio_vs_base"] is None else ("≥ " if r["ratio_is_lower_bound"] else "") + f"{r['ratio_vs_base']:.2f}x"
         kf = "—" if not r["channels_k_fraction"] else f"{r['channels_k_fraction']:.1%}"
-        t = " | ".join("n/a" if r[k] is None else f"{r[k]:.2f}" for k in ("t_sync", "t_rollout", "t_score", "t_update", "t_step"))
+        t = " | ".join("n/a" if r[k] is None else f"{r[k]:.2f}" for k in ("t_sync", "t_generate", "t_score", "t_filter", "t_learn", "t_step"))
         lines.append(f"| {LABELS.get(cfg, cfg)} | {r['done']}/{len(r['seeds'])} | {_pm(r['steps_to_target_mean'], r['steps_to_target_spread'], '{:.1f}')} | "
                      f"{r['reached']}/{len(r['seeds'])} | {ratio} | {_pm(r['final_acc_mean'], r['final_acc_spread'])} | "
                      f"{_pm(r['tim_abs_log_ratio_mean'], r['tim_abs_log_ratio_spread'])} | {_pm(r['k3_mean'], r['k3_spread'], '{:.4f}')} | "
@@ -217,14 +373,23 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args()
     runs = load_runs(a.folder)
-    if not runs:
-        raise SystemExit(f"no <config>_s<seed>.jsonl in {a.folder}")
-    s = summarise(runs, a.ref, a.base, a.frac)
+    times = load_runs(a.folder, _TIMING)
+    if not runs and not times:
+        raise SystemExit(f"no <config>_s<seed>.jsonl or <config>_t<seed>.jsonl in {a.folder}")
+    md = ""
+    s: dict = {}
+    if runs:
+        s = summarise(runs, a.ref, a.base, a.frac)
+        s["stats"] = statistics(runs)
+        md = to_markdown(s) + "\n" + stats_markdown(s["stats"])
+    if times:
+        s["timing"] = timing(times)
+        md += "\n" + timing_markdown(s["timing"])
     (a.folder / "summary.json").write_text(json.dumps(s, indent=2))
-    (a.folder / "summary.md").write_text(to_markdown(s))
-    if not a.no_plot:
+    (a.folder / "summary.md").write_text(md)
+    if runs and not a.no_plot:
         plot(runs, s, a.folder)
-    print(to_markdown(s))
+    print(md)
 
 
 if __name__ == "__main__":

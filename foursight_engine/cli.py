@@ -87,6 +87,7 @@ def quantize(
     channels: ChannelsOption = DEFAULT_CHANNELS,
     calib: CalibOption = None,
     ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
+    bf16_layers: Optional[list[str]] = typer.Option(None, "--bf16-layers", help="Whole layers kept in BF16 (the practitioners' carve-out): attention, mlp, first:N, last:N, block:I, joined by & to intersect, or a name/re: pattern; repeatable (foursight.bf16_layers)."),
     error_target: Optional[float] = typer.Option(None, help="Per-layer budget: smallest k (0,16,32,...) with relative output error <= this."),
     max_k: Optional[int] = typer.Option(None, help="Cap on k for --error-target."),
     activations: str = typer.Option("nvfp4", help="nvfp4 (W4A4) or bf16 (W4A16)."),
@@ -103,12 +104,23 @@ def quantize(
 
     src = resolve_model(model)
     refuse_quantized_model(src, "quantize")
-    res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore), error_target=error_target,
+    carve = []
+    if bf16_layers:
+        from foursight.bf16_layers import bf16_layer_patterns, num_blocks_of
+
+        carve = bf16_layer_patterns(bf16_layers, num_blocks_of(json.loads((Path(src) / "config.json").read_text())))
+    res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore) + tuple(carve), error_target=error_target,
                          max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
                          batch_size=batch_size, max_length=max_length, force=force)
     print_layer_table(res.layers)
     n_fs = sum(1 for r in res.layers if r.err_foursight < r.err_nvfp4)
     console.print(f"[green]wrote[/] {res.out_dir}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
+    if carve:
+        from foursight.bf16_layers import checkpoint_bf16_share
+
+        sh = checkpoint_bf16_share(res.out_dir, carve)
+        console.print(f"BF16 carve-out: {len(sh['bf16_layers'])} layers; BF16 weight share {sh['bf16_weight_share']:.2%} "
+                      f"(whole layers {sh['bf16_layer_share']:.2%}, channels {sh['bf16_channel_share']:.2%})")
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(markdown_layer_table(res.layers))

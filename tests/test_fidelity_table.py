@@ -57,12 +57,16 @@ def test_choose_k_levels_equals_choose_k(tiny_llama_dir):
 def test_fidelity_table_tiny_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "fid"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fidelity_table.py"), "--model", str(tiny_llama_dir), "--n", "3",
-                        "--max-tokens", "6", "--ks", "16", "--targets", "0.1", "--w4a16-k", "16", "--no-vllm", "--out", str(out)],
+                        "--max-tokens", "6", "--ks", "16", "--targets", "0.1", "--w4a16-k", "16", "--no-vllm", "--bf16-layers", "attention&first:1", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.with_suffix(".json").read_text())
     rows = res["rows"]
-    assert list(rows) == ["nvfp4", "foursight k=16", "foursight error-target 0.1", "w4a16 foursight k=16", "fp8 rowwise"]
+    carve = "nvfp4 + bf16 attention&first:1"
+    assert list(rows) == ["nvfp4", carve, "foursight k=16", "foursight error-target 0.1", "w4a16 foursight k=16", "fp8 rowwise"]
+    # the carve-out: 4 attention layers of block 0 (of 14 linears) in BF16; its row is closer to BF16 than plain NVFP4
+    assert rows["nvfp4"]["bf16_weight_share"] == 0 and 0 < rows[carve]["bf16_weight_share"] < 0.5
+    assert rows[carve]["exact_kl"] < rows["nvfp4"]["exact_kl"] and rows["fp8 rowwise"]["bf16_weight_share"] is None
     for name, row in rows.items():
         assert row["exact_kl"] >= 0 and row["mean_abs_dlogp"] > 0, name
         assert set(row["filters_keep"]) == {"max_token", "max_token(τ=2.5)", "tail_count", "geo_mean", "quantile"}

@@ -213,13 +213,14 @@ def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir):
     assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
     for r in steps:
         assert r["requantized_layers"] == 14  # 2 layers x 7 linears, re-quantized every step
-        for k in ("reward", "tim/abs_log_ratio_mean", "rollout_corr/kl", "filtered_fraction", "time/rollout",
-                  "time/score", "time/update", "time/sync", "loss", "clip_fraction"):
+        for k in ("reward", "tim/abs_log_ratio_mean", "rollout_corr/kl", "filtered_fraction", "time/generate",
+                  "time/score", "time/filter", "time/learn", "time/sync", "loss", "clip_fraction"):
             assert k in r and math.isfinite(r[k]), k
         # filter bookkeeping: max_token drops exactly the sequences with max|r| > tau
         assert 0.0 <= r["filtered_fraction"] <= 1.0
         assert r["filtered_fraction"] == pytest.approx(r["filter/dropped_sequences"] / 8)
-        assert r["time/step"] == pytest.approx(r["time/sync"] + r["time/rollout"] + r["time/score"] + r["time/update"], rel=1e-6)
+        assert r["time/step"] == pytest.approx(r["time/sync"] + r["time/generate"] + r["time/score"] + r["time/filter"]
+                                               + r["time/learn"], rel=1e-6)
         assert r["tim/abs_log_ratio_mean"] > 0  # quantized rollouts differ from the BF16 learner
 
 

@@ -67,7 +67,7 @@ def test_summary_numbers_against_hand_values(tmp_path):
     assert f["filtered_fraction_mean"] == pytest.approx(0.2) and f["filtered_fraction_spread"] == pytest.approx(0.1)
     assert f["k3_mean"] == pytest.approx(0.04) and f["channels_k_fraction"] == 0.03
     # times: warm-up steps (10 s) excluded -> sync 0.1, step 1.6
-    assert f["t_sync"] == pytest.approx(0.1) and f["t_step"] == pytest.approx(1.6) and f["t_rollout"] == pytest.approx(1.0)
+    assert f["t_sync"] == pytest.approx(0.1) and f["t_step"] == pytest.approx(1.6) and f["t_generate"] == pytest.approx(1.0)  # v1 name read
     md = rl_summary.to_markdown(s)
     assert "≥ 1.80x" in md and "8.3 ± 2.9" in md and "**0.630**" in md
     # every base seed reaching: an exact ratio
@@ -87,3 +87,42 @@ def test_torn_line_and_resumed_evals(tmp_path):
     p.write_text("\n".join(json.dumps(r) for r in recs) + '\n{"type": "st')
     r = rl_summary.read_log(p)
     assert r["evals"] == [(0, 0.1), (5, 0.4)] and not r["done"]
+
+
+def test_statistics_auc_bootstrap_and_paired_differences(tmp_path):
+    """AUC (trapezoid / steps) and accuracy at the common step by hand; the bootstrap interval holds
+    the mean and lies within the seeds' range; paired differences are per seed; health means over steps."""
+    ev = lambda *a: dict(zip(range(0, 10 * len(a), 10), a))  # noqa: E731  evals at 0, 10, 20
+    st = lambda kl, flips: [{"reward": 0.5, "rollout_corr/kl": kl, "follow/code_flip_fraction": flips, "reward_kept": 0.6,  # noqa: E731
+                             "reward_dropped": None, "time/step": 1.0} for _ in range(20)]
+    _write(tmp_path, "bf16_s0", ev(0.1, 0.3, 0.5), st(0.01, 0.0))
+    _write(tmp_path, "bf16_s1", ev(0.1, 0.5, 0.7), st(0.03, 0.0))
+    _write(tmp_path, "nvfp4_s0", ev(0.1, 0.1, 0.0), st(0.5, 1e-3))
+    _write(tmp_path, "nvfp4_s1", ev(0.1, 0.2, 0.4), st(0.7, 3e-3))
+    _write(tmp_path, "nvfp4_s2", ev(0.1, 0.2, 0.4, 0.5), st(0.7, 3e-3) + st(0.7, 3e-3)[:10])  # longer: compared at 20
+    runs = rl_summary.load_runs(tmp_path)
+    out = rl_summary.statistics(runs)
+    assert out["step"] == 20
+    b, n = out["configs"]["bf16"], out["configs"]["nvfp4"]
+    # AUC of (0, .1) (10, .3) (20, .5): (10*(.1+.3)/2 + 10*(.3+.5)/2) / 20 = 0.3; seed 1: 0.45
+    assert b["auc"]["per_seed"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.45)}
+    assert b["acc"]["mean"] == pytest.approx(0.6)
+    lo, hi = b["acc"]["ci"]
+    assert 0.5 <= lo <= 0.6 <= hi <= 0.7
+    assert n["acc"]["per_seed"] == {"0": 0.0, "1": 0.4, "2": 0.4}
+    d = n["paired"]["acc_minus_bf16"]
+    assert d["per_seed"] == {"0": pytest.approx(-0.5), "1": pytest.approx(-0.3)} and d["n"] == 2 and d["positive_seeds"] == 0
+    assert d["mean"] == pytest.approx(-0.4) and d["ci"][0] <= -0.4 <= d["ci"][1]
+    assert b["kl"] == pytest.approx(0.02) and n["code_flip_fraction"] == pytest.approx((1e-3 + 3e-3 + 3e-3) / 3)
+    assert b["reward_kept"] == pytest.approx(0.6) and b["reward_dropped"] is None
+    assert rl_summary.bootstrap_ci([0.3]) == (0.3, 0.3) and rl_summary.bootstrap_ci([]) == (None, None)
+    assert "| NVFP4 (k=0) | 3 |" in rl_summary.stats_markdown(out)
+
+
+def test_timing_medians_and_sync_share(tmp_path):
+    steps = [{"time/sync": s, "time/generate": 2.0, "time/score": 0.1, "time/filter": 0.05, "time/learn": 0.3, "time/step": s + 2.45}
+             for s in (9.0, 9.0, 9.0, 0.5, 0.6, 0.7)]
+    _write(tmp_path, "fs_comp_t0", {0: 0.1, 6: 0.1}, steps)
+    t = rl_summary.timing(rl_summary.load_runs(tmp_path, rl_summary._TIMING))["fs_comp"]
+    assert t["steps"] == 3 and t["t_sync"] == pytest.approx(0.6) and t["t_step"] == pytest.approx(3.05)
+    assert t["sync_share"] == pytest.approx(0.6 / 3.05)

@@ -47,6 +47,10 @@ def rl_command(
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="resume checkpoint path (default: OUT.ckpt)"),
     stop_at: float = typer.Option(0.0, "--stop-at", help="pause with a checkpoint before a step starting after this Unix time (0: never)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="also checkpoint every N steps (0: only when pausing)"),
+    bf16_layers: Optional[list[str]] = typer.Option(None, "--bf16-layers", help="whole layers the rollout keeps in BF16 (the practitioners' carve-out): attention, mlp, first:N, last:N, block:I, & to intersect, or a name/re: pattern; repeatable"),
+    follow: bool = typer.Option(True, "--follow/--no-follow", help="log follow/* per sync: quantized code flips, cos(dW_rollout, dW_learner)"),
+    kernel_autotune: bool = typer.Option(False, "--kernel-autotune", help="let the SpliceGEMM autotuner time kernel configs during the run (default off: fixed configs, reproducible)"),
+    deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic", help="torch deterministic algorithms (warn only) + fixed cuBLAS workspace"),
 ) -> None:
     """GRPO with BF16 / FP8 / NVFP4 / FourSight (W4A4 or W4A16) rollouts on a verifiable task; logs JSONL (see docs/rl.md)."""
 
@@ -56,5 +60,6 @@ def rl_command(
                    device=device, out=out, time_budget_s=time_budget_s, sync=sync, tis_cap=tis_cap or None, old_logprobs=old_logprobs,
                    filter_tau=filter_tau or None, filter_quantile=filter_quantile or None, format_bonus=format_bonus,
                    prompt_style=prompt_style, prefill=prefill, error_target=error_target or None, max_k=max_k or None,
-                   resume=resume, checkpoint=checkpoint, stop_at=stop_at, checkpoint_every=checkpoint_every)
+                   resume=resume, checkpoint=checkpoint, stop_at=stop_at, checkpoint_every=checkpoint_every,
+                   bf16_layers=list(bf16_layers or []), follow=follow, kernel_autotune=kernel_autotune, deterministic=deterministic)
     typer.echo(f"wrote {run_rl(cfg, log=typer.echo)}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from foursight.rl import tasks as rl_tasks
@@ -72,6 +72,16 @@ class RLConfig:
     stop_at: float = 0.0
     #: also checkpoint every this many steps (0: only when pausing)
     checkpoint_every: int = 0
+    #: whole layers the rollout engine keeps in BF16 (``--bf16-layers``: attention, mlp, first:N,
+    #: last:N, block:I, ``&`` to intersect, or a name / re: pattern; :mod:`foursight.bf16_layers`)
+    bf16_layers: list[str] = field(default_factory=list)
+    #: log ``follow/*`` per sync: NVFP4/FP8 code flips and cos(ΔW_rollout, ΔW_learner) (:mod:`foursight.rl.follow`)
+    follow: bool = True
+    #: let the SpliceGEMM autotuner time kernel configurations during the run (off: the first
+    #: candidate of each datapath, fixed, so two runs of a seed run the same kernels)
+    kernel_autotune: bool = False
+    #: torch.use_deterministic_algorithms(True, warn_only=True) and a fixed cuBLAS workspace
+    deterministic: bool = True
 
     def checkpoint_path(self) -> str:
         return self.checkpoint or f"{self.out}.ckpt"
@@ -99,6 +109,12 @@ class RLConfig:
             raise RLError(f"--max-k must be >= 0, got {self.max_k}")
         if self.checkpoint_every < 0:
             raise RLError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.bf16_layers and self.rollout_precision == "bf16":
+            raise RLError("--bf16-layers: the bf16 rollout precision has nothing to carve out; use it with nvfp4, foursight, w4a16 or fp8")
+        if self.bf16_layers and self.engine != "hf":
+            raise RLError("--bf16-layers: only with --engine hf")
+        if self.bf16_layers and self.error_target is not None:
+            raise RLError("--bf16-layers with --error-target is not supported (the per-group k of a carved group is undefined)")
         if self.task not in rl_tasks.TASKS:
             raise RLError(f"--task: unknown task {self.task!r}; choose one of {sorted(rl_tasks.TASKS)}")
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_size"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import tempfile
 import time
 from dataclasses import asdict
@@ -100,8 +101,18 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     Lines: a ``{"type": "config", ...}`` header, ``{"type": "eval", "step": s, "eval_acc", ...}``
     at step 0 and every ``eval_every`` steps (and after the last), and ``{"type": "step", ...}``
     with reward, TIM metrics (``tim/*``, ``rollout_corr/*``), ``filter/*``, the loss stats and the
-    step time split ``time/sync``, ``time/rollout``, ``time/score``, ``time/update``; a ``done``
-    record after the last step.
+    step time split by phase ``time/sync`` (re-quantization), ``time/generate``, ``time/score``
+    (rewards, the learner's teacher-forced forward), ``time/filter`` (TIM metrics, the filter's
+    mask, advantages), ``time/learn`` (loss, backward, optimizer step) and ``time/step`` (their
+    sum; ``time/follow``, the ``follow/*`` metrics, is outside it); the reward of the kept and of
+    the dropped sequences; ``follow/*`` (:mod:`foursight.rl.follow`); a ``done`` record after the
+    last step.
+
+    Reproducible: the problems of a step depend on (seed, step) only, sampling is seeded by (seed,
+    step), the SpliceGEMM kernels run fixed configurations (no autotuning, unless
+    ``cfg.kernel_autotune``) and torch runs its deterministic algorithms (``cfg.deterministic``);
+    two CPU runs of one seed write the same log but for times
+    (``tests/test_rl.py::test_two_runs_of_a_seed_write_the_same_log``).
 
     Resumable: with ``cfg.resume`` a log ending in ``done`` is left alone (the run is complete),
     and a checkpoint (``cfg.checkpoint_path()``: learner, optimizer, channel sets, step) written
@@ -116,6 +127,11 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     from foursight.trainer_bridge.scoring import pad_rollouts, teacher_forced_logprobs
 
     cfg.validate()
+    if not cfg.kernel_autotune:
+        os.environ["FOURSIGHT_KERNELS_AUTOTUNE"] = "0"  # read by foursight.kernels.tuning.pick_config
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     fcfg = cfg.filter_config()
     out = Path(cfg.out)
     ckpt_path = Path(cfg.checkpoint_path())
@@ -133,6 +149,10 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     tok = AutoTokenizer.from_pretrained(model_dir)
     learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
     learner.config.use_cache = True
+    from foursight.bf16_layers import bf16_layer_patterns, model_bf16_share, num_blocks_of
+
+    carve = bf16_layer_patterns(cfg.bf16_layers, num_blocks_of(learner)) if cfg.bf16_layers else []
+    ignore = ("lm_head", *carve)
     ref = None
     if cfg.kl_coef > 0:
         ref = copy.deepcopy(learner).to(torch.bfloat16).eval()
@@ -153,15 +173,26 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
         calib_probs = rl_tasks.train_problems(cfg.task, step=-1, n=32, seed=cfg.seed + 7, exclude=exclude)
         texts = builtin_texts() + [tok.decode(ids) for ids in prompt_ids(tok, calib_probs, cfg.prompt_style, cfg.prefill)]
         learner_bf16 = copy.deepcopy(learner).to(torch.bfloat16).eval()
-        channels = calibrate_channel_sets(learner_bf16, tok, texts, cfg.channels, error_target=cfg.error_target, max_k=cfg.max_k)
+        channels = calibrate_channel_sets(learner_bf16, tok, texts, cfg.channels, ignore=ignore, error_target=cfg.error_target,
+                                          max_k=cfg.max_k)
         del learner_bf16
     workdir = Path(tempfile.mkdtemp(prefix="foursight-rl-"))
     if cfg.engine == "hf":
-        engine = HFRollout(learner, tok, cfg.rollout_precision, channels, sync=cfg.sync)
+        engine = HFRollout(learner, tok, cfg.rollout_precision, channels, sync=cfg.sync, ignore=ignore)
     else:
         engine = VLLMRollout(model_dir, tok, cfg.rollout_precision, cfg.channels, workdir, seed=cfg.seed)
     setup_s = time.perf_counter() - t_setup
     ch_info = channel_summary(learner, channels)
+    if cfg.rollout_precision == "bf16":
+        ch_info.update(bf16_weight_share=1.0, bf16_layer_share=1.0, bf16_channel_share=0.0, bf16_layers=[])
+    else:
+        ch_info.update(model_bf16_share(learner, ["lm_head"], carve, channels))
+    follow = None
+    if cfg.follow and cfg.engine == "hf":
+        from foursight.rl.follow import FollowTracker
+
+        follow = FollowTracker(ignore=("lm_head",))
+        follow.update(engine.model, learner)  # the initial weights
     k_sizes = ch_info["channels_k"]
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -186,7 +217,8 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     else:
         emit({"type": "resume", "step": start_step, "setup_s": setup_s, "device_name": header["device_name"]})
         log(f"rl: resuming {out} after step {start_step}")
-    log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, k={k_sizes}")
+    log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, k={k_sizes}, "
+        f"BF16 weight share {ch_info['bf16_weight_share']:.2%}")
 
     def do_eval(step: int) -> float:
         t0 = time.perf_counter()
@@ -222,14 +254,19 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             info = engine.sync(learner, step)
             _sync_device(dev)
             t1 = time.perf_counter()
-            # 2. rollout
+            t_sync = t1 - t0
+            fol = follow.update(engine.model, learner) if follow is not None else {}
+            _sync_device(dev)
+            t1n = time.perf_counter()
+            t_follow, t1 = t1n - t1, t1n
+            # 2. generate
             probs = rl_tasks.train_problems(cfg.task, step, cfg.prompts_per_step, seed=cfg.seed, exclude=exclude)
             pids = prompt_ids(tok, probs, cfg.prompt_style, cfg.prefill)
             samples = engine.generate(pids, cfg.group_size, cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
             _sync_device(dev)
             t2 = time.perf_counter()
-            # 3. score: rewards, the learner's logprobs of the sampled tokens (one forward, kept
-            #    for the update), TIM metrics and the filter's loss mask
+            # 3. score: rewards and the learner's logprobs of the sampled tokens (one forward, kept
+            #    for the update)
             texts = [cfg.prefill + tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
             group_probs = [p for p in probs for _ in range(cfg.group_size)]
             rewards = torch.tensor([rl_tasks.reward(t, p, cfg.format_bonus) for t, p in zip(texts, group_probs)])
@@ -239,12 +276,15 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
                 logp_new, mask = teacher_forced_logprobs(learner, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
             lens = [len(s.token_ids) for s in samples]
+            _sync_device(dev)
+            t_score = time.perf_counter()
+            # 4. filter: TIM metrics, the filter's loss mask, advantages
             lt, lr_, m = pad_rollouts(samples, [logp_new[b, :n].detach().cpu() for b, n in enumerate(lens)])
             fres = apply_filter(lt, lr_, m, fcfg)
             adv = group_advantages(rewards, cfg.group_size)
             _sync_device(dev)
             t3 = time.perf_counter()
-            # 4. update
+            # 5. learn
             T = logp_new.shape[1]
             w = torch.zeros_like(logp_new)
             lw = fres.loss_weights()
@@ -265,14 +305,19 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             _sync_device(dev)
             t4 = time.perf_counter()
             lens = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
+            keep = fres.keep.bool()
             rec.update({
+                "reward_kept": float(rewards[keep].mean()) if keep.any() else None,
+                "reward_dropped": float(rewards[~keep].mean()) if (~keep).any() else None,
+                "accuracy_dropped": float(correct[~keep].mean()) if (~keep).any() else None,
                 "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
                 "response_len": float(lens.mean()), "truncated_fraction": float(sum(s.finish_reason == "length" for s in samples)) / len(samples),
                 "adv_zero_groups": float((rewards.view(-1, cfg.group_size).std(1) == 0).float().mean()),
                 "filtered_fraction": 1.0 - fres.metrics["filter/kept_seq_fraction"],
                 **{k: v for k, v in fres.metrics.items()}, **lstats, "grad_norm": gnorm,
                 "requantized_layers": info.get("requantized_layers", 0),
-                "time/sync": t1 - t0, "time/rollout": t2 - t1, "time/score": t3 - t2, "time/update": t4 - t3, "time/step": t4 - t0,
+                "time/sync": t_sync, "time/generate": t2 - t1, "time/score": t_score - t2, "time/filter": t3 - t_score,
+                "time/learn": t4 - t3, "time/step": t4 - t0 - t_follow, "time/follow": t_follow, **fol,
                 "wall_s": time.perf_counter() - t_start,
             })
             emit(rec)

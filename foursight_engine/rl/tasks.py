@@ -7,6 +7,16 @@ answer string) and scores a completion with a strict, checkable rule:
 * ``sub``   — difference of two 2-digit numbers (may be negative).
 * ``sort``  — four numbers in [0, 99] sorted ascending: ``Answer: 3, 15, 42, 77``.
 * ``count`` — occurrences of a letter in a short word list: ``Answer: 4``.
+* ``seq`` — the numbers from a to b counting by 1, 2 or 3 (8–12 numbers, all two-digit):
+  ``List the numbers from 23 to 37 counting by 2, separated by commas.`` →
+  ``Answer: 23, 25, 27, ..., 37`` (about 30–50 tokens); ``seq1`` counts by 1, 6–10 numbers, and says how many
+  (``List the 8 numbers from 59 to 66, ...``).
+* ``chain3`` / ``chain4`` / ``chain5`` — a running sum: a start in [10, 30], then 2, 3 or 4 terms
+  ``+ d`` or ``- d`` with d in [2, 9] (every partial result in [0, 99]), answered with worked
+  steps: ``Compute 23 + 8 - 7.`` → ``23 + 8 = 31`` / ``31 - 7 = 24`` / ``Answer: 24``. The worked
+  answer runs about 20–60 tokens,
+  so a sequence filter has something to look at (the ``add`` answers are 3–8 tokens). Its
+  ``Problem.solution`` holds the worked steps (shown by the ``oneshot`` prompt style).
 
 Reward (:func:`reward`): 1.0 when the completion's first ``Answer:`` line holds exactly the
 expected answer, ``format_bonus`` (default 0.1) when it has a well-formed ``Answer:`` line
@@ -46,6 +56,8 @@ class Problem:
     task: str
     question: str
     answer: str
+    #: worked steps before the answer line (chain tasks; empty for the one-line tasks)
+    solution: str = ""
 
     def messages(self, style: str = "oneshot") -> list[dict[str, str]]:
         """Chat messages (system + user) for the tokenizer's chat template.
@@ -56,7 +68,8 @@ class Problem:
         q = self.question
         if style == "oneshot":
             ex = EXAMPLES[self.task]
-            q = f"{q}\nReply in the format of this example.\nExample: {ex.question}\nAnswer: {ex.answer}"
+            worked = f"{ex.solution}\n" if ex.solution else ""
+            q = f"{q}\nReply in the format of this example.\nExample: {ex.question}\n{worked}Answer: {ex.answer}"
         elif style != "plain":
             raise TaskError(f"prompt style must be 'oneshot' or 'plain', got {style!r}")
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
@@ -85,7 +98,41 @@ def _count(rng: random.Random) -> Problem:
     return Problem("count", f"How many times does the letter '{c}' appear in the word '{w}'?", str(w.count(c)))
 
 
-TASKS = {"add": _add, "sub": _sub, "sort": _sort, "count": _count}
+def _chain(terms: int, lo: int, hi: int, start: tuple[int, int], cap: int):
+    def make(rng: random.Random) -> Problem:
+        total = rng.randint(*start)
+        text, steps = str(total), []
+        for _ in range(terms - 1):
+            x = rng.randint(lo, hi)
+            op = rng.choice("+-")
+            if op == "+" and total + x > cap:
+                op = "-"
+            if op == "-" and total - x < 0:
+                op = "+"
+            new = total + x if op == "+" else total - x
+            steps.append(f"{total} {op} {x} = {new}")
+            text += f" {op} {x}"
+            total = new
+        return Problem(f"chain{terms}", f"Compute {text}. Work it out one operation at a time.", str(total), "\n".join(steps))
+
+    return make
+
+
+def _seq(steps: tuple[int, ...], lengths: tuple[int, int], name: str, say_count: bool = False):
+    def make(rng: random.Random) -> Problem:
+        step = rng.choice(steps)
+        n = rng.randint(*lengths)
+        a = rng.randint(10, 99 - step * (n - 1))
+        xs = [a + step * i for i in range(n)]
+        by = "" if step == 1 else f" counting by {step}"
+        count = f"{n} " if say_count else ""
+        return Problem(name, f"List the {count}numbers from {xs[0]} to {xs[-1]}{by}, separated by commas.", ", ".join(map(str, xs)))
+
+    return make
+
+
+TASKS = {"add": _add, "sub": _sub, "sort": _sort, "count": _count, "chain3": _chain(3, 2, 9, (10, 30), 99), "chain4": _chain(4, 2, 9, (10, 30), 99),
+         "chain5": _chain(5, 2, 9, (10, 30), 99), "seq": _seq((1, 2, 3), (8, 12), "seq"), "seq1": _seq((1,), (6, 10), "seq1", say_count=True)}
 #: the solved example shown by the "oneshot" prompt style (seed -1, never a train/eval seed)
 EXAMPLES = {name: fn(random.Random(f"{name}:example")) for name, fn in TASKS.items()}
 
