@@ -233,7 +233,7 @@ def export(
     ckpt: Path = typer.Argument(..., help="A plain-NVFP4 FourSight checkpoint (`foursight quantize --channels 0`)."),
     out: Path = typer.Option(..., "--out", help="Folder to write."),
     format: str = typer.Option("compressed-tensors", "--format", help="Output format; only 'compressed-tensors' (nvfp4-pack-quantized)."),
-    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it is a checkpoint FourSight wrote (anything else is refused)."),
 ):
     """Write a plain-NVFP4 (k = 0) FourSight checkpoint as a compressed-tensors NVFP4 checkpoint (stock vLLM / transformers)."""
     from foursight.cli_util import OptionError
@@ -251,7 +251,7 @@ def import_(
     out: Path = typer.Option(..., "--out", help="FourSight checkpoint folder to write."),
     channels: ChannelsOption = "0",
     calib: CalibOption = None,
-    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it is a checkpoint FourSight wrote (anything else is refused)."),
 ):
     """Convert a compressed-tensors NVFP4 checkpoint into a FourSight checkpoint (--quantization foursight serves it).
 
