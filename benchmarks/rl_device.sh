@@ -20,7 +20,7 @@
 # a chunk should be sized to finish in its call (docs/rl.md has the arithmetic).
 # Results: $OUT/rl_study.tgz (logs, manifest, the runs' stdout, summary), $OUT/study.log, $OUT/convert.txt, $OUT/smoke.log.
 #
-# Shared settings of every run (benchmarks/rl_study.py COMMON): --task seq --steps 60 --prompts-per-step 16
+# Shared settings of every run (benchmarks/rl_study.py COMMON): --task seq1 --steps 60 --prompts-per-step 16
 # --group-size 8 --max-new-tokens 64 --lr 2e-5 --eval-every 10 --eval-size 256 --channels 2%
 # --old-logprobs learner --tis-cap 2, fixed kernel configs (FOURSIGHT_KERNELS_AUTOTUNE=0), deterministic torch.
 #
@@ -64,7 +64,7 @@ kw = dict(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_ever
 for prec, extra in [("bf16", {}), ("fp8", {}), ("nvfp4", {}), ("nvfp4", {"bf16_layers": ["attention&first:1"]}),
                     ("foursight", {"filter": "max_token", "filter_tau": 2.5}), ("w4a16", {})]:
     t = time.time()
-    p = run_rl(RLConfig(model=str(d), task="seq", rollout_precision=prec, channels="16", out=f"/tmp/smoke_{prec}.jsonl", device=dev,
+    p = run_rl(RLConfig(model=str(d), task="seq1", rollout_precision=prec, channels="16", out=f"/tmp/smoke_{prec}.jsonl", device=dev,
                         old_logprobs="learner", tis_cap=2.0, **kw, **extra), log=lambda s: None)
     recs = [json.loads(l) for l in open(p)]
     print(prec, extra, "ok" if recs[-1]["type"] == "done" else "NOT DONE", f"{time.time() - t:.1f}s",

@@ -20,7 +20,7 @@ the last block, 2.50 % of the linear weights in BF16 on SmolLM2-135M, against Fo
 2.60 %), ``fs_comp`` (FourSight 2 %), ``fs_filter`` (FourSight 2 % + max_token τ = 2.5),
 ``w4a16`` (FourSight 2 % weights, BF16 activations), and the format-bonus ablations
 ``bf16_nobonus`` / ``nvfp4_nobonus`` (``--format-bonus 0``). Shared settings: :data:`COMMON`
-(the ``seq`` task, 60 steps, 16 prompts x 8 samples, 64 new tokens, a 256-question eval every 10
+(the ``seq1`` task, 60 steps, 16 prompts x 8 samples, 64 new tokens, a 256-question eval every 10
 steps, lr 2e-5, the learner's π_old with token TIS cap 2, fixed kernel configs). Seeds: 0-5.
 
 ``--timing``: each arm alone on the GPU (one process at a time), :data:`TIMING` steps, no eval
@@ -64,12 +64,12 @@ SEEDS = (0, 1, 2, 3, 4, 5)
 #: users run (recomputed π_old; the engine's log-probs only in r, the filter and token TIS, cap 2)
 OBJECTIVES: dict[str, list[str]] = {"rollout": [], "learner-tis": ["--old-logprobs", "learner", "--tis-cap", "2"]}
 #: shared settings of every run (the equal-step study v2)
-COMMON = {"task": "seq", "steps": 60, "prompts-per-step": 16, "group-size": 8, "max-new-tokens": 64, "lr": "2e-5",
+COMMON = {"task": "seq1", "steps": 60, "prompts-per-step": 16, "group-size": 8, "max-new-tokens": 64, "lr": "2e-5",
           "eval-every": 10, "eval-size": 256, "channels": "2%"}
 #: the isolated timing runs: a few steps, the eval at step 0 only (on 16 questions)
 TIMING = {"steps": 8, "eval-every": 1000, "eval-size": 16}
 #: the CPU dry run: the tiny model, 2 steps
-DRY = {"task": "seq", "steps": 2, "prompts-per-step": 1, "group-size": 2, "max-new-tokens": 3, "lr": "2e-5",
+DRY = {"task": "seq1", "steps": 2, "prompts-per-step": 1, "group-size": 2, "max-new-tokens": 3, "lr": "2e-5",
        "eval-every": 1, "eval-size": 2, "channels": "16"}
 #: the carve-out on the tiny model of the dry run (2 blocks)
 DRY_CARVE = ["--bf16-layers", "attention&first:1"]

@@ -261,6 +261,7 @@ def test_rl_config_refuses_bad_carve_outs(tiny_llama_dir):
         RLConfig(rollout_precision="nvfp4", engine="vllm", bf16_layers=["attention"]).validate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arm", list(rl_study.ARMS))
 def test_every_study_arm_runs_one_step(tmp_path, tiny_llama_dir, arm):
     """Each arm of benchmarks/rl_study.py through the real `foursight rl` command line it builds (the
@@ -278,7 +279,7 @@ def test_every_study_arm_runs_one_step(tmp_path, tiny_llama_dir, arm):
     recs = [json.loads(line) for line in (tmp_path / f"{arm}_s0.jsonl").read_text().splitlines()]
     head = recs[0]
     prec, extra = rl_study.ARMS[arm]
-    assert recs[-1] == {"type": "done", "step": 1} and head["rollout_precision"] == prec and head["task"] == "seq"
+    assert recs[-1] == {"type": "done", "step": 1} and head["rollout_precision"] == prec and head["task"] == rl_study.DRY["task"]
     assert head["format_bonus"] == (0.0 if "nobonus" in arm else 0.1)
     share = {"bf16": 1.0, "fp8": 0.0, "nvfp4": 0.0}.get(prec)
     if arm == "nvfp4_carve":
