@@ -55,11 +55,17 @@ class FourSightLinear(nn.Module):
         return out
 
     def set_weight(self, weight: torch.Tensor, channels: torch.Tensor | None = None) -> None:
-        """Re-quantize from a new BF16 weight [N, K] in place (same channel set by default)."""
+        """Re-quantize from a new BF16 weight [N, K] in place (same channel set by default): the
+        buffers keep their storage when the shapes match (a new channel count replaces them)."""
         ch = self.bf16_channels if channels is None else channels
         qw = quantize_weight(weight.to(self.weight_packed.device), ch, name=self.name)
-        for key, t in zip(schema.WEIGHT_SUFFIXES, qw.tensors()):
-            setattr(self, key, t)
+        with torch.no_grad():
+            for key, t in zip(schema.WEIGHT_SUFFIXES, qw.tensors()):
+                cur = getattr(self, key)
+                if cur is not None and cur.shape == t.shape and cur.dtype == t.dtype:
+                    cur.copy_(t)
+                else:
+                    setattr(self, key, t)
         self.refresh()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

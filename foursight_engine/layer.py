@@ -111,17 +111,24 @@ def quantize_weight(
         raise NVFP4Error(f"{name}: expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
     n, k_dim = weight.shape
     check_k(k_dim, name)
-    check_finite(weight, name)
     ch = check_channels(channels, k_dim, name).to(weight.device)
-    w0 = zero_columns(weight, ch)
-    gs = global_scale_from_amax(w0.float().abs().amax()).reshape(1) if global_scale is None else global_scale.float().reshape(1)
+    idx = ch.long()
+    w_bf16 = weight[:, idx].to(torch.bfloat16).contiguous()
+    if idx.numel():
+        check_finite(weight[:, idx], name)  # the other columns: quantize_nvfp4's block amax pass
+    # one float32 copy with the S columns zeroed, shared by the amax and the quantizer (the
+    # weight sync's hot path: no separate finiteness pass, no second copy)
+    w0 = weight.float() if weight.dtype != torch.float32 else weight.clone()
+    if idx.numel():
+        w0.index_fill_(1, idx, 0.0)
+    gs = global_scale_from_amax(w0.abs().amax()).reshape(1) if global_scale is None else global_scale.float().reshape(1)
     packed, scale = quantize_nvfp4(w0, gs.to(weight.device), name)
     return QuantizedWeight(
         weight_packed=packed,
         weight_scale=scale,
         weight_global_scale=gs.to(weight.device),
         bf16_channels=ch,
-        weight_bf16=weight[:, ch.long()].to(torch.bfloat16).contiguous(),
+        weight_bf16=w_bf16,
     )
 
 

@@ -74,7 +74,7 @@ import torch
 
 from foursight.dispatch import PreparedLinear, prepare_linear
 from foursight.layer import QuantizedWeight, check_channels, quantize_weight
-from foursight.nvfp4 import BLOCK_SIZE, global_scale_from_amax
+from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
 from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings, _warned_fallback, weight_based_channels
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_index, shard_names
 from foursight.schema import (
@@ -490,8 +490,6 @@ class LayerPlan:
 
     def _quantize_online(self, weight: torch.Tensor, tp: TPContext) -> tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor]:
         w = weight.data
-        if not bool(torch.isfinite(w).all()):
-            raise CheckpointError(f"tensor {self.prefix}.weight holds NaN/Inf")
         channels = self.resolve_online_channels(w, tp).to(w.device)
         kl = self.input_size_per_partition
         if self.k_split:
@@ -500,14 +498,17 @@ class LayerPlan:
             local = channels
         parts: list[QuantizedWeight] = []
         off = 0
-        for rows in self.shard_sizes:
+        for name, rows in zip(self.shard_names, self.shard_sizes):
             ws = w[off : off + rows]
-            w0 = ws.float().clone()
+            a = ws.abs()  # in the weight's dtype (exact), S columns zeroed in place
             if local.numel():
-                w0[:, local.long()] = 0
-            amax = tp.reduce_max(w0.abs().amax().reshape(1).contiguous())  # shared per-tensor scale across ranks
+                a.index_fill_(1, local.long(), 0)
+            amax = tp.reduce_max(a.amax().float().reshape(1).contiguous())  # shared per-tensor scale across ranks
             gs = global_scale_from_amax(amax).reshape(1)
-            parts.append(quantize_weight(ws, local, global_scale=gs, name=self.prefix))
+            try:  # quantize_weight checks every value finite (no separate pass here)
+                parts.append(quantize_weight(ws, local, global_scale=gs, name=f"{name}.weight"))
+            except NVFP4Error as e:
+                raise CheckpointError(f"tensor {name}.weight: {e}") from None
             off += rows
         qw = concat_shards(parts, self.prefix)
         igs = None

@@ -13,13 +13,13 @@ Then:
 * offline: the same methods of ``vllm.LLM`` (``init_weight_transfer_engine``, ``start_weight_update``,
   ``update_weights``, ``finish_weight_update``).
 
-``update_weights`` loads the tensors through the model's own ``load_weights``
-(:func:`foursight.quant_methods.vllm_weight_sync.load_update`: a checkpoint-mode layer's BF16
-weight is quantized into its checkpoint tensors with its current channel set);
-``finish_weight_update`` runs the idempotent FourSight post-processing
-(:func:`foursight.quant_methods.vllm_weight_sync.finish_update`: ``LayerPlan.process`` of every
-layer that received a tensor, the CPU embedding re-pack), once per update however many files
-came in. It is the same code the ``/collective_rpc`` route (``FourSightWorkerExtension``) runs,
+``update_weights`` checks each file whole (every tensor finite; names, dtypes and shapes against
+the model: :func:`foursight.quant_methods.vllm_weight_sync.check_update`) and keeps it;
+``finish_weight_update`` loads every kept file through the model's own ``load_weights``
+(:func:`foursight.quant_methods.vllm_weight_sync.load_update`) and runs the idempotent FourSight
+post-processing (:func:`foursight.quant_methods.vllm_weight_sync.finish_update`), once per update
+however many files came in. An update with a refused file loads nothing, so nothing of it is ever
+served, and vLLM keeps its weight version (issue 28). It is the same code the ``/collective_rpc`` route (``FourSightWorkerExtension``) runs,
 so both routes give bit-identical engines (``tests/test_vllm_weight_transfer.py``).
 """
 
@@ -60,9 +60,7 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         pass
 
     def start_weight_update(self) -> None:
-        from foursight.quant_methods.vllm_weight_sync import begin_update
-
-        self._session = begin_update(self.model)
+        self._session = {"paths": [], "refused": None}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # no device synchronisation to wait for: the tensors are loaded synchronously (and
@@ -70,21 +68,41 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        from foursight.quant_methods.vllm_weight_sync import load_update, read_update_file
+        """Check the file whole (every tensor finite, names, dtypes and shapes:
+        :func:`~foursight.quant_methods.vllm_weight_sync.check_update`) and keep it for
+        ``finish_weight_update``; nothing is loaded yet. A refused file refuses the whole update."""
+        from foursight.quant_methods.vllm_weight_sync import check_update, read_update_file
+        from foursight.schema import check_safetensors
 
         if self._session is None:
             raise RuntimeError("foursight_file: update_weights before start_weight_update")
-        with torch.no_grad():
-            load_update(self.model, read_update_file(update_info.path), self._session)
+        try:
+            check_safetensors(update_info.path)
+            check_update(self.model, read_update_file(update_info.path))
+        except Exception as e:
+            self._session["refused"] = f"{update_info.path}: {e}"
+            raise
+        self._session["paths"].append(update_info.path)
 
     def finish_weight_update(self) -> None:
-        from foursight.quant_methods.vllm_weight_sync import finish_update
+        """Load every file of the update and re-quantize (the same three steps as
+        ``apply_weight_update``). An update with a refused file loads nothing: the engine keeps its
+        weights, and vLLM keeps its weight version (it sets it only after this returns)."""
+        from foursight.quant_methods.vllm_weight_sync import (_safetensors_names, begin_update, check_fused_complete, finish_update,
+                                                              load_update, read_update_file)
 
         if self._session is None:
             raise RuntimeError("foursight_file: finish_weight_update before start_weight_update")
+        session, self._session = self._session, None
+        if session["refused"]:
+            raise RuntimeError(f"foursight_file: the update was refused, nothing of it is loaded ({session['refused']})")
+        names = [n for path in session["paths"] for n in _safetensors_names(path)]
+        check_fused_complete(self.model, names)  # half a CPU-packed fused layer: refused before loading
         with torch.no_grad():
-            finish_update(self.model, self._session)
-        self._session = None
+            state = begin_update(self.model)
+            for path in session["paths"]:
+                load_update(self.model, read_update_file(path), state)
+            finish_update(self.model, state)
 
     def shutdown(self) -> None:
         self._session = None

@@ -39,10 +39,13 @@ Q0 = "model.layers.0.self_attn.q_proj.weight"
 QKV0 = "model.layers.0.self_attn.qkv_proj"
 
 
-def _llm(path):
+EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
+
+
+def _llm(path, **kw):
     from vllm import LLM
 
-    return LLM(model=str(path), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
+    return LLM(model=str(path), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, **kw)
 
 
 def _model(llm):
@@ -136,7 +139,8 @@ def setup(tiny_llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module", params=["checkpoint", "online"])
 def engine(request, setup):
     mode = request.param
-    llm = _llm(setup["ckpt"] if mode == "checkpoint" else setup["src"])
+    llm = _llm(setup["ckpt"] if mode == "checkpoint" else setup["src"], worker_extension_cls=EXT,
+               weight_transfer_config={"backend": "foursight_file"})
     yield mode, llm
     del llm
     gc.collect()
@@ -267,3 +271,58 @@ def test_a_bad_tensor_is_refused_naming_it(engine, setup):
     assert msg and "q_proj.weight" in msg and "dtype" in msg
     (msg,) = llm.apply_model(load(w[:, :-16].contiguous()))
     assert msg and "q_proj.weight" in msg
+
+
+# ---- issue 28: a refused update changes nothing, on every vLLM route, and is never served later ----
+
+def _bad_updates(new: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A whole update (every tensor) whose LAST tensor is bad, so a route that applied tensors
+    one by one would already have changed the engine when it met it."""
+    last = "model.layers.1.mlp.down_proj.weight"
+    good = {n: t for n, t in new.items() if n != last}
+    w = new[last]
+    nan = w.clone()
+    nan[3, 5] = float("nan")
+    return {"shape": {**good, last: w[:, :-16].contiguous()}, "nan": {**good, last: nan}, "int32": {**good, last: w.to(torch.int32)},
+            "name": {**good, last: w, "model.layers.1.mlp.no_such_proj.weight": w}}
+
+
+@pytest.mark.parametrize("route", ["apply_weight_update", "native", "collective_rpc"])
+def test_a_refused_update_changes_nothing_and_is_never_served_later(engine, setup, route, tmp_path):
+    """Each bad update is refused before anything of it is loaded (the logprobs stay bit-identical,
+    the weight version stays), and the next good update equals a fresh load of ITS weights (nothing
+    of the refused one shows up under the later version)."""
+    from safetensors.torch import save_file
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    from foursight.quant_methods.vllm_weight_sync import apply_weight_update
+
+    mode, llm = engine
+    _trl_sync(llm, setup["new1"])
+    before = engine_prompt_logprobs(llm, setup["seqs"])
+    if route == "native":
+        llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+
+    def push(weights: dict[str, torch.Tensor], version: int) -> None:
+        if route == "apply_weight_update":
+            llm.apply_model(lambda m: apply_weight_update(m, list(weights.items())))
+            return
+        path = tmp_path / f"u{version}.safetensors"
+        save_file({n: t.contiguous() for n, t in weights.items()}, str(path))
+        if route == "collective_rpc":
+            llm.collective_rpc("foursight_update_weights", args=(str(path), version))
+        else:
+            llm.start_weight_update()
+            llm.update_weights(WeightTransferUpdateRequest(update_info={"path": str(path)}))  # a bad file is refused here
+            llm.finish_weight_update()
+
+    for what, bad in _bad_updates(setup["new2"]).items():
+        with pytest.raises(Exception, match=r"model\.layers\.1\.mlp\.(down|no_such)_proj\.weight"):
+            push(bad, 7)
+        llm.reset_prefix_cache()
+        assert _same(engine_prompt_logprobs(llm, setup["seqs"]), before), f"{route}: the refused {what} update changed the engine"
+        if route == "collective_rpc":
+            assert llm.collective_rpc("foursight_weight_version") != [7]
+    push(setup["new2"], 8)
+    llm.reset_prefix_cache()
+    assert _same(engine_prompt_logprobs(llm, setup["seqs"]), setup["ref"][mode]["new2"])

@@ -798,6 +798,8 @@ class HFEngine(Engine):
         buffers = dict(self.model.named_buffers())
         plan: list[tuple[str, Any, Any]] = []
         for name, t in tensors.items():
+            if not t.is_floating_point():  # an int32 tensor would be applied truncated (issue 28)
+                raise EngineError(f"tensor {name} has dtype {t.dtype}, expected a floating-point weight")
             try:
                 check_finite(name, t)
             except CheckpointError as e:
