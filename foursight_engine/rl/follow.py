@@ -38,13 +38,10 @@ def _layer_state(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     if isinstance(mod, FourSightLinear):
         qw = mod.qweight
         packed = qw.weight_packed
+        # the BF16 channel columns hold code 0 in every sync (zeroed before quantization): they never
+        # flip and are left out of the count of codes (FollowTracker.update), with no masking here
         codes = torch.stack((packed & 0x0F, packed >> 4), -1).reshape(packed.shape[0], -1)
-        ch = qw.bf16_channels.long()
-        if ch.numel():
-            keep = torch.ones(codes.shape[1], dtype=torch.bool, device=codes.device)
-            keep[ch] = False
-            codes = codes[:, keep]
-        return codes.contiguous(), qw.weight_bf16.view(torch.int16).clone(), dequantize_weight(qw, torch.float32)
+        return codes, qw.weight_bf16.view(torch.int16).clone(), dequantize_weight(qw, torch.float32)
     if isinstance(mod, Fp8Linear):
         return mod.weight_fp8.view(torch.uint8).clone(), _EMPTY, dequantize_rowwise(mod.weight_fp8, mod.weight_scale)
     if isinstance(mod, nn.Linear):
@@ -90,7 +87,7 @@ class FollowTracker:
                                 (b != pb).sum().double() if b.numel() else acc.new_zeros(()),
                                 (dr.double() * dl.double()).sum(), dr.double().pow(2).sum(), dl.double().pow(2).sum(),
                                 w_l.double().pow(2).sum().to(dev), acc.new_zeros(()), acc.new_zeros(())])
-            n_q += q.numel()
+            n_q += q.numel() - b.numel() if q.numel() else 0  # FP4 codes outside the k BF16 columns: N·(K − k)
             n_b += b.numel()
         flips_q, flips_b, dot, nr2, nl2, wl2, _, _ = acc.tolist()
         out: dict[str, Any] = {
