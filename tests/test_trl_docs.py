@@ -2,7 +2,7 @@
 rollouts (colocated vLLM, online mode) on the packaged SmolLM2, with the documented filter.
 
 It must train on a stated majority of the sequences at every step (the filter example the page
-printed before kept 0 %). ``FOURSIGHT_WRITE_RESULTS=1`` also writes what it printed to
+printed before kept 0 %). Opt-in: ``FOURSIGHT_TEST_TRL_EXAMPLE=1``. ``FOURSIGHT_WRITE_RESULTS=1`` also writes what it printed to
 docs/results/trl-grpo-smollm2.json with the commit, the figures the page quotes.
 """
 
@@ -33,6 +33,10 @@ def example() -> str:
     return m.group(1)
 
 
+@pytest.mark.skipif(os.environ.get("FOURSIGHT_TEST_TRL_EXAMPLE") != "1",
+                    reason="opt-in (FOURSIGHT_TEST_TRL_EXAMPLE=1): SmolLM2 GRPO steps take 4-10 min on 2 cores "
+                           "(582 s on busy cores for the committed docs/results/trl-grpo-smollm2.json); "
+                           "tests/test_trl_grpo.py covers the same road on the tiny model in CI")
 def test_trl_example_runs_as_printed_and_keeps_a_majority(tmp_path, smollm2_dir):
     script = tmp_path / "grpo_foursight.py"
     script.write_text(example())
