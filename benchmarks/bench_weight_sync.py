@@ -120,6 +120,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok(t)["input_ids"][:48] for t in builtin_texts()[:8]]
 
+    commit = _git_commit()  # the code measured: read before the run, not after
     results = {"bf16": measure(str(model), None, weights, ["apply_weight_update"], args.repeats, prompts)}
     results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, ["apply_weight_update", "trl_per_tensor_load_weights"], args.repeats, prompts)
     os.environ["FOURSIGHT_CHANNELS_FILE"] = str(ckpt / "foursight_channels.json")
@@ -135,7 +136,7 @@ def main() -> None:
                                         "share_of_sync_plus_rollout": r["best_wall_s"] / (r["best_wall_s"] + results[eng]["rollout"]["wall_s"])}
     doc = {
         "what": "full in-memory weight sync (every tensor, HF names) into an in-process vLLM CPU engine; best of repeats after a warm-up",
-        "commit": _git_commit(),
+        "commit": commit,
         "model": str(model.name), "tensors": len(weights), "params": sum(t.numel() for _, t in weights),
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "loadavg_at_end": list(os.getloadavg()), "python": sys.version.split()[0]},
