@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import copy
 import json
-import math
 import time
 from pathlib import Path
 
@@ -90,8 +89,8 @@ def filter_keeps(learner: list[torch.Tensor], cfg: list[torch.Tensor]) -> dict[s
 
 def choose_k_levels(groups, model, targets: list[float]) -> dict[str, dict[float, int]]:
     """Per group and target, the k ``foursight quantize --error-target t`` picks (no ``--max-k``),
-    each candidate's error computed once for all targets (:func:`foursight.checkpoint.choose_k_levels`)."""
-    from foursight.checkpoint import choose_k_levels as levels
+    each candidate's error computed once for all targets (:func:`foursight.channels.choose_k_levels`)."""
+    from foursight.channels import choose_k_levels as levels
 
     return {g.key: levels(g, [model.get_submodule(n).weight.detach() for n in g.members], targets) for g in groups.values()}
 
@@ -117,7 +116,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from foursight import schema
-    from foursight.calibration import collect_stats, load_calibration_texts, select_channels
+    from foursight.calibration import collect_stats, load_calibration_texts
+    from foursight.channels import select_channels
     from foursight.checkpoint import find_linears
     from foursight.compare.engines import _drive, open_engine
     from foursight.compare.prompts import load_prompts

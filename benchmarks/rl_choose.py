@@ -52,8 +52,9 @@ def main() -> None:
     # one calibration pass (what calibrate_channel_sets runs, with its 512 rows for the error target),
     # then the k of every level from the same statistics
     from foursight import schema
-    from foursight.calibration import collect_stats, select_channels
-    from foursight.checkpoint import choose_k_levels, find_linears
+    from foursight.calibration import collect_stats
+    from foursight.channels import choose_k_levels, select_channels
+    from foursight.checkpoint import find_linears
 
     names = find_linears(bf, schema.FourSightConfig(ignore=["lm_head"]))
     groups = collect_stats(bf, tok, texts, names, batch_size=8, max_length=256, keep_rows=512, progress=False)

@@ -1,4 +1,4 @@
-"""Calibration: streaming per-input-channel activation statistics and BF16 channel selection.
+"""Calibration: streaming per-input-channel activation statistics (the choice of channels from them: :mod:`foursight.channels`).
 
 Statistics are kept in a mergeable form (count, mean, M2 — Chan et al.'s parallel Welford
 update), in float64, per *input group*: linear layers that read the same activation tensor
@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from foursight.nvfp4 import BLOCK_SIZE
 
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|w1|w3|down_proj|w2)$")
 
@@ -105,24 +104,6 @@ class InputGroup:
     @property
     def in_features(self) -> int:
         return int(self.stats.mean.numel())
-
-
-def select_channels(variance: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-``k`` channels by variance, sorted ascending, int32 [k] (ties broken by lower index)."""
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.int32)
-    if k >= variance.numel():
-        raise ValueError(f"k={k} must be < K={variance.numel()}")
-    # stable: sort by (-variance, index)
-    order = torch.argsort(-variance.to(torch.float64), stable=True)[:k]
-    return torch.sort(order).values.to(torch.int32)
-
-
-def weight_based_channels(weights: list[torch.Tensor], k: int) -> torch.Tensor:
-    """Fallback selection without activation statistics: top-``k`` input channels by the
-    largest |W| in the column across all weights that share the input (int32 [k], sorted)."""
-    score = torch.stack([w.detach().float().abs().amax(0) for w in weights]).amax(0)
-    return select_channels(score, k)
 
 
 def group_key(name: str) -> str | None:
@@ -280,13 +261,3 @@ def collect_stats(
             model(**enc)
     order = {n: i for i, n in enumerate(modules)}
     return dict(sorted(col.groups.items(), key=lambda kv: order.get(kv[1].members[0], 1 << 30)))
-
-
-def budget_candidates(in_features: int, max_k: int | None = None) -> list[int]:
-    """Channel counts tried by ``--error-target``: 0, 16, 32, 64, ... (< K, ≤ max_k)."""
-    cap = in_features - BLOCK_SIZE if max_k is None else min(max_k, in_features - BLOCK_SIZE)
-    out, k = [0], BLOCK_SIZE
-    while k <= cap:
-        out.append(k)
-        k *= 2
-    return out

@@ -18,7 +18,8 @@ def calibrate_channels(model_dir, out, channels="32", calib=None, ignore=("lm_he
     """Calibrate the BF16 model in ``model_dir`` and write the channels file ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from foursight.calibration import collect_stats, load_calibration_texts, select_channels
+    from foursight.calibration import collect_stats, load_calibration_texts
+    from foursight.channels import choose_channels
     from foursight.checkpoint import check_model_quantizable, find_linears
 
     cfg = schema.FourSightConfig(ignore=list(ignore))
@@ -29,9 +30,8 @@ def calibrate_channels(model_dir, out, channels="32", calib=None, ignore=("lm_he
     groups = collect_stats(model, tok, load_calibration_texts(calib), names, batch_size=batch_size, max_length=max_length)
     cf = schema.ChannelsFile()
     for g in groups.values():
-        k = schema.parse_channel_budget(channels, g.in_features, layer=g.members[0])
-        ch = select_channels(g.stats.variance, k)
+        choice = choose_channels(g, [], channels)
         for n in g.members:
-            cf.channels[n] = [int(c) for c in ch]
-            cf.input_amax[n] = g.stats.fp4_amax(ch)
+            cf.channels[n] = [int(c) for c in choice.channels]
+            cf.input_amax[n] = choice.fp4_amax
     return cf.write(out)

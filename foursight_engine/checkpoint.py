@@ -29,14 +29,9 @@ import torch
 from torch import nn
 
 from foursight import schema
-from foursight.calibration import (
-    InputGroup,
-    budget_candidates,
-    collect_stats,
-    load_calibration_texts,
-    select_channels,
-)
-from foursight.layer import QuantizedWeight, dequantize_weight, dequantized_activation, quantize_weight, splice_matmul
+from foursight.calibration import collect_stats, load_calibration_texts
+from foursight.channels import choose_channels, layer_error
+from foursight.layer import dequantized_activation, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE
 from foursight.schema import INCOMPLETE_MARKER, CheckpointError, FourSightConfig
 
@@ -61,24 +56,6 @@ class LayerReport:
         return 1.0 - self.err_foursight / self.err_nvfp4 if self.err_nvfp4 > 0 else 0.0
 
 
-def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
-    """‖y − y_ref‖ / ‖y_ref‖ in float64 (0 when y_ref is zero)."""
-    ref = y_ref.double()
-    den = float(ref.norm())
-    return float((y.double() - ref).norm()) / den if den > 0 else 0.0
-
-
-def _layer_error(rows: torch.Tensor, weight: torch.Tensor, qw: QuantizedWeight, xd: torch.Tensor | None = None) -> float:
-    """Relative output error of the quantized layer (W4A4, dynamic activation scales) on ``rows``.
-
-    ``xd`` optionally caches ``dequantized_activation(rows, qw.bf16_channels)`` (shared by a group)."""
-    y_ref = rows.float() @ weight.float().t()
-    if xd is None:
-        xd = dequantized_activation(rows, qw.bf16_channels)
-    y = splice_matmul(xd, rows, qw, dequantize_weight(qw, torch.float32, include_bf16=False))
-    return relative_error(y, y_ref)
-
-
 def find_linears(model: nn.Module, cfg: FourSightConfig) -> list[str]:
     """Names of the ``nn.Linear`` modules to quantize (not matched by ``cfg.ignore``), in model order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
@@ -95,46 +72,6 @@ def check_model_quantizable(model: nn.Module, names: list[str]) -> None:
             )
         if not bool(torch.isfinite(w).all()):
             raise CheckpointError(f"layer {n}: weight has non-finite values (NaN/Inf)")
-
-
-def _choose_k(group: InputGroup, weights: list[torch.Tensor], spec: str, error_target: float | None, max_k: int | None) -> int:
-    """k for a group: fixed by ``spec`` or, with ``error_target``, the smallest candidate whose
-    worst member error on the sample rows is ≤ target (the largest candidate if none is)."""
-    kdim = group.in_features
-    if error_target is None:
-        return schema.parse_channel_budget(spec, kdim, layer=group.members[0])
-    if group.rows is None or group.rows.shape[0] == 0:
-        raise CheckpointError(f"layer {group.members[0]}: no calibration rows for --error-target")
-    weights = [w.to(group.rows.device) for w in weights]  # the calibration rows stay where they were taken (CPU)
-    best = 0
-    for k in budget_candidates(kdim, max_k):
-        ch = select_channels(group.stats.variance, k)
-        err = max(_layer_error(group.rows, w, quantize_weight(w, ch)) for w in weights)
-        best = k
-        if err <= error_target:
-            break
-    return best
-
-
-def choose_k_levels(group: InputGroup, weights: list[torch.Tensor], targets: list[float], max_k: int | None = None) -> dict[float, int]:
-    """:func:`_choose_k` for several error targets at once: each candidate's error is computed once
-    (for tables that compare targets); ``{target: k}``."""
-    if group.rows is None or group.rows.shape[0] == 0:
-        raise CheckpointError(f"layer {group.members[0]}: no calibration rows for --error-target")
-    weights = [w.to(group.rows.device) for w in weights]
-    res: dict[float, int] = {}
-    cands = budget_candidates(group.in_features, max_k)
-    for k in cands:
-        ch = select_channels(group.stats.variance, k)
-        err = max(_layer_error(group.rows, w, quantize_weight(w, ch)) for w in weights)
-        for t in targets:
-            if t not in res and err <= t:
-                res[t] = k
-        if len(res) == len(targets):
-            break
-    for t in targets:
-        res.setdefault(t, cands[-1])
-    return res
 
 
 @dataclass
@@ -211,20 +148,16 @@ def quantize_model(
     channels_file = schema.ChannelsFile()
     for g in tqdm(list(groups.values()), desc="quantizing", unit="group", disable=not progress):
         weights = [mods[n].weight.detach() for n in g.members]
-        k = _choose_k(g, weights, str(channels), error_target, max_k)
-        ch = select_channels(g.stats.variance, k)
-        fp4_amax = g.stats.fp4_amax(ch)
-        in_gs = schema.static_input_scale([fp4_amax])
-        var = g.stats.variance
-        share = float(var[ch.long()].sum() / var.sum()) if k and float(var.sum()) > 0 else 0.0
+        choice = choose_channels(g, weights, str(channels), error_target, max_k)
+        k, ch, fp4_amax, in_gs, share = choice.k, choice.channels, choice.fp4_amax, choice.input_global_scale, choice.outlier_share
         rows = g.rows if g.rows is not None else torch.zeros(0, g.in_features, dtype=torch.bfloat16)
         xd_fs = dequantized_activation(rows, ch) if rows.shape[0] else None
         xd_0 = dequantized_activation(rows, ch[:0]) if rows.shape[0] and k else xd_fs
         for n, w in zip(g.members, weights):
             qw = quantize_weight(w, ch, name=n)
             base = quantize_weight(w, ch[:0], name=n) if k else qw
-            e_fs = _layer_error(rows, w, qw, xd_fs) if rows.shape[0] else float("nan")
-            e_fp4 = _layer_error(rows, w, base, xd_0) if rows.shape[0] else float("nan")
+            e_fs = layer_error(rows, w, qw, xd_fs) if rows.shape[0] else float("nan")
+            e_fp4 = layer_error(rows, w, base, xd_0) if rows.shape[0] else float("nan")
             reports.append(LayerReport(n, g.key, w.shape[1], w.shape[0], k, e_fp4, e_fs, share))
             bias = None if mods[n].bias is None else mods[n].bias.detach().to(torch.bfloat16)
             tensors.update(schema.encode_module(n, qw, in_gs, bias))

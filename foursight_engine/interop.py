@@ -360,8 +360,8 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
        quantize`` (:func:`foursight.calibration.collect_stats` on ``calib`` or the built-in texts):
        per input group (q/k/v, gate/up share one) the channel variance and the input amax.
     2. Per group, k from ``channels`` exactly as ``quantize_model`` turns its ``--channels`` into k
-       (:func:`foursight.checkpoint._choose_k`), S = the top-k channels by variance
-       (:func:`foursight.calibration.select_channels`).
+       (:func:`foursight.channels.choose_k`), S = the top-k channels by variance
+       (:func:`foursight.channels.select_channels`).
     3. Per member: ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` stay the imported
        tensors **bit for bit**; ``bf16_channels`` = S; ``weight_bf16`` = ``deq(Wq)[:, S]`` in BF16
        (the dequantized weight is the only one there is); ``input_global_scale`` =
@@ -383,8 +383,9 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
     """
     from transformers import AutoTokenizer
 
-    from foursight.calibration import collect_stats, load_calibration_texts, select_channels
-    from foursight.checkpoint import _choose_k, find_linears, split_modules
+    from foursight.calibration import collect_stats, load_calibration_texts
+    from foursight.channels import choose_k, select_channels
+    from foursight.checkpoint import find_linears, split_modules
     from foursight.layer import dequantize_weight
 
     ct_dir = Path(ct_dir)
@@ -413,7 +414,7 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
     ks: dict[str, int] = {}
     for g in groups.values():
         deq = {n: model.get_submodule(n).weight.detach() for n in g.members}
-        k = _choose_k(g, list(deq.values()), str(channels), None, None)
+        k = choose_k(g, list(deq.values()), str(channels))
         ch = select_channels(g.stats.variance, k)
         fp4_amax = g.stats.fp4_amax(ch)
         in_gs = schema.static_input_scale([fp4_amax])

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from foursight.calibration import select_channels
+from foursight.channels import select_channels
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import ChannelsFile, CheckpointError, FourSightConfig
 
@@ -94,5 +94,5 @@ def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | Non
     score = weight_rows.float().abs().amax(dim=0)  # [K_loc]
     if tp.size > 1:
         score = tp.gather_cat(score.contiguous()) if k_split else tp.reduce_max(score.contiguous())
-    # same ranking as the offline fallback (foursight.calibration.weight_based_channels)
+    # same ranking as the offline fallback (foursight.channels.weight_based_channels)
     return select_channels(score.cpu(), k)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from foursight.calibration import ChannelStats, StatsCollector, group_key, select_channels, weight_based_channels
+from foursight.calibration import ChannelStats, StatsCollector, group_key
+from foursight.channels import select_channels, weight_based_channels
 
 
 def test_welford_merge_matches_numpy_over_chunks():

@@ -76,12 +76,13 @@ def test_rl_options_match_rlconfig():
     """Every ``foursight rl`` option is a field of RLConfig with the same default (0 stands for None)."""
     from foursight.rl import RLConfig
 
-    fields = {f.name: f.default for f in dataclasses.fields(RLConfig)}
+    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in dataclasses.fields(RLConfig)}
     params = {p.name: p.default for p in _commands()["rl"].params}
     assert set(params) == set(fields), set(params) ^ set(fields)
     for name, default in params.items():
         want = fields[name]
-        assert default == want or (want is None and default == 0.0), (name, default, want)  # 0 means "off" for numbers
+        # 0 means "off" for numbers; an unset repeatable option is the empty list
+        assert default == want or (want is None and default == 0.0) or (want == [] and default is None), (name, default, want)
 
 
 def test_one_error_style(tmp_path):

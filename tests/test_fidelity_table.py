@@ -1,5 +1,5 @@
 """benchmarks/fidelity_table.py's pieces: the exact KL against hand values, the per-target k against
-foursight.checkpoint._choose_k, and a tiny end-to-end run (HF only)."""
+foursight.channels.choose_k, and a tiny end-to-end run (HF only)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_choose_k_levels_equals_choose_k(tiny_llama_dir):
 
     from foursight import schema
     from foursight.calibration import collect_stats, load_calibration_texts
-    from foursight.checkpoint import _choose_k, find_linears
+    from foursight.channels import choose_k
+    from foursight.checkpoint import find_linears
 
     m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
@@ -43,15 +44,15 @@ def test_choose_k_levels_equals_choose_k(tiny_llama_dir):
     for g in groups.values():
         w = [m.get_submodule(n).weight.detach() for n in g.members]
         for t in targets:
-            assert got[g.key][t] == _choose_k(g, w, "0", t, None), (g.key, t)
+            assert got[g.key][t] == choose_k(g, w, "0", t, None), (g.key, t)
             ks.add(got[g.key][t])
     assert len(ks) > 1  # the targets do pick different budgets
-    from foursight.checkpoint import choose_k_levels
+    from foursight.channels import choose_k_levels
 
     for g in groups.values():  # with a cap, as foursight rl --error-target --max-k
         w = [m.get_submodule(n).weight.detach() for n in g.members]
         capped = choose_k_levels(g, w, targets, 32)
-        assert capped == {t: _choose_k(g, w, "0", t, 32) for t in targets}, g.key
+        assert capped == {t: choose_k(g, w, "0", t, 32) for t in targets}, g.key
 
 
 def test_fidelity_table_tiny_end_to_end(tiny_llama_dir, tmp_path):

@@ -28,7 +28,7 @@ def test_from_pretrained_on_cuda_runs_the_triton_kernels_and_matches_the_referen
     from transformers import AutoModelForCausalLM
 
     import foursight  # noqa: F401
-    from foursight.checkpoint import relative_error as _rel
+    from foursight.channels import relative_error as _rel
     from foursight.hf import FourSightLinear, load_reference_model
 
     if placement == "device_map":

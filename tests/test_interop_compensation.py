@@ -161,7 +161,7 @@ def test_compensated_import_is_closer_to_bf16_than_the_k0_imports(tiny_llama_dir
     k0 = import_compressed_tensors(ct_dir, tmp_path / "k0")
     cfg, tensors, cf = compensate_import(ct_dir, *read_compressed_tensors(ct_dir), "0", progress=False)
     assert cfg["quantization_config"]["channel_selection"] == "none" and not any(cfg["quantization_config"]["channels"].values())
-    k0r = _save(tmp_path / "k0r", ct_dir, cfg, tensors, False, channels_file=cf)
+    k0r = _save(tmp_path / "k0r", ct_dir, cfg, tensors, False, "import", channels_file=cf)
     seqs = fixed_sequences(AutoTokenizer.from_pretrained(tiny_llama_dir), EVAL_TEXTS, 64)
     ref = sequence_logprobs(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval(), seqs)
     d = {name: _mean_abs_dlogp(load_reference_model(p), ref, seqs) for name, p in (("k0", k0), ("k0 recal", k0r), ("k16", k16))}

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from foursight.calibration import weight_based_channels as calib_weight_channels
+from foursight.channels import weight_based_channels as calib_weight_channels
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
 from foursight.quant_methods import online, sharding
 from foursight.quant_methods.online import OnlineSettings

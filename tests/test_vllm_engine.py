@@ -211,7 +211,7 @@ def test_online_quantization_update_matches_fresh_load(tiny_llama_dir, tiny_ckpt
 def test_online_fallback_without_channels_file(tiny_llama_dir, seqs, monkeypatch, tmp_path):
     """No channels file: weight-based channels (budget from FOURSIGHT_CHANNEL_BUDGET), equal to
     the offline fallback selection; k=0 is plain NVFP4."""
-    from foursight.calibration import weight_based_channels
+    from foursight.channels import weight_based_channels
     from safetensors.torch import load_file
 
     monkeypatch.delenv("FOURSIGHT_CHANNELS_FILE", raising=False)

@@ -22,10 +22,10 @@ def attribute_layers(model_dir: Path, rollouts: list[Rollout], learner: list[tor
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from foursight.calibration import budget_candidates, collect_stats, load_calibration_texts, select_channels
-    from foursight.checkpoint import _layer_error, find_linears
+    from foursight.calibration import collect_stats, load_calibration_texts
+    from foursight.channels import choose_k_levels
+    from foursight.checkpoint import find_linears
     from foursight.hf import quantize_hf_model, restore_bf16
-    from foursight.layer import quantize_weight
     from foursight.schema import FourSightConfig
     from foursight.trainer_bridge.scoring import teacher_forced_logprobs
 
@@ -37,12 +37,7 @@ def attribute_layers(model_dir: Path, rollouts: list[Rollout], learner: list[tor
     k_needed: dict[str, int] = {}
     for g in groups.values():
         for n in g.members:
-            w = weights[n][0]
-            k_needed[n] = budget_candidates(g.in_features, max_k)[-1]
-            for k in budget_candidates(g.in_features, max_k):
-                if _layer_error(g.rows, w, quantize_weight(w, select_channels(g.stats.variance, k))) <= error_target:
-                    k_needed[n] = k
-                    break
+            k_needed[n] = choose_k_levels(g, [weights[n][0]], [error_target], max_k)[error_target]
     model = quantize_hf_model(bf16, {})
 
     def mean_mismatch() -> float:

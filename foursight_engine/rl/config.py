@@ -61,7 +61,7 @@ class RLConfig:
     filter_tau: float | None = None
     filter_quantile: float | None = None
     #: FourSight only: per input group the smallest k of 0, 16, 32, ... whose relative W4A4 output
-    #: error on calibration rows is <= this (foursight.checkpoint._choose_k), instead of --channels
+    #: error on calibration rows is <= this (foursight.channels.choose_k), instead of --channels
     error_target: float | None = None
     max_k: int | None = None
     #: continue from ``checkpoint`` (default ``out`` + ".ckpt") if it exists; a log that ends with

@@ -38,13 +38,14 @@ def calibrate_channel_sets(model: nn.Module, tok, texts: list[str], spec: str, i
     """BF16 channel sets S per linear (shared by q/k/v and gate/up) from activation variance on ``texts``.
 
     Uses the shared calibration core (:func:`foursight.calibration.collect_stats` /
-    :func:`~foursight.calibration.select_channels`); with ``error_target`` the per-group k is
-    chosen as ``foursight quantize --error-target`` does (:func:`foursight.checkpoint._choose_k`,
+    :func:`~foursight.channels.select_channels`); with ``error_target`` the per-group k is
+    chosen as ``foursight quantize --error-target`` does (:func:`foursight.channels.choose_k`,
     512 sample rows). Returns module name → int32 [k].
     """
     from foursight import schema
-    from foursight.calibration import collect_stats, select_channels
-    from foursight.checkpoint import _choose_k, find_linears
+    from foursight.calibration import collect_stats
+    from foursight.channels import choose_k, select_channels
+    from foursight.checkpoint import find_linears
 
     cfg = schema.FourSightConfig(ignore=list(ignore))
     names = find_linears(model, cfg)
@@ -52,10 +53,7 @@ def calibrate_channel_sets(model: nn.Module, tok, texts: list[str], spec: str, i
                            progress=False)
     out: dict[str, torch.Tensor] = {}
     for g in groups.values():
-        if error_target is None:
-            k = schema.parse_channel_budget(spec, g.in_features, layer=g.members[0])
-        else:
-            k = _choose_k(g, [model.get_submodule(n).weight.detach() for n in g.members], spec, error_target, max_k)
+        k = choose_k(g, [model.get_submodule(n).weight.detach() for n in g.members], spec, error_target, max_k)
         ch = select_channels(g.stats.variance, k)
         for n in g.members:
             out[n] = ch
