@@ -368,7 +368,9 @@ class LayerPlan:
         if (BF16_CHANNELS, idx) not in self.loaded:
             raise CheckpointError(f"tensor {shard}.weight: layer {self.prefix} has no channel set loaded yet (load the checkpoint first)")
         channels = params[BF16_CHANNELS].data[idx].to(weight.device)
-        qw = quantize_weight(weight, channels, name=shard)
+        # a fresh load casts a checkpoint's tensors to the engine's dtype before anything else; a float32
+        # learner (TRL colocate hands its parameters over as they are) must be rounded the same way
+        qw = quantize_weight(weight.to(params[WEIGHT_BF16].dtype), channels, name=shard)
         for key, t in encode_module(shard, qw).items():
             p = params[key.rpartition(".")[2]]
             if shard_id is None:

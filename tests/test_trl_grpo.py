@@ -221,14 +221,11 @@ def test_trl_builds_its_engine_where_the_switch_hooks_in():
     assert "model.load_weights([(name, param)])" in inspect.getsource(vg.VLLMGeneration.sync_weights)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24, open: checkpoint-mode FourSight layers quantize a float32 tensor given to "
-                   "load_weights as it is (quant_methods/plan.py LayerPlan.load_bf16_shard), while a fresh load of the "
-                   "same weights rounds them to the engine's BF16 first; TRL colocate hands a float32 learner's tensors "
-                   "over as they are (measured: max |d| 0.95 nats vs a fresh load)")
 def test_colocate_checkpoint_mode_takes_a_float32_learners_tensors(tiny_llama_dir, tiny_ckpt, seqs, tmp_path):
     """TRL's colocated sync loop (``model.load_weights([(name, param)])`` per parameter, no post-load
     step) from a float32 learner into an engine serving the FourSight checkpoint
-    (``foursight={"checkpoint": ...}``) must equal a fresh load of the learner's weights."""
+    (``foursight={"checkpoint": ...}``) must equal a fresh load of the learner's weights: the layer rounds the
+    float32 tensors to the engine's BF16 before quantizing, as a fresh load does (it did not, and was 0.95 nats off)."""
     from transformers import AutoModelForCausalLM
     from vllm import LLM
 
