@@ -16,7 +16,27 @@ def register() -> None:
 
     Idempotent (a second call re-registers the same class, which vLLM allows).
     """
+    _request_amx()
     import foursight.quant_methods.vllm_method  # noqa: F401
     from foursight.quant_methods.vllm_weight_transfer import register as register_weight_transfer
 
     register_weight_transfer()  # the foursight_file backend of --weight-transfer-config (vLLM >= 0.32)
+
+
+def _request_amx() -> None:
+    """Ask Linux for the AMX tile state in this process, where the CPU has AMX.
+
+    vLLM's CPU attention picks its AMX kernel whenever the CPU has AMX tiles
+    (``torch.cpu._is_amx_tile_supported()``), but a process may only execute AMX instructions after
+    requesting the state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``). In vLLM 0.32's CPU build nothing in a worker
+    process does so before its first attention call unless a oneDNN AMX matmul happened to run first, so on
+    AMX hosts an engine worker can die of SIGILL at its first forward (seen here: ``cpu_attention_with_kv_cache``,
+    exit code -4, FourSight or not). Requesting it is harmless elsewhere (torch returns False where there is no AMX).
+    """
+    try:
+        import torch
+
+        if torch.cpu._is_amx_tile_supported():
+            torch.cpu._init_amx()
+    except Exception:  # noqa: BLE001 - an older torch without these helpers: vLLM behaves as before
+        pass

@@ -23,6 +23,7 @@ class Case(NamedTuple):
 BV, BH, BS, BE = ("tests/test_bridge_vllm_restart.py", "tests/test_bridge_hf.py",
                      "tests/test_bridge_server.py", "tests/test_bridge_edges.py")
 CK, VE, FM = "tests/test_checkpoint.py", "tests/test_vllm_engine.py", "tests/test_format.py"
+LW = "tests/test_vllm_load_weights.py"
 CP, FW, SC, SS = ("tests/test_completeness.py", "tests/test_folder_writer.py", "tests/sglang/test_load_refusals.py",
                   "tests/sglang/test_server.py")
 
@@ -49,10 +50,19 @@ CASES: list[Case] = [
          "subnormal, NaN/Inf and scales whose 448·6/scale overflows BF16 are refused naming the tensor "
          "(`schema.check_global_scale`, in the one codec every reader uses)", "28"),
     Case("high", "weight updates not atomic on every route (vLLM native route applies tensors before a refused one; "
-         "rejected tensors served later; NaN accepted; HF takes int32)", "open", (),
-         "issue 28 item 3, worked on separately (quant_methods/vllm_weight_sync.py); not part of this table's tests yet", "28"),
-    Case("high", "`--weight-sync native`: a restarted vLLM is not noticed", "open", (),
-         "issue 28 item 4, worked on separately; not part of this table's tests yet", "28"),
+         "rejected tensors served later; NaN accepted; HF takes int32)", "partial",
+         (f"{LW}::test_a_refused_update_changes_nothing_and_is_never_served_later",
+          f"{LW}::test_a_bad_tensor_is_refused_naming_it"),
+         "vLLM, in memory (`apply_weight_update`), native (`foursight_file`: each file checked on arrival, loaded only at "
+         "`finish_weight_update`) and `/collective_rpc`: the whole update (names, float dtypes, shapes, finiteness) is "
+         "checked before anything loads (`vllm_weight_sync.check_update`); a bad shape, NaN, int32 or unknown name as the "
+         "last tensor leaves the logprobs bit-identical and the version unchanged, and the next good update equals a fresh "
+         "load. The HF engine refuses non-float tensors (not tested); SGLang's update route is not checked as a whole", "28"),
+    Case("high", "`--weight-sync native`: a restarted vLLM is not noticed", "fixed",
+         (f"{BV}::test_engine_restart_is_detected_on_the_native_sync_route",),
+         "on the native route the engine's version is read from vLLM's `GET /weight_info` (the version the bridge gave "
+         "`/finish_weight_update`; vLLM starts at \"default\", read as 0, and returns to it on a restart): health 503 "
+         "stale and rollouts refused until a re-push", "28"),
     Case("medium", "a killed `import` or `export` leaves an unmarked half-written folder `inspect` calls valid; "
          "`import --force` / `export --force` delete any folder", "fixed",
          (f"{FW}::test_killed_writer_leaves_a_marked_folder_every_reader_refuses_and_a_rerun_removes",

@@ -100,3 +100,45 @@ def test_engine_restart_after_an_update_is_detected_and_refused(tiny_llama_dir, 
         srv.stop()
         if srv2 is not None:
             srv2.stop()
+
+
+def test_engine_restart_is_detected_on_the_native_sync_route(tiny_llama_dir, tmp_path):
+    """Issue 28, class 4: with ``weight_sync="native"`` (vLLM's own weight-transfer API, no FourSight worker
+    extension) a vLLM restarted from its checkpoint after an update was not noticed: samples kept the pushed
+    version while the engine served the original weights, and health said ok. The engine's version now comes
+    from its ``/weight_info``, which a restart resets."""
+    import json
+
+    args = ["--weight-transfer-config", json.dumps({"backend": "foursight_file"})]
+    srv = VLLMServer(tiny_llama_dir, max_model_len=512, log_path=tmp_path / "vllm1.log", extra_args=args).start(timeout_s=400)
+    b = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_llama_dir, weight_sync="native")])).start()
+    srv2 = None
+    try:
+        save_file(perturbed_state(tiny_llama_dir), str(tmp_path / "step5.safetensors"))
+        prompts, sp = [[5, 6, 7, 8]], {"max_tokens": 6, "temperature": 1.0, "seed": 3}
+        with RolloutClient(b.url) as c:
+            assert c.health()["engines"][0]["sync"] == "in_sync"
+            c.update_weights(version=5, path=str(tmp_path / "step5.safetensors"))
+            assert c.health()["engines"][0]["engine_version"] == 5
+
+            srv.kill()
+            srv2 = VLLMServer(tiny_llama_dir, port=srv.port, max_model_len=512, log_path=tmp_path / "vllm2.log", extra_args=args)
+            srv2.start(timeout_s=400)
+
+            r = httpx.get(b.url + "/v1/health", timeout=60)
+            assert r.status_code == 503, r.text
+            e = r.json()["engines"][0]
+            assert e["sync"] == "stale" and e["engine_version"] == 0 and e["weight_version"] is None, e
+            with pytest.raises(BridgeHTTPError) as ei:
+                c.generate(prompts, sp, n=1)
+            assert ei.value.status == 503 and "reports weight version 0" in str(ei.value)
+
+            c.update_weights(version=6, path=str(tmp_path / "step5.safetensors"))  # the re-push brings it back
+            h = c.health()
+            assert h["status"] == "ok" and h["engines"][0]["engine_version"] == 6
+            assert {r.weight_version for r in c.generate(prompts, sp, n=1)} == {6}
+    finally:
+        b.stop()
+        srv.stop()
+        if srv2 is not None:
+            srv2.stop()

@@ -357,10 +357,26 @@ class VLLMHTTPEngine(_HTTPEngine):
             raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
         return {"engine": self.name, "version": version, "route": "collective_rpc", "workers": results, "seconds": time.monotonic() - t0}
 
+    async def _native_state(self) -> dict[str, Any]:
+        """What an engine synced through vLLM's native weight-transfer API serves, from its ``GET /weight_info``:
+        the version the bridge gave ``/finish_weight_update`` (vLLM starts at ``"default"``, read as 0, and comes
+        back to it after a restart, which is how a restart is seen on this route: vLLM exposes no boot id)."""
+        r = await self.client.get("/weight_info", timeout=10.0)
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: GET /weight_info -> {r.status_code} {r.text[:200]}")
+        got = r.json().get("weight_version")
+        version = int(got) if isinstance(got, str) and got.isdigit() else 0
+        return {"boot_id": "vllm-weight-info", "version": version}
+
     async def served_state(self) -> dict[str, Any] | None:
         """``foursight_engine_state`` of every worker (the FourSight worker extension): one boot id
         and one version for the engine. None when the server has no such RPC (no
-        ``VLLM_SERVER_DEV_MODE`` or no extension: such an engine cannot take weight updates either)."""
+        ``VLLM_SERVER_DEV_MODE`` or no extension: such an engine cannot take weight updates either), except on
+        the native route (``weight_sync="native"``), whose engine reports its version through ``/weight_info``."""
+        if self.weight_sync == "native":
+            # never /collective_rpc here: vLLM 0.32's engine core dies when a worker lacks the method asked for,
+            # and the native route needs no FourSight worker extension
+            return await self._native_state()
         r = await self.client.post("/collective_rpc", json={"method": "foursight_engine_state"}, timeout=10.0)
         if r.status_code != 200:
             return None
