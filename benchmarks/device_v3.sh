@@ -43,6 +43,7 @@ else
   mkdir -p "$PP/foursight"
   cp -r foursight_engine/* "$PP/foursight/"
   cp -r kernels "$PP/foursight/kernels"
+  cp foursight_autoload.py "$PP/"
   SITE="$PP/site"
   mkdir -p "$SITE"
   if ls .whl/*.whl >/dev/null 2>&1; then
