@@ -12,7 +12,7 @@
 #            phase: sync, generate, score, filter, learn); logs <arm>_t<seed>.jsonl
 #
 # Chunk settings (environment of call 2): RL_ARMS (default: bf16,nvfp4,nvfp4_carve,fs_comp,fs_filter,fp8,w4a16),
-# RL_SEEDS (default 0,1,2,3,4,5), RL_SLOTS (concurrent runs on the GPU; default all of the chunk),
+# RL_SEEDS (default 0,1,2,3,4,5), RL_SLOTS (concurrent runs on the GPU; default 5),
 # RL_DEADLINE_S (runs pause with a checkpoint this many seconds after the study starts; default 480, so a
 # 600 s call ends with time for the summary and the pack), RL_STEPS, RL_ONLY (run names), RL_OBJECTIVE
 # (default learner-tis). Runs start seed-major (all arms of seed 0, then seed 1, ...), and none starts in the
@@ -25,6 +25,8 @@
 # --old-logprobs learner --tis-cap 2, fixed kernel configs (FOURSIGHT_KERNELS_AUTOTUNE=0), deterministic torch.
 #
 # CPU dry run of the whole script (tiny model, 2 steps, seed 0; pause, resume and skip exercised):  RL_DRY=1 bash benchmarks/rl_device.sh dry
+# RL_SLOTS (default 5): runs at once per GPU. All 14 of a 7-arm x 2-seed chunk at once ran out of the H200's
+# 139 GiB on 2026-12-05 (up to 24 GiB per run at 16 x 8 samples of 64 tokens; benchmarks/results/rl/h200-study-v2-partial/).
 set -uo pipefail
 MODE=${1:?stage|run|dry}
 DRY=${RL_DRY:-0}
@@ -107,7 +109,7 @@ PY
     RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call3.log
   else
     $PY benchmarks/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-480} --objective ${RL_OBJECTIVE:-learner-tis} \
-      ${RL_ARMS:+--arms $RL_ARMS} ${RL_SEEDS:+--seeds $RL_SEEDS} ${RL_SLOTS:+--slots $RL_SLOTS} ${RL_STEPS:+--steps $RL_STEPS} \
+      ${RL_ARMS:+--arms $RL_ARMS} ${RL_SEEDS:+--seeds $RL_SEEDS} --slots ${RL_SLOTS:-5} ${RL_STEPS:+--steps $RL_STEPS} \
       ${RL_ONLY:+--only $RL_ONLY} $([ "${RL_TIMING:-0}" = 1 ] && echo --timing) 2>&1 | tee -a $OUT/study.log
   fi
   $PY benchmarks/rl_summary.py $PUB 2>&1 | tail -n 30 || true
