@@ -298,6 +298,21 @@ def test_openai_routes_forward_vllm_sampling_fields(bridge, vllm_server, tiny_ll
     assert r.choices[0].text == want["choices"][0]["text"]
 
 
+def test_prompt_beyond_the_vllm_context_is_422_naming_the_field(bridge):
+    """issue 28: the vLLM server's max_model_len (1024, read from its GET /v1/models): a prompt plus
+    max_tokens beyond it is refused by the bridge, 422 naming the field (before: the engine's own
+    400 came back as an error event); at the edge (1000 + 24) the request runs."""
+    with httpx.Client(timeout=120) as h:
+        r = h.post(bridge.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5] * 1000}], "sampling": {"max_tokens": 100}},
+                   headers={"X-API-Key": KEY})
+        assert r.status_code == 422, r.text[:500]
+        assert [f["field"] for f in r.json()["fields"]] == ["sampling.max_tokens"] and "context of 1024 tokens" in r.json()["error"]
+        ok = h.post(bridge.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5] * 1000}], "sampling": {"max_tokens": 24}},
+                    headers={"X-API-Key": KEY})
+        assert ok.status_code == 200 and ok.text.count('"type":"sample"') == 1, ok.text[-500:]
+
+
+
 def test_zz_engine_killed_mid_stream(bridge, client, vllm_server):
     """Kill vLLM while samples are running: every unfinished sample gets an error event, the end
     event says "error", the counts add up, and the client raises. Runs last (kills the server)."""
@@ -340,17 +355,3 @@ def test_zz_engine_killed_mid_stream(bridge, client, vllm_server):
     assert len(ei.value.errors) == 1 and ei.value.end.status == "error"
     h = httpx.get(bridge.url + "/v1/health")
     assert h.status_code == 503 and h.json()["status"] == "degraded"
-
-
-def test_prompt_beyond_the_vllm_context_is_422_naming_the_field(bridge):
-    """issue 28: the vLLM server's max_model_len (1024, read from its GET /v1/models): a prompt plus
-    max_tokens beyond it is refused by the bridge, 422 naming the field (before: the engine's own
-    400 came back as an error event); at the edge (1000 + 24) the request runs."""
-    with httpx.Client(timeout=120) as h:
-        r = h.post(bridge.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5] * 1000}], "sampling": {"max_tokens": 100}},
-                   headers={"X-API-Key": KEY})
-        assert r.status_code == 422, r.text[:500]
-        assert [f["field"] for f in r.json()["fields"]] == ["sampling.max_tokens"] and "context of 1024 tokens" in r.json()["error"]
-        ok = h.post(bridge.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5] * 1000}], "sampling": {"max_tokens": 24}},
-                    headers={"X-API-Key": KEY})
-        assert ok.status_code == 200 and ok.text.count('"type":"sample"') == 1, ok.text[-500:]
