@@ -73,16 +73,24 @@ def test_tail_threshold_default_is_the_filters():
 
 
 def test_rl_options_match_rlconfig():
-    """Every ``foursight rl`` option is a field of RLConfig with the same default (0 stands for None)."""
+    """``foursight rl``'s flags are generated from RLConfig: one flag per field, with the field's default,
+    and no other flag; 0 still means "off" (None) for the options whose help says so."""
+    from foursight.cli_config import cli_fields, flag_name
     from foursight.rl import RLConfig
 
-    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in dataclasses.fields(RLConfig)}
-    params = {p.name: p.default for p in _commands()["rl"].params}
+    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory() for f in cli_fields(RLConfig)}
+    assert set(fields) == {f.name for f in dataclasses.fields(RLConfig)}  # every field is a flag
+    params = {p.name: p for p in _commands()["rl"].params if p.name != "help"}
     assert set(params) == set(fields), set(params) ^ set(fields)
-    for name, default in params.items():
-        want = fields[name]
-        # 0 means "off" for numbers; an unset repeatable option is the empty list
-        assert default == want or (want is None and default == 0.0) or (want == [] and default is None), (name, default, want)
+    for name, want in fields.items():
+        assert params[name].default == want, (name, params[name].default, want)
+    for f in cli_fields(RLConfig):
+        if f.name not in ("model", "channels"):
+            assert flag_name(f).split("/")[0] in params[f.name].opts, f.name
+    off = {"tis_cap": "--tis-cap", "filter_tau": "--filter-tau", "filter_quantile": "--filter-quantile",
+           "error_target": "--error-target", "max_k": "--max-k"}
+    ctx = _commands()["rl"].make_context("rl", [x for flag in off.values() for x in (flag, "0")])
+    assert all(ctx.params[name] is None for name in off), ctx.params
 
 
 def test_one_error_style(tmp_path):
@@ -110,10 +118,10 @@ def test_no_python_dash_m_side_doors():
 
 
 def test_compare_and_serve_flags_all_have_help():
-    """Every option of ``compare`` and ``serve`` says what it does (``--help`` is the reference)."""
+    """Every option of ``compare``, ``rl`` and ``serve`` says what it does (``--help`` is the reference)."""
     import click
 
-    for verb in ("compare", "serve"):
+    for verb in ("compare", "rl", "serve"):
         bare = [p.opts for p in _commands()[verb].params if isinstance(p, click.Option) and not (p.help or "").strip()]
         assert not bare, (verb, bare)
     (key,) = [p for p in _commands()["compare"].params if "--api-key" in getattr(p, "opts", ())]

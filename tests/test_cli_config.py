@@ -63,3 +63,35 @@ def test_compare_flags_are_exactly_compare_config():
         assert (got if not isinstance(default, Path) else Path(got)) == default or (default is None and got in (None, ())), name
         if name != "model" and name != "channels":
             assert flag_name(f) in params[name].opts
+
+
+def test_rl_command_lines_of_the_docs_parse_into_rl_config(monkeypatch):
+    """Every ``foursight rl`` command line printed in README.md and docs/ parses with the generated flags
+    into the RLConfig it spells (the run itself is replaced: only the parsing is under test)."""
+    import re
+    import shlex
+
+    import foursight.rl.cli as rl_cli
+    from foursight.cli import app
+    from foursight.rl import RLConfig
+
+    seen: list[RLConfig] = []
+    monkeypatch.setattr(rl_cli, "run_rl", lambda cfg, log=print: seen.append(cfg) or cfg.out)
+    repo = Path(__file__).resolve().parent.parent
+    lines = []
+    for doc in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        text = re.sub(r"\\\n\s*", " ", doc.read_text())
+        lines += [m.split("  #")[0] for m in re.findall(r"^\s*(?:\.venv/bin/)?foursight rl (.*)$", text, flags=re.M)]
+    assert len(lines) >= 2, lines  # docs/rl.md's "How to run"
+    for line in lines:
+        r = CliRunner().invoke(app, ["rl", *shlex.split(line)])
+        assert r.exit_code == 0, (line, r.output)
+        args = shlex.split(line)
+        got = seen[-1]
+        for flag, value in zip(args[::2], args[1::2]):  # the docs' lines are --flag value pairs
+            name = flag[2:].replace("-", "_")
+            assert str(getattr(got, name)) == value or getattr(got, name) == type(getattr(got, name))(value), (line, flag)
+    # 0 means off for the options whose help says so; a repeatable option collects its values
+    CliRunner().invoke(app, ["rl", "--tis-cap", "0", "--error-target", "0", "--bf16-layers", "attention", "--bf16-layers", "last:1",
+                             "--time-budget", "5", "--no-follow"])
+    assert seen[-1] == RLConfig(tis_cap=None, error_target=None, bf16_layers=["attention", "last:1"], time_budget_s=5.0, follow=False)
