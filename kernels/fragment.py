@@ -124,15 +124,10 @@ SRC_BITS = (
 )
 
 
-@triton.jit
-def _decode_word_asm(w, sa, sb):
-    """int32 words [R, W] and bf16 scales ``sa``/``sb`` [R, W] -> the 8 bf16 values of every word."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, s0, s1;
-        mov.b32 s0, {$9, $9};
-        mov.b32 s1, {$10, $10};
+#: The PTX both word decoders share after their scale setup: the 8 codes of word ``$8`` put into four
+#: bf16x2 registers (bits placed in bf16's sign, exponent and mantissa fields), multiplied by the
+#: first group's scale ``s0`` (registers 0, 1) and the second's ``s1`` (2, 3), and written to ``$0``..``$7``.
+_DECODE_WORD_TAIL = """\
         and.b32 q0, $8, 0x81C081C0;
         shl.b32 t0, $8, 3;
         and.b32 q1, t0, 0x81C081C0;
@@ -155,7 +150,34 @@ def _decode_word_asm(w, sa, sb):
         mov.b32 {$4, $5}, q2;
         mov.b32 {$6, $7}, q3;
         }
-        """,
+        """
+
+#: :func:`_decode_word_asm`: the two bf16 scales ``$9``/``$10`` broadcast into bf16x2 registers.
+_DECODE_WORD_BF16_SCALES = tl.constexpr("""
+        {
+        .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, s0, s1;
+        mov.b32 s0, {$9, $9};
+        mov.b32 s1, {$10, $10};
+""" + _DECODE_WORD_TAIL)
+
+#: :func:`_decode_word_asm_pair`: the E5M3 byte pair ``$9`` widened to the two bf16 scales.
+_DECODE_WORD_E5M3_PAIR = tl.constexpr("""
+        {
+        .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, y, s0, s1;
+        .reg .b16 ha, hb;
+        prmt.b32 y, $9, 0, 0x4140;
+        mad.lo.u32 y, y, 16, 0x70007000;
+        mov.b32 {ha, hb}, y;
+        mov.b32 s0, {ha, ha};
+        mov.b32 s1, {hb, hb};
+""" + _DECODE_WORD_TAIL)
+
+
+@triton.jit
+def _decode_word_asm(w, sa, sb):
+    """int32 words [R, W] and bf16 scales ``sa``/``sb`` [R, W] -> the 8 bf16 values of every word."""
+    return tl.inline_asm_elementwise(
+        asm=_DECODE_WORD_BF16_SCALES,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
         args=[w, sa, sb],
         dtype=(tl.bfloat16,) * 8,
@@ -172,38 +194,7 @@ def _decode_word_asm_pair(w, pair):
     mantissa fields and sets the exponent offset bits (``byte·16 + 224·128``; no carry between the
     halves); the half-selects of the multiplies are free operand modifiers."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, y, s0, s1;
-        .reg .b16 ha, hb;
-        prmt.b32 y, $9, 0, 0x4140;
-        mad.lo.u32 y, y, 16, 0x70007000;
-        mov.b32 {ha, hb}, y;
-        mov.b32 s0, {ha, ha};
-        mov.b32 s1, {hb, hb};
-        and.b32 q0, $8, 0x81C081C0;
-        shl.b32 t0, $8, 3;
-        and.b32 q1, t0, 0x81C081C0;
-        shl.b32 t1, $8, 6;
-        and.b32 q2, t1, 0x81C081C0;
-        shl.b32 t0, $8, 1;
-        and.b32 t0, t0, 0x80008000;
-        shr.b32 t1, $8, 3;
-        and.b32 t1, t1, 0x01800180;
-        shr.b32 t2, $8, 7;
-        and.b32 t2, t2, 0x00400040;
-        or.b32 t3, t0, t1;
-        or.b32 q3, t3, t2;
-        mul.rn.bf16x2 q0, q0, s0;
-        mul.rn.bf16x2 q1, q1, s0;
-        mul.rn.bf16x2 q2, q2, s1;
-        mul.rn.bf16x2 q3, q3, s1;
-        mov.b32 {$0, $1}, q0;
-        mov.b32 {$2, $3}, q1;
-        mov.b32 {$4, $5}, q2;
-        mov.b32 {$6, $7}, q3;
-        }
-        """,
+        asm=_DECODE_WORD_E5M3_PAIR,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         args=[w, pair],
         dtype=(tl.bfloat16,) * 8,
