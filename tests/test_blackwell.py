@@ -10,7 +10,7 @@
 * The backend choice with the device capability faked, FlashInfer present (a module exposing the
   emulated contract, or the real package where installed) and absent; the refusals and their messages.
 * The dot_scaled form compiled offline for sm_100a/sm_120a shows the block-scaled FP4 MMA (one
-  configuration; ``benchmarks/sass_blackwell.py`` checks them all).
+  configuration; ``benchmarks/kernels/sass_blackwell.py`` checks them all).
 
 The numerics of the dot_scaled kernel under the interpreter are in tests/test_blackwell_kernels.py (its
 own process); what needs a GPU is in tests/test_blackwell_gpu.py.
@@ -377,7 +377,7 @@ def test_serve_kernel_backend_option_sets_the_env(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# offline compilation (one configuration; benchmarks/sass_blackwell.py does all)
+# offline compilation (one configuration; benchmarks/kernels/sass_blackwell.py does all)
 # --------------------------------------------------------------------------------------------
 
 
@@ -385,7 +385,7 @@ def test_dot_scaled_compiles_to_block_scaled_fp4_mma_for_sm100a_and_sm120a():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("sass_blackwell", Path(__file__).parent.parent / "benchmarks" / "sass_blackwell.py")
+    spec = importlib.util.spec_from_file_location("sass_blackwell", Path(__file__).parent.parent / "benchmarks" / "kernels" / "sass_blackwell.py")
     sb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sb)
     from foursight.kernels.dot_scaled import CONFIGS, DotScaledConfig

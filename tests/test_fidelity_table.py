@@ -1,4 +1,4 @@
-"""benchmarks/fidelity_table.py's pieces: the exact KL against hand values, the per-target k against
+"""benchmarks/fidelity/fidelity_table.py's pieces: the exact KL against hand values, the per-target k against
 foursight.channels.choose_k, and a tiny end-to-end run (HF only)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("fidelity_table", ROOT / "benchmarks" / "fidelity_table.py")
+_SPEC = importlib.util.spec_from_file_location("fidelity_table", ROOT / "benchmarks" / "fidelity" / "fidelity_table.py")
 fid = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(fid)
 
@@ -57,7 +57,7 @@ def test_choose_k_levels_equals_choose_k(tiny_llama_dir):
 
 def test_fidelity_table_tiny_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "fid"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fidelity_table.py"), "--model", str(tiny_llama_dir), "--n", "3",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fidelity" / "fidelity_table.py"), "--model", str(tiny_llama_dir), "--n", "3",
                         "--max-tokens", "6", "--ks", "16", "--targets", "0.1", "--w4a16-k", "16", "--no-vllm", "--bf16-layers", "attention&first:1", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -40,10 +40,10 @@ def exported(fs0, tmp_path_factory) -> Path:
     return export_compressed_tensors(fs0, tmp_path_factory.mktemp("ct") / "ct")
 
 
-_CT_SPEC = importlib.util.spec_from_file_location("ct_library", Path(__file__).resolve().parents[1] / "benchmarks" / "ct_library.py")
+_CT_SPEC = importlib.util.spec_from_file_location("ct_library", Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity" / "ct_library.py")
 _ct_library = importlib.util.module_from_spec(_CT_SPEC)
 _CT_SPEC.loader.exec_module(_ct_library)
-#: the compressed-tensors library's own NVFP4 checkpoint of a BF16 folder (benchmarks/ct_library.py)
+#: the compressed-tensors library's own NVFP4 checkpoint of a BF16 folder (benchmarks/fidelity/ct_library.py)
 library_ct_checkpoint = _ct_library.library_ct_checkpoint
 
 

@@ -527,7 +527,7 @@ def test_one_weight_form_resident():
 
 
 def test_device_v3_dry_run_writes_provenance(tmp_path):
-    """benchmarks/device_v3.sh (the H200 run of issue 26) on the CPU with DRY_RUN=1: the package is
+    """benchmarks/kernels/device_v3.sh (the H200 run of issue 26) on the CPU with DRY_RUN=1: the package is
     laid out as on the bare device (copies under PYTHONPATH, no install), each benchmark parses its
     arguments and writes its JSON with the provenance the device results must carry."""
     import json
@@ -543,7 +543,7 @@ def test_device_v3_dry_run_writes_provenance(tmp_path):
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PY": sys.executable, "STEPS": "grid,breakdown,decode",
            "FOURSIGHT_COMMIT": "0123abc"}
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run(["bash", str(root / "benchmarks/device_v3.sh")], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    r = subprocess.run(["bash", str(root / "benchmarks/kernels/device_v3.sh")], capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for name in ("grid", "breakdown", "decode"):
         assert f"{name}: dry run ok" in r.stdout, r.stdout[-2000:]

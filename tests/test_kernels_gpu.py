@@ -1,7 +1,7 @@
 """The Triton kernels on a CUDA GPU at real sizes, against the PyTorch reference run on the same GPU.
 
 Marked ``gpu``: skipped on a machine without CUDA (run on the H200 through the device tool, see
-docs/kernels.md). Speed is never asserted here; see benchmarks/bench_splice_gemm.py.
+docs/kernels.md). Speed is never asserted here; see benchmarks/kernels/bench_splice_gemm.py.
 """
 
 from __future__ import annotations

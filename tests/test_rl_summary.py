@@ -1,4 +1,4 @@
-"""benchmarks/rl_summary.py on tiny synthetic logs: every number of the table against hand values."""
+"""benchmarks/rl/rl_summary.py on tiny synthetic logs: every number of the table against hand values."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("rl_summary", Path(__file__).resolve().parents[1] / "benchmarks" / "rl_summary.py")
+_SPEC = importlib.util.spec_from_file_location("rl_summary", Path(__file__).resolve().parents[1] / "benchmarks" / "rl" / "rl_summary.py")
 rl_summary = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(rl_summary)
 

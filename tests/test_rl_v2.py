@@ -1,7 +1,7 @@
 """RL study v2 (issue 29) on the CPU: the BF16 carve-out (which layers, the byte share, `foursight
 quantize --bf16-layers`), the long-answer tasks and their verifiers, the code-flip / update-alignment
 metric on a hand-made update, two same-seed runs writing the same log, and a smoke run of every arm
-of benchmarks/rl_study.py through the real `foursight rl` command."""
+of benchmarks/rl/rl_study.py through the real `foursight rl` command."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from foursight.rl import tasks as rl_tasks
 from foursight.schema import FourSightConfig
 
 REPO = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("rl_study", REPO / "benchmarks" / "rl_study.py")
+_SPEC = importlib.util.spec_from_file_location("rl_study", REPO / "benchmarks" / "rl" / "rl_study.py")
 rl_study = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(rl_study)
 
@@ -264,7 +264,7 @@ def test_rl_config_refuses_bad_carve_outs(tiny_llama_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", list(rl_study.ARMS))
 def test_every_study_arm_runs_one_step(tmp_path, tiny_llama_dir, arm):
-    """Each arm of benchmarks/rl_study.py through the real `foursight rl` command line it builds (the
+    """Each arm of benchmarks/rl/rl_study.py through the real `foursight rl` command line it builds (the
     dry-run settings: the tiny model, 1 step): the log is complete and its header says what ran."""
     from typer.testing import CliRunner
 

@@ -1,7 +1,7 @@
 """Training-inference mismatch through the whole bridge road: vLLM engine -> bridge -> RolloutClient
 -> score() with HF BF16 -> every filter policy's keep fraction (docs/tim.md quotes its output).
 
-    .venv/bin/python benchmarks/bridge_mismatch.py --model BF16_DIR [--engine-model DIR_OR_CKPT] \
+    .venv/bin/python benchmarks/fidelity/bridge_mismatch.py --model BF16_DIR [--engine-model DIR_OR_CKPT] \
         [--num-prompts 16] [--n 2] [--max-tokens 64] [--out result.json]
 
 ``foursight compare`` measures the mismatch of several engines on identical tokens; this script

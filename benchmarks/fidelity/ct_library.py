@@ -1,5 +1,5 @@
 """A compressed-tensors NVFP4 checkpoint made by the compressed-tensors library alone, shared by
-``tests/test_interop.py``, ``tests/test_interop_compensation.py`` and ``benchmarks/import_compensation.py``
+``tests/test_interop.py``, ``tests/test_interop_compensation.py`` and ``benchmarks/fidelity/import_compensation.py``
 (test and benchmark tooling, not product code: FourSight itself never writes compressed-tensors
 checkpoints from a BF16 model)."""
 

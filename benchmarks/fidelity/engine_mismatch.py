@@ -14,9 +14,9 @@
 
 Run (CPU; vLLM about 3-4 minutes, SGLang about 5, for SmolLM2 on 2 cores)::
 
-    .venv/bin/python benchmarks/engine_mismatch.py --engine vllm             # writes benchmarks/results/vllm_mismatch.json
-    .venv-sglang/bin/python benchmarks/engine_mismatch.py --engine sglang    # writes benchmarks/results/sglang_mismatch.json
-    python benchmarks/engine_mismatch.py --side-by-side                      # the docs/sglang.md table from both files
+    .venv/bin/python benchmarks/fidelity/engine_mismatch.py --engine vllm             # writes benchmarks/results/vllm_mismatch.json
+    .venv-sglang/bin/python benchmarks/fidelity/engine_mismatch.py --engine sglang    # writes benchmarks/results/sglang_mismatch.json
+    python benchmarks/fidelity/engine_mismatch.py --side-by-side                      # the docs/sglang.md table from both files
 
 ``foursight compare`` compares engines on sampled rollouts against the learner; this script
 measures each engine's quantized variants against its own BF16 model.
@@ -131,7 +131,7 @@ def side_by_side(results_dir: Path) -> str:
     """Markdown table of results/{vllm,sglang}_mismatch.json, one column group per engine."""
     res = {e: json.loads((results_dir / f"{e}_mismatch.json").read_text()) for e in ENGINES if (results_dir / f"{e}_mismatch.json").exists()}
     if not res:
-        raise SystemExit(f"no results in {results_dir}; run benchmarks/engine_mismatch.py --engine vllm / sglang first")
+        raise SystemExit(f"no results in {results_dir}; run benchmarks/fidelity/engine_mismatch.py --engine vllm / sglang first")
     head = "| teacher-forced \\|Δ logprob\\| | " + " | ".join(f"{e} mean | {e} p99 | {e} max | {e} >0.1" for e in res) + " |"
     sep = "| --- |" + " --- | --- | --- | --- |" * len(res)
     rows = []

@@ -1,7 +1,7 @@
 """The fidelity table of issue 16 (docs/fidelity.md): one fixed set of sampled completions,
 teacher-forced by every rollout configuration, against the HF BF16 learner.
 
-    python benchmarks/fidelity_table.py [--n 32] [--max-tokens 96] [--out benchmarks/results/fidelity]
+    python benchmarks/fidelity/fidelity_table.py [--n 32] [--max-tokens 96] [--out benchmarks/results/fidelity]
 
 1. **Rollouts once**: the vLLM CPU engine in BF16 (``foursight compare``'s backend,
    :func:`foursight.compare.engines.open_engine` / ``_drive``) samples ``--n`` completions of the
@@ -233,7 +233,7 @@ def main() -> None:
                  "vllm_vs_hf_max_abs": float(d.max()), "vllm_mean_abs_dlogp": mv["tim/abs_log_ratio_mean"],
                  "hf_mean_abs_dlogp": rows["foursight k=32"]["mean_abs_dlogp"], "seconds": time.time() - t1}
         print(f"cross-check: {cross}", flush=True)
-    res = {"command": "python benchmarks/fidelity_table.py " + (f"--model {a.model} " if a.model else "") + f"--n {a.n} --max-tokens {a.max_tokens} --seed {a.seed} --ks {a.ks} "
+    res = {"command": "python benchmarks/fidelity/fidelity_table.py " + (f"--model {a.model} " if a.model else "") + f"--n {a.n} --max-tokens {a.max_tokens} --seed {a.seed} --ks {a.ks} "
                       f"--targets {a.targets} --w4a16-k {a.w4a16_k}" + (" --no-vllm" if a.no_vllm else "")
                       + (" --no-cross-check" if a.no_cross_check else "") + "".join(f" --bf16-layers '{x}'" for x in a.bf16_layers),
            "model": str(md), "generator": generator, "n": len(rollouts), "tokens": sum(len(r.token_ids) for r in rollouts),

@@ -1,11 +1,11 @@
 """Activation-side compensation on an imported compressed-tensors NVFP4 checkpoint, measured on the
 real SmolLM2-135M-Instruct (issue 15; docs/ecosystem.md, "Compensation on an imported NVFP4 checkpoint").
 
-    python benchmarks/import_compensation.py [--n 16] [--max-tokens 64] [--budgets 16,32,2%] \
+    python benchmarks/fidelity/import_compensation.py [--n 16] [--max-tokens 64] [--budgets 16,32,2%] \
         [--fs-budgets 0,16,32] [--out benchmarks/results/import_compensation]
 
 1. **The compressed-tensors checkpoint** of the packaged SmolLM2 (``foursight.models.prepare_smollm2``)
-   is made by the compressed-tensors library alone, with ``benchmarks/ct_library.py``'s
+   is made by the compressed-tensors library alone, with ``benchmarks/fidelity/ct_library.py``'s
    ``library_ct_checkpoint`` (the one the interop tests use): the library's global /
    block scale helpers and its NVFP4 compressor, W4A4, with the static input scales from one
    sentence's max |x| (llm-compressor's steps without its calibration loop).
@@ -17,7 +17,7 @@ real SmolLM2-135M-Instruct (issue 15; docs/ecosystem.md, "Compensation on an imp
 3. **FourSight from the BF16 model** (``foursight quantize``, :func:`foursight.checkpoint.quantize_model`,
    which re-chooses the FP4 part with S zeroed) at ``--fs-budgets``, with static scales (as the
    imports) and with dynamic scales (as docs/fidelity.md's rows).
-4. **Measurement**: docs/fidelity.md's (``benchmarks/fidelity_table.py``'s functions): ``--n``
+4. **Measurement**: docs/fidelity.md's (``benchmarks/fidelity/fidelity_table.py``'s functions): ``--n``
    completions of the built-in chat prompts sampled once by the HF BF16 model (``--no-vllm`` there:
    temperature 1, rollout i with seed ``--seed`` + i), teacher-forced by each checkpoint's FourSight
    reference model (:func:`foursight.hf.load_reference_model`); mean / p99 |Δlogp| and the exact
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
 
 
 def _load(name: str, path: Path):
@@ -80,8 +80,8 @@ def main() -> None:
     from foursight.trainer_bridge.engines import HFEngine
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
 
-    fid = _load("fidelity_table", ROOT / "benchmarks" / "fidelity_table.py")
-    library_ct_checkpoint = _load("ct_library", ROOT / "benchmarks" / "ct_library.py").library_ct_checkpoint
+    fid = _load("fidelity_table", HERE / "fidelity_table.py")
+    library_ct_checkpoint = _load("ct_library", HERE / "ct_library.py").library_ct_checkpoint
 
     t0 = time.time()
     torch.manual_seed(0)
@@ -145,7 +145,7 @@ def main() -> None:
         print(f"{name}: mean |Δ| {rows[name]['mean_abs_dlogp']:.4f}, KL {rows[name]['exact_kl']:.4f}, k/K {k_frac:.3f} "
               f"({rows[name]['seconds']:.0f} s)", flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    res = {"command": "python benchmarks/import_compensation.py " + (f"--model {a.model} " if a.model else "")
+    res = {"command": "python benchmarks/fidelity/import_compensation.py " + (f"--model {a.model} " if a.model else "")
                       + f"--n {a.n} --max-tokens {a.max_tokens} --seed {a.seed} --budgets {a.budgets} --fs-budgets {a.fs_budgets}",
            "model": str(md), "generator": "hf:bf16", "n": len(rollouts), "tokens": sum(len(r.token_ids) for r in rollouts),
            "max_tokens": a.max_tokens, "tail_threshold": DEFAULT_TAIL_THRESHOLD, "rows": rows, "vllm_cross_check": None,

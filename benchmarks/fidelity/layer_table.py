@@ -1,6 +1,6 @@
 """Summarize a checkpoint's per-layer error table (foursight_layers.json) by layer type, as Markdown.
 
-Usage: python benchmarks/layer_table.py out/smollm2-foursight [--top 8]
+Usage: python benchmarks/fidelity/layer_table.py out/smollm2-foursight [--top 8]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Each ``*_call`` function returns a zero-argument callable that runs one linear layer on fixed
 tensors, so that a benchmark can capture it in a CUDA graph and time the replays; each layer class
 (``Fp8RowwiseLinear``, ``GemliteInt4Linear``) is the ``x2d -> y2d`` form the end-to-end benchmark
-(benchmarks/bench_decode.py) swaps into a decoder.
+(benchmarks/kernels/bench_decode.py) swaps into a decoder.
 
 * :func:`bf16_call` — cuBLAS BF16, ``F.linear(x, w_bf16)``.
 * :func:`fp8_rowwise_gemm_call` — FP8 rowwise GEMM alone (what FlashRL users run; activation
@@ -28,8 +28,8 @@ Weights here are ``[N, K]`` (out x in) like ``nn.Linear``; activations ``[M, K]`
 
 Self-check / quick timing (CPU: BF16 and, where ``torch._scaled_mm`` runs on CPU, FP8; CUDA: all)::
 
-    python benchmarks/baselines.py                  # relative errors; on CUDA also µs per call
-    python benchmarks/baselines.py --shapes 4096x4096,28672x4096 --ms 1,16,256
+    python benchmarks/kernels/baselines.py                  # relative errors; on CUDA also µs per call
+    python benchmarks/kernels/baselines.py --shapes 4096x4096,28672x4096 --ms 1,16,256
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ stay BF16 in every mode. Modes (``--modes``):
   with ``foursight.kernels.splice_linear(x, pw, act_quant=True)``.
 * ``foursight-w4a16`` — the same checkpoint with ``act_quant=False`` (activations stay BF16).
 * ``fp8`` — FP8 rowwise (E4M3 weights with per-row scales, per-token dynamic activation
-  quantization in eager PyTorch, ``torch._scaled_mm``): benchmarks/baselines.py.
+  quantization in eager PyTorch, ``torch._scaled_mm``): benchmarks/kernels/baselines.py.
 * ``gemlite-a16w4`` (optional, not in the default list) — GemLite 0.6.0.post2 int4, group 64,
-  BF16 activations: benchmarks/baselines.py (needs the gemlite package).
+  BF16 activations: benchmarks/kernels/baselines.py (needs the gemlite package).
 
 Decode: for each batch B (``--batches``), one decode step with a ``--context``-token context
 already in a static BF16 KV cache (preallocated for the largest batch, filled with random values;
@@ -43,9 +43,9 @@ modes (and batches) this run does not redo from an earlier ``bench_decode.json``
 
 Usage::
 
-    python benchmarks/bench_decode.py                                  # H200: all 4 modes, B = 1,16,64,256
-    python benchmarks/bench_decode.py --modes bf16,gemlite-a16w4 --append
-    TRITON_INTERPRET=1 python benchmarks/bench_decode.py --tiny --device cpu \\
+    python benchmarks/kernels/bench_decode.py                                  # H200: all 4 modes, B = 1,16,64,256
+    python benchmarks/kernels/bench_decode.py --modes bf16,gemlite-a16w4 --append
+    TRITON_INTERPRET=1 python benchmarks/kernels/bench_decode.py --tiny --device cpu \\
         --modes bf16,foursight-w4a4,foursight-w4a16 --batches 1,2 --context 32 --out /tmp/bd   # smoke test
 """
 
@@ -69,9 +69,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import baselines  # noqa: E402  (benchmarks/baselines.py)
+import baselines  # noqa: E402  (benchmarks/kernels/baselines.py)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ALL_MODES = ("bf16", "foursight-w4a4", "foursight-w4a16", "fp8", "gemlite-a16w4")
 DEFAULT_MODES = "bf16,foursight-w4a4,foursight-w4a16,fp8"
 

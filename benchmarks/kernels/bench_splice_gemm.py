@@ -18,8 +18,8 @@ L2 several times (decode is otherwise an L2 benchmark). Speed is never asserted.
 
 Usage (on the GPU machine; see docs/kernels.md)::
 
-    python benchmarks/bench_splice_gemm.py --out benchmarks/results            # full grid
-    python benchmarks/bench_splice_gemm.py --out /tmp/r --quick                # a subset
+    python benchmarks/kernels/bench_splice_gemm.py --out benchmarks/results            # full grid
+    python benchmarks/kernels/bench_splice_gemm.py --out /tmp/r --quick                # a subset
 
 Writes ``splice_gemm.json`` and ``splice_gemm.md`` into ``--out`` (after every shape, so a run
 stopped early still leaves its results).

@@ -14,7 +14,7 @@ Each part's time is ``max(bytes / bandwidth, FLOPs / rate)``; the two FourSight 
 No launch overhead, no efficiency below peak: real kernels reach less, and decode GEMVs reach a smaller
 fraction of peak bandwidth than large GEMMs. These are the figures docs/blackwell.md quotes as "expected".
 
-Usage: ``python benchmarks/blackwell_expected.py --out benchmarks/results/blackwell_expected.md``
+Usage: ``python benchmarks/kernels/blackwell_expected.py --out benchmarks/results/blackwell_expected.md``
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     text = (f"# Expected (not measured) B200 per-layer times: roofline at datasheet peaks\n\n"
-            f"Computed by `python benchmarks/blackwell_expected.py --out benchmarks/results/blackwell_expected.md` at commit `{commit}`; "
+            f"Computed by `python benchmarks/kernels/blackwell_expected.py --out benchmarks/results/blackwell_expected.md` at commit `{commit}`; "
             f"peaks {B200['fp4'] / 1e15:g} PFLOP/s FP4, {B200['bf16'] / 1e15:g} PFLOP/s BF16, {B200['bw'] / 1e12:g} TB/s (NVIDIA B200 datasheet, dense). "
             "Model in the script's docstring. Nothing here ran on a GPU.\n\n" + table() + "\n")
     print(text)

@@ -2,19 +2,19 @@
 # The H200 run of issue 26 for SpliceGEMM v3, in ONE command on a bare GPU machine (torch + Triton
 # preinstalled, no editable install of this package), inside a time budget.
 #
-#   bash benchmarks/device_v3.sh                 # on the device: results into $OUT (default /tmp/out_v3)
-#   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/device_v3.sh   # on a CPU machine: every step's argument
+#   bash benchmarks/kernels/device_v3.sh                 # on the device: results into $OUT (default /tmp/out_v3)
+#   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/kernels/device_v3.sh   # on a CPU machine: every step's argument
 #                                                # handling and JSON provenance, no GPU, no timing
 #
 # Steps (STEPS, comma-separated, in this order by default), each under a `timeout` that is the smaller
 # of its cap and the time left before TOTAL_S (default 530 s) minus a reserve:
 #   repeat     FOURSIGHT_REPEAT_REPS=50 pytest tests/test_kernels_repeat_gpu.py  -> repeat.log
 #   gputests   pytest tests/test_kernels_gpu.py                                    -> gpu_tests.log
-#   grid       benchmarks/bench_splice_gemm.py: the three 8B shapes + SmolLM2's, k in {0,128}, W4A4/W4A16,
+#   grid       benchmarks/kernels/bench_splice_gemm.py: the three 8B shapes + SmolLM2's, k in {0,128}, W4A4/W4A16,
 #              cuBLAS BF16, FP8 rowwise (GEMM alone and with its quantization), GemLite (if .whl/ carries
 #              its wheel)                                                          -> splice_gemm.{json,md}
-#   breakdown  benchmarks/probe_breakdown.py: quant / GEMM / BF16 segment, PDL on and off -> breakdown.{json,md}
-#   decode     benchmarks/bench_decode.py: BF16, FourSight W4A4 k=128 and W4A16, FP8 -> bench_decode.{json,md}
+#   breakdown  benchmarks/kernels/probe_breakdown.py: quant / GEMM / BF16 segment, PDL on and off -> breakdown.{json,md}
+#   decode     benchmarks/kernels/bench_decode.py: BF16, FourSight W4A4 k=128 and W4A16, FP8 -> bench_decode.{json,md}
 # That is 8 files in $OUT (the device tool returns at most 8). Every JSON records the commit
 # (FOURSIGHT_COMMIT, else git), the sha256 of the kernels folder, the Triton version, PDL, and the
 # configurations the autotuner chose.
@@ -26,7 +26,7 @@ RESERVE_S=${RESERVE_S:-15}
 STEPS=${STEPS:-repeat,gputests,grid,breakdown,decode}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"
 
@@ -77,11 +77,11 @@ run_step() {  # run_step <name> <cap> <command...>
 }
 
 if [ "$DRY_RUN" = "1" ]; then
-  want grid && $PY benchmarks/bench_splice_gemm.py --out "$OUT" --dry-run --shapes 8192x8192,14336x4096,4096x14336,960x576,576x576,3072x576,576x1536 \
+  want grid && $PY benchmarks/kernels/bench_splice_gemm.py --out "$OUT" --dry-run --shapes 8192x8192,14336x4096,4096x14336,960x576,576x576,3072x576,576x1536 \
     --ms 1,16,64,256,1024,4096 --smol-ms 1,16,256 --ks 0,128 --skip-config-check --budget-s 150 >/dev/null && echo "[device_v3] grid: dry run ok"
-  want breakdown && $PY benchmarks/probe_breakdown.py --out "$OUT" --dry-run --shapes 8192x8192,14336x4096 --ms 1,16,64 >/dev/null \
+  want breakdown && $PY benchmarks/kernels/probe_breakdown.py --out "$OUT" --dry-run --shapes 8192x8192,14336x4096 --ms 1,16,64 >/dev/null \
     && echo "[device_v3] breakdown: dry run ok"
-  want decode && $PY benchmarks/bench_decode.py --out "$OUT" --dry-run --modes bf16,foursight-w4a4,foursight-w4a16,fp8 --batches 1,16,64 \
+  want decode && $PY benchmarks/kernels/bench_decode.py --out "$OUT" --dry-run --modes bf16,foursight-w4a4,foursight-w4a16,fp8 --batches 1,16,64 \
     --budget-s 90 >/dev/null && echo "[device_v3] decode: dry run ok"
   want repeat && $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider --collect-only 2>&1 | tail -1 | sed 's/^/[device_v3] repeat: /'
   want gputests && $PY -m pytest tests/test_kernels_gpu.py -q -p no:cacheprovider --collect-only 2>&1 | tail -1 | sed 's/^/[device_v3] gputests: /'
@@ -104,16 +104,16 @@ if want gputests; then
 fi
 if want grid; then
   c=$(cap 190)
-  run_step grid 190 $PY benchmarks/bench_splice_gemm.py --out "$OUT" --shapes 8192x8192,14336x4096,4096x14336,960x576,576x576,3072x576,576x1536 \
+  run_step grid 190 $PY benchmarks/kernels/bench_splice_gemm.py --out "$OUT" --shapes 8192x8192,14336x4096,4096x14336,960x576,576x576,3072x576,576x1536 \
     --ms 1,16,64,256,1024,4096 --smol-ms 1,16,256 --ks 0,128 --skip-config-check --budget-s $(( c > 60 ? c - 45 : 15 )) 2>&1 | grep -v "^{" | tail -60
 fi
 if want breakdown; then
   c=$(cap 70)
-  run_step breakdown 70 $PY benchmarks/probe_breakdown.py --out "$OUT" --shapes 8192x8192,14336x4096 --ms 1,16,64 --budget-s $(( c > 40 ? c - 30 : 10 )) 2>&1 | tail -12
+  run_step breakdown 70 $PY benchmarks/kernels/probe_breakdown.py --out "$OUT" --shapes 8192x8192,14336x4096 --ms 1,16,64 --budget-s $(( c > 40 ? c - 30 : 10 )) 2>&1 | tail -12
 fi
 if want decode; then
   c=$(cap 120)
-  run_step decode 120 $PY benchmarks/bench_decode.py --out "$OUT" --modes bf16,foursight-w4a4,foursight-w4a16,fp8 --batches 1,16,64 \
+  run_step decode 120 $PY benchmarks/kernels/bench_decode.py --out "$OUT" --modes bf16,foursight-w4a4,foursight-w4a16,fp8 --batches 1,16,64 \
     --budget-s $(( c > 60 ? c - 40 : 10 )) 2>&1 | tail -25
 fi
 echo "[device_v3] done in $(( $(date +%s) - T0 ))s"; ls -la "$OUT"

@@ -3,7 +3,7 @@
 speed-up over cuBLAS BF16 (cuBLAS time / method time, same process) per shape and M, and the
 issue's targets beside the W4A4 k = 128 figure.
 
-Usage: python benchmarks/kernel_table.py [benchmarks/results/splice_gemm.json]
+Usage: python benchmarks/kernels/kernel_table.py [benchmarks/results/splice_gemm.json]
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ replays over rotated weight copies (:mod:`bench_splice_gemm`'s timing):
 
 Usage (GPU)::
 
-    python benchmarks/probe_breakdown.py --out $OUT/breakdown [--shapes 8192x8192,14336x4096] [--ms 1,16,64]
-    python benchmarks/probe_breakdown.py --out /tmp/b --dry-run      # CPU: provenance and arguments only
+    python benchmarks/kernels/probe_breakdown.py --out $OUT/breakdown [--shapes 8192x8192,14336x4096] [--ms 1,16,64]
+    python benchmarks/kernels/probe_breakdown.py --out /tmp/b --dry-run      # CPU: provenance and arguments only
 
 Writes ``breakdown.json`` and ``breakdown.md`` (after every row).
 """

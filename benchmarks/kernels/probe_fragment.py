@@ -10,9 +10,9 @@ variants that change one thing at a time, and write them to JSON.
 * the default W4A4 ``splice_linear`` (autotuned) beside them.
 
 ``--ncu NAME`` instead runs one variant eagerly a few times, for Nsight Compute
-(``ncu -k regex:_fragment_gemm_kernel ... python benchmarks/probe_fragment.py --ncu base``).
+(``ncu -k regex:_fragment_gemm_kernel ... python benchmarks/kernels/probe_fragment.py --ncu base``).
 
-Usage: python benchmarks/probe_fragment.py --out DIR [--quick]
+Usage: python benchmarks/kernels/probe_fragment.py --out DIR [--quick]
 """
 
 from __future__ import annotations

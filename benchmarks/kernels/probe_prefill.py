@@ -2,7 +2,7 @@
 """Time the dequantize-then-cuBLAS datapath and its parts against cuBLAS BF16 and the fused kernels
 (GPU only). Figures are medians of CUDA-graph replays over rotated weight copies, in one process.
 
-Usage: python benchmarks/probe_prefill.py --out DIR [--ms 256,1024,4096]
+Usage: python benchmarks/kernels/probe_prefill.py --out DIR [--ms 256,1024,4096]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the pipelining depth (num_stages 1/2/3), the warps, k = 0 versus k = 128 BF16 ch
 operand dtype (bf16 versus fp16 activations: W4A16 decodes the weight to the activation's dtype),
 and W4A4 (fp16 operands). The TTGIR and PTX of the reported configuration are written to --out.
 
-Usage: python benchmarks/race_probe.py --out DIR [--reps 60]
+Usage: python benchmarks/kernels/race_probe.py --out DIR [--reps 60]
 """
 
 from __future__ import annotations

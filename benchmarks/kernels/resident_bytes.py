@@ -9,7 +9,7 @@ after the one-form change (SpliceGEMM v3), next to BF16 and FP8 rowwise. Compute
 * **before** (commit ab03e9d, the fragment-form kernels measured on the H200): the packed copy
   ``N·K/2``, its E4M3 scales ``N·K/16``, the same small tensors, plus the fragment form with bf16
   scale bits that the first decode call built and cached on the layer (``Np·Kp/2 + Np·Kp/8``).
-* **BF16**: ``2NK``. **FP8 rowwise** (``torch._scaled_mm``, benchmarks/baselines.py): ``NK`` + an
+* **BF16**: ``2NK``. **FP8 rowwise** (``torch._scaled_mm``, benchmarks/kernels/baselines.py): ``NK`` + an
   fp32 scale per row ``4N``.
 
 The full-size layers are not built here (the packer's int64 temporaries at 28672 × 4096 exceed this
@@ -19,8 +19,8 @@ older package's prepared layer with its cached fragment form), then evaluated at
 
 Usage::
 
-    python benchmarks/resident_bytes.py --out benchmarks/results/resident_bytes
-    python benchmarks/resident_bytes.py --before-pythonpath /tmp/head_pp   # also check the before formula
+    python benchmarks/kernels/resident_bytes.py --out benchmarks/results/resident_bytes
+    python benchmarks/kernels/resident_bytes.py --before-pythonpath /tmp/head_pp   # also check the before formula
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 K_CHANNELS = 128
 #: Llama-3.1-8B's linears (N, K), qkv and gate/up fused as the engines run them, and the three
-#: shapes of the per-layer grid (benchmarks/bench_splice_gemm.py)
+#: shapes of the per-layer grid (benchmarks/kernels/bench_splice_gemm.py)
 SHAPES = {
     "qkv_proj 6144x4096": (6144, 4096),
     "o_proj 4096x4096": (4096, 4096),
@@ -158,7 +158,7 @@ def main() -> None:
     mib = 2**20
     lines = ["# Resident bytes per prepared layer (computed on the CPU)", "",
              f"Commit `{res['commit'][:12]}`; k = {K_CHANNELS} BF16 channels per linear; written by "
-             "`python benchmarks/resident_bytes.py` (its docstring gives the formulas and how they are checked "
+             "`python benchmarks/kernels/resident_bytes.py` (its docstring gives the formulas and how they are checked "
              "against `foursight.kernels.resident_bytes`). Before = commit ab03e9d (packed copy + cached fragment form).", "",
              "| layer (N×K) | BF16 MiB | FP8 rowwise MiB | FourSight before MiB | FourSight after MiB | after / BF16 | after / FP8 |",
              "|---|---|---|---|---|---|---|"]

@@ -3,7 +3,7 @@
 machine without a GPU, and check that its FP4 main loop runs on the block-scaled FP4 tensor cores.
 
 Triton ships ``ptxas`` (with Blackwell support) and ``cuobjdump``, so ``triton.compile`` with
-``GPUTarget("cuda", 100 | 120, 32)`` works on a CPU-only machine (as ``benchmarks/sass_offline.py``
+``GPUTarget("cuda", 100 | 120, 32)`` works on a CPU-only machine (as ``benchmarks/kernels/sass_offline.py``
 does for sm_90). For every configuration of ``dot_scaled.CONFIGS``, with and without the BF16
 segment, per architecture it checks:
 
@@ -23,8 +23,8 @@ FP4) and expects the checker to reject it on sm_100a: the check can fail.
 
 Usage::
 
-    python benchmarks/sass_blackwell.py                                  # print the table
-    python benchmarks/sass_blackwell.py --out benchmarks/results/blackwell_sass   # also .json and .md
+    python benchmarks/kernels/sass_blackwell.py                                  # print the table
+    python benchmarks/kernels/sass_blackwell.py --out benchmarks/results/blackwell_sass   # also .json and .md
 
 Exit status 1 if any shipped configuration fails a check. Compiling is not running: nothing here
 says the kernel is correct or fast on Blackwell.
@@ -189,7 +189,7 @@ def _ptxas_version() -> str:
 
 def write(rows: list[dict], out: str) -> None:
     meta = {"commit": _git_commit(), "triton": triton.__version__, "ptxas": _ptxas_version(),
-            "command": "python benchmarks/sass_blackwell.py --out " + out}
+            "command": "python benchmarks/kernels/sass_blackwell.py --out " + out}
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# dot_scaled form: offline compile for Blackwell (no GPU)", "",

@@ -10,9 +10,9 @@ shipped SASS.
 
 Usage::
 
-    python benchmarks/sass_offline.py                      # print: the hand-picked cases below
-    python benchmarks/sass_offline.py fragment act_quant   # a subset of them
-    python benchmarks/sass_offline.py --table --label after --out benchmarks/results/sass_v3 \\
+    python benchmarks/kernels/sass_offline.py                      # print: the hand-picked cases below
+    python benchmarks/kernels/sass_offline.py fragment act_quant   # a subset of them
+    python benchmarks/kernels/sass_offline.py --table --label after --out benchmarks/results/sass_v3 \\
         [--before benchmarks/results/sass_v3/before.json]
 
 ``--table`` compiles **every configuration of the default candidate lists** (``DECODE_CONFIGS``,
@@ -368,7 +368,7 @@ def write_md(b: dict, a: dict, path: str) -> None:
         f"Before: commit `{b['commit'][:12]}`, kernels sha256 `{b['kernels_sha256'][:16]}`, Triton {b['triton']}.  ",
         f"After: commit `{a['commit'][:12]}` (the commit this table was written from; the measured kernels are "
         f"those of kernels sha256 `{a['kernels_sha256'][:16]}`), Triton {a['triton']}.  ",
-        "Written by `benchmarks/sass_offline.py --table` (its docstring defines every metric). Static SASS counts, "
+        "Written by `benchmarks/kernels/sass_offline.py --table` (its docstring defines every metric). Static SASS counts, "
         "a guide to issue cost, not a timing.",
         "",
         "## Summary",

@@ -1,6 +1,6 @@
 """Choose the RL study's filter τ and error target from CPU measurements on the real model.
 
-    python benchmarks/rl_choose.py [--samples-steps 4] [--out benchmarks/results/rl/choose.json]
+    python benchmarks/rl/rl_choose.py [--samples-steps 4] [--out benchmarks/results/rl/choose.json]
 
 1. Channel budget: the RL run's calibration (built-in texts + 32 task prompts, one
    :func:`foursight.calibration.collect_stats` pass with 512 rows, as
@@ -100,7 +100,7 @@ def main() -> None:
     sm = torch.tensor(seq_max)
     taus = [math.log(3), 1.5, 2.0, 2.5, 3.0, 4.0]
     res = {
-        "command": "python benchmarks/rl_choose.py " + f"--samples-steps {a.samples_steps} --targets {a.targets}",
+        "command": "python benchmarks/rl/rl_choose.py " + f"--samples-steps {a.samples_steps} --targets {a.targets}",
         "budgets": budgets,
         "foursight_2pct_rollouts": {
             "sequences": len(seq_max), "tokens": n_tok, "mean_abs_r": abs_sum / max(n_tok, 1),

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The H200 RL study v2 (issues 29/30; docs/rl.md "Study v2"), in back-to-back device calls on one warm machine.
 # The packaged model's GGUF is 98 MB, over the 64 MiB one call may carry, so it travels in two
-# halves under .devcarry/ (prepared on the CPU by `python benchmarks/rl_prepare_carry.py`):
-#   call 1:  RL_SMOKE=0 bash benchmarks/rl_device.sh stage   carry [".devcarry/a"]  wheels + first half (~30 s;
+# halves under .devcarry/ (prepared on the CPU by `python benchmarks/rl/rl_prepare_carry.py`):
+#   call 1:  RL_SMOKE=0 bash benchmarks/rl/rl_device.sh stage   carry [".devcarry/a"]  wheels + first half (~30 s;
 #            without RL_SMOKE=0 also a 2-step CUDA smoke of every arm's precision on the tiny model, ~1-2 min)
-#   call 2:  bash benchmarks/rl_device.sh run               carry [".devcarry/b"]  second half + tokenizer/config,
-#            GGUF and tensor sha256 checks, then benchmarks/rl_study.py (a chunk: RL_ARMS x RL_SEEDS)
+#   call 2:  bash benchmarks/rl/rl_device.sh run               carry [".devcarry/b"]  second half + tokenizer/config,
+#            GGUF and tensor sha256 checks, then benchmarks/rl/rl_study.py (a chunk: RL_ARMS x RL_SEEDS)
 #   call 3+: the SAME call 2 again (machine still warm) continues every paused run from its checkpoint and
 #            skips completed ones; $OUT/manifest.json records what ran in each call
-#   timing:  RL_TIMING=1 bash benchmarks/rl_device.sh run   each arm ALONE for 8 steps (isolated step time by
+#   timing:  RL_TIMING=1 bash benchmarks/rl/rl_device.sh run   each arm ALONE for 8 steps (isolated step time by
 #            phase: sync, generate, score, filter, learn); logs <arm>_t<seed>.jsonl
 #
 # Chunk settings (environment of call 2): RL_ARMS (default: bf16,nvfp4,nvfp4_carve,fs_comp,fs_filter,fp8,w4a16),
@@ -20,11 +20,11 @@
 # a chunk should be sized to finish in its call (docs/rl.md has the arithmetic).
 # Results: $OUT/rl_study.tgz (logs, manifest, the runs' stdout, summary), $OUT/study.log, $OUT/convert.txt, $OUT/smoke.log.
 #
-# Shared settings of every run (benchmarks/rl_study.py COMMON): --task seq1 --steps 60 --prompts-per-step 16
+# Shared settings of every run (benchmarks/rl/rl_study.py COMMON): --task seq1 --steps 60 --prompts-per-step 16
 # --group-size 8 --max-new-tokens 64 --lr 2e-5 --eval-every 10 --eval-size 256 --channels 2%
 # --old-logprobs learner --tis-cap 2, fixed kernel configs (FOURSIGHT_KERNELS_AUTOTUNE=0), deterministic torch.
 #
-# CPU dry run of the whole script (tiny model, 2 steps, seed 0; pause, resume and skip exercised):  RL_DRY=1 bash benchmarks/rl_device.sh dry
+# CPU dry run of the whole script (tiny model, 2 steps, seed 0; pause, resume and skip exercised):  RL_DRY=1 bash benchmarks/rl/rl_device.sh dry
 # RL_SLOTS (default 5): runs at once per GPU. All 14 of a 7-arm x 2-seed chunk at once ran out of the H200's
 # 139 GiB on 2026-12-05 (up to 24 GiB per run at 16 x 8 samples of 64 tokens; benchmarks/results/rl/h200-study-v2-partial/).
 set -uo pipefail
@@ -104,15 +104,15 @@ PY
     # the study on the tiny model (seed 0 only by default: 7 runs, each process start costs ~10 CPU-s on 2
     # cores): the first call pauses every run at a 1 s deadline, the second resumes them, a third skips them
     S="--state $STATE --out $PUB --slots 3 --seeds ${RL_DRY_SEEDS:-0} ${RL_ARMS:+--arms $RL_ARMS}"
-    RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s ${RL_DRY_DEADLINE_S:-1} 2>&1 | tee $OUT/study_call1.log
-    RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call2.log
-    RL_DRY=1 $PY benchmarks/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call3.log
+    RL_DRY=1 $PY benchmarks/rl/rl_study.py $S --deadline-s ${RL_DRY_DEADLINE_S:-1} 2>&1 | tee $OUT/study_call1.log
+    RL_DRY=1 $PY benchmarks/rl/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call2.log
+    RL_DRY=1 $PY benchmarks/rl/rl_study.py $S --deadline-s 600 2>&1 | tee $OUT/study_call3.log
   else
-    $PY benchmarks/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-480} --objective ${RL_OBJECTIVE:-learner-tis} \
+    $PY benchmarks/rl/rl_study.py --model $M --state $STATE --out $PUB --deadline-s ${RL_DEADLINE_S:-480} --objective ${RL_OBJECTIVE:-learner-tis} \
       ${RL_ARMS:+--arms $RL_ARMS} ${RL_SEEDS:+--seeds $RL_SEEDS} --slots ${RL_SLOTS:-5} ${RL_STEPS:+--steps $RL_STEPS} \
       ${RL_ONLY:+--only $RL_ONLY} $([ "${RL_TIMING:-0}" = 1 ] && echo --timing) 2>&1 | tee -a $OUT/study.log
   fi
-  $PY benchmarks/rl_summary.py $PUB 2>&1 | tail -n 30 || true
+  $PY benchmarks/rl/rl_summary.py $PUB 2>&1 | tail -n 30 || true
   kill $PACKER 2>/dev/null; pack; ls -la $OUT
 }
 

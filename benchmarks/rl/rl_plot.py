@@ -1,6 +1,6 @@
 """Plot and summarise `foursight rl` JSONL logs (docs/rl.md's figures and table).
 
-    python benchmarks/rl_plot.py benchmarks/results/rl/h200 [--ref bf16]
+    python benchmarks/rl/rl_plot.py benchmarks/results/rl/h200 [--ref bf16]
 
 Reads every ``*.jsonl`` in the folder (one run each, named by file stem), writes
 ``curves.png`` (eval accuracy, training reward, mean |r|, filtered fraction vs step),

@@ -1,6 +1,6 @@
-"""Prepare .devcarry/{a,b} for benchmarks/rl_device.sh (two device calls of < 64 MiB each).
+"""Prepare .devcarry/{a,b} for benchmarks/rl/rl_device.sh (two device calls of < 64 MiB each).
 
-    python benchmarks/rl_prepare_carry.py
+    python benchmarks/rl/rl_prepare_carry.py
 
 a/: wheels missing on the device (pydantic stack, gguf; Python 3.12 manylinux) + the first half
 of the packaged SmolLM2 GGUF. b/: the second half, its sha256, the CPU conversion's tokenizer and

@@ -1,10 +1,10 @@
 """The RL study v2 (issues 29/30): rollout precisions x seeds, the same number of steps each,
-spread over every visible GPU, in resumable chunks of one device call (run by ``benchmarks/rl_device.sh run``).
+spread over every visible GPU, in resumable chunks of one device call (run by ``benchmarks/rl/rl_device.sh run``).
 
-    python benchmarks/rl_study.py --model DIR --state /tmp/fsrl_state --out $OUT [--deadline-s 480]
+    python benchmarks/rl/rl_study.py --model DIR --state /tmp/fsrl_state --out $OUT [--deadline-s 480]
         [--arms bf16,nvfp4,...] [--seeds 0,1] [--steps 60]
-    python benchmarks/rl_study.py --model DIR --state S --out O --timing [--arms ...]   # isolated step times
-    RL_DRY=1 python benchmarks/rl_study.py --state /tmp/dry --out /tmp/dry_out   # CPU dry run, tiny model
+    python benchmarks/rl/rl_study.py --model DIR --state S --out O --timing [--arms ...]   # isolated step times
+    RL_DRY=1 python benchmarks/rl/rl_study.py --state /tmp/dry --out /tmp/dry_out   # CPU dry run, tiny model
 
 Every run is ``foursight rl`` (:func:`foursight.rl.run_rl`) in its own process with ``--resume``
 and ``--stop-at`` = start + ``--deadline-s``: a run still going at the deadline writes a checkpoint

@@ -1,6 +1,6 @@
-"""Summarise the RL study (benchmarks/rl_study.py logs): curves with seed bands, the table, and the statistics.
+"""Summarise the RL study (benchmarks/rl/rl_study.py logs): curves with seed bands, the table, and the statistics.
 
-    python benchmarks/rl_summary.py DIR [--ref bf16] [--base nvfp4] [--frac 0.9] [--no-plot]
+    python benchmarks/rl/rl_summary.py DIR [--ref bf16] [--base nvfp4] [--frac 0.9] [--no-plot]
 
 Reads ``DIR/<config>_s<seed>.jsonl`` (one ``foursight rl`` log per run; ``<config>_t<seed>.jsonl``
 are isolated timing runs) and writes into DIR:

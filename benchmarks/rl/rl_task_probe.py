@@ -1,7 +1,7 @@
 """Where does the base model start on an RL task? BF16 accuracy, format rate and completion length
 of the packaged SmolLM2-135M-Instruct before any training (CPU), per task / prompt style / pre-fill.
 
-    python benchmarks/rl_task_probe.py [--variants chain3:plain:,chain4:oneshot:] [--problems 32] [--samples 4]
+    python benchmarks/rl/rl_task_probe.py [--variants chain3:plain:,chain4:oneshot:] [--problems 32] [--samples 4]
         [--max-new-tokens 128] [--out benchmarks/results/rl/task_probe.json]
 
 A variant is ``task:style:prefill``. For each one: greedy answers to the first ``--problems``

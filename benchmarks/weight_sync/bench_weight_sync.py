@@ -14,7 +14,7 @@ one at a time; each sync is timed inside the worker (``llm.apply_model``) after 
 as wall time and as this process's CPU time (less sensitive to other load on a shared machine;
 both are written). A rollout of a fixed small batch is timed too, to give the share of a step.
 
-    python benchmarks/bench_weight_sync.py --out benchmarks/results/weight_sync_cpu.json
+    python benchmarks/weight_sync/bench_weight_sync.py --out benchmarks/results/weight_sync_cpu.json
 
 Defaults: the packaged SmolLM2-135M-Instruct, FourSight checkpoint with 32 channels made by
 ``foursight quantize`` (cached), online mode with that checkpoint's channels file. CPU figures
@@ -39,9 +39,9 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 def _git_commit() -> str:
     try:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "quant_methods", "foursight_engine", "benchmarks/bench_weight_sync.py"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "quant_methods", "foursight_engine", "benchmarks/weight_sync/bench_weight_sync.py"],
                                cwd=root, capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except Exception:

@@ -1,7 +1,7 @@
 """A compressed-tensors NVFP4 checkpoint served by SGLang unconverted: ``python -m
 sglang.launch_server --model-path CT_FOLDER --quantization foursight``.
 
-The folder is made by the compressed-tensors library alone (``benchmarks/ct_library.py``, W4A4
+The folder is made by the compressed-tensors library alone (``benchmarks/fidelity/ct_library.py``, W4A4
 NVFP4 preset, llm-compressor's ``nvfp4-pack-quantized`` format). SGLang's method-name check is
 overridden by ``FourSightSGLangConfig.override_quantization_method``, its config is read as
 FourSight k = 0, and the plugin's weight iterator adds the empty k = 0 tensors. Oracle: the same
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 pytest.importorskip("compressed_tensors")
 
-_SPEC = importlib.util.spec_from_file_location("ct_library", Path(__file__).resolve().parents[2] / "benchmarks" / "ct_library.py")
+_SPEC = importlib.util.spec_from_file_location("ct_library", Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity" / "ct_library.py")
 _ct_library = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(_ct_library)
 
