@@ -14,7 +14,10 @@ when it is available there and agrees with the dequantized reference on the firs
 (:func:`fp8_rowwise_reference`). :class:`Fp8Linear` is the layer (``set_weight`` re-quantizes on
 a weight sync, as ``FourSightLinear.set_weight`` does); :func:`foursight.hf.quantize_hf_model_fp8`
 swaps it into an HF model. ``foursight rl --rollout-precision fp8`` and ``foursight compare hf:fp8`` use these;
-``benchmarks/baselines.py`` times the same quantizers.
+``benchmarks/kernels/baselines.py`` times the same quantizers, with the two options that timing needs:
+``check=False`` (no finiteness check: that check reads a flag back to the host, which a CUDA-graph
+capture forbids) and :func:`scaled_mm_rowwise`'s ``fast_accum=True`` (cuBLASLt's fast FP8
+accumulation, as FP8 engines run the GEMM). Neither changes the quantized codes or scales.
 """
 
 from __future__ import annotations
@@ -35,14 +38,19 @@ class FP8Error(ValueError):
     """Invalid input for an FP8 rowwise operation (the message names the tensor)."""
 
 
-def quantize_rowwise(x: torch.Tensor, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, name: str = "tensor", *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes with one FP32 scale per row: ``x [R, K] -> (q float8_e4m3fn [R, K], scale float32 [R, 1])``,
-    ``scale = max(amax_row, 1e-12) / 448``, ``q = e4m3(clamp(x / scale, ±448))``; ``x ≈ q · scale``."""
+    ``scale = max(amax_row, 1e-12) / 448``, ``q = e4m3(clamp(x / scale, ±448))``; ``x ≈ q · scale``.
+
+    A BF16/FP16/FP32 ``x`` is not copied to FP32 first: the row amax is taken in FP32 and the divide
+    promotes to FP32, the same values as on ``x.float()``. ``check=False`` skips the NaN/Inf check, which
+    reads a flag back to the host (not allowed inside a CUDA-graph capture); a non-finite value then
+    gives NaN codes instead of an error."""
     if x.dim() != 2:
         raise FP8Error(f"{name}: expected a 2-D tensor [R, K], got shape {tuple(x.shape)}")
-    xf = x.float()
-    amax = torch.linalg.vector_norm(xf, ord=math.inf, dim=-1, keepdim=True)
-    if x.numel() and not bool(torch.isfinite(amax).all()):
+    xf = x if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else x.float()
+    amax = torch.linalg.vector_norm(xf, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+    if check and x.numel() and not bool(torch.isfinite(amax).all()):
         check_finite(x, name)
     scale = amax.clamp_min(AMAX_FLOOR) / FP8_E4M3_MAX
     q = (xf / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
@@ -54,9 +62,10 @@ def quantize_weight_fp8(weight: torch.Tensor, name: str = "weight") -> tuple[tor
     return quantize_rowwise(weight, name)
 
 
-def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token quantization: ``x [M, K] -> (xq [M, K], x_scale [M, 1])``."""
-    return quantize_rowwise(x, "activation")
+def quantize_activation_fp8(x: torch.Tensor, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization: ``x [M, K] -> (xq [M, K], x_scale [M, 1])`` (``check``: see
+    :func:`quantize_rowwise`)."""
+    return quantize_rowwise(x, "activation", check=check)
 
 
 def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -74,9 +83,18 @@ def fp8_rowwise_reference(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tens
     return y.to(x.dtype)
 
 
+def scaled_mm_rowwise(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, *,
+                      fast_accum: bool = False) -> torch.Tensor:
+    """The FP8 GEMM alone, ``torch._scaled_mm`` with rowwise scales: ``xq`` [M, K] and ``wq`` [N, K] E4M3,
+    ``x_scale`` [M, 1] and ``w_scale`` [N, 1] FP32 -> [M, N] BF16. ``fast_accum=True`` is cuBLASLt's fast
+    FP8 accumulation (what FP8 engines run; the benchmarks' FP8 baseline); the default accumulates in FP32."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
 def _scaled_mm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     xq, sx = quantize_activation_fp8(x)
-    y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=w_scale.reshape(1, -1), out_dtype=torch.bfloat16, use_fast_accum=False)
+    y = scaled_mm_rowwise(xq, sx, wq, w_scale)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(x.dtype)

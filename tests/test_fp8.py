@@ -15,7 +15,9 @@ from foursight.fp8 import (
     fp8_rowwise_linear,
     fp8_rowwise_reference,
     quantize_activation_fp8,
+    quantize_rowwise,
     quantize_weight_fp8,
+    scaled_mm_rowwise,
 )
 
 
@@ -99,6 +101,44 @@ def test_activation_is_per_token_and_linear_matches_float64():
     rel = float((y.double() - exact).norm() / exact.norm())
     assert 1e-4 < rel < 0.06, rel
     assert torch.equal(y, fp8_rowwise_reference(x.reshape(-1, 64), wq, ws, b).reshape(2, 5, 48))  # CPU: the reference
+
+
+def test_timing_options_give_the_same_codes_and_gemm():
+    """The options the benchmarks time with: ``check=False`` (no host read-back, graph-capturable) gives the
+    codes and scales of the default path and of an explicit FP32 copy (the form before the no-copy path),
+    for every input dtype; a non-finite value is then NaN codes in its row instead of an error. The GEMM
+    alone (``scaled_mm_rowwise``), with and without fast accumulation, is the float64 product of the
+    dequantized operands to BF16 rounding."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        x = (torch.randn(8, 64, generator=g) * torch.logspace(-2, 2, 8)[:, None]).to(dtype)
+        q0, s0 = quantize_rowwise(x)
+        q1, s1 = quantize_rowwise(x, check=False)
+        xf = x.float()
+        s = xf.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448
+        q = (xf / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(s0, s) and torch.equal(s1, s), dtype
+        assert torch.equal(q0.view(torch.uint8), q.view(torch.uint8)) and torch.equal(q1.view(torch.uint8), q.view(torch.uint8)), dtype
+        if dtype == torch.bfloat16:
+            for r in range(8):
+                assert torch.equal(q1[r].float().double(), _round_e4m3((xf[r] / s[r]).double())), r
+    bad = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    bad[2, 3] = float("inf")
+    with pytest.raises(ValueError, match="activation"):
+        quantize_activation_fp8(bad)
+    qb, sb = quantize_activation_fp8(bad, check=False)
+    assert bool(qb[2].float().isnan().any()) and bool(qb[[0, 1, 3]].float().isfinite().all())
+    assert torch.equal(qb[[0, 1, 3]].view(torch.uint8), quantize_activation_fp8(bad[[0, 1, 3]])[0].view(torch.uint8))
+
+    x = (torch.randn(16, 64, generator=g) * 2).to(torch.bfloat16)
+    wq, ws = quantize_weight_fp8((torch.randn(24, 64, generator=g) * 0.1).to(torch.bfloat16))
+    xq, xs = quantize_activation_fp8(x, check=False)
+    want = dequantize_rowwise(xq, xs).double() @ dequantize_rowwise(wq, ws).double().t()
+    for fast in (False, True):
+        y = scaled_mm_rowwise(xq, xs, wq, ws, fast_accum=fast)
+        assert y.shape == (16, 24) and y.dtype == torch.bfloat16
+        assert torch.allclose(y.double(), want, rtol=1e-2, atol=1e-3), fast
+    assert torch.allclose(scaled_mm_rowwise(xq, xs, wq, ws).double(), fp8_rowwise_reference(x, wq, ws).double(), rtol=1e-2, atol=1e-3)
 
 
 def test_fp8_linear_set_weight_and_errors():
