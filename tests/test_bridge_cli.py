@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from foursight.cli_util import OptionError
 from foursight.trainer_bridge.cli import app, build_engines
-from foursight.trainer_bridge.engines import HFEngine, VLLMHTTPEngine
+from foursight.trainer_bridge.backends.hf import HFEngine
+from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
 
 
 def test_serve_help_lists_options():
@@ -62,3 +63,21 @@ def test_serve_passes_the_edge_options_to_serve(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--weights-dir", str(tmp_path / "nope")],
                            env={"COLUMNS": "300"})
     assert r.exit_code != 0 and "--weights-dir" in r.output and "is not a folder" in r.output
+
+
+@pytest.mark.parametrize("args, want", [(["--write-timeout", "2.5"], 2.5), ([], "default")])
+def test_write_timeout_flag_reaches_the_servers_write_timeout(monkeypatch, args, want):
+    """--write-timeout (issue 28 item 6) is the limit the app's write-timeout middleware applies to
+    each response write: CLI -> serve -> create_app -> guards (uvicorn itself is replaced)."""
+    import uvicorn
+
+    from foursight.trainer_bridge.guards import DEFAULT_WRITE_TIMEOUT_S, WriteTimeoutMiddleware
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--wait", "0", *args])
+    assert r.exit_code == 0, r.output
+    (mw,) = [m for m in apps[0].user_middleware if m.cls is WriteTimeoutMiddleware]
+    assert mw.kwargs["timeout_s"] == (DEFAULT_WRITE_TIMEOUT_S if want == "default" else want)
+    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--wait", "0", "--write-timeout", "0"])
+    assert r.exit_code == 2 and "--write-timeout" in r.output

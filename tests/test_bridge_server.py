@@ -14,10 +14,11 @@ import httpx
 import pytest
 
 from foursight.trainer_bridge.client import RolloutClient, RolloutStreamError
-from foursight.trainer_bridge.engines import Engine
+from foursight.trainer_bridge.backends.base import Engine
 from foursight.trainer_bridge.launch import BridgeThread
 from foursight.trainer_bridge.protocol import Rollout
-from foursight.trainer_bridge.server import VersionGate, create_app
+from foursight.trainer_bridge.routes.state import VersionGate
+from foursight.trainer_bridge.server import create_app
 
 
 class ScriptedEngine(Engine):

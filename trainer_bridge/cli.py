@@ -15,6 +15,7 @@ from typing import Optional
 import typer
 
 from foursight.cli_util import OptionError, guarded
+from foursight.trainer_bridge.guards import DEFAULT_WRITE_TIMEOUT_S
 
 app = typer.Typer(help="The FourSight rollout bridge (streaming rollouts with per-token logprobs, weight sync).", no_args_is_help=True)
 
@@ -30,7 +31,9 @@ def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], to
                   engine_api_key: Optional[str], logprobs_mode: Optional[str], device: str = "cpu",
                   weight_sync: str = "collective_rpc") -> list:
     """Engine objects for the CLI options (raises :class:`~foursight.cli_util.OptionError` naming the option)."""
-    from foursight.trainer_bridge.engines import HFEngine, SGLangHTTPEngine, VLLMHTTPEngine
+    from foursight.trainer_bridge.backends.hf import HFEngine
+    from foursight.trainer_bridge.backends.sglang import SGLangHTTPEngine
+    from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
 
     if engine not in ENGINES:
         raise OptionError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -44,7 +47,7 @@ def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], to
     if not engine_urls:
         raise OptionError(f"--engine {engine} needs at least one --engine-url URL")
     if engine == "vllm":
-        from foursight.trainer_bridge.engines import WEIGHT_SYNC_ROUTES
+        from foursight.trainer_bridge.backends.vllm import WEIGHT_SYNC_ROUTES
 
         if weight_sync not in WEIGHT_SYNC_ROUTES:
             raise OptionError(f"--weight-sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
@@ -98,6 +101,9 @@ def serve(
     max_concurrency: int = typer.Option(64, "--max-concurrency", min=1, help="engine calls in flight at once"),
     max_queue: int = typer.Option(256, "--max-queue", min=1, help="per-stream window: samples of one stream running or finished-but-unsent (backpressure)"),
     sample_timeout: float = typer.Option(600.0, "--sample-timeout", min=0.001, help="seconds per sample before an error event"),
+    write_timeout: float = typer.Option(DEFAULT_WRITE_TIMEOUT_S, "--write-timeout", min=0.001,
+                                        help="seconds one response write may wait for a client that stopped reading; then the "
+                                             "response is dropped (its engine calls cancelled, its hold on weight updates released)"),
     logprobs_mode: Optional[str] = typer.Option(None, "--logprobs-mode", help="what the engine's logprobs are: raw_logprobs | processed_logprobs"),
     initial_version: int = typer.Option(0, "--initial-version", min=0),
     device: str = typer.Option("cpu", "--device", help="hf engine device"),
@@ -141,4 +147,4 @@ def serve(
     _serve(engines, host=host, port=port, allow_remote=allow_remote, allowed_hosts=allowed_host, api_key=api_key,
            max_concurrency=max_concurrency, max_queue=max_queue, sample_timeout_s=sample_timeout, initial_version=initial_version,
            weights_dirs=[str(d) for d in weights_dir] or None, max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap,
-           max_request_tokens=max_request_tokens)
+           max_request_tokens=max_request_tokens, write_timeout_s=write_timeout)

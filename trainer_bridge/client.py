@@ -14,6 +14,7 @@ raises :class:`RolloutStreamError`: nothing is ever silently short.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from typing import Any, AsyncIterator, Iterable, Iterator
 
 import httpx
@@ -109,6 +110,16 @@ class _Tracker:
             return None if self.raise_on_error else ev
         return Rollout.model_validate(ev.model_dump(exclude={"type"}))
 
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around the reading of one stream: a cut connection raises :class:`RolloutStreamError`;
+        at its end, :meth:`finish`."""
+        try:
+            yield
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            raise RolloutStreamError(f"the rollout stream was cut after {self.received} sample event(s): {e}", self.received) from e
+        self.finish()
+
     def finish(self) -> None:
         if self.end is None:
             raise RolloutStreamError(f"the rollout stream ended without its end event after {self.received} sample event(s)", self.received)
@@ -123,6 +134,24 @@ def _error_body(r: httpx.Response) -> Any:
         return r.json()
     except ValueError:
         return r.text
+
+
+def _answer(r: httpx.Response) -> Any:
+    """The JSON body of a 200 answer; any other status raises :class:`BridgeHTTPError`."""
+    if r.status_code != 200:
+        raise BridgeHTTPError(r.status_code, _error_body(r))
+    return r.json()
+
+
+def weight_update_body(version: int, path: str | None = None, shm_name: str | None = None, **extra) -> dict[str, Any]:
+    """The ``POST /v1/weights`` body (:class:`~foursight.trainer_bridge.protocol.WeightUpdateRequest`):
+    the new version and the file, as ``path`` or ``shm_name``."""
+    body = {"version": version, **extra}
+    if path is not None:
+        body["path"] = str(path)
+    if shm_name is not None:
+        body["shm_name"] = shm_name
+    return body
 
 
 class RolloutClient:
@@ -149,18 +178,13 @@ class RolloutClient:
         """Yield each finished sample as a :class:`Rollout` (see the module doc for errors)."""
         body = build_request(prompts, params, n, **extra)
         tr = _Tracker(raise_on_error)
-        try:
-            with self._client.stream("POST", "/v1/rollouts", json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    raise BridgeHTTPError(r.status_code, _error_body(r))
-                for line in r.iter_lines():
-                    out = tr.handle(line)
-                    if out is not None:
-                        yield out
-        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-            raise RolloutStreamError(f"the rollout stream was cut after {tr.received} sample event(s): {e}", tr.received) from e
-        tr.finish()
+        with tr.reading(), self._client.stream("POST", "/v1/rollouts", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise BridgeHTTPError(r.status_code, _error_body(r))
+            for line in r.iter_lines():
+                if (out := tr.handle(line)) is not None:
+                    yield out
 
     def generate(self, prompts: Iterable[PromptLike], params: SamplingParams | dict | None = None, n: int = 1, **extra) -> list[Rollout]:
         """All samples, sorted by (prompt_index, sample_index)."""
@@ -168,15 +192,7 @@ class RolloutClient:
         return sorted(out, key=lambda r: (r.prompt_index, r.sample_index))
 
     def update_weights(self, version: int, path: str | None = None, shm_name: str | None = None, **extra) -> dict[str, Any]:
-        body = {"version": version, **extra}
-        if path is not None:
-            body["path"] = str(path)
-        if shm_name is not None:
-            body["shm_name"] = shm_name
-        r = self._client.post("/v1/weights", json=body)
-        if r.status_code != 200:
-            raise BridgeHTTPError(r.status_code, _error_body(r))
-        return r.json()
+        return _answer(self._client.post("/v1/weights", json=weight_update_body(version, path, shm_name, **extra)))
 
     def weight_version(self) -> int:
         return int(self._client.get("/v1/weights").json()["version"])
@@ -208,30 +224,18 @@ class AsyncRolloutClient:
                      raise_on_error: bool = True, **extra) -> AsyncIterator[Rollout | ErrorEvent]:
         body = build_request(prompts, params, n, **extra)
         tr = _Tracker(raise_on_error)
-        try:
+        with tr.reading():
             async with self._client.stream("POST", "/v1/rollouts", json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
                     raise BridgeHTTPError(r.status_code, _error_body(r))
                 async for line in r.aiter_lines():
-                    out = tr.handle(line)
-                    if out is not None:
+                    if (out := tr.handle(line)) is not None:
                         yield out
-        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-            raise RolloutStreamError(f"the rollout stream was cut after {tr.received} sample event(s): {e}", tr.received) from e
-        tr.finish()
 
     async def generate(self, prompts, params=None, n: int = 1, **extra) -> list[Rollout]:
         out = [r async for r in self.stream(prompts, params, n, **extra)]
         return sorted(out, key=lambda r: (r.prompt_index, r.sample_index))
 
     async def update_weights(self, version: int, path: str | None = None, shm_name: str | None = None, **extra) -> dict[str, Any]:
-        body = {"version": version, **extra}
-        if path is not None:
-            body["path"] = str(path)
-        if shm_name is not None:
-            body["shm_name"] = shm_name
-        r = await self._client.post("/v1/weights", json=body)
-        if r.status_code != 200:
-            raise BridgeHTTPError(r.status_code, _error_body(r))
-        return r.json()
+        return _answer(await self._client.post("/v1/weights", json=weight_update_body(version, path, shm_name, **extra)))

@@ -34,7 +34,7 @@ from foursight.trainer_bridge.protocol import INT64_MAX, RolloutRequest
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: default request body limit (a rollout request of 65536 token-id prompts fits)
 DEFAULT_MAX_BODY_BYTES = 32 << 20
-#: seconds one write of a response may wait for the client to read (``--write-timeout-s``): a
+#: seconds one write of a response may wait for the client to read (``--write-timeout``): a
 #: stream whose client stops reading is dropped after it, which releases its hold on weight updates
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 #: (method, path) that need no API key: health, metrics and the current version (read-only)

@@ -3,7 +3,7 @@
 TRL 1.16's ``VLLMClient`` generates over vLLM's OpenAI routes (the bridge serves them) and syncs
 weights over an NCCL group that only works between CUDA devices. This subclass keeps TRL's
 generation and changes the sync: ``init_communicator`` checks that the server is a bridge (its
-``/server_info`` names the ``foursight_bridge`` backend, :mod:`.trl_routes`), and
+``/server_info`` names the ``foursight_bridge`` backend, :mod:`.routes.trl`), and
 ``update_named_params`` writes the tensors it is given to one safetensors file and posts its name
 to the bridge's ``/update_weights``, which applies it as ``POST /v1/weights`` does (each engine
 re-quantizes; one new weight version). Inside ``weight_update()`` the tensors are gathered and sent
@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from trl.generation.vllm_client import VLLMClient
 
-from foursight.trainer_bridge.trl_routes import BACKEND
+from foursight.trainer_bridge.routes.trl import BACKEND
 
 
 class FourSightVLLMClient(VLLMClient):
@@ -82,7 +82,7 @@ class FourSightVLLMClient(VLLMClient):
     def _push(self, tensors: dict[str, torch.Tensor]) -> dict:
         from safetensors.torch import save_file
 
-        from foursight.trainer_bridge.engines import shm_path
+        from foursight.trainer_bridge.protocol import shm_path
 
         name = f"foursight-trl-{uuid.uuid4().hex}.safetensors"
         if self.weights_dir is not None:

@@ -1,0 +1,236 @@
+"""``POST /v1/rollouts``: stream one event per sample as soon as that sample finishes, then an end event.
+
+Also the bridge's one admission and sampling path, which the OpenAI routes (:mod:`.openai`) use too:
+:func:`admit` (sample count, the served model's field checks, tokenization, the engines that serve
+the current weights) and :func:`events` (the weight version held for the whole request,
+backpressure, per-sample timeouts, engine failures as error events, cancellation when the consumer
+leaves). Backpressure: at most ``max_concurrency`` engine calls run at once, and each stream has at
+most ``max_queue`` samples running or finished-but-unsent, so a slow reader slows its own stream's
+engine calls instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from foursight.trainer_bridge.backends.base import Engine
+from foursight.trainer_bridge.guards import engine_field_errors, unprocessable
+from foursight.trainer_bridge.liveness import STALE, EngineStale
+from foursight.trainer_bridge.protocol import EndEvent, ErrorEvent, RolloutRequest, SampleEvent, Timing
+from foursight.trainer_bridge.routes.state import BridgeState, State
+
+log = logging.getLogger("foursight.bridge")
+
+#: most samples (len(prompts) * n) one request may ask for
+MAX_SAMPLES_PER_REQUEST = 100_000
+
+router = APIRouter()
+
+
+class RolloutStreamResponse(StreamingResponse):
+    """A rollout stream that notices a client disconnect at once.
+
+    Under ASGI 2.4 Starlette only notices a disconnect when a write fails, so a stream waiting for
+    its next sample would keep its engine calls running (and the HF engine busy) and its version
+    gate held. This one always listens for ``http.disconnect`` and closes the event generator on
+    exit, so its cleanup (cancel the engine calls, release the gate, the gauges) runs right away.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def write() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(write)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _encode(ev, fmt: str) -> bytes:
+    data = ev.model_dump_json()
+    if fmt == "sse":
+        return f"event: {ev.type}\ndata: {data}\n\n".encode()
+    return (data + "\n").encode()
+
+
+def _refuse_field(field: str, error: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {error}", "fields": [{"field": field, "message": message}]})
+
+
+async def admit(state: BridgeState, req: RolloutRequest) -> tuple[list[list[int]], list[Engine]] | JSONResponse:
+    """Everything a request must pass before a sample starts, for every route that samples
+    (``/v1/rollouts`` and the OpenAI routes): sample count, the served model's field checks
+    (``guards.engine_field_errors``), tokenization, and the engines that serve the current
+    weights. Returns the prompts' token ids and those engines, or the error response."""
+    total = len(req.prompts) * req.n
+    if total > MAX_SAMPLES_PER_REQUEST:
+        return _refuse_field("n", f"len(prompts) * n = {total} exceeds {MAX_SAMPLES_PER_REQUEST}", "too many samples")
+    vocab = state.engines[0].vocab_size
+    errs = engine_field_errors(req, None, vocab, state.max_tokens_cap, state.max_request_tokens)
+    if errs:
+        state.metrics.errors.labels(kind="bad_request").inc()
+        return unprocessable(errs)
+    prompt_ids: list[list[int]] = []
+    for i, p in enumerate(req.prompts):
+        try:
+            prompt_ids.append(await state.engines[0].tokenize(p))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, naming the prompt
+            return _refuse_field(f"prompts[{i}]", f"cannot tokenize: {e}", str(e))
+        if not prompt_ids[-1]:
+            return _refuse_field(f"prompts[{i}]", "empty after tokenization", "empty")
+    errs = engine_field_errors(req, prompt_ids, vocab, None, context_length=await state.engines[0].context_length())
+    if errs:
+        state.metrics.errors.labels(kind="bad_request").inc()
+        return unprocessable(errs)
+    # samples are tagged with the bridge's version: refuse engines known to serve other weights
+    statuses = await state.liveness.check_all()
+    usable = [e for e, st in zip(state.engines, statuses) if st != STALE]
+    if not usable:
+        state.metrics.errors.labels(kind="engine").inc()
+        reasons = [state.liveness.of(e).reason for e in state.engines]
+        return JSONResponse(status_code=503, content={"error": "no engine serves the current weights: " + "; ".join(r or "" for r in reasons),
+                                                      "weight_version": state.gate.version,
+                                                      "engines": [{"name": e.name, **state.liveness.of(e).view()} for e in state.engines]})
+    return prompt_ids, usable
+
+
+@router.post("/v1/rollouts")
+async def rollouts(req: RolloutRequest, state: State):
+    got = await admit(state, req)
+    if isinstance(got, JSONResponse):
+        return got
+    prompt_ids, usable = got
+    rid = req.request_id or uuid.uuid4().hex
+    media = "text/event-stream" if req.stream_format == "sse" else "application/x-ndjson"
+    return RolloutStreamResponse(_stream(state, req, rid, prompt_ids, usable), media_type=media, headers={"X-Request-Id": rid})
+
+
+async def _stream(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: list[list[int]],
+                  usable: list[Engine]) -> AsyncIterator[bytes]:
+    gen = events(state, req, rid, prompt_ids, usable)
+    try:
+        async for ev in gen:
+            yield _encode(ev, req.stream_format)
+    finally:
+        await gen.aclose()
+
+
+async def events(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: list[list[int]],
+                 usable: list[Engine]) -> AsyncIterator[SampleEvent | ErrorEvent | EndEvent]:
+    """The samples of one admitted request as events, each as soon as it finishes, then the end
+    event: the one sampling path of the bridge (version held, backpressure, timeouts, engine
+    failures as error events, cancellation when the consumer leaves)."""
+    m = state.metrics
+    t_accept = time.monotonic()
+    sp = req.sampling
+    timeout = req.timeout_s or state.sample_timeout_s
+    total = len(prompt_ids) * req.n
+    async with state.gate.read() as version:
+        m.active_streams.inc()
+        queue: asyncio.Queue = asyncio.Queue()
+        # per-stream window: at most max_queue samples of this stream are running or finished-but-unsent,
+        # so a slow reader throttles its own stream's engine work (backpressure), never other streams'
+        window = asyncio.Semaphore(state.max_queue)
+
+        async def one(pi: int, j: int) -> None:
+            idx = pi * req.n + j
+            seed = None if sp.seed is None else sp.seed + idx
+            max_tokens = req.prompts[pi].max_tokens or sp.max_tokens
+            await window.acquire()
+            m.pending.inc()
+            engine = None
+            try:
+                async with state.sem:
+                    engine = state.pick_engine(usable)
+                    state.inflight[id(engine)] += 1
+                    t0 = time.monotonic()
+
+                    async def call(engine=engine):
+                        await state.liveness.ensure(engine)  # an engine that failed a call is re-checked first
+                        return await engine.generate(prompt_ids[pi], sp, max_tokens, seed, request=rid)
+
+                    try:
+                        res = await asyncio.wait_for(call(), timeout)
+                        t1 = time.monotonic()
+                        m.latency.observe(t1 - t0)
+                        ev: Any = SampleEvent(
+                            request_id=rid, prompt_index=pi, sample_index=j, prompt_ids=prompt_ids[pi],
+                            token_ids=res.token_ids, logprobs=res.logprobs, finish_reason=res.finish_reason,
+                            engine=engine.name, weight_version=version, logprobs_mode=engine.logprobs_mode,
+                            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                            timing=Timing(queued_s=t0 - t_accept, engine_s=t1 - t0, total_s=t1 - t_accept),
+                        )
+                    except (asyncio.TimeoutError, TimeoutError):
+                        ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
+                                        error=f"timeout: the engine did not finish the sample within {timeout} s")
+                        m.errors.labels(kind="timeout").inc()
+                    except asyncio.CancelledError:
+                        raise
+                    except EngineStale as e:
+                        ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
+                                        error=str(e))
+                        m.errors.labels(kind="engine").inc()
+                    except Exception as e:  # noqa: BLE001 - every engine failure becomes an error event
+                        state.liveness.of(engine).mark_unknown()
+                        ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
+                                        error=f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+                        m.errors.labels(kind="engine").inc()
+                    finally:
+                        state.inflight[id(engine)] -= 1
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - a bridge bug must still end in an error event, never a hang
+                log.exception("rollout task failed")
+                ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=getattr(engine, "name", "?"),
+                                weight_version=version, error=f"bridge error: {type(e).__name__}: {e}")
+                m.errors.labels(kind="bridge").inc()
+            finally:
+                m.pending.dec()
+            m.queue_depth.inc()
+            queue.put_nowait(ev)  # the window bounds the queue
+
+        tasks = [asyncio.create_task(one(pi, j)) for pi in range(len(prompt_ids)) for j in range(req.n)]
+        n_ok = n_err = 0
+        finished = False
+        try:
+            for _ in range(total):
+                ev = await queue.get()
+                m.queue_depth.dec()
+                window.release()
+                if ev.type == "sample":
+                    n_ok += 1
+                    m.samples.labels(status="ok").inc()
+                    m.add_tokens(len(ev.token_ids))
+                else:
+                    n_err += 1
+                    m.samples.labels(status="error").inc()
+                yield ev
+            yield EndEvent(request_id=rid, status="ok" if n_err == 0 else "error", num_samples=n_ok, num_errors=n_err,
+                           weight_version=version, elapsed_s=time.monotonic() - t_accept)
+            finished = True
+        finally:
+            m.active_streams.dec()
+            if not finished:  # the stream was left before its end event was sent
+                m.errors.labels(kind="client_disconnect").inc()
+            pending = [t for t in tasks if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                # a disconnect cancels this generator's scope: shield the wait for the cancelled calls
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(*pending, return_exceptions=True)

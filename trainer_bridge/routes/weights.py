@@ -1,0 +1,78 @@
+"""``POST /v1/weights`` (a versioned BF16 weight update; the engines re-quantize) and ``GET /v1/weights``.
+
+An update names a safetensors file or folder (``path``, inside a ``--weights-dir``) or a shared-memory
+file (``shm_name``). Every tensor is read and checked before any engine sees it, so a rejected
+update changes nothing; the update then waits until the streams started under the old version
+have finished (:class:`~.state.VersionGate`), so no stream mixes versions. :func:`push_weights` is
+also what TRL's ``/update_weights`` (:mod:`.trl`) applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from foursight.trainer_bridge.guards import WeightsRoots, unprocessable
+from foursight.trainer_bridge.protocol import WeightUpdateRequest, WeightUpdateResponse, shm_path
+from foursight.trainer_bridge.routes.state import BridgeState, DrainTimeout, State, UpdateInProgress
+
+router = APIRouter()
+
+
+async def push_weights(state: BridgeState, req: WeightUpdateRequest):
+    """Check the update's file, then apply it on every engine under the version gate: the
+    :class:`WeightUpdateResponse`, or the error response (422 bad file, 409 version or drain, 502 engine)."""
+    field = "path" if req.path is not None else "shm_name"
+    resolved = state.roots.resolve(req.path) if req.path is not None else WeightsRoots([Path(shm_path(""))]).resolve(shm_path(req.shm_name))
+    if resolved is None:
+        # one answer for "outside the weights folders", "does not exist" and "cannot be read"
+        state.metrics.errors.labels(kind="bad_request").inc()
+        return unprocessable([{"field": field, "message": WeightsRoots.NOT_ALLOWED}], version=state.gate.version)
+    path = str(resolved)
+    # every tensor is read and checked before any engine sees the update: a rejected update changes nothing
+    from foursight.schema import CheckpointError, check_safetensors
+
+    try:
+        await asyncio.to_thread(check_safetensors, path)
+    except CheckpointError as ex:
+        state.metrics.errors.labels(kind="weight_update").inc()
+        return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {ex}", "version": state.gate.version,
+                                                      "fields": [{"field": field, "message": str(ex)}]})
+    prev = state.gate.version
+    if req.version <= prev:
+        return JSONResponse(status_code=409, content={"error": f"version: {req.version} is not greater than the current version {prev}",
+                                                      "fields": [{"field": "version", "message": "not increasing"}]})
+    t0 = time.monotonic()
+    try:
+        async with state.gate.write(req.drain_timeout_s):
+            acks = []
+            for e in state.engines:
+                try:
+                    acks.append(await e.update_weights(path, req.version))
+                    await state.liveness.of(e).baseline(req.version, state.liveness.state_timeout_s)
+                except Exception as ex:  # noqa: BLE001
+                    state.liveness.of(e).update_failed(prev, e.atomic_updates)
+                    state.metrics.errors.labels(kind="weight_update").inc()
+                    done = [a.get("engine") for a in acks]
+                    return JSONResponse(status_code=502, content={
+                        "error": f"engine {e.name} failed the update to version {req.version}: {type(ex).__name__}: {ex}",
+                        "version": prev, "updated_engines": done})
+            state.gate.version = req.version
+            state.metrics.version.set(req.version)
+    except (DrainTimeout, UpdateInProgress) as ex:
+        return JSONResponse(status_code=409, content={"error": f"weight update refused: {ex}", "version": prev})
+    return WeightUpdateResponse(version=req.version, previous_version=prev, engines=acks, elapsed_s=time.monotonic() - t0)
+
+
+@router.post("/v1/weights")
+async def weights(req: WeightUpdateRequest, state: State):
+    return await push_weights(state, req)
+
+
+@router.get("/v1/weights")
+async def weight_version(state: State):
+    return {"version": state.gate.version, "update_in_progress": state.gate.writer, "streams_open": state.gate.readers}
