@@ -11,7 +11,7 @@ SGL_VENV="${SGLANG_VENV:-$REPO/.venv-sglang}"
 
 # The Triton kernel tests run in their own process: they set TRITON_INTERPRET=1 for the process,
 # which must not leak into the engines that later tests start.
-"$VENV/bin/python" -m pytest tests/test_kernels.py tests/test_kernels_actq.py tests/test_blackwell_kernels.py -p no:cacheprovider --timeout=900 "$@"
+"$VENV/bin/python" -m pytest tests/test_kernels.py tests/test_kernels_actq.py tests/test_blackwell_kernels.py tests/test_kernels_ws.py -p no:cacheprovider --timeout=900 "$@"
 rc_kernels=$?
 "$VENV/bin/python" -m pytest tests --ignore=tests/test_kernels.py --ignore=tests/test_kernels_actq.py --ignore=tests/test_blackwell_kernels.py --ignore=tests/sglang --ignore=tests/sglang_harness \
     -p no:cacheprovider --timeout=1800 "$@"

@@ -1,0 +1,124 @@
+"""The warp-specialized Gluon form's plain-Triton twin (``foursight.kernels.gluon_ws_twin``) under
+TRITON_INTERPRET=1 (CPU) against the PyTorch reference (``foursight.layer.reference_linear``).
+
+The twin has the Gluon kernel's tiling (256-column K steps of the fragment form, ``Yᵀ[BN, BM]``
+tiles), decode, split plan and epilogue order; Gluon itself cannot run under the interpreter
+(``tests/test_kernels_ws_gpu.py`` checks it on the device). Shapes are small: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# The interpreter is chosen at import and the variable stays set for the process: set it only where
+# this file was named on the command line (scripts/test.sh's kernels line, or a run of its own), not
+# in the main test process, whose engines would inherit it (there the tests skip).
+if not torch.cuda.is_available() and any("test_kernels_ws.py" in a for a in sys.argv if not a.startswith("-")):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import foursight.kernels as fk  # noqa: E402
+import foursight.kernels.fragment as frag  # noqa: E402
+from foursight.kernels import api, gluon_ws  # noqa: E402
+from foursight.kernels.configs import WSConfig  # noqa: E402
+from foursight.kernels.gluon_ws_twin import _ws_twin_kernel  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
+from foursight.nvfp4 import NVFP4Error
+
+pytestmark = pytest.mark.skipif(
+    not isinstance(_ws_twin_kernel, InterpretedFunction),
+    reason="kernels not built for the Triton interpreter (CUDA machine, or imported earlier); run this file on its own on CPU",
+)
+
+
+def _channels(K: int, k: int, g: torch.Generator) -> torch.Tensor:
+    return torch.sort(torch.randperm(K, generator=g)[:k]).values.to(torch.int32)
+
+
+def _act(M: int, K: int, g: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(1, K, generator=g))
+    x[:, :: max(1, K // 5)] *= 20.0
+    return x.to(dtype)
+
+
+def _layer(N: int, K: int, k: int, g: torch.Generator, per_row_gs: bool = True) -> QuantizedWeight:
+    w = torch.randn(N, K, generator=g) * 0.05
+    qw = quantize_weight(w, _channels(K, k, g))
+    if per_row_gs:
+        qw = QuantizedWeight(qw.weight_packed, qw.weight_scale, qw.weight_global_scale.expand(N) * torch.linspace(0.5, 2.0, N),
+                             qw.bf16_channels, qw.weight_bf16)
+    return qw
+
+
+def _close(y, ref):
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+# block_m, block_n, stages, warps, split_k: no split, a fixed split, automatic, two stored row blocks
+_CONFIGS = [WSConfig(16, 64, 1, 4, 1), WSConfig(16, 64, 2, 4, 3), WSConfig(32, 128, 1, 8, 0), WSConfig(16, 128, 1, 4, 2)]
+
+
+@pytest.mark.parametrize("cfg", _CONFIGS, ids=str)
+@pytest.mark.parametrize("M,N,K,k", [(1, 40, 208, 16), (3, 64, 256, 0), (17, 130, 400, 128), (33, 64, 768, 16)])
+def test_ws_twin_matches_the_reference(cfg, M, N, K, k):
+    """W4A4 dynamic and static, W4A16 (fp32 out), bias, per-row weight scales, padding in N and K,
+    several token tiles, split-K, a non-contiguous bf16 input."""
+    g = torch.Generator().manual_seed(M * 7 + N + K + k)
+    qw = _layer(N, K, k, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, 2 * K, g)[:, ::2]
+    bias = torch.randn(N, generator=g).bfloat16()
+    _close(fk.splice_linear(x, pw, bias=bias, config=cfg), reference_linear(x, qw, bias=bias, out_dtype=torch.float32))
+    y = fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
+    ref = reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32)
+    scale = ref.abs().max().item() + 1e-6
+    assert (y - ref).abs().max().item() <= 2e-5 * scale
+    gs = torch.tensor([17.0])
+    _close(fk.splice_linear(x, pw, input_global_scale=gs, config=cfg),
+           reference_linear(x, qw, input_global_scale=gs, out_dtype=torch.float32))
+
+
+def test_ws_twin_split_k_is_bit_stable_and_leaves_counters_at_zero():
+    """The ordered split-K reduction: repeated calls agree bit for bit and the counters return to 0."""
+    g = torch.Generator().manual_seed(21)
+    qw = _layer(128, 1024, 16, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(5, 1024, g)
+    cfg = WSConfig(16, 64, 1, 4, 4)
+    assert gluon_ws.ws_plan(cfg, 5, pw)["splits"] == 4  # 4 steps of 256 columns, one per split
+    y1 = fk.splice_linear(x, pw, config=cfg)
+    y2 = fk.splice_linear(x, pw, config=cfg)
+    assert torch.equal(y1, y2)
+    assert not frag._COUNTERS[str(x.device)].any()
+    _close(y1, reference_linear(x, qw, out_dtype=torch.float32))
+
+
+def test_ws_plan_steps_are_whole_256_column_steps():
+    """Every split but the last gets an even number of 128-column chunks (the kernel's K step is 256)."""
+    g = torch.Generator().manual_seed(5)
+    pw = fk.prepare_weight(_layer(64, 1280, 0, g, per_row_gs=False))
+    for split in (1, 2, 3, 5, 0):
+        plan = gluon_ws.ws_plan(WSConfig(16, 64, 2, 4, split), 3, pw)
+        assert plan["cps"] % 2 == 0 and plan["splits"] * plan["cps"] >= plan["kcp"] == 10
+        assert (plan["splits"] - 1) * plan["cps"] < plan["kcp"]  # no empty split
+
+
+def test_ws_config_and_dispatch_rules():
+    """Bad tiles are refused when built; the Gluon form is no candidate where Gluon cannot run (here:
+    the interpreter), and fp16 activations are refused with a clear error."""
+    with pytest.raises(ValueError, match="block_n"):
+        WSConfig(16, 64, 2, 8)  # two warpgroups need two 64-row blocks
+    with pytest.raises(ValueError, match="block_m"):
+        WSConfig(24, 64)
+    assert not gluon_ws.available()
+    for path in ("decode", "mid", "prefill"):
+        assert not any(isinstance(c, WSConfig) for c in api._candidates(path, 16, "linear"))
+    g = torch.Generator().manual_seed(3)
+    pw = fk.prepare_weight(_layer(64, 256, 16, g))
+    with pytest.raises(NVFP4Error, match="bf16"):
+        fk.splice_gemm(_act(2, 256, g, torch.float16), pw, None, config=WSConfig(16, 64))
