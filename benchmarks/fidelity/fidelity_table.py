@@ -37,10 +37,14 @@ import argparse
 import asyncio
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import add_sampling_args, channels_by_layer  # noqa: E402  (benchmarks/common.py)
 
 FILTERS = [("max_token", {}), ("max_token", {"tau": 2.5}), ("tail_count", {}), ("geo_mean", {}), ("quantile", {})]
 
@@ -97,10 +101,7 @@ def choose_k_levels(groups, model, targets: list[float]) -> dict[str, dict[float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2-135M-Instruct)")
-    ap.add_argument("--n", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--seed", type=int, default=0)
+    add_sampling_args(ap, n=32, max_tokens=96)
     ap.add_argument("--ks", default="16,32,64,128")
     ap.add_argument("--targets", default="0.1,0.2,0.3")
     ap.add_argument("--w4a16-k", type=int, default=32)
@@ -117,7 +118,6 @@ def main() -> None:
 
     from foursight import schema
     from foursight.calibration import collect_stats, load_calibration_texts
-    from foursight.channels import select_channels
     from foursight.checkpoint import find_linears
     from foursight.compare.engines import _drive, open_engine
     from foursight.compare.prompts import load_prompts
@@ -159,12 +159,7 @@ def main() -> None:
     in_f = {n: base.get_submodule(n).in_features for n in names}
 
     def chans(k_of_group) -> dict[str, torch.Tensor]:
-        out = {}
-        for g in groups.values():
-            ch = select_channels(g.stats.variance, k_of_group(g))
-            for n in g.members:
-                out[n] = ch
-        return out
+        return channels_by_layer(groups, k_of_group)
 
     configs: list[tuple[str, dict]] = [("nvfp4", {"channels": {}})]
     for k in [int(x) for x in a.ks.split(",")]:

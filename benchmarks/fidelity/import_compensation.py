@@ -30,23 +30,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+import fidelity_table as fid  # noqa: E402  (benchmarks/fidelity/fidelity_table.py)
+from common import add_sampling_args  # noqa: E402  (benchmarks/common.py)
+from ct_library import library_ct_checkpoint  # noqa: E402  (benchmarks/fidelity/ct_library.py)
 
 
 def k_fraction(model) -> tuple[float, float]:
@@ -59,10 +56,7 @@ def k_fraction(model) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="BF16 model folder (default: the packaged SmolLM2-135M-Instruct)")
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    add_sampling_args(ap, n=16, max_tokens=64)
     ap.add_argument("--budgets", default="16,32,2%", help="--channels of the compensated imports")
     ap.add_argument("--fs-budgets", default="0,16,32", help="--channels of the FourSight-quantized comparison rows")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/import_compensation"))
@@ -79,9 +73,6 @@ def main() -> None:
     from foursight.models import resolve_model
     from foursight.trainer_bridge.engines import HFEngine
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
-
-    fid = _load("fidelity_table", HERE / "fidelity_table.py")
-    library_ct_checkpoint = _load("ct_library", HERE / "ct_library.py").library_ct_checkpoint
 
     t0 = time.time()
     torch.manual_seed(0)

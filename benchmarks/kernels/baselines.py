@@ -9,7 +9,10 @@ tensors, so that a benchmark can capture it in a CUDA graph and time the replays
 * :func:`bf16_call` — cuBLAS BF16, ``F.linear(x, w_bf16)``.
 * :func:`fp8_rowwise_gemm_call` — FP8 rowwise GEMM alone (what FlashRL users run; activation
   quantized beforehand): E4M3 weight with one fp32 scale per output row, E4M3 activation with one
-  fp32 scale per token, ``torch._scaled_mm(..., use_fast_accum=True)`` (cuBLASLt/CUTLASS).
+  fp32 scale per token, ``torch._scaled_mm(..., use_fast_accum=True)`` (cuBLASLt/CUTLASS). The
+  quantizers and the GEMM are the package's (:mod:`foursight.fp8`, what ``--rollout-precision fp8``
+  runs) with its two timing options: ``check=False`` (no host-syncing NaN check, so the call can be
+  captured in a CUDA graph) and ``fast_accum=True``.
 * :func:`fp8_rowwise_linear_call` — the same GEMM plus its dynamic per-token activation
   quantization in plain eager PyTorch (row amax, scale, divide, clamp, cast: 6 kernels). Engines
   fuse that quantization into one kernel (vLLM's ``scaled_fp8_quant``) or into the previous op, so
@@ -28,7 +31,7 @@ Weights here are ``[N, K]`` (out x in) like ``nn.Linear``; activations ``[M, K]`
 
 Self-check / quick timing (CPU: BF16 and, where ``torch._scaled_mm`` runs on CPU, FP8; CUDA: all)::
 
-    python benchmarks/kernels/baselines.py                  # relative errors; on CUDA also µs per call
+    python benchmarks/kernels/baselines.py                  # relative errors; on CUDA also µs per call (foursight.kernels.tuning.time_gpu)
     python benchmarks/kernels/baselines.py --shapes 4096x4096,28672x4096 --ms 1,16,256
 """
 
@@ -39,13 +42,18 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite E4M3 (fn) value
+from foursight.channels import relative_error
+from foursight.fp8 import quantize_activation_fp8, quantize_weight_fp8, scaled_mm_rowwise
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import ms_per_call  # noqa: E402  (benchmarks/common.py)
+
 GEMLITE_VERSION = "0.6.0.post2"
 GEMLITE_GROUP_SIZE = 64
 
@@ -70,72 +78,43 @@ def bf16_call(x: torch.Tensor, w_bf16: torch.Tensor) -> Callable[[], torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize_weight_fp8_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a weight [N, K] (any float dtype) to E4M3 with one fp32 scale per output row.
-
-    Returns ``(wq, scale_b)``: ``wq`` float8_e4m3fn [N, K] row-major (pass ``wq.t()``, a
-    column-major [K, N], to ``_scaled_mm``) and ``scale_b`` float32 [1, N]; ``w ≈ wq * scale_b.T``.
-    """
-    if w.dim() != 2:
-        raise ValueError(f"quantize_weight_fp8_rowwise: expected [N, K], got {tuple(w.shape)}")
-    wf = w.float()
-    amax = wf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [N, 1]
-    scale = amax / FP8_MAX
-    wq = (wf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
-    return wq, scale.reshape(1, -1).contiguous()
+def fp8_rowwise_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 GEMM as engines run it: :func:`foursight.fp8.scaled_mm_rowwise` with fast accumulation;
+    xq [M, K] e4m3, x_scale [M, 1], wq [N, K] e4m3, w_scale [N, 1] -> [M, N] bf16."""
+    return scaled_mm_rowwise(xq, x_scale, wq, w_scale, fast_accum=True)
 
 
-def quantize_act_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token E4M3 quantization in plain eager PyTorch (graph-capturable, no host sync).
-
-    x [M, K] bf16 -> ``(xq float8_e4m3fn [M, K], scale_a float32 [M, 1])`` with ``x ≈ xq * scale_a``.
-    Six kernels: row amax (``vector_norm(ord=inf)``), clamp + divide for the scale, divide, clamp, cast.
-    """
-    amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
-    scale = amax.clamp_min(1e-12) / FP8_MAX
-    xq = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return xq, scale
-
-
-def fp8_rowwise_mm(xq: torch.Tensor, scale_a: torch.Tensor, wq: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """``torch._scaled_mm`` with rowwise scales: xq [M, K] e4m3, scale_a [M, 1] fp32, wq [N, K]
-    e4m3 (row-major), scale_b [1, N] fp32 -> [M, N] bf16 (fast accumulation, as FP8 engines run it)."""
-    return torch._scaled_mm(xq, wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=True)
+def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token E4M3 quantization, graph-capturable: :func:`foursight.fp8.quantize_activation_fp8`
+    without its host-syncing NaN check. x [M, K] -> ``(xq [M, K], x_scale float32 [M, 1])``."""
+    return quantize_activation_fp8(x, check=False)
 
 
 class Fp8RowwiseLinear:
     """FP8 rowwise linear (FlashRL's rollout format): ``y = _scaled_mm(quant(x), Wq)``.
 
-    ``Fp8RowwiseLinear(w_bf16)`` quantizes the weight once; ``layer(x2d)`` quantizes the activation
-    per token in eager PyTorch and runs the GEMM (``quantize_act=False``: ``layer(xq, scale_a)``).
+    ``Fp8RowwiseLinear(w_bf16)`` quantizes the weight once (:func:`foursight.fp8.quantize_weight_fp8`);
+    ``layer(x2d)`` quantizes the activation per token in eager PyTorch and runs the GEMM.
     """
 
     def __init__(self, w: torch.Tensor):
-        self.wq, self.scale_b = quantize_weight_fp8_rowwise(w)
+        self.wq, self.w_scale = quantize_weight_fp8(w)
         self.out_features, self.in_features = self.wq.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xq, sa = quantize_act_fp8_rowwise(x)
-        return fp8_rowwise_mm(xq, sa, self.wq, self.scale_b)
-
-    def gemm(self, xq: torch.Tensor, scale_a: torch.Tensor) -> torch.Tensor:
-        return fp8_rowwise_mm(xq, scale_a, self.wq, self.scale_b)
+        return fp8_rowwise_mm(*quantize_act_fp8(x), self.wq, self.w_scale)
 
 
-def fp8_rowwise_gemm_call(xq: torch.Tensor, scale_a: torch.Tensor, wq: torch.Tensor, scale_b: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """FP8 rowwise GEMM alone (activation already quantized with :func:`quantize_act_fp8_rowwise`,
-    weight with :func:`quantize_weight_fp8_rowwise`): ``torch._scaled_mm(xq, wq.t(), scale_a=[M,1],
-    scale_b=[1,N], out_dtype=bf16, use_fast_accum=True)``."""
-    return lambda: fp8_rowwise_mm(xq, scale_a, wq, scale_b)
+def fp8_rowwise_gemm_call(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """FP8 rowwise GEMM alone (activation already quantized with :func:`quantize_act_fp8`, weight with
+    :func:`foursight.fp8.quantize_weight_fp8`)."""
+    return lambda: fp8_rowwise_mm(xq, x_scale, wq, w_scale)
 
 
-def fp8_rowwise_linear_call(x: torch.Tensor, wq: torch.Tensor, scale_b: torch.Tensor) -> Callable[[], torch.Tensor]:
+def fp8_rowwise_linear_call(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> Callable[[], torch.Tensor]:
     """FP8 rowwise linear with its dynamic per-token activation quantization in eager PyTorch
     (amax, scale, cast) followed by the ``_scaled_mm`` GEMM; x [M, K] bf16 -> [M, N] bf16."""
-    def run():
-        xq, sa = quantize_act_fp8_rowwise(x)
-        return fp8_rowwise_mm(xq, sa, wq, scale_b)
-    return run
+    return lambda: fp8_rowwise_mm(*quantize_act_fp8(x), wq, w_scale)
 
 
 def fp8_available(device: torch.device | str) -> str | None:
@@ -146,9 +125,7 @@ def fp8_available(device: torch.device | str) -> str | None:
     try:
         x = torch.randn(16, 32, device=dev, dtype=torch.bfloat16)
         w = torch.randn(32, 32, device=dev, dtype=torch.bfloat16)
-        y = Fp8RowwiseLinear(w)(x)
-        ref = F.linear(x.float(), w.float())
-        rel = float((y.float() - ref).norm() / ref.norm())
+        rel = relative_error(Fp8RowwiseLinear(w)(x), F.linear(x.float(), w.float()))
         if not rel < 0.1:
             return f"rowwise _scaled_mm on {dev.type} gives rel err {rel:.2e}"
     except Exception as e:  # noqa: BLE001 - any failure means "not available here"
@@ -269,32 +246,10 @@ def gemlite_int4_call(x: torch.Tensor, w_bf16: torch.Tensor, group_size: int = G
 # ---------------------------------------------------------------------------------------------
 
 
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref).norm() / ref.norm())
-
-
-def _time_us(fns: list, device: torch.device) -> float:
-    """µs per call: CUDA-graph replays of ``fns`` back to back (do_bench_cudagraph) on CUDA, a
-    wall-clock median on CPU."""
-    for f in fns:
-        f()
-    if device.type == "cuda":
-        from triton.testing import do_bench_cudagraph  # noqa: PLC0415
-
-        torch.cuda.synchronize()
-
-        def all_():
-            for f in fns:
-                f()
-        return 1e3 * do_bench_cudagraph(all_, rep=60, return_mode="median") / len(fns)
-    import time  # noqa: PLC0415
-
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fns[0]()
-        ts.append(time.perf_counter() - t0)
-    return 1e6 * sorted(ts)[len(ts) // 2]
+def _us(fns: list, device: torch.device) -> float | None:
+    """µs per call on CUDA (:func:`common.ms_per_call`: the package's timer over rotated copies); None on
+    the CPU, where this script checks relative errors only."""
+    return 1e3 * ms_per_call(fns) if device.type == "cuda" else None
 
 
 def main() -> None:
@@ -313,7 +268,7 @@ def main() -> None:
     torch.manual_seed(0)
     for n, k in shapes:
         w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16)
-        wq, sb = quantize_weight_fp8_rowwise(w) if fp8_reason is None else (None, None)
+        wq, sb = quantize_weight_fp8(w) if fp8_reason is None else (None, None)
         gl, gl_err = None, None
         try:
             gl = GemliteInt4Linear(w)
@@ -326,23 +281,23 @@ def main() -> None:
             ref = F.linear(x.float(), w.float())
             row = {"N": n, "K": k, "M": m, "device": dev.type}
             ws = [w] + [w.clone() for _ in range(r - 1)]
-            row["bf16_rel_err"] = _rel(bf16_call(x, w)(), ref)
-            row["bf16_us"] = _time_us([bf16_call(x, wi) for wi in ws], dev)
+            row["bf16_rel_err"] = relative_error(bf16_call(x, w)(), ref)
+            row["bf16_us"] = _us([bf16_call(x, wi) for wi in ws], dev)
             del ws
             if fp8_reason is None:
-                xq, sa = quantize_act_fp8_rowwise(x)
-                row["fp8_rel_err"] = _rel(fp8_rowwise_linear_call(x, wq, sb)(), ref)
+                xq, sa = quantize_act_fp8(x)
+                row["fp8_rel_err"] = relative_error(fp8_rowwise_linear_call(x, wq, sb)(), ref)
                 pairs = [(wq, sb)] + [(wq.clone(), sb.clone()) for _ in range(r - 1)]
-                row["fp8_gemm_us"] = _time_us([fp8_rowwise_gemm_call(xq, sa, a, b) for a, b in pairs], dev)
-                row["fp8_with_quant_us"] = _time_us([fp8_rowwise_linear_call(x, a, b) for a, b in pairs], dev)
+                row["fp8_gemm_us"] = _us([fp8_rowwise_gemm_call(xq, sa, a, b) for a, b in pairs], dev)
+                row["fp8_with_quant_us"] = _us([fp8_rowwise_linear_call(x, a, b) for a, b in pairs], dev)
                 del pairs
             else:
                 row["fp8_skipped"] = fp8_reason
             if gl is not None:
                 try:
-                    row["gemlite_int4_rel_err"] = _rel(gl(x), ref)
+                    row["gemlite_int4_rel_err"] = relative_error(gl(x), ref)
                     layers = [gl] + [GemliteInt4Linear(w) for _ in range(r - 1)]
-                    row["gemlite_int4_us"] = _time_us([lambda L=L: L(x) for L in layers], dev)
+                    row["gemlite_int4_us"] = _us([lambda L=L: L(x) for L in layers], dev)
                     del layers
                 except Exception as e:  # noqa: BLE001
                     row["gemlite_skipped"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -24,12 +24,14 @@ already in a static BF16 KV cache (preallocated for the largest batch, filled wi
 no prefill is run for it) — embedding, 32 layers (RMSNorm, fused qkv, RoPE by position tensors,
 KV-cache write at the positions by index, ``scaled_dot_product_attention(enable_gqa=True)`` over
 the context + 1 positions, o, RMSNorm, gate_up, SiLU·mul, down, residuals), final norm, lm_head —
-is captured in a CUDA graph with static inputs and replayed; step time = median over replays of
-CUDA-event times; tokens/s = B / step time. Every batch size is run eagerly first (FourSight's and
+is timed by the package's timer (:func:`foursight.kernels.tuning.time_gpu`: the step captured in a
+CUDA graph with static inputs, replayed with the L2 flushed before each step, median of ``--reps``
+rounds); tokens/s = B / step time. Every batch size is run eagerly first (FourSight's and
 GemLite's autotuners time kernels on that call, which a capture must not do). Prefill: one
 ``--prefill-tokens``-token sequence (batch 1, causal SDPA, logits of the last token only; its
-K/V are not written into the decode cache), captured in a CUDA graph when possible (else eager),
-median of a few runs.
+K/V are not written into the decode cache), timed the same way (``--prefill-reps`` rounds). On the
+CPU, or where the capture fails, the time is the wall clock of eager runs, and the result says so.
+The results of 2026-12-05 and before were timed with CUDA events around graph replays (no flush).
 
 Correctness, cheaply, in the same run: the final-norm hidden state and the logits of one eager
 decode step at the smallest batch are compared with the BF16 model's on the same inputs (relative
@@ -54,9 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -68,8 +68,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import baselines  # noqa: E402  (benchmarks/kernels/baselines.py)
+from common import git_commit, kernels_sha256  # noqa: E402  (benchmarks/common.py)
+
+from foursight.channels import relative_error  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_MODES = ("bf16", "foursight-w4a4", "foursight-w4a16", "fp8", "gemlite-a16w4")
@@ -313,7 +316,7 @@ def kernel_check(prepared0: dict, ref: dict, act_quant: bool, ms: list, dev, see
             x = torch.randn(m, pw.in_features, device=dev, generator=g).to(torch.bfloat16)
             y = fk.splice_linear(x, pw, act_quant=act_quant).float()
             yr = reference_linear(x, qw, act_quant=act_quant, out_dtype=torch.float32)
-            out[f"{name}/M={m}"] = _rel(y, yr)
+            out[f"{name}/M={m}"] = relative_error(y, yr)
     return out
 
 
@@ -360,6 +363,10 @@ def build_linears(mode: str, model: Decoder, args, cache: dict) -> tuple[list, d
 # ---------------------------------------------------------------------------------------------
 
 
+#: how a CUDA time was taken (written into every result row)
+TIMING = "foursight.kernels.tuning.time_gpu: CUDA-graph replays, L2 flushed before each call, median round"
+
+
 def _capture(fn, dev):
     """Warm ``fn`` on a side stream, capture it in a CUDA graph; returns (graph, static output)."""
     s = torch.cuda.Stream(dev)
@@ -376,33 +383,18 @@ def _capture(fn, dev):
     return g, out
 
 
-def _median_replay_ms(g, dev, reps: int, min_s: float) -> tuple[float, int, list]:
-    """Median ms of one replay of ``g`` (CUDA events around each replay), replaying for at least about
-    ``min_s`` seconds and ``reps`` times."""
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize(dev)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
+def _graph_ms(fn, eager_out: torch.Tensor, dev, rounds: int, reps: int) -> tuple[float, float]:
+    """(GPU ms of one ``fn()`` by :func:`foursight.kernels.tuning.time_gpu`, relative error of the output
+    of ``fn`` replayed from a CUDA graph against ``eager_out``). ``fn`` returns the tensor to check (or a
+    tuple ending with it)."""
+    from foursight.kernels.tuning import time_gpu  # noqa: PLC0415
+
+    g, out = _capture(fn, dev)
     g.replay()
-    e1.record()
     torch.cuda.synchronize(dev)
-    est = max(e0.elapsed_time(e1), 1e-3)
-    n = int(max(reps, min(10 * reps, math.ceil(min_s * 1e3 / est))))
-    n = max(5, min(n, int(max(5, 20e3 / est))))  # at most ~20 s of replays
-    ts = _replay_ms(g, dev, n)
-    return ts[len(ts) // 2], n, [ts[0], ts[-1]]
-
-
-def _replay_ms(g, dev, n: int) -> list[float]:
-    """Sorted ms of ``n`` replays of CUDA graph ``g``, each between its own pair of CUDA events."""
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b in evs:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize(dev)
-    return sorted(a.elapsed_time(b) for a, b in evs)
+    rel = relative_error(out[-1] if isinstance(out, tuple) else out, eager_out)
+    del g, out
+    return time_gpu(fn, reps=reps, rounds=rounds), rel
 
 
 def _eager_ms(fn, dev, reps: int) -> tuple[float, int]:
@@ -417,10 +409,6 @@ def _eager_ms(fn, dev, reps: int) -> tuple[float, int]:
     return ts[len(ts) // 2], len(ts)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def time_decode(model: Decoder, b: int, args) -> dict:
     dev = model.dev
     t0 = time.time()
@@ -430,13 +418,8 @@ def time_decode(model: Decoder, b: int, args) -> dict:
     row = {"batch": b, "warmup_s": time.time() - t0}
     if dev.type == "cuda" and not args.no_graph:
         try:
-            g, (_, g_logits) = _capture(lambda: model.decode_step(b), dev)
-            g.replay()
-            torch.cuda.synchronize(dev)
-            row["graph_vs_eager_rel"] = _rel(g_logits, eager_logits)
-            ms, n, (lo, hi) = _median_replay_ms(g, dev, args.reps, args.min_time_s)
-            row.update(step_ms=ms, reps=n, min_ms=lo, max_ms=hi, timing="cuda-graph replay, CUDA events")
-            del g, g_logits
+            ms, row["graph_vs_eager_rel"] = _graph_ms(lambda: model.decode_step(b), eager_logits, dev, args.reps, 8)
+            row.update(step_ms=ms, rounds=args.reps, timing=TIMING)
         except Exception as e:  # noqa: BLE001 - capture failed: an eager number (launch-bound at small B), labelled as such
             row["graph_error"] = _err(e)
             _free(dev)
@@ -459,29 +442,15 @@ def time_prefill(model: Decoder, s: int, args) -> dict:
     reps = args.prefill_reps if dev.type == "cuda" else args.cpu_reps
     if dev.type == "cuda" and not args.no_graph:
         try:
-            g, out = _capture(lambda: model.prefill(tokens), dev)
-            g.replay()
-            torch.cuda.synchronize(dev)
-            row["graph_vs_eager_rel"] = _rel(out, eager)
-            ts = _replay_ms(g, dev, reps)
-            row.update(ms=ts[len(ts) // 2], reps=reps, timing="cuda-graph replay, CUDA events")
-            del g, out
+            ms, row["graph_vs_eager_rel"] = _graph_ms(lambda: model.prefill(tokens), eager, dev, reps, 2)
+            row.update(ms=ms, rounds=reps, timing=TIMING)
         except Exception as e:  # noqa: BLE001 - capture failed: time eagerly instead
             row["graph_error"] = _err(e)
             _free(dev)
     if "ms" not in row:
-        if dev.type == "cuda":
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-            for a, b in evs:
-                a.record()
-                model.prefill(tokens)
-                b.record()
-            torch.cuda.synchronize(dev)
-            ts = sorted(a.elapsed_time(b) for a, b in evs)
-            row.update(ms=ts[len(ts) // 2], reps=reps, timing="eager, CUDA events")
-        else:
-            ms, n = _eager_ms(lambda: model.prefill(tokens), dev, reps)
-            row.update(ms=ms, reps=n, timing="eager, wall clock")
+        ms, n = _eager_ms(lambda: model.prefill(tokens), dev, reps)
+        row.update(ms=ms, reps=n, timing=("eager, wall clock" + (" (synchronized)" if dev.type == "cuda" else ""))
+                   + (" - CUDA-graph capture failed" if "graph_error" in row else ""))
     row["tokens_per_s"] = s / (row["ms"] * 1e-3)
     return row
 
@@ -508,11 +477,7 @@ def environment(dev: torch.device) -> dict:
                    gpu_memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
     else:
         env.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
-    h = hashlib.sha256()
-    for f in sorted((REPO / "kernels").glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    env["kernels_sha256"] = h.hexdigest()[:16]
+    env["kernels_sha256"] = kernels_sha256(REPO / "kernels")[:16]
     try:
         from foursight.kernels.primitives import pdl_supported  # noqa: PLC0415
 
@@ -520,8 +485,7 @@ def environment(dev: torch.device) -> dict:
     except Exception:  # noqa: BLE001
         env["pdl"] = None
     try:
-        env["git_commit"] = os.environ.get("FOURSIGHT_COMMIT") or subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+        env["git_commit"] = None if git_commit() == "unknown" else git_commit(short=True)
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "kernels"], capture_output=True, text=True,
                                timeout=10).stdout.strip()
         env["kernels_dirty"] = bool(dirty) if env["git_commit"] else None
@@ -555,8 +519,8 @@ def run(args) -> dict:
                      "channels_per_linear": args.channels, "seed": args.seed, "budget_s": args.budget_s,
                      "cuda_graphs": dev.type == "cuda" and not args.no_graph},
         "method": ("decode: one step (embedding, all layers, final norm, lm_head) captured in a CUDA graph with static "
-                   "inputs, median of replays timed with CUDA events, tokens/s = batch / step time; static BF16 KV cache "
-                   f"with {args.context} random context positions; prefill: one sequence, batch 1, median of runs; "
+                   "inputs, timed by foursight.kernels.tuning.time_gpu (L2 flushed before each step), tokens/s = batch / step time; static BF16 KV cache "
+                   f"with {args.context} random context positions; prefill: one sequence, batch 1, the same timer; "
                    "lm_head BF16 in every mode; q/k/v and gate/up fused; check: eager decode step at the largest batch <= 64 "
                    "vs the BF16 model (random weights: logit margins are small, so top-1 agreement is a weak signal)"),
         "modes": {},
@@ -635,8 +599,8 @@ def run(args) -> dict:
             _sync(dev)
             r["check"] = {
                 "batch": b_ref,
-                "hidden_rel_err": _rel(h, ref_h),
-                "logits_rel_err": _rel(logits, ref_logits),
+                "hidden_rel_err": relative_error(h, ref_h),
+                "logits_rel_err": relative_error(logits, ref_logits),
                 "top1_agreement": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
                 "finite": bool(torch.isfinite(h).all() and torch.isfinite(logits).all()),
             }
@@ -811,9 +775,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu (eager timing, no CUDA graphs)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--append", action="store_true", help="keep other modes'/batches' results from an earlier bench_decode.json in --out")
-    ap.add_argument("--reps", type=int, default=30, help="minimum graph replays per decode batch (CUDA)")
-    ap.add_argument("--min-time-s", type=float, default=0.5, help="replay each decode graph for at least about this long")
-    ap.add_argument("--prefill-reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="rounds of the timer per decode batch (CUDA; a round replays 8 steps)")
+    ap.add_argument("--prefill-reps", type=int, default=5, help="rounds of the timer for the prefill (CUDA; a round replays 2 runs)")
     ap.add_argument("--cpu-reps", type=int, default=1, help="timed eager runs per measurement on CPU (after the warm-up run)")
     ap.add_argument("--no-graph", action="store_true", help="time eagerly on CUDA too")
     ap.add_argument("--seed", type=int, default=0)

@@ -12,9 +12,11 @@ Every figure is a time measured in this process on this GPU, or a ratio of two s
 * the ceilings measured first: device-to-device copy (bytes read + written), an 8192^3 bf16 matmul;
 * bit-stability and batch invariance of the default path (a row computed alone vs in a batch).
 
-Timing: medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``), each graph running
-the op on R rotating copies of the weights so that the bytes streamed per replay exceed the 60 MB
-L2 several times (decode is otherwise an L2 benchmark). Speed is never asserted.
+Timing: the package's timer (:func:`foursight.kernels.tuning.time_gpu`, CUDA-graph replays with the
+L2 flushed before each pass; :func:`common.ms_per_call`), each pass running the op on R rotating
+copies of the weights so that the bytes streamed per pass exceed the 60 MB L2 several times (decode
+is otherwise an L2 benchmark). The results of 2026-12-05 and before were timed with Triton's
+``do_bench_cudagraph`` (no flush between replays). Speed is never asserted.
 
 Usage (on the GPU machine; see docs/kernels.md)::
 
@@ -38,16 +40,18 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import baselines  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import baselines  # noqa: E402  (benchmarks/kernels/baselines.py)
+from common import git_commit, kernels_sha256, ms_per_call  # noqa: E402  (benchmarks/common.py)
 
 import foursight.kernels as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
 import foursight.kernels.api as fk_api  # noqa: E402
 import foursight.kernels.tuning as fk_tuning  # noqa: E402
 from foursight.kernels.configs import DECODE_CONFIGS, MID_CONFIGS, PREFILL_CONFIGS  # noqa: E402
+from foursight.channels import relative_error  # noqa: E402
+from foursight.fp8 import quantize_weight_fp8  # noqa: E402
 from foursight.layer import quantize_activation as ref_quantize_activation, quantize_weight, reference_linear  # noqa: E402
 
 L2_BYTES = 60 * 2**20
@@ -57,16 +61,6 @@ ROTATE_BYTES = 240 * 2**20  # bytes streamed per graph replay, >= 4x L2
 # ---------------------------------------------------------------------------------------------
 # timing helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _graph_ms(fns, rep_ms: int = 40) -> float:
-    """Median ms of one call, from CUDA-graph replays of ``fns`` run back to back."""
-    def all_():
-        for f in fns:
-            f()
-    all_()
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(all_, rep=rep_ms, return_mode="median") / len(fns)
 
 
 def _rotations(bytes_per_call: int) -> int:
@@ -90,26 +84,11 @@ def _clone_prepared(pw):
 def provenance() -> dict:
     """What produced a result file: git commit of the tree (``FOURSIGHT_COMMIT`` when the copy has no
     git), sha256 of the kernels folder's files, Triton/torch versions, the default candidate lists."""
-    import hashlib
-    import os
-    import subprocess
-
     kdir = Path(fk.__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted(kdir.glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    commit = os.environ.get("FOURSIGHT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                    cwd=Path(__file__).resolve().parent).stdout.strip()
-        except Exception:  # noqa: BLE001
-            commit = "unknown"
     from foursight.kernels import configs  # noqa: PLC0415
     from foursight.kernels.primitives import pdl_supported  # noqa: PLC0415
 
-    return {"commit": commit, "kernels_sha256": h.hexdigest(), "kernels_dir": str(kdir), "triton": triton.__version__,
+    return {"commit": git_commit(), "kernels_sha256": kernels_sha256(kdir), "kernels_dir": str(kdir), "triton": triton.__version__,
             "torch": torch.__version__, "pdl": pdl_supported(),
             "default_configs": {name: [str(c) for c in getattr(configs, name)] for name in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS")},
             "fp16_configs": {p: [str(c) for c in cs] for p, cs in configs.FP16_CONFIGS.items()}}
@@ -119,13 +98,13 @@ def measure_ceilings() -> dict:
     n = 2**30  # 1 GiB
     a = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    t = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    t = fk_tuning.time_gpu(lambda: b.copy_(a))
     copy_tbs = 2 * n / (t * 1e-3) / 1e12
     del a, b
     m = 8192
     x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    t = do_bench(lambda: x @ y, warmup=100, rep=400, return_mode="median")
+    t = fk_tuning.time_gpu(lambda: x @ y)
     tflops = 2 * m**3 / (t * 1e-3) / 1e12
     return {"copy_TBps": copy_tbs, "bf16_matmul_TFLOPs": tflops}
 
@@ -149,7 +128,7 @@ def check_configs() -> dict:
                 for aq in (True, False):
                     y = fk.splice_linear(x, pw, act_quant=aq, path=path, config=cfg).float()
                     ref = reference_linear(x, qw, act_quant=aq, out_dtype=torch.float32)
-                    rel = ((y - ref).norm() / ref.norm()).item()
+                    rel = relative_error(y, ref)
                     if not rel < 5e-3:
                         verdict = f"rel err {rel:.2e} (M={M}, act_quant={aq})"
             except Exception as e:
@@ -172,26 +151,26 @@ def _baseline_rows(N, K, M, w, x, row):
     on the same x and weights, with rotated weight copies."""
     wb = w.to(torch.bfloat16)
     ws = [wb] + [wb.clone() for _ in range(_rotations(N * K * 2 + M * K * 2) - 1)]
-    row["cublas_ms"] = _graph_ms([baselines.bf16_call(x, wi) for wi in ws])
+    row["cublas_ms"] = ms_per_call([baselines.bf16_call(x, wi) for wi in ws])
     del ws
     why = baselines.fp8_available(x.device)
     if why is None:
-        wq, sb = baselines.quantize_weight_fp8_rowwise(wb)
-        xq, sa = baselines.quantize_act_fp8_rowwise(x)
+        wq, sb = quantize_weight_fp8(wb)
+        xq, sa = baselines.quantize_act_fp8(x)
         r = _rotations(N * K + M * K)
         wqs = [(wq, sb)] + [(wq.clone(), sb.clone()) for _ in range(r - 1)]
-        row["fp8_gemm_ms"] = _graph_ms([baselines.fp8_rowwise_gemm_call(xq, sa, a, b) for a, b in wqs])
-        row["fp8_linear_ms"] = _graph_ms([baselines.fp8_rowwise_linear_call(x, a, b) for a, b in wqs])
+        row["fp8_gemm_ms"] = ms_per_call([baselines.fp8_rowwise_gemm_call(xq, sa, a, b) for a, b in wqs])
+        row["fp8_linear_ms"] = ms_per_call([baselines.fp8_rowwise_linear_call(x, a, b) for a, b in wqs])
         y = baselines.fp8_rowwise_linear_call(x, wq, sb)().float()
         ref = x.float() @ w.float().t()
-        row["fp8_rel_err_vs_fp32"] = ((y - ref).norm() / ref.norm()).item()
+        row["fp8_rel_err_vs_fp32"] = relative_error(y, ref)
         del wqs
     else:
         row["fp8_error"] = why
     try:
         r = _rotations(N * K // 2 + M * K * 2)
         calls = [baselines.gemlite_int4_call(x, wb) for _ in range(min(r, 4))]
-        row["gemlite_ms"] = _graph_ms(calls)
+        row["gemlite_ms"] = ms_per_call(calls)
         del calls
     except Exception as e:  # recorded, never fatal
         row["gemlite_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -208,7 +187,7 @@ def run(args) -> dict:
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "command": " ".join(sys.argv),
         },
-        "method": "medians of CUDA-graph replays; weights rotated over R copies per replay (>= 240 MB streamed)",
+        "method": "foursight.kernels.tuning.time_gpu (CUDA-graph replays, L2 flushed before each pass); weights rotated over R copies per pass (>= 240 MB streamed)",
         "args": vars(args),
         "rows": [], "quant": [], "batch_invariance": [],
     }
@@ -269,8 +248,8 @@ def run(args) -> dict:
                     tag = f"{'w4a4' if act_quant else 'w4a16'}_k{k}"
                     y = fk.splice_linear(x, pws[0], act_quant=act_quant)  # autotunes on first use
                     ref = reference_linear(x, qw, act_quant=act_quant, out_dtype=torch.float32)
-                    row[f"{tag}_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
-                    row[f"{tag}_ms"] = _graph_ms([lambda p=p: fk.splice_linear(x, p, act_quant=act_quant) for p in pws])
+                    row[f"{tag}_rel_err"] = relative_error(y, ref)
+                    row[f"{tag}_ms"] = ms_per_call([lambda p=p: fk.splice_linear(x, p, act_quant=act_quant) for p in pws])
                     key = fk_api.linear_key(fk.datapath_for(M), M, pws[0], act_quant, False, x.dtype, False)
                     cfg = fk_tuning.TUNED.get(key)
                     row[f"{tag}_config"] = str(cfg) if cfg is not None else None
@@ -283,10 +262,10 @@ def run(args) -> dict:
             if K == 8192 and M == 4096:
                 _, pws = layers[128]
                 xs = [x] + [x.clone() for _ in range(_rotations(M * K * 2) - 1)]
-                t_q = _graph_ms([lambda xi=xi: fk_aq.act_quant_launch(xi, pws[0].channel_mask, pws[0].bf16_channels, None, True, False, True) for xi in xs])
+                t_q = ms_per_call([lambda xi=xi: fk_aq.act_quant_launch(xi, pws[0].channel_mask, pws[0].bf16_channels, None, True, False, True) for xi in xs])
                 qbytes = M * K * 2 + M * K // 2 + M * K // 16 + M * 4 + M * 128 * 2
                 post = torch.ones(1, device="cuda")
-                t_fq = _graph_ms([lambda xi=xi: fk_aq.act_quant_launch(xi, pws[0].channel_mask, pws[0].bf16_channels, None, False, True, False, post=post) for xi in xs])
+                t_fq = ms_per_call([lambda xi=xi: fk_aq.act_quant_launch(xi, pws[0].channel_mask, pws[0].bf16_channels, None, False, True, False, post=post) for xi in xs])
                 res["quant"].append({"M": M, "K": K, "k": 128, "packed_ms": t_q, "packed_bytes": qbytes, "packed_TBps": qbytes / (t_q * 1e-3) / 1e12,
                                      "fakequant_ms": t_fq, "fakequant_TBps": 2 * M * K * 2 / (t_fq * 1e-3) / 1e12})
         del layers

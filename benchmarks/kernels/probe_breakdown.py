@@ -32,19 +32,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_splice_gemm as bsg  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import bench_splice_gemm as bsg  # noqa: E402  (benchmarks/kernels/bench_splice_gemm.py)
+from common import ms_per_call  # noqa: E402  (benchmarks/common.py)
 
 import foursight.kernels as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
 import foursight.kernels.api as fk_api  # noqa: E402
 import foursight.kernels.tuning as fk_tuning  # noqa: E402
 from foursight.kernels.fragment import fragment_launch  # noqa: E402
+from foursight.channels import relative_error  # noqa: E402
 from foursight.layer import quantize_weight, reference_linear  # noqa: E402
 
 
 def _us(fns) -> float:
-    return bsg._graph_ms(fns) * 1e3
+    return ms_per_call(fns) * 1e3
 
 
 def _with_pdl(on: bool, fn):
@@ -75,7 +77,7 @@ def row_for(N: int, K: int, M: int, k: int, layers: dict) -> dict:
     cfg = fk_tuning.TUNED.get(key)
     row["config"] = str(cfg)
     ref = reference_linear(x, qw, out_dtype=torch.float32)
-    row["rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+    row["rel_err"] = relative_error(y, ref)
     pw = pws[0]
     row["quant_us"] = _us([lambda: fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, False,
                                                            deq_dtype=torch.bfloat16)])
@@ -96,7 +98,7 @@ def markdown(res: dict) -> str:
     p = res["provenance"]
     lines = [f"# One W4A4 call, broken down ({res.get('gpu', '?')}, {res.get('date_utc', '')} UTC)", "",
              f"Commit `{p['commit']}`, kernels sha256 `{p['kernels_sha256'][:16]}`, Triton {p['triton']}, PDL available {p['pdl']}. "
-             f"Command `{res.get('command', '')}`. Times in µs, medians of CUDA-graph replays over rotated weights.", "",
+             f"Command `{res.get('command', '')}`. Times in µs: foursight.kernels.tuning.time_gpu over rotated weights (L2 flushed before each pass).", "",
              "| N×K | M | k | cuBLAS | quant | GEMM | GEMM k=0 | BF16 segment | linear, PDL | linear, no PDL | W4A16 | form |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda r, key: f"{r[key]:.1f}" if isinstance(r.get(key), float) else ""  # noqa: E731

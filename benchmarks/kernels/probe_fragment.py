@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 import foursight.kernels as fk
+from foursight.channels import relative_error
 from foursight.kernels import act_quant as aq
 from foursight.kernels.api import _reference_output
 from foursight.kernels.configs import FragmentConfig
@@ -73,10 +74,6 @@ def layer(n: int, k: int, kk: int, g: torch.Generator):
     w = torch.randn(n, k, generator=g, device="cuda") * 0.02
     ch = torch.sort(torch.randperm(k, generator=g, device="cuda")[:kk]).values.to(torch.int32)
     return fk.prepare_weight(quantize_weight(w, ch))
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def probe_act_quant(g, rows: list, quick: bool) -> None:
@@ -130,7 +127,7 @@ def probe_gemm(g, rows: list, quick: bool, budget_s: float) -> None:
                                "variant": vname, "config": str(cfg)}
                         try:
                             fragment_launch(cfg, x, None, x, pw, None, out, False)
-                            row["rel_err"] = rel_err(out, refs[kk])
+                            row["rel_err"] = relative_error(out, refs[kk])
                             row["w4a16_us"] = time_gpu(lambda: fragment_launch(cfg, x, None, x, pw, None, out, False)) * 1e3
                             row.update(plan_of(cfg, m, pw))
                             if kk == 128 and vname in ("base", "maxreg128"):
@@ -145,7 +142,7 @@ def probe_gemm(g, rows: list, quick: bool, budget_s: float) -> None:
                 t = time_gpu(lambda: fk.splice_linear(x, pw, config=cfg))
                 rows.append({"probe": "splice_linear", "shape": f"{n}x{k_dim}", "M": m, "k": kk, "mode": "w4a4",
                              "us": t * 1e3, "config": str(cfg),
-                             "rel_err": rel_err(y, _reference_output(pw, x, None, None, True))})
+                             "rel_err": relative_error(y, _reference_output(pw, x, None, None, True))})
                 print(rows[-1], flush=True)
             bw = torch.randn(n, k_dim, generator=g, device="cuda").to(torch.bfloat16)
             rows.append({"probe": "cublas", "shape": f"{n}x{k_dim}", "M": m, "us": time_gpu(lambda: x @ bw.t()) * 1e3})

@@ -19,10 +19,14 @@ import argparse
 import copy
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import channels_by_layer  # noqa: E402  (benchmarks/common.py)
 
 
 def main() -> None:
@@ -53,7 +57,7 @@ def main() -> None:
     # then the k of every level from the same statistics
     from foursight import schema
     from foursight.calibration import collect_stats
-    from foursight.channels import choose_k_levels, select_channels
+    from foursight.channels import choose_k_levels
     from foursight.checkpoint import find_linears
 
     names = find_linears(bf, schema.FourSightConfig(ignore=["lm_head"]))
@@ -61,12 +65,7 @@ def main() -> None:
     print(f"calibrated ({time.time() - t0:.0f} s)", flush=True)
 
     def chans(kfn):
-        out = {}
-        for g in groups.values():
-            ch = select_channels(g.stats.variance, kfn(g))
-            for n in g.members:
-                out[n] = ch
-        return out
+        return channels_by_layer(groups, kfn)
 
     ch2 = chans(lambda g: schema.parse_channel_budget("2%", g.in_features, layer=g.members[0]))
     budgets["channels 2%"] = channel_summary(bf, ch2)
