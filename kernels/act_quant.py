@@ -45,7 +45,7 @@ from .primitives import MAX_ONEPASS_K, _global_scale, _quant_block, _quant_block
 #: that the kernel is bit-exact with foursight.layer run on the same CUDA device.
 DIV6_RECIP_ON_CUDA: bool = True
 #: up to this many rows (decode batches) one row runs on 32 warps: on the H200 at K = 8192 that took
-#: 4.1-4.6 us against 6.0-6.8 us on 8 (benchmarks/probe_fragment.py; docs/kernels.md)
+#: 4.1-4.6 us against 6.0-6.8 us on 8 (benchmarks/kernels/probe_fragment.py; docs/kernels.md)
 FEW_ROWS: int = 128
 
 

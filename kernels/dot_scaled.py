@@ -7,7 +7,7 @@
   block-16 scales (``float8e4nv`` scale tensors: Triton lowers them to
   ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16`` on sm_100a and to
   ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X ... ue4m3`` on sm_120a;
-  ``benchmarks/sass_blackwell.py`` checks the SASS of every configuration below);
+  ``benchmarks/kernels/sass_blackwell.py`` checks the SASS of every configuration below);
 * the per-row activation global scale and the per-row weight global scale applied once per tile in
   the epilogue;
 * then the BF16 segment as extra ``tl.dot`` K steps into the same fp32 accumulator, then the bias.
@@ -144,7 +144,7 @@ class DotScaledConfig:
 
 
 #: The configurations the dispatcher picks from by M (:func:`config_for`); every one is compiled for
-#: sm_100a and sm_120a by ``benchmarks/sass_blackwell.py``. Untuned: no Blackwell timing exists.
+#: sm_100a and sm_120a by ``benchmarks/kernels/sass_blackwell.py``. Untuned: no Blackwell timing exists.
 CONFIGS: dict[str, DotScaledConfig] = {
     "decode16": DotScaledConfig(swap=True, block_m=16, block_n=128, block_k=256),
     "decode32": DotScaledConfig(swap=True, block_m=32, block_n=128, block_k=256),
