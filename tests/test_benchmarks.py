@@ -39,3 +39,33 @@ def test_bench_decode_runs_on_cpu_tiny(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "bench_decode.json").read_text())
     assert rows, "no results written"
+
+
+def test_sass_loops_finds_plain_predicated_and_uniform_backward_branches():
+    """benchmarks/kernels/sass.py's loop finder on hand-written SASS: a plain ``BRA`` loop, a predicated one and
+    the sm_100 form ``BRA.U !UP3, 0x..`` are loops (target to branch, predicates stripped, modifiers kept); a
+    forward branch and ``BRA.DIV`` with a register are not."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
+    try:
+        import sass
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "kernels"))
+    text = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;",
+        "        /*0020*/                   IADD3 R2, R2, 0x1, RZ ;",
+        "        /*0030*/                   BRA 0x10 ;",
+        "        /*0040*/                   UTCOMMA.4X gdesc[UR4], gdesc[UR6], tmem[UR8] ;",
+        "        /*0050*/              @!P0 FFMA R3, R3, R4, R5 ;",
+        "        /*0060*/                   BRA.U !UP3, 0x40 ;",
+        "        /*0070*/               @P1 BRA 0x50 ;",
+        "        /*0080*/                   BRA 0xa0 ;",
+        "        /*0090*/                   BRA.DIV UR4, 0x0 ;",
+        "        /*00a0*/                   EXIT ;",
+    ])
+    assert [a for a, _ in sass.instructions(text)] == list(range(0, 0xB0, 0x10))
+    assert sass.loops(text) == [
+        ["HMMA.16816.F32", "IADD3", "BRA"],
+        ["UTCOMMA.4X", "FFMA", "BRA.U"],
+        ["FFMA", "BRA.U", "BRA"],
+    ]

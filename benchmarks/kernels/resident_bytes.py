@@ -33,6 +33,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import git_commit  # noqa: E402  (benchmarks/common.py)
+
 K_CHANNELS = 128
 #: Llama-3.1-8B's linears (N, K), qkv and gate/up fused as the engines run them, and the three
 #: shapes of the per-layer grid (benchmarks/kernels/bench_splice_gemm.py)
@@ -127,14 +130,6 @@ def check_before(pythonpath: str) -> list[dict]:
     raise SystemExit(f"before check failed: {r.stderr[-2000:]}")
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/resident_bytes")
@@ -150,7 +145,7 @@ def main() -> None:
         rows.append({"layer": name, "N": n, "K": k_dim, "k": K_CHANNELS, "bf16": bf16_bytes(n, k_dim), "fp8_rowwise": fp8_bytes(n, k_dim),
                      "before": before_bytes(n, k_dim, K_CHANNELS), "after": after_bytes(n, k_dim, K_CHANNELS, SCALES_AS_BF16)})
     model = {key: LAYERS * sum(r[key] for r in rows if r["layer"] in LLAMA_8B_LAYER) for key in ("bf16", "fp8_rowwise", "before", "after")}
-    res = {"commit": _git_commit(), "scales_as_bf16": SCALES_AS_BF16, "channels_per_linear": K_CHANNELS, "layers": rows,
+    res = {"commit": git_commit(), "scales_as_bf16": SCALES_AS_BF16, "channels_per_linear": K_CHANNELS, "layers": rows,
            "llama_8b_linears_32_layers": model, "checks": checks}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "resident_bytes.json"), "w") as f:

@@ -40,13 +40,15 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
+from pathlib import Path
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from common import git_commit  # noqa: E402  (benchmarks/common.py)
+from sass import compile_kernel, instructions, loops, opcode, sass_of  # noqa: E402  (benchmarks/kernels/sass.py)
 
 from foursight.kernels.dot_scaled import CONFIGS, DotScaledConfig, _dot_scaled_kernel  # noqa: E402
 
@@ -67,35 +69,8 @@ def compile_for(cap: int, cfg: DotScaledConfig, has_ks: bool, has_bias: bool = F
                   BLOCK_K=cfg.block_k, BLOCK_KS=cfg.block_ks, GROUP_M=cfg.group_m, EMULATE_MMA=False, INTERP=False,
                   stride_on=1)
     sig = {p: "constexpr" if p in consts else PTRS.get(p, "i32") for p in params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in PTRS or p in DIV16}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-
-
-def sass_of(compiled) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
-def _opcode(text: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
-
-
-def loops(sass: str) -> list[list[str]]:
-    """The full opcodes (with modifiers) of every loop body, found as a backward branch (conditional
-    uniform branches ``BRA.U !UP3, 0x...`` included: the sm_100 loops end with one)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    out = []
-    for addr, text in ins:
-        m = re.search(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?(0x[0-9a-f]+)", text)  # BRA 0x.., BRA.U !UP3, 0x..
-        if m and int(m.group(1), 16) < addr:
-            out.append([_opcode(t) for a, t in ins if int(m.group(1), 16) <= a <= addr])
-    return out
+    div16 = [p for p in params if p in PTRS or p in DIV16]
+    return compile_kernel(fn, cap, sig, consts, div16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _idescs(ptx: str) -> list[int]:
@@ -111,7 +86,7 @@ def _idescs(ptx: str) -> list[int]:
 def check(cap: int, compiled, has_ks: bool) -> dict:
     """Every check of the module docstring for one compiled kernel; ``ok`` is their conjunction."""
     ptx, sass = compiled.asm["ptx"], sass_of(compiled)
-    ops = collections.Counter(_opcode(t) for t in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass))
+    ops = collections.Counter(opcode(t) for _, t in instructions(sass))
     if cap == 100:
         fp4_ptx = len(re.findall(r"tcgen05\.mma\.cta_group::\d\.kind::mxf4nvf4\.block_scale\.block16", ptx))
         descs = _idescs(ptx)
@@ -160,7 +135,7 @@ def run() -> list[dict]:
     # test tests/test_blackwell_gpu.py runs on the H200); reported, not checked
     for name, cfg in CONFIGS.items():
         c = compile_for(90, cfg, True)
-        ops = collections.Counter(_opcode(t) for t in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass_of(c)))
+        ops = collections.Counter(opcode(t) for _, t in instructions(sass_of(c)))
         rows.append({"config": name, "tile": f"{'swap' if cfg.swap else 'ss'} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}",
                      "warps": cfg.num_warps, "stages": cfg.num_stages, "bf16_segment": True, "arch": "sm_90a", "shipped": True,
                      "fp4_mma_ptx": 0, "idesc": [], "idesc_e2m1_ue4m3": False, "fp4_mma_sass": 0, "fp4_loops": 0,
@@ -169,14 +144,6 @@ def run() -> list[dict]:
                      "sass_mma_opcodes": sorted({op for op in ops if "MMA" in op}), "ok": None})
         print(f"sm_90a   {name:24} emulated: {rows[-1]['sass_mma_opcodes']} smem {rows[-1]['shared_bytes']}", flush=True)
     return rows
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def _ptxas_version() -> str:
@@ -188,7 +155,7 @@ def _ptxas_version() -> str:
 
 
 def write(rows: list[dict], out: str) -> None:
-    meta = {"commit": _git_commit(), "triton": triton.__version__, "ptxas": _ptxas_version(),
+    meta = {"commit": git_commit(), "triton": triton.__version__, "ptxas": _ptxas_version(),
             "command": "python benchmarks/kernels/sass_blackwell.py --out " + out}
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -42,18 +42,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import inspect
 import json
 import os
 import re
 import subprocess
 import sys
-import tempfile
+from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from common import git_commit, kernels_sha256  # noqa: E402  (benchmarks/common.py)
+from sass import compile_kernel, instructions, loops, sass_of  # noqa: E402  (benchmarks/kernels/sass.py)
 
 _INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "KW", "SEG_PER_SPLIT")
 _NOT_DIV16 = ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "SEG_PER_SPLIT")
@@ -84,51 +85,27 @@ def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: 
             sig[p] = "i32"
         else:
             sig[p] = "*fp32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-             if t.startswith("*") or (t == "i32" and n not in _NOT_DIV16)}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    div16 = [n for n, ty in sig.items() if ty.startswith("*") or (ty == "i32" and n not in _NOT_DIV16)]
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     if consts.get("GDC_WAIT"):
         opts["launch_pdl"] = True
     if maxnreg:
         opts["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_kernel(fn, 90, sig, consts, div16, **opts)
 
 
-def sass_of(compiled) -> str:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
-def _instructions(sass: str) -> list[tuple[int, str]]:
-    return [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-
-
-def loops(sass: str) -> list[tuple[int, collections.Counter]]:
-    """(length, opcode counts) of every loop body, found as a backward branch."""
-    ins = _instructions(sass)
-    out = []
-    for addr, text in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-            out.append((len(body), ops))
-    return out
+def loop_counts(sass: str) -> list[tuple[int, collections.Counter]]:
+    """(length, counts of the base opcodes, modifiers dropped) of every loop body (:func:`sass.loops`)."""
+    return [(len(body), collections.Counter(op.split(".")[0] for op in body)) for body in loops(sass)]
 
 
 def hot_path(sass: str) -> int:
     """Instructions up to and including the first unpredicated ``EXIT`` (the code after it is
     out-of-line subroutines, e.g. the slow path of IEEE division)."""
-    for i, (_a, t) in enumerate(_instructions(sass)):
+    for i, (_a, t) in enumerate(instructions(sass)):
         if re.match(r"^EXIT\b", t.strip()):
             return i + 1
-    return len(_instructions(sass))
+    return len(instructions(sass))
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,27 +176,6 @@ def _scale_bf16() -> bool:
     return bool(getattr(frag, "SCALES_AS_BF16", False))
 
 
-def _kernels_sha() -> str:
-    import foursight.kernels as fk
-
-    root = os.path.dirname(fk.__file__)
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            h.update(name.encode())
-            with open(os.path.join(root, name), "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def gemm_rows() -> list[dict]:
     from foursight.kernels import configs
 
@@ -245,8 +201,8 @@ def gemm_rows() -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 rows.append(row)
                 continue
-            found = loops(sass)
-            total = len(_instructions(sass))
+            found = loop_counts(sass)
+            total = len(instructions(sass))
             if found:
                 n_loop, ops = found[0]
                 row.update(loop_instructions=n_loop, per_weight=round(n_loop / per_thread, 2),
@@ -269,7 +225,7 @@ def act_rows() -> list[dict]:
         consts, nw = _act_case(block_k, nw, fq)
         sass = sass_of(compile_sm90(fn, _ACT_PTRS, consts, nw, 1))
         per_thread = block_k / (32 * nw)
-        total, hot = len(_instructions(sass)), hot_path(sass)
+        total, hot = len(instructions(sass)), hot_path(sass)
         rows.append({"case": name, "per_element_hot": round(hot / per_thread, 2), "per_element_total": round(total / per_thread, 2),
                      "hot_instructions": hot, "total_instructions": total, "elements_per_thread": per_thread})
         print(f"  act_quant {name}: {rows[-1]['per_element_hot']} hot, {rows[-1]['per_element_total']} total", flush=True)
@@ -341,7 +297,7 @@ def table(label: str, out: str, before: str | None, decode1: str, decode16: str,
     print(f"[{label}] launches per linear (interpreter):", flush=True)
     launches = launch_rows(decode1, decode16, prefill)
     print(json.dumps(launches, indent=1), flush=True)
-    res = {"label": label, "commit": os.environ.get("SASS_COMMIT") or _git_commit(), "kernels_sha256": _kernels_sha(),
+    res = {"label": label, "commit": os.environ.get("SASS_COMMIT") or git_commit(), "kernels_sha256": kernels_sha256(),
            "triton": triton.__version__, "target": "sm_90a (GPUTarget cuda 90)", "gemm": g, "act_quant": a, "launches": launches}
     path = os.path.join(out, f"{label}.json")
     with open(path, "w") as f:
@@ -431,8 +387,8 @@ def main(argv: list[str]) -> None:
             continue
         fn, ptrs, consts, nw, ns, maxnreg, per_thread = form_case(CASES[name](configs), _scale_bf16())
         sass = sass_of(compile_sm90(fn, ptrs, consts, nw, ns, maxnreg))
-        print(f"== {name}: {len(_instructions(sass))} instructions; constexprs {consts}, {nw} warps")
-        for i, (n, ops) in enumerate(loops(sass)):
+        print(f"== {name}: {len(instructions(sass))} instructions; constexprs {consts}, {nw} warps")
+        for i, (n, ops) in enumerate(loop_counts(sass)):
             extra = f" = {n / per_thread:.2f} per weight value per thread" if i == 0 else ""
             print(f"   loop {i}: {n} instructions{extra}; {ops.most_common(12)}")
 
