@@ -12,7 +12,9 @@ the one home of everything that decides or follows from that choice:
 * :func:`layer_error` — that error: the relative output error of the quantized layer (W4A4, dynamic
   activation scales) against BF16 on calibration rows;
 * :func:`choose_channels` — all of it for one group: :class:`ChannelChoice` (k, S, the amax of the FP4 part
-  of the input, the static ``input_global_scale`` made from it, the variance share of S).
+  of the input, the static ``input_global_scale`` made from it, the variance share of S);
+* :func:`find_linears` — the layers a channel set is chosen for; :func:`calibrate_channel_sets` — S for
+  every one of them in an in-memory model (``foursight rl``), and :func:`channel_summary` — what k came out.
 
 The statistics themselves (:class:`~foursight.calibration.InputGroup`) come from
 :mod:`foursight.calibration`. ``foursight quantize``/``calibrate``/``import``, ``foursight rl``, compare's
@@ -22,14 +24,22 @@ attribution and the benchmarks all choose through here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
+from torch import nn
 
 from foursight import schema
-from foursight.calibration import InputGroup
+from foursight.calibration import InputGroup, collect_stats
 from foursight.layer import QuantizedWeight, dequantize_weight, dequantized_activation, quantize_weight, splice_matmul
 from foursight.nvfp4 import BLOCK_SIZE
 from foursight.schema import CheckpointError
+
+
+def find_linears(model: nn.Module, cfg: schema.FourSightConfig) -> list[str]:
+    """Names of the ``nn.Linear`` modules to quantize (not matched by ``cfg.ignore``), in model order:
+    the layers a channel set is chosen for."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
 
 
 def select_channels(variance: torch.Tensor, k: int) -> torch.Tensor:
@@ -129,3 +139,29 @@ def choose_channels(group: InputGroup, weights: list[torch.Tensor], spec: str | 
     var = group.stats.variance
     share = float(var[ch.long()].sum() / var.sum()) if k and float(var.sum()) > 0 else 0.0
     return ChannelChoice(k, ch, fp4_amax, schema.static_input_scale([fp4_amax]), share)
+
+
+def calibrate_channel_sets(model: nn.Module, tok: Any, texts: list[str], spec: str, ignore: Sequence[str] = ("lm_head",),
+                           error_target: float | None = None, max_k: int | None = None) -> dict[str, torch.Tensor]:
+    """S for every linear of an in-memory model (shared by q/k/v and gate/up) from its activations on
+    ``texts``: :func:`foursight.calibration.collect_stats`, then :func:`choose_channels` per input group
+    (with ``error_target``, on 512 sample rows, as ``foursight quantize --error-target`` does).
+    ``foursight rl`` calibrates its rollout copy with it. Returns module name -> int32 [k]."""
+    names = find_linears(model, schema.FourSightConfig(ignore=list(ignore)))
+    groups = collect_stats(model, tok, texts, names, batch_size=8, max_length=256, keep_rows=512 if error_target else 16,
+                           progress=False)
+    out: dict[str, torch.Tensor] = {}
+    for g in groups.values():
+        choice = choose_channels(g, [model.get_submodule(n).weight.detach() for n in g.members], spec, error_target, max_k)
+        out.update({n: choice.channels for n in g.members})
+    return out
+
+
+def channel_summary(model: nn.Module, channels: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """``channels_k`` (distinct k), ``channels_k_mean`` and ``channels_k_fraction`` (mean of k / K over layers)."""
+    if not channels:
+        return {"channels_k": [0], "channels_k_mean": 0.0, "channels_k_fraction": 0.0}
+    ks = {n: int(v.numel()) for n, v in channels.items()}
+    frac = [ks[n] / model.get_submodule(n).in_features for n in ks]
+    return {"channels_k": sorted(set(ks.values())), "channels_k_mean": sum(ks.values()) / len(ks),
+            "channels_k_fraction": sum(frac) / len(frac)}

@@ -30,7 +30,7 @@ from torch import nn
 
 from foursight import schema
 from foursight.calibration import collect_stats, load_calibration_texts
-from foursight.channels import choose_channels, layer_error
+from foursight.channels import choose_channels, find_linears, layer_error
 from foursight.layer import dequantized_activation, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE
 from foursight.schema import INCOMPLETE_MARKER, CheckpointError, FourSightConfig
@@ -54,11 +54,6 @@ class LayerReport:
     @property
     def reduction(self) -> float:
         return 1.0 - self.err_foursight / self.err_nvfp4 if self.err_nvfp4 > 0 else 0.0
-
-
-def find_linears(model: nn.Module, cfg: FourSightConfig) -> list[str]:
-    """Names of the ``nn.Linear`` modules to quantize (not matched by ``cfg.ignore``), in model order."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
 
 
 def check_model_quantizable(model: nn.Module, names: list[str]) -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from safetensors.torch import save_file
 
-from foursight.trainer_bridge.engines import Engine
+from foursight.trainer_bridge.backends.base import Engine
 from foursight.trainer_bridge.guards import BindError
 from foursight.trainer_bridge.launch import BridgeThread
 from foursight.trainer_bridge.protocol import Rollout
@@ -261,7 +261,7 @@ def test_body_with_invalid_utf8_gets_the_documented_422(edge, path, shape):
 @pytest.fixture(scope="module")
 def hf_edge(tiny_llama_dir):
     """A bridge over the real HF engine (tiny Llama, max_position_embeddings 1024)."""
-    from foursight.trainer_bridge.engines import HFEngine
+    from foursight.trainer_bridge.backends.hf import HFEngine
 
     b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=KEY)).start()
     yield b

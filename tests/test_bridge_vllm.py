@@ -21,7 +21,7 @@ from foursight.trainer_bridge.client import (  # noqa: E402
     RolloutClient,
     RolloutError,
 )
-from foursight.trainer_bridge.engines import VLLMHTTPEngine  # noqa: E402
+from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine  # noqa: E402
 from foursight.trainer_bridge.filters import FilterConfig, apply_filter  # noqa: E402
 from foursight.trainer_bridge.launch import BridgeThread, VLLMServer  # noqa: E402
 from foursight.trainer_bridge.metrics import compute_tim_metrics  # noqa: E402

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from foursight.trainer_bridge.client import RolloutClient
-from foursight.trainer_bridge.engines import VLLMHTTPEngine
+from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
 from foursight.trainer_bridge.launch import free_port
 
 
@@ -111,7 +111,7 @@ def test_retries_are_bounded():
 
 def test_compare_sends_its_api_key_to_a_given_engine_url(tmp_path):
     """``foursight compare --api-key`` reaches a server given by ``--engine-url`` as a bearer token."""
-    from foursight.compare.engines import open_engine
+    from foursight.compare.launch import open_engine
     from foursight.compare.spec import EngineSpec
 
     port = free_port()

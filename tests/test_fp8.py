@@ -163,7 +163,7 @@ def test_hf_swap_and_bridge_sync_requantize(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     from foursight.hf import quantize_hf_model_fp8
-    from foursight.trainer_bridge.engines import HFEngine
+    from foursight.trainer_bridge.backends.hf import HFEngine
 
     from foursight.hf import quantize_hf_model
 

@@ -25,7 +25,7 @@ import math
 import time
 from typing import Any, Sequence
 
-from foursight.trainer_bridge.engines import Engine
+from foursight.trainer_bridge.backends.base import Engine
 from foursight.trainer_bridge.protocol import SamplingParams
 
 IN_SYNC, STALE, UNKNOWN, UNTRACKED = "in_sync", "stale", "unknown", "untracked"

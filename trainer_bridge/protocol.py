@@ -8,6 +8,8 @@ without its end event was cut: the client raises. See docs/bridge.md.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -191,6 +193,13 @@ def parse_event(data: dict[str, Any]) -> Event:
     if kind == "end":
         return EndEvent.model_validate(data)
     raise ValueError(f"unknown event type {kind!r}")
+
+
+def shm_path(name: str) -> str:
+    """Path of a shared-memory weights file (``/dev/shm/<name>``, or under ``$FOURSIGHT_SHM_DIR``): where
+    a :class:`WeightUpdateRequest`'s ``shm_name`` points."""
+    base = os.environ.get("FOURSIGHT_SHM_DIR", "/dev/shm")
+    return str(Path(base) / name)
 
 
 class WeightUpdateRequest(_Strict):

@@ -44,7 +44,7 @@ def main(
 
     from foursight.models import builtin_texts
     from foursight.trainer_bridge.client import RolloutClient
-    from foursight.trainer_bridge.engines import VLLMHTTPEngine
+    from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
     from foursight.trainer_bridge.filters import FilterConfig, apply_filter
     from foursight.trainer_bridge.launch import BridgeThread, VLLMServer
     from foursight.trainer_bridge.scoring import pad_rollouts, score

@@ -4,7 +4,7 @@ teacher-forced by every rollout configuration, against the HF BF16 learner.
     python benchmarks/fidelity/fidelity_table.py [--n 32] [--max-tokens 96] [--out benchmarks/results/fidelity]
 
 1. **Rollouts once**: the vLLM CPU engine in BF16 (``foursight compare``'s backend,
-   :func:`foursight.compare.engines.open_engine` / ``_drive``) samples ``--n`` completions of the
+   :func:`foursight.compare.launch.open_engine` / ``drive``) samples ``--n`` completions of the
    built-in chat prompts (temperature 1, rollout i with seed ``--seed`` + i) and teacher-forces
    them: that is the **BF16 engine floor** (its |Δlogp| against the learner; vLLM returns no full
    distribution, so no exact KL for it).
@@ -119,14 +119,14 @@ def main() -> None:
     from foursight import schema
     from foursight.calibration import collect_stats, load_calibration_texts
     from foursight.checkpoint import find_linears
-    from foursight.compare.engines import _drive, open_engine
+    from foursight.compare.launch import drive, open_engine
     from foursight.compare.prompts import load_prompts
     from foursight.compare.report import engine_metrics
     from foursight.compare.run import ensure_checkpoints
     from foursight.compare.spec import EngineSpec
     from foursight.hf import quantize_hf_model, quantize_hf_model_fp8
     from foursight.models import resolve_model
-    from foursight.trainer_bridge.engines import HFEngine
+    from foursight.trainer_bridge.backends.hf import HFEngine
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
 
     t0 = time.time()
@@ -140,12 +140,12 @@ def main() -> None:
     floor = None
     if a.no_vllm:
         gen_engine = HFEngine(md)
-        rollouts, _ = asyncio.run(_drive(gen_engine, "hf:bf16", 1, prompts, a.max_tokens, 1.0, a.seed, None))
+        rollouts, _ = asyncio.run(drive(gen_engine, "hf:bf16", 1, prompts, a.max_tokens, 1.0, a.seed, None))
         generator = "hf:bf16"
     else:
         eng, srv = open_engine(EngineSpec("vllm", "bf16"), {"bf16": md}, {}, work / "logs", "", 1024)
         try:
-            rollouts, floor = asyncio.run(_drive(eng, "vllm:bf16", 8, prompts, a.max_tokens, 1.0, a.seed, None))
+            rollouts, floor = asyncio.run(drive(eng, "vllm:bf16", 8, prompts, a.max_tokens, 1.0, a.seed, None))
         finally:
             srv.stop()
         generator = "vllm:bf16"
@@ -219,7 +219,7 @@ def main() -> None:
         dirs = ensure_checkpoints(md, {"foursight"}, "32", work / "checkpoints", None, None)
         eng, srv = open_engine(EngineSpec("vllm", "foursight"), dirs, {}, work / "logs", "", 1024)
         try:
-            _, vfs = asyncio.run(_drive(eng, "vllm:foursight", 8, None, a.max_tokens, 1.0, a.seed, rollouts))
+            _, vfs = asyncio.run(drive(eng, "vllm:foursight", 8, None, a.max_tokens, 1.0, a.seed, rollouts))
         finally:
             srv.stop()
         d = torch.cat([(x - y).abs() for x, y in zip(vfs, scores["foursight k=32"])])

@@ -65,13 +65,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from foursight.checkpoint import quantize_model
-    from foursight.compare.engines import _drive
+    from foursight.compare.launch import drive
     from foursight.compare.prompts import load_prompts
     from foursight.compare.report import engine_metrics
     from foursight.hf import load_reference_model
     from foursight.interop import _save, compensate_import, import_compressed_tensors, read_compressed_tensors
     from foursight.models import resolve_model
-    from foursight.trainer_bridge.engines import HFEngine
+    from foursight.trainer_bridge.backends.hf import HFEngine
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
 
     t0 = time.time()
@@ -88,7 +88,7 @@ def main() -> None:
     t1 = time.time()
     tok = AutoTokenizer.from_pretrained(md)
     prompts = load_prompts("builtin", a.n, tok)
-    rollouts, _ = asyncio.run(_drive(HFEngine(str(md)), "hf:bf16", 1, prompts, a.max_tokens, 1.0, a.seed, None))
+    rollouts, _ = asyncio.run(drive(HFEngine(str(md)), "hf:bf16", 1, prompts, a.max_tokens, 1.0, a.seed, None))
     timings["rollouts"] = time.time() - t1
     base = AutoModelForCausalLM.from_pretrained(md, dtype=torch.bfloat16).eval()
     learner, learner_full = fid.score_full(base, rollouts)

@@ -4,7 +4,7 @@
 
 1. Channel budget: the RL run's calibration (built-in texts + 32 task prompts, one
    :func:`foursight.calibration.collect_stats` pass with 512 rows, as
-   :func:`foursight.rl.calibrate_channel_sets`) with ``--channels 2%`` and with ``--error-target``
+   :func:`foursight.channels.calibrate_channel_sets`) with ``--channels 2%`` and with ``--error-target``
    at several levels; per level the mean k / K over layers (``channels_k_fraction``). The study's
    error-budget run uses the level whose average fraction is closest to 2%'s, so both spend about
    the same number of BF16 channels, distributed differently.
@@ -37,9 +37,11 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from foursight.channels import channel_summary
     from foursight.models import builtin_texts, resolve_model
-    from foursight.rl import HFRollout, channel_summary, prompt_ids
+    from foursight.rl import prompt_ids
     from foursight.rl import tasks as rl_tasks
+    from foursight.trainer_bridge.backends.hf import HFRollout
     from foursight.trainer_bridge.scoring import teacher_forced_logprobs
 
     t0 = time.time()

@@ -24,9 +24,8 @@ import torch
 
 def probe(model, tok, task: str, style: str, prefill: str, n: int, g: int, max_new: int, seed: int = 0) -> dict:
     from foursight.rl import tasks as rl_tasks
-    from foursight.rl.engines import eos_ids
     from foursight.rl.loop import prompt_ids
-    from foursight.trainer_bridge.engines import hf_generate
+    from foursight.trainer_bridge.hf_sampling import eos_ids, hf_generate
 
     eos = eos_ids(model, tok)
     evals = rl_tasks.eval_set(task, n)

@@ -4,7 +4,7 @@
 2. The *identical* token sequences are scored, teacher-forced, by every engine and by the
    learner reference, HF BF16.
 
-Every engine is a backend of :mod:`foursight.trainer_bridge.engines` (``generate`` and ``score``:
+Every engine is a backend of :mod:`foursight.trainer_bridge.backends` (``generate`` and ``score``:
 vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF
 :func:`~foursight.trainer_bridge.scoring.teacher_forced_logprobs`); rollouts are
 :class:`~foursight.trainer_bridge.protocol.Rollout` records.
@@ -14,7 +14,7 @@ vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF
 5. ``--attribute``: in the HF engine, layers of the plain-NVFP4 model are restored to BF16 one
    group at a time, and the share of the NVFP4 mismatch that disappears is ranked.
 
-Modules: ``spec`` (--engines), ``prompts``, ``engines`` (start and drive the backends), ``report``
+Modules: ``spec`` (--engines), ``prompts``, ``launch`` (start and drive the backends), ``report``
 (metrics, plots, report.md), ``attribution``, ``run`` (the driver), ``cli`` (the command).
 
 Engines are started and stopped by the tool (vLLM and SGLang as HTTP servers on 127.0.0.1, HF

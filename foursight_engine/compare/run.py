@@ -13,7 +13,7 @@ import torch
 
 from foursight.compare.attribution import attribute_layers
 from foursight.compare.config import CompareConfig
-from foursight.compare.engines import _drive, default_sglang_python, open_engine
+from foursight.compare.launch import default_sglang_python, drive, open_engine
 from foursight.compare.prompts import load_prompts
 from foursight.compare.report import engine_metrics, pairwise, print_table, write_plots, write_report
 from foursight.compare.spec import LEARNER, EngineSpec, parse_engine_urls
@@ -70,7 +70,7 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], cfg: CompareConfig |
     for spec in order:
         engine, srv = open_engine(spec, dirs, urls, out / "logs", sglang_python, max_model_len, api_key)
         try:
-            rollouts, scores[spec.name] = asyncio.run(_drive(engine, spec.name, 1 if spec.kind == "hf" else 8,
+            rollouts, scores[spec.name] = asyncio.run(drive(engine, spec.name, 1 if spec.kind == "hf" else 8,
                                                              prompt_ids if spec == gen else None, max_tokens, temperature, seed,
                                                              rollouts))
         finally:

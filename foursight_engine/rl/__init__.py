@@ -15,11 +15,14 @@ One training step:
 4. **update** — group-relative advantages, clipped policy loss over the kept tokens on that same
    forward (optionally + k3 KL to the frozen initial model), one AdamW step on FP32 master weights.
 
-Rollouts are :class:`foursight.trainer_bridge.protocol.Rollout` records; HF generation is
-:func:`foursight.trainer_bridge.engines.hf_generate`.
+Rollouts are :class:`foursight.trainer_bridge.protocol.Rollout` records. The rollout engines are
+bridge backends: :class:`~foursight.trainer_bridge.backends.hf.HFRollout` (HF generation is
+:func:`foursight.trainer_bridge.hf_sampling.hf_generate`, the one HF sampler) and
+:class:`~foursight.trainer_bridge.backends.vllm_inprocess.VLLMRollout`; the channel sets come from
+:func:`foursight.channels.calibrate_channel_sets`.
 
-Modules: ``config`` (RLConfig), ``grpo`` (advantages, loss), ``engines`` (rollout engines),
-``loop`` (run_rl, evaluate), ``tasks`` (the verifiable tasks), ``cli`` (the command).
+Modules: ``config`` (RLConfig), ``grpo`` (advantages, loss), ``loop`` (run_rl, evaluate), ``tasks``
+(the verifiable tasks), ``follow``, ``cli`` (the command).
 
 Every ``eval_every`` steps the learner answers the held-out eval set greedily. One JSON line is
 written per step (see :func:`run_rl`). The numerics of the quantized layers live in
@@ -27,12 +30,10 @@ written per step (see :func:`run_rl`). The numerics of the quantized layers live
 """
 
 from foursight.rl.config import CHANNEL_PRECISIONS, ENGINES, FILTERS, PRECISIONS, RLConfig, RLError
-from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, channel_summary, eos_ids
 from foursight.rl.grpo import group_advantages, grpo_loss
 from foursight.rl.loop import evaluate, prompt_ids, read_log, run_rl, state_dict_sha256
 
 __all__ = [
-    "CHANNEL_PRECISIONS", "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError", "HFRollout", "VLLMRollout",
-    "calibrate_channel_sets", "channel_summary", "eos_ids", "group_advantages", "grpo_loss", "evaluate", "prompt_ids",
-    "read_log", "run_rl", "state_dict_sha256",
+    "CHANNEL_PRECISIONS", "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError", "group_advantages", "grpo_loss",
+    "evaluate", "prompt_ids", "read_log", "run_rl", "state_dict_sha256",
 ]

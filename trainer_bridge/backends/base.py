@@ -1,0 +1,116 @@
+"""What every engine backend is: the :class:`Engine` interface, :class:`EngineError`, and the local tokenizer.
+
+An engine backend
+
+* **generates**: one (prompt token ids, sampling params) -> one :class:`~foursight.trainer_bridge.protocol.Rollout`
+  with the log-prob of every sampled token;
+* **scores**: teacher-forces given completion tokens after a prompt and returns their log-probs;
+* reports its health and what it serves, and applies a versioned BF16 weight update.
+
+The backends: :mod:`.vllm` and :mod:`.sglang` (servers over HTTP, sharing :mod:`.http`), :mod:`.hf`
+(a Hugging Face model in this process, and ``foursight rl``'s HF rollout copy) and
+:mod:`.vllm_inprocess` (``foursight rl``'s in-process vLLM). The bridge (server.py),
+``foursight compare`` and ``foursight rl`` use them. The bridge owns scheduling, version tagging and
+error events; backends only raise :class:`EngineError` (or let httpx/asyncio errors through, which
+the bridge reports the same way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
+
+
+class EngineError(RuntimeError):
+    """An engine refused or failed a call; the message says which engine and why."""
+
+
+class LocalTokenizer:
+    """Prompt -> token ids with a local HF tokenizer (chat template applied for ``messages``)."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        self.path = str(path)
+        self.tok = AutoTokenizer.from_pretrained(self.path)
+        self._lock = threading.Lock()  # HF fast tokenizers are not safe across threads
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        with self._lock:
+            if prompt.token_ids is not None:
+                return list(prompt.token_ids)
+            if prompt.text is not None:
+                return list(self.tok.encode(prompt.text, add_special_tokens=True))
+            msgs = [m.model_dump() for m in prompt.messages or []]
+            out = self.tok.apply_chat_template(msgs, add_generation_prompt=prompt.add_generation_prompt, tokenize=True)
+            if isinstance(out, dict) or hasattr(out, "keys"):
+                out = out["input_ids"]
+            return [int(t) for t in out]
+
+
+class Engine(ABC):
+    """Abstract backend. ``name`` identifies the engine instance in events and metrics."""
+
+    kind: str = "engine"
+    name: str = "engine"
+    #: what the engine's per-token logprobs are (see protocol.Rollout)
+    logprobs_mode: str = "raw_logprobs"
+    tokenizer: LocalTokenizer | None = None
+    #: True when a failed ``update_weights`` leaves the previous weights untouched (checked before applied)
+    atomic_updates: bool = False
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Size of the served model's vocabulary (token ids must be below it), None when unknown."""
+        return None
+
+    async def context_length(self) -> int | None:
+        """The served model's context in tokens (a prompt plus its ``max_tokens`` must fit;
+        ``guards.engine_field_errors``), None when unknown."""
+        return None
+
+    async def start(self) -> None:
+        """Connect / load. Called once by the server at startup."""
+
+    async def aclose(self) -> None:
+        """Release connections."""
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """Prompt -> token ids (local tokenizer by default)."""
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
+        if self.tokenizer is None:
+            raise EngineError(f"{self.name}: text/chat prompts need a tokenizer (pass --tokenizer or --model)")
+        return await asyncio.to_thread(self.tokenizer.encode, prompt)
+
+    @abstractmethod
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
+                       request: str | None = None) -> Rollout:
+        """Sample one continuation of ``prompt_ids`` with the sampled tokens' logprobs (the
+        :class:`Rollout`'s bridge fields left at their defaults). ``request`` names the bridge
+        request the sample belongs to: an engine that schedules in this process (the HF engine)
+        shares its time between requests by it; engine servers schedule themselves and ignore it."""
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs (raw: log-softmax of the logits) of ``token_ids`` after ``prompt_ids``."""
+        raise EngineError(f"{self.name}: this engine does not score teacher-forced")
+
+    @abstractmethod
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        """Load new BF16 weights (HF names, safetensors ``path``), re-quantize, return an ack dict with ``version``."""
+
+    @abstractmethod
+    async def health(self) -> bool:
+        """True when the engine answers."""
+
+    async def served_state(self) -> dict[str, Any] | None:
+        """What the engine itself reports it serves: ``{"boot_id": str, "version": int}`` (the boot
+        id changes when the engine process restarts; the version is the one of its last weight
+        update, 0 after a fresh start), or None when this engine cannot report it (then the bridge
+        cannot detect a restart). Raises when the engine does not answer."""
+        return None

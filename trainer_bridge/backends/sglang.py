@@ -1,0 +1,96 @@
+"""The SGLang backend: an SGLang server reached over HTTP (:class:`SGLangHTTPEngine`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from foursight.trainer_bridge.backends.base import EngineError
+from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
+from foursight.trainer_bridge.protocol import Rollout, SamplingParams
+
+
+class SGLangHTTPEngine(HTTPEngine):
+    """An SGLang server: ``POST /generate`` with ``input_ids`` and ``return_logprob``.
+
+    ``meta_info.output_token_logprobs`` is ``[[logprob, token_id, text|null], ...]``;
+    ``meta_info.finish_reason`` is ``{"type": "stop"|"length"|"abort", ...}``. Weight updates use
+    ``POST /update_weights_from_disk`` with ``model_path`` and ``weight_version``, and the served
+    version is read back from ``GET /get_model_info`` (:meth:`served_state`). Generation parsing is
+    exercised against a recorded-format stand-in in the bridge tests, updates and the served version
+    against a real SGLang CPU server in tests/sglang (docs/bridge.md).
+    """
+
+    kind = "sglang"
+
+    def __init__(self, url: str, tokenizer: str | Path | None = None, api_key: str | None = None,
+                 logprobs_mode: str = "processed_logprobs", max_connections: int = 512):
+        super().__init__(url, "sglang", tokenizer, api_key, logprobs_mode, max_connections)
+
+    def generate_body(self, prompt_ids, params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
+        sp = {"max_new_tokens": max_tokens, "min_new_tokens": params.min_tokens, **sampling_fields(params, seed, "sampling_seed")}
+        return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
+
+    @staticmethod
+    def parse_generate(data: dict[str, Any], name: str = "sglang", prompt_ids: list[int] | None = None) -> Rollout:
+        try:
+            meta = data["meta_info"]
+            rows = meta["output_token_logprobs"]
+            ids = [int(row[1]) for row in rows]
+            vals = [float(row[0]) for row in rows]
+            fr = meta.get("finish_reason")
+            reason = fr.get("type") if isinstance(fr, dict) else str(fr)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{name}: malformed /generate response ({type(e).__name__}: {e})") from None
+        if reason == "abort":
+            raise EngineError(f"{name}: request aborted by the engine: {data['meta_info'].get('finish_reason')}")
+        return Rollout(prompt_ids=list(prompt_ids or []), token_ids=ids, logprobs=vals, finish_reason=reason or "unknown")
+
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None) -> Rollout:
+        return await self.sample("/generate", self.generate_body(prompt_ids, params, max_tokens, seed),
+                                 self.parse_generate, prompt_ids, params)
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """``input_token_logprobs`` of ``prompt_ids + token_ids`` from ``logprob_start_len=0``."""
+        full = list(prompt_ids) + list(token_ids)
+        body = {"input_ids": full, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}, "return_logprob": True,
+                "logprob_start_len": 0}
+        r = await self.post_ok("/generate", body, "/generate (input_token_logprobs)")
+        try:
+            inp = r.json()["meta_info"]["input_token_logprobs"]
+            return [float(inp[t][0]) for t in range(len(prompt_ids), len(full))]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{self.name}: malformed input_token_logprobs response ({type(e).__name__}: {e})") from None
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        # SGLang's /update_weights_from_disk takes a *folder* of *.safetensors: wrap a single file
+        # in a fresh folder (a symlink, no copy) so that nothing else beside it is loaded.
+        model_path = Path(path)
+        if model_path.is_file():
+            import tempfile
+
+            folder = Path(tempfile.mkdtemp(prefix="foursight-sglang-update-"))
+            (folder / "model.safetensors").symlink_to(model_path.resolve())
+            model_path = folder
+        r = await self.client.post("/update_weights_from_disk", json={"model_path": str(model_path), "weight_version": str(version)})
+        if r.status_code != 200 or not r.json().get("success", False):
+            raise EngineError(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")
+        return {"engine": self.name, "version": version, "response": r.json(), "seconds": time.monotonic() - t0}
+
+    async def served_state(self) -> dict[str, Any] | None:
+        """The ``weight_version`` SGLang reports on ``GET /get_model_info``: the bridge sends its version
+        with every update, and a restarted server is back at ``"default"`` (version 0), which is how
+        the bridge sees the restart (SGLang exposes no boot id, so ``boot_id`` is constant). A
+        server started with a non-numeric ``--weight-version`` cannot be tracked (None)."""
+        r = await self.client.get("/get_model_info")
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: /get_model_info -> {r.status_code} {r.text[:300]}")
+        wv = r.json().get("weight_version")
+        if wv in (None, "default"):
+            return {"boot_id": "sglang", "version": 0}
+        try:
+            return {"boot_id": "sglang", "version": int(wv)}
+        except (TypeError, ValueError):
+            return None

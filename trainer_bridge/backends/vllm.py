@@ -1,0 +1,169 @@
+"""The vLLM backend: a vLLM OpenAI server reached over HTTP (:class:`VLLMHTTPEngine`).
+
+Samples are ``POST /v1/completions`` with token-id prompts, scores ``prompt_logprobs``; weight
+updates go through the FourSight worker extension (``/collective_rpc``) or vLLM's native
+weight-transfer API (docs/vllm.md). vLLM in this process (``foursight rl``) is
+:mod:`foursight.trainer_bridge.backends.vllm_inprocess`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from foursight.trainer_bridge.backends.base import EngineError
+from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
+from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
+
+#: how VLLMHTTPEngine sends a weight update: vLLM's /collective_rpc with the FourSight worker
+#: extension (any vLLM version), or vLLM's native weight-transfer API with the foursight_file
+#: backend (vLLM >= 0.32); both need VLLM_SERVER_DEV_MODE=1 in vLLM 0.32 (docs/vllm.md)
+WEIGHT_SYNC_ROUTES = ("collective_rpc", "native")
+
+
+class VLLMHTTPEngine(HTTPEngine):
+    """A vLLM OpenAI server: ``POST /v1/completions`` with token-id prompts and ``logprobs=0``.
+
+    ``return_tokens_as_token_ids`` makes vLLM name each sampled token ``"token_id:<id>"``, so ids
+    are exact (no detokenize/retokenize round trip). Weight updates go through vLLM's
+    ``POST /collective_rpc`` (server started with ``VLLM_SERVER_DEV_MODE=1`` and the FourSight
+    worker extension, see docs/vllm.md), then ``POST /reset_prefix_cache``.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, url: str, model: str | None = None, tokenizer: str | Path | None = None,
+                 api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512,
+                 weight_sync: str = "collective_rpc"):
+        super().__init__(url, "vllm", tokenizer, api_key, logprobs_mode, max_connections)
+        if weight_sync not in WEIGHT_SYNC_ROUTES:
+            raise EngineError(f"weight_sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
+        self.model = model
+        self.weight_sync = weight_sync
+        self._transfer_ready = False
+
+    async def start(self) -> None:
+        await super().start()
+        if self.model is None:
+            r = await self.client.get("/v1/models", timeout=30.0)
+            if r.status_code != 200:
+                raise EngineError(f"{self.name}: GET /v1/models -> {r.status_code} {r.text[:200]}")
+            self.model = r.json()["data"][0]["id"]
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        if prompt.token_ids is not None or self.tokenizer is not None:
+            return await super().tokenize(prompt)
+        body: dict[str, Any] = {"model": self.model}
+        if prompt.text is not None:
+            body["prompt"] = prompt.text
+        else:
+            body["messages"] = [m.model_dump() for m in prompt.messages or []]
+            body["add_generation_prompt"] = prompt.add_generation_prompt
+        return list((await self.post_ok("/tokenize", body)).json()["tokens"])
+
+    def completion_body(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
+        """The exact ``/v1/completions`` body the bridge sends for one sample (tests reuse it)."""
+        return {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "min_tokens": params.min_tokens,
+                "n": 1, "logprobs": 0, "return_tokens_as_token_ids": True, "stream": False, **sampling_fields(params, seed, "seed")}
+
+    @staticmethod
+    def parse_completion(data: dict[str, Any], name: str = "vllm", prompt_ids: list[int] | None = None) -> Rollout:
+        """Sampled token ids and logprobs from a ``/v1/completions`` response (``logprobs=0``, token-id names)."""
+        try:
+            ch = data["choices"][0]
+            lp = ch["logprobs"]
+            ids = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+            vals = [float(v) for v in lp["token_logprobs"]]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{name}: malformed /v1/completions response ({type(e).__name__}: {e})") from None
+        if len(ids) != len(vals):
+            raise EngineError(f"{name}: {len(ids)} tokens but {len(vals)} logprobs")
+        return Rollout(prompt_ids=list(prompt_ids or []), token_ids=ids, logprobs=vals, finish_reason=str(ch.get("finish_reason") or "unknown"))
+
+    async def generate(self, prompt_ids, params, max_tokens, seed, request=None) -> Rollout:
+        return await self.sample("/v1/completions", self.completion_body(prompt_ids, params, max_tokens, seed),
+                                 self.parse_completion, prompt_ids, params)
+
+    async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """``prompt_logprobs`` of ``prompt_ids + token_ids`` (one generated token, discarded)."""
+        full = list(prompt_ids) + list(token_ids)
+        body = {"model": self.model, "prompt": full, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        r = await self.post_ok("/v1/completions", body, "/v1/completions (prompt_logprobs)")
+        try:
+            plp = r.json()["choices"][0]["prompt_logprobs"]
+            vals = []
+            for t in range(len(prompt_ids), len(full)):
+                entry, tok = plp[t], full[t]
+                d = entry.get(str(tok)) or entry.get(tok)
+                if d is None:
+                    raise EngineError(f"{self.name}: prompt_logprobs lacks the scored token {tok} at position {t}")
+                vals.append(float(d["logprob"] if isinstance(d, dict) else d))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise EngineError(f"{self.name}: malformed prompt_logprobs response ({type(e).__name__}: {e})") from None
+        return vals
+
+    async def _update_native(self, path: str, version: int) -> dict[str, Any]:
+        """vLLM's native weight-transfer API with the ``foursight_file`` backend (vLLM >= 0.32)."""
+        t0 = time.monotonic()
+        if not self._transfer_ready:
+            await self.post_ok("/init_weight_transfer_engine", {"init_info": {}})
+            self._transfer_ready = True
+        await self.post_ok("/start_weight_update")
+        await self.post_ok("/update_weights", {"update_info": {"path": path}})
+        await self.post_ok("/finish_weight_update", {"weight_version": str(version)})
+        await self.post_ok("/reset_prefix_cache")
+        r = await self.client.get("/weight_info")
+        got = r.json().get("weight_version") if r.status_code == 200 else None
+        if got != str(version):
+            raise EngineError(f"{self.name}: after the update /weight_info reports version {got!r}, expected {str(version)!r}")
+        return {"engine": self.name, "version": version, "route": "native", "seconds": time.monotonic() - t0}
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        if self.weight_sync == "native":
+            return await self._update_native(path, version)
+        t0 = time.monotonic()
+        r = await self.post_ok("/collective_rpc", {"method": "foursight_update_weights", "args": [path, str(version)]},
+                               "/collective_rpc foursight_update_weights")
+        results = r.json().get("results", [])
+        await self.post_ok("/reset_prefix_cache")
+        r3 = await self.client.post("/collective_rpc", json={"method": "foursight_weight_version"})
+        versions = [int(v) for v in r3.json().get("results", [])] if r3.status_code == 200 else []
+        if not versions or any(v != version for v in versions):
+            raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
+        return {"engine": self.name, "version": version, "route": "collective_rpc", "workers": results, "seconds": time.monotonic() - t0}
+
+    async def _native_state(self) -> dict[str, Any]:
+        """What an engine synced through vLLM's native weight-transfer API serves, from its ``GET /weight_info``:
+        the version the bridge gave ``/finish_weight_update`` (vLLM starts at ``"default"``, read as 0, and comes
+        back to it after a restart, which is how a restart is seen on this route: vLLM exposes no boot id)."""
+        r = await self.client.get("/weight_info", timeout=10.0)
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: GET /weight_info -> {r.status_code} {r.text[:200]}")
+        got = r.json().get("weight_version")
+        version = int(got) if isinstance(got, str) and got.isdigit() else 0
+        return {"boot_id": "vllm-weight-info", "version": version}
+
+    async def served_state(self) -> dict[str, Any] | None:
+        """``foursight_engine_state`` of every worker (the FourSight worker extension): one boot id
+        and one version for the engine. None when the server has no such RPC (no
+        ``VLLM_SERVER_DEV_MODE`` or no extension: such an engine cannot take weight updates either), except on
+        the native route (``weight_sync="native"``), whose engine reports its version through ``/weight_info``."""
+        if self.weight_sync == "native":
+            # never /collective_rpc here: vLLM 0.32's engine core dies when a worker lacks the method asked for,
+            # and the native route needs no FourSight worker extension
+            return await self._native_state()
+        r = await self.client.post("/collective_rpc", json={"method": "foursight_engine_state"}, timeout=10.0)
+        if r.status_code != 200:
+            return None
+        try:
+            workers = [dict(w) for w in r.json().get("results", [])]
+            boots = sorted({str(w["boot_id"]) for w in workers})
+            versions = sorted({int(w["version"]) for w in workers})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EngineError(f"{self.name}: malformed foursight_engine_state answer ({type(e).__name__}: {e})") from None
+        if not workers:
+            return None
+        if len(versions) != 1:
+            raise EngineError(f"{self.name}: the workers report different weight versions {versions}")
+        return {"boot_id": ",".join(boots), "version": versions[0]}
