@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: tiny random models, the packaged SmolLM2 model, engine environment.
+"""Shared pytest fixtures: tiny random models and their FourSight checkpoints, the packaged SmolLM2
+model, engine environment. Shared helpers (not fixtures) are in tests/helpers/.
 
 GPU tests are marked ``gpu`` and skip on a machine without CUDA; engine tests skip only when
 the engine is not importable in the running venv (the README's test command runs each suite in
@@ -69,6 +70,28 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     from foursight.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2") / "model", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def quantize_tiny(tmp_path_factory):
+    """The one builder of tiny FourSight checkpoints: ``quantize_tiny(model_dir, channels="16", **options)``
+    is ``quantize_model``'s result, written once per (folder, options) in a session
+    (:class:`helpers.checkpoints.TinyCheckpoints`)."""
+    from helpers.checkpoints import TinyCheckpoints
+
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-ckpts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(quantize_tiny, tiny_llama_dir) -> Path:
+    """FourSight checkpoint (k=16, dynamic activation scales) of the tiny Llama."""
+    return quantize_tiny(tiny_llama_dir).out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_ckpt(quantize_tiny, tiny_qwen2_dir) -> Path:
+    """FourSight checkpoint (k=16, dynamic activation scales) of the tiny Qwen2 (q/k/v biases)."""
+    return quantize_tiny(tiny_qwen2_dir).out_dir
 
 
 @pytest.fixture(scope="session")

@@ -382,12 +382,9 @@ def test_serve_kernel_backend_option_sets_the_env(tmp_path):
 
 
 def test_dot_scaled_compiles_to_block_scaled_fp4_mma_for_sm100a_and_sm120a():
-    import importlib.util
-    from pathlib import Path
+    from helpers.scripts import load_benchmark
 
-    spec = importlib.util.spec_from_file_location("sass_blackwell", Path(__file__).parent.parent / "benchmarks" / "kernels" / "sass_blackwell.py")
-    sb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sb)
+    sb = load_benchmark("sass_blackwell")
     from foursight.kernels.dot_scaled import CONFIGS, DotScaledConfig
 
     for cap in (100, 120):

@@ -13,19 +13,14 @@ the transposed store of the swapped tile. Like tests/test_kernels.py this file r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET before the kernels are imported
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
 from foursight.kernels.dot_scaled import (  # noqa: E402
     INTERP_CONFIGS,
     DotScaledConfig,
@@ -38,10 +33,7 @@ from foursight.layer import quantize_weight, reference_linear  # noqa: E402
 from foursight.nvfp4 import NVFP4Error, e2m1_values, unpack_fp4  # noqa: E402
 from foursight.quant_methods.sharding import concat_shards  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not isinstance(_act_quant_kernel, InterpretedFunction),
-    reason="kernels not built for the Triton interpreter (CUDA machine, or imported earlier); run this file on its own on CPU",
-)
+pytestmark = interpreted_only
 
 
 @triton.jit

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient, RolloutError
-from foursight.trainer_bridge.engines import HFEngine
+from foursight.trainer_bridge.backends.hf import HFEngine
 from foursight.trainer_bridge.launch import BridgeThread
 from foursight.trainer_bridge.scoring import pad_rollouts, score
 from foursight.trainer_bridge.server import create_app
-from weight_helpers import perturbed_state as _perturbed_state
+from helpers.weights import perturbed_state as _perturbed_state, reference_with_weights
 
 KEY = "k"
 
@@ -142,7 +142,6 @@ def test_foursight_hf_engine_requantizes_on_update(tiny_llama_dir, tmp_path):
     import os
 
     from foursight.checkpoint import quantize_model
-    from foursight.hf import FourSightLinear, load_reference_model
 
     ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", progress=False).out_dir
     b = BridgeThread(create_app([HFEngine(ckpt, tokenizer=tiny_llama_dir)])).start()
@@ -159,11 +158,7 @@ def test_foursight_hf_engine_requantizes_on_update(tiny_llama_dir, tmp_path):
             rs = c.generate([[5, 6, 7, 8], [11, 12]], {"max_tokens": 12, "seed": 4}, n=2)
         assert {r.weight_version for r in rs} == {5}
         # independent reference: load the checkpoint, re-quantize each layer from the new weights
-        ref = load_reference_model(ckpt)
-        for n, mod in ref.named_modules():
-            if isinstance(mod, FourSightLinear):
-                mod.set_weight(state[n + ".weight"])
-        ref.load_state_dict({"lm_head.weight": state["lm_head.weight"]}, strict=False)
+        ref = reference_with_weights(ckpt, state)
         lt, lr, mask = pad_rollouts(rs, score(ref, rs))
         assert float((lt - lr)[mask].abs().mean()) < 0.02
     finally:
@@ -206,7 +201,7 @@ def test_non_finite_update_is_rejected_and_previous_weights_keep_serving(tiny_ll
 def test_hf_engine_rejects_non_finite_norm_without_applying_anything(tiny_llama_dir):
     """The engine's own check (a direct load, no bridge): every floating tensor, not only the
     re-quantized weights; nothing is copied when one is rejected."""
-    from foursight.trainer_bridge.engines import EngineError
+    from foursight.trainer_bridge.backends.base import EngineError
 
     e = HFEngine(tiny_llama_dir)
     e._load()
@@ -357,7 +352,7 @@ def test_short_request_is_not_starved_by_a_long_one(tiny_llama_dir):
 def test_interleaved_samples_are_identical_to_alone(tiny_llama_dir, sampling):
     """A sample's tokens and logprobs are bit-identical whether it runs alone or interleaved
     (slices of 4 tokens) with other samples, and equal to the one-call HF generation (``hf_generate``)."""
-    from foursight.trainer_bridge.engines import hf_generate
+    from foursight.trainer_bridge.hf_sampling import hf_generate
     from foursight.trainer_bridge.protocol import SamplingParams
 
     eng = HFEngine(tiny_llama_dir)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from foursight.trainer_bridge.engines import HFEngine
+from foursight.trainer_bridge.backends.hf import HFEngine
 from foursight.trainer_bridge.launch import BridgeThread
 from foursight.trainer_bridge.protocol import Rollout
 from foursight.trainer_bridge.scoring import pad_rollouts, score
 from foursight.trainer_bridge.server import create_app
-from weight_helpers import perturbed_state
+from helpers.weights import perturbed_state
 
 openai = pytest.importorskip("openai")
 KEY = "sekrit"

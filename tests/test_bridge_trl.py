@@ -156,11 +156,11 @@ def test_trl_client_syncs_through_the_bridge_routes(tiny_llama_dir, tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from foursight.trainer_bridge.engines import HFEngine
+    from foursight.trainer_bridge.backends.hf import HFEngine
     from foursight.trainer_bridge.launch import BridgeThread
     from foursight.trainer_bridge.server import create_app
     from foursight.trainer_bridge.trl import FourSightVLLMClient
-    from weight_helpers import perturbed_state
+    from helpers.weights import perturbed_state
 
     key = "k"
     b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=key, weights_dirs=[str(tmp_path)])).start()

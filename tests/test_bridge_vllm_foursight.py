@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 pytest.importorskip("vllm")
 
 from foursight.trainer_bridge.client import RolloutClient  # noqa: E402
-from foursight.trainer_bridge.engines import VLLMHTTPEngine  # noqa: E402
+from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine  # noqa: E402
 from foursight.trainer_bridge.launch import BridgeThread, VLLMServer  # noqa: E402
 from foursight.trainer_bridge.scoring import pad_rollouts, score  # noqa: E402
 from foursight.trainer_bridge.server import create_app  # noqa: E402
-from weight_helpers import perturbed_state  # noqa: E402
+from helpers.weights import perturbed_state, reference_with_weights  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def fs_bridge(foursight_ckpt, tiny_llama_dir, tmp_path_factory):
 
 
 def test_weight_update_through_bridge_requantizes_in_vllm(fs_bridge, foursight_ckpt, tiny_llama_dir, tmp_path):
-    from foursight.hf import FourSightLinear, load_reference_model
+    from foursight.hf import load_reference_model
 
     bridge, _ = fs_bridge
     prompts = [[5, 6, 7, 8], [11, 12, 13]]
@@ -64,11 +64,7 @@ def test_weight_update_through_bridge_requantizes_in_vllm(fs_bridge, foursight_c
     ref_old = load_reference_model(foursight_ckpt)
     lt, lr, m = pad_rollouts(old, score(ref_old, old))
     err_v0 = float((lt - lr)[m].abs().mean())
-    ref_new = load_reference_model(foursight_ckpt)
-    for n, mod in ref_new.named_modules():
-        if isinstance(mod, FourSightLinear):
-            mod.set_weight(state[n + ".weight"])
-    ref_new.load_state_dict({"lm_head.weight": state["lm_head.weight"]}, strict=False)
+    ref_new = reference_with_weights(foursight_ckpt, state)
     lt, lr, m = pad_rollouts(new, score(ref_new, new))
     err_new = float((lt - lr)[m].abs().mean())
     lt_stale, _, _ = pad_rollouts(new, score(ref_old, new))

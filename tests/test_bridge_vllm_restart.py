@@ -12,11 +12,11 @@ from safetensors.torch import save_file
 pytest.importorskip("vllm")
 
 from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient  # noqa: E402
-from foursight.trainer_bridge.engines import VLLMHTTPEngine  # noqa: E402
+from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine  # noqa: E402
 from foursight.trainer_bridge.launch import BridgeThread, VLLMServer  # noqa: E402
 from foursight.trainer_bridge.scoring import pad_rollouts, score  # noqa: E402
 from foursight.trainer_bridge.server import create_app  # noqa: E402
-from weight_helpers import perturbed_state  # noqa: E402
+from helpers.weights import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,30 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from foursight import schema
 from foursight.checkpoint import quantize_model, read_quant_config
 from foursight.hf import load_reference_model, quantize_hf_model
 from typer.testing import CliRunner
 from foursight.schema import CheckpointError, FourSightConfig
+from helpers.checkpoints import copy_folder, edit_tensors, edited_copy
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpt(tiny_qwen2_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-fs"
-    res = quantize_model(tiny_qwen2_dir, out, channels=16, progress=False)
-    return res
-
-
-def _copy(ckpt: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "copy"
-    shutil.copytree(ckpt, dst)
-    return dst
-
-
-def test_checkpoint_layout_and_config(tiny_ckpt):
-    out = tiny_ckpt.out_dir
+def test_checkpoint_layout_and_config(tiny_qwen2_ckpt):
+    out = tiny_qwen2_ckpt
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "foursight" and cfg["group_size"] == 16 and cfg["format_version"] == 1
     assert cfg["ignore"] == ["lm_head"]
@@ -55,19 +43,19 @@ def test_checkpoint_layout_and_config(tiny_ckpt):
     assert not list(out.parent.glob("*.tmp-*"))
 
 
-def test_tiny_outlier_channels_are_found_and_help(tiny_ckpt):
+def test_tiny_outlier_channels_are_found_and_help(quantize_tiny, tiny_qwen2_dir):
     """The tiny model plants 4 outlier channels in the residual stream (RMSNorm gains of 12)."""
-    rows = [r for r in tiny_ckpt.layers if r.name.endswith(("q_proj", "gate_proj"))]
+    rows = [r for r in quantize_tiny(tiny_qwen2_dir).layers if r.name.endswith(("q_proj", "gate_proj"))]
     for r in rows:
         assert r.err_foursight < 0.7 * r.err_nvfp4, r
 
 
-def test_round_trip_equals_in_memory_quantization(tiny_ckpt, tiny_qwen2_dir):
+def test_round_trip_equals_in_memory_quantization(tiny_qwen2_ckpt, tiny_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
-    ref = load_reference_model(tiny_ckpt.out_dir)
+    ref = load_reference_model(tiny_qwen2_ckpt)
     mem = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.bfloat16)
-    chans = json.loads((tiny_ckpt.out_dir / schema.CHANNELS_FILE).read_text())["channels"]
+    chans = json.loads((tiny_qwen2_ckpt / schema.CHANNELS_FILE).read_text())["channels"]
     quantize_hf_model(mem, {k: torch.tensor(v, dtype=torch.int32) for k, v in chans.items()})
     ids = torch.randint(0, 400, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -130,9 +118,9 @@ def test_k_at_least_K_is_rejected(tiny_llama_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_output_is_not_clobbered(tiny_ckpt, tiny_qwen2_dir):
+def test_existing_output_is_not_clobbered(tiny_qwen2_ckpt, tiny_qwen2_dir):
     with pytest.raises(FileExistsError):
-        quantize_model(tiny_qwen2_dir, tiny_ckpt.out_dir, channels=0, progress=False)
+        quantize_model(tiny_qwen2_dir, tiny_qwen2_ckpt, channels=0, progress=False)
 
 
 @pytest.mark.parametrize(
@@ -143,8 +131,8 @@ def test_existing_output_is_not_clobbered(tiny_ckpt, tiny_qwen2_dir):
         ({"group_size": 32}, "quantization_config.group_size"),
     ],
 )
-def test_bad_config_names_field(tiny_ckpt, tmp_path, patch, msg):
-    d = _copy(tiny_ckpt.out_dir, tmp_path)
+def test_bad_config_names_field(tiny_qwen2_ckpt, tmp_path, patch, msg):
+    d = copy_folder(tiny_qwen2_ckpt, tmp_path / "copy")
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"].update(patch)
     (d / "config.json").write_text(json.dumps(cfg))
@@ -152,30 +140,15 @@ def test_bad_config_names_field(tiny_ckpt, tmp_path, patch, msg):
         load_reference_model(d)
 
 
-def _edit_tensors(d: Path, fn):
-    t = load_file(str(d / "model.safetensors"))
-    fn(t)
-    save_file(t, str(d / "model.safetensors"))
-
-
-def test_missing_tensor_named(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt.out_dir, tmp_path)
-    _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"))
-    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight_scale"):
-        load_reference_model(d)
-
-
-def test_wrong_shape_named(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt.out_dir, tmp_path)
-    _edit_tensors(d, lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.weight_bf16", torch.zeros(128, 8, dtype=torch.bfloat16)))
-    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.self_attn\.o_proj\.weight_bf16 has shape \[128, 8\], expected \[128, 16\]"):
-        load_reference_model(d)
-
-
-def test_missing_plain_tensor_named(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt.out_dir, tmp_path)
-    _edit_tensors(d, lambda t: t.pop("model.layers.0.input_layernorm.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.input_layernorm\.weight"):
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"), r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight_scale"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.weight_bf16", torch.zeros(128, 8, dtype=torch.bfloat16)),
+     r"tensor model\.layers\.0\.self_attn\.o_proj\.weight_bf16 has shape \[128, 8\], expected \[128, 16\]"),
+    (lambda t: t.pop("model.layers.0.input_layernorm.weight"), r"missing tensor model\.layers\.0\.input_layernorm\.weight"),
+], ids=["missing-tensor", "wrong-shape", "missing-plain-tensor"])
+def test_bad_tensor_named(tiny_qwen2_ckpt, tmp_path, edit, message):
+    d = edited_copy(tiny_qwen2_ckpt, tmp_path / "copy", edit)
+    with pytest.raises(CheckpointError, match=message):
         load_reference_model(d)
 
 
@@ -206,8 +179,8 @@ def _inspect(d: Path):
     ("model.layers.0.self_attn.q_proj.bias", (2,), "nan"),
     ("model.layers.1.mlp.gate_proj.weight_bf16", (0, 1), "inf"),
 ])
-def test_inspect_rejects_non_finite_tensor_naming_it(tiny_ckpt, tmp_path, name, index, value):
-    d = _copy(tiny_ckpt.out_dir, tmp_path)
+def test_inspect_rejects_non_finite_tensor_naming_it(tiny_qwen2_ckpt, tmp_path, name, index, value):
+    d = copy_folder(tiny_qwen2_ckpt, tmp_path / "copy")
 
     def edit(t):
         x = t[name].clone()
@@ -217,7 +190,7 @@ def test_inspect_rejects_non_finite_tensor_naming_it(tiny_ckpt, tmp_path, name, 
             x[index] = float(value)
         t[name] = x
 
-    _edit_tensors(d, edit)
+    edit_tensors(d, edit)
     r = _inspect(d)
     assert r.exit_code == 2, r.output
     assert f"tensor {name}" in r.output and "non-finite" in r.output
@@ -225,10 +198,10 @@ def test_inspect_rejects_non_finite_tensor_naming_it(tiny_ckpt, tmp_path, name, 
         load_reference_model(d)
 
 
-def test_decode_module_rejects_nan_weight_scale(tiny_ckpt):
+def test_decode_module_rejects_nan_weight_scale(tiny_qwen2_ckpt):
     from foursight.checkpoint import load_quantized_tensors
 
-    cfg, mods, _ = load_quantized_tensors(tiny_ckpt.out_dir)
+    cfg, mods, _ = load_quantized_tensors(tiny_qwen2_ckpt)
     name = "model.layers.0.self_attn.o_proj"
     t = dict(mods[name])
     t["weight_scale"] = t["weight_scale"].clone()
@@ -238,8 +211,8 @@ def test_decode_module_rejects_nan_weight_scale(tiny_ckpt):
         schema.decode_module(name, t, n, 2 * k2, cfg.channels_for(name))
 
 
-def test_truncated_safetensors_names_the_file(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt.out_dir, tmp_path)
+def test_truncated_safetensors_names_the_file(tiny_qwen2_ckpt, tmp_path):
+    d = copy_folder(tiny_qwen2_ckpt, tmp_path / "copy")
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=rf"safetensors file {f} is truncated or unreadable"):
@@ -248,7 +221,7 @@ def test_truncated_safetensors_names_the_file(tiny_ckpt, tmp_path):
     assert r.exit_code == 2 and str(f) in r.output.replace("\n", "") and "Traceback" not in r.output
 
 
-def test_force_replaces_only_a_foursight_checkpoint(tiny_ckpt, tiny_llama_dir, tmp_path):
+def test_force_replaces_only_a_foursight_checkpoint(tiny_qwen2_ckpt, tiny_llama_dir, tmp_path):
     """--force on a folder that is not a FourSight checkpoint (a planted file, a BF16 model folder):
     a clear error naming the folder and nothing deleted; on a checkpoint it replaces it."""
     from foursight.checkpoint import quantize_model
@@ -259,7 +232,7 @@ def test_force_replaces_only_a_foursight_checkpoint(tiny_ckpt, tiny_llama_dir, t
     with pytest.raises(FileExistsError, match=r"refusing to replace .*plain.*not a FourSight checkpoint.*nothing was deleted"):
         quantize_model(tiny_llama_dir, plain, channels="16", force=True, progress=False)
     assert (plain / "precious.txt").read_text() == "keep me"
-    bf16 = _copy(tiny_llama_dir, tmp_path / "bf16")
+    bf16 = copy_folder(tiny_llama_dir, tmp_path / "bf16" / "copy")
     with pytest.raises(FileExistsError, match="not a FourSight checkpoint"):
         quantize_model(tiny_llama_dir, bf16, channels="16", force=True, progress=False)
     assert (bf16 / "model.safetensors").exists()
@@ -268,7 +241,7 @@ def test_force_replaces_only_a_foursight_checkpoint(tiny_ckpt, tiny_llama_dir, t
     with pytest.raises(FileExistsError, match="not a folder"):
         quantize_model(tiny_llama_dir, f, channels="16", force=True, progress=False)
     assert f.read_text() == "x"
-    ck = _copy(tiny_ckpt.out_dir, tmp_path / "ck")
+    ck = copy_folder(tiny_qwen2_ckpt, tmp_path / "ck" / "copy")
     (ck / "stale.txt").write_text("old run")
     quantize_model(tiny_llama_dir, ck, channels="8", force=True, progress=False)
     assert not (ck / "stale.txt").exists() and json.loads((ck / "config.json").read_text())["quantization_config"]["quant_method"] == "foursight"

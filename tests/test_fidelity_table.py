@@ -3,20 +3,17 @@ foursight.channels.choose_k, and a tiny end-to-end run (HF only)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("fidelity_table", ROOT / "benchmarks" / "fidelity" / "fidelity_table.py")
-fid = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(fid)
+from helpers.scripts import benchmark_path, load_benchmark
+
+fid = load_benchmark("fidelity_table")
 
 
 def test_exact_kl_hand_values():
@@ -57,7 +54,7 @@ def test_choose_k_levels_equals_choose_k(tiny_llama_dir):
 
 def test_fidelity_table_tiny_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "fid"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fidelity" / "fidelity_table.py"), "--model", str(tiny_llama_dir), "--n", "3",
+    r = subprocess.run([sys.executable, str(benchmark_path("fidelity_table")), "--model", str(tiny_llama_dir), "--n", "3",
                         "--max-tokens", "6", "--ks", "16", "--targets", "0.1", "--w4a16-k", "16", "--no-vllm", "--bf16-layers", "attention&first:1", "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -4,19 +4,17 @@ outputs, and a loud error (never random weights) where the checkpoint cannot be 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import foursight  # noqa: F401  (registers the quantizer with transformers)
-from foursight.checkpoint import quantize_model
 from foursight.hf import FourSightLinear, load_reference_model
 from foursight.schema import CheckpointError
+from helpers.checkpoints import copy_folder, edited_copy
 
 
 def _from_pretrained(d):
@@ -26,21 +24,9 @@ def _from_pretrained(d):
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt(tiny_qwen2_dir, tmp_path_factory) -> Path:
+def static_ckpt(quantize_tiny, tiny_qwen2_dir) -> Path:
     """A k=16 checkpoint of the tiny Qwen2 (q/k/v biases), static activation scales."""
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-fs"
-    quantize_model(tiny_qwen2_dir, out, channels=16, activation_scale="static", progress=False)
-    return out
-
-
-def _copy(ckpt: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(ckpt, tmp_path / "copy"))
-
-
-def _edit_tensors(d: Path, fn) -> None:
-    t = load_file(str(d / "model.safetensors"))
-    fn(t)
-    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return quantize_tiny(tiny_qwen2_dir, activation_scale="static").out_dir
 
 
 def test_registered_on_import_without_importing_transformers():
@@ -57,7 +43,7 @@ def test_registered_on_import_without_importing_transformers():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_from_pretrained_without_importing_foursight(tiny_ckpt, tmp_path):
+def test_from_pretrained_without_importing_foursight(static_ckpt, tmp_path):
     """A script that never imports foursight (a reward-model loader, lm-eval's ``hf`` backend, TRL)
     gets the FourSight layers and the reference logits: torch's ``torch.backends`` entry point
     registers the quantizer at ``import torch``. With that autoloading switched off
@@ -69,7 +55,7 @@ def test_from_pretrained_without_importing_foursight(tiny_ckpt, tmp_path):
     code = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(tiny_ckpt)!r})\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(static_ckpt)!r})\n"
         "kinds = sorted({type(x).__name__ for x in m.modules()})\n"
         f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
         "with torch.no_grad():\n"
@@ -77,7 +63,7 @@ def test_from_pretrained_without_importing_foursight(tiny_ckpt, tmp_path):
         "print('KINDS', kinds)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
-    ref = load_reference_model(tiny_ckpt)
+    ref = load_reference_model(static_ckpt)
     with torch.no_grad():
         want = ref(ids).logits
     # as scripts do it, and with transformers' quantizer registry imported first (it imports torch
@@ -94,10 +80,10 @@ def test_from_pretrained_without_importing_foursight(tiny_ckpt, tmp_path):
     assert "REGISTERED False" in r.stdout, (r.stdout, r.stderr[-2000:])
 
 
-def test_tiny_from_pretrained_matches_reference(tiny_ckpt):
+def test_tiny_from_pretrained_matches_reference(static_ckpt):
     """Biases and static activation scales go through the same layer builder as the reference model."""
-    m = _from_pretrained(tiny_ckpt)
-    ref = load_reference_model(tiny_ckpt)
+    m = _from_pretrained(static_ckpt)
+    ref = load_reference_model(static_ckpt)
     fs = {n: x for n, x in m.named_modules() if isinstance(x, FourSightLinear)}
     assert set(fs) == {n for n, x in ref.named_modules() if isinstance(x, FourSightLinear)} and fs
     q = fs["model.layers.0.self_attn.q_proj"]
@@ -107,37 +93,25 @@ def test_tiny_from_pretrained_matches_reference(tiny_ckpt):
         torch.testing.assert_close(m(ids).logits, ref(ids).logits, rtol=0, atol=0)
 
 
-def test_missing_tensor_raises_naming_it(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt, tmp_path)
-    _edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"))
-    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight_scale"):
+_O_BF16 = "model.layers.0.self_attn.o_proj.weight_bf16"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"), r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight_scale"),
+    (lambda t: t.pop("model.layers.0.input_layernorm.weight"), r"missing tensor model\.layers\.0\.input_layernorm\.weight"),
+    (lambda t: t.__setitem__(_O_BF16, torch.zeros(t[_O_BF16].shape[0], 8, dtype=torch.bfloat16)),
+     r"tensor model\.layers\.0\.self_attn\.o_proj\.weight_bf16 has shape \[\d+, 8\], expected \[\d+, 16\]"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight_packed", torch.zeros(4, 8, dtype=torch.uint8)),
+     r"unexpected tensor model\.layers\.0\.mlp\.extra_proj\.weight_packed"),
+], ids=["missing-tensor", "missing-plain-tensor", "wrong-shape", "stray-tensor"])
+def test_bad_tensor_raises_naming_it(static_ckpt, tmp_path, edit, message):
+    d = edited_copy(static_ckpt, tmp_path / "copy", edit)
+    with pytest.raises(CheckpointError, match=message):
         _from_pretrained(d)
 
 
-def test_missing_plain_tensor_raises_naming_it(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt, tmp_path)
-    _edit_tensors(d, lambda t: t.pop("model.layers.0.input_layernorm.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.input_layernorm\.weight"):
-        _from_pretrained(d)
-
-
-def test_wrong_shape_raises_naming_it(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt, tmp_path)
-    name = "model.layers.0.self_attn.o_proj.weight_bf16"
-    _edit_tensors(d, lambda t: t.__setitem__(name, torch.zeros(t[name].shape[0], 8, dtype=torch.bfloat16)))
-    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.self_attn\.o_proj\.weight_bf16 has shape \[\d+, 8\], expected \[\d+, 16\]"):
-        _from_pretrained(d)
-
-
-def test_stray_tensor_raises_naming_it(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt, tmp_path)
-    _edit_tensors(d, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight_packed", torch.zeros(4, 8, dtype=torch.uint8)))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.0\.mlp\.extra_proj\.weight_packed"):
-        _from_pretrained(d)
-
-
-def test_bad_config_field_raises_naming_it(tiny_ckpt, tmp_path):
-    d = _copy(tiny_ckpt, tmp_path)
+def test_bad_config_field_raises_naming_it(static_ckpt, tmp_path):
+    d = copy_folder(static_ckpt, tmp_path / "copy")
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"]["group_size"] = 32
     (d / "config.json").write_text(json.dumps(cfg))

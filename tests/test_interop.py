@@ -6,7 +6,6 @@ compressed-tensors method."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,6 +24,9 @@ from foursight.hf import FourSightLinear, load_reference_model
 from foursight.interop import export_compressed_tensors, import_compressed_tensors, read_compressed_tensors
 from foursight.layer import dequantize_weight
 from foursight.schema import CheckpointError
+from helpers.checkpoints import library_ct_checkpoint
+from helpers.logprobs import abs_diff_stats
+from helpers.vllm_engine import subprocess_prompt_logprobs
 
 ct = pytest.importorskip("compressed_tensors")
 
@@ -38,13 +40,6 @@ def fs0(tiny_qwen2_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def exported(fs0, tmp_path_factory) -> Path:
     return export_compressed_tensors(fs0, tmp_path_factory.mktemp("ct") / "ct")
-
-
-_CT_SPEC = importlib.util.spec_from_file_location("ct_library", Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity" / "ct_library.py")
-_ct_library = importlib.util.module_from_spec(_CT_SPEC)
-_CT_SPEC.loader.exec_module(_ct_library)
-#: the compressed-tensors library's own NVFP4 checkpoint of a BF16 folder (benchmarks/fidelity/ct_library.py)
-library_ct_checkpoint = _ct_library.library_ct_checkpoint
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -200,27 +195,9 @@ def test_vllm_serves_an_imported_library_checkpoint(tiny_llama_dir, tmp_path):
     src = library_ct_checkpoint(tiny_llama_dir, tmp_path / "ct16", w4a4=False)
     fs = import_compressed_tensors(src, tmp_path / "fs16")
     assert json.loads((fs / "config.json").read_text())["quantization_config"]["activation_dtype"] == "bf16"
-    script = textwrap.dedent(f"""
-        import os, json
-        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
-        if __name__ == "__main__":
-            from vllm import LLM
-            from transformers import AutoTokenizer
-            from foursight.models import builtin_texts
-            from foursight.quant_methods.vllm_eval import engine_prompt_logprobs, fixed_sequences
-            llm = LLM(model={str(fs)!r}, quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16")
-            seqs = fixed_sequences(AutoTokenizer.from_pretrained({str(fs)!r}), builtin_texts()[:4], 32)
-            lps = engine_prompt_logprobs(llm, seqs)
-            print("RESULT" + json.dumps({{"seqs": seqs, "lps": [x.tolist() for x in lps]}}))
-    """)
-    (tmp_path / "s.py").write_text(script)
-    r = subprocess.run([sys.executable, str(tmp_path / "s.py")], capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                       env={**os.environ})
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT"))[6:])
-    from foursight.quant_methods.vllm_eval import abs_diff_stats
+    seqs, lps = subprocess_prompt_logprobs(fs, tmp_path)
     from foursight.trainer_bridge.scoring import sequence_logprobs
 
-    gap = abs_diff_stats([torch.tensor(x) for x in res["lps"]], sequence_logprobs(load_reference_model(fs), res["seqs"]))
+    gap = abs_diff_stats(lps, sequence_logprobs(load_reference_model(fs), seqs))
     print(f"\nimported NVFP4A16 in vLLM --quantization foursight vs reference: mean {gap['mean']:.4f} max {gap['max']:.4f}")
     assert gap["mean"] < 0.05 and gap["max"] < 0.3

@@ -2,17 +2,13 @@
 (``foursight import CT --out DIR --channels K``, :func:`foursight.interop.compensate_import`).
 
 The compressed-tensors checkpoint is made by the compressed-tensors library alone
-(``test_interop.library_ct_checkpoint``); its own decompression (``NVFP4PackedCompressor``) and
+(``helpers.checkpoints.library_ct_checkpoint``); its own decompression (``NVFP4PackedCompressor``) and
 transformers' compressed-tensors loader are the independent references for the dequantized weights."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,10 +21,12 @@ from foursight.cli import app
 from foursight.hf import FourSightLinear, load_reference_model
 from foursight.interop import _save, compensate_import, import_compressed_tensors, read_compressed_tensors
 from foursight.schema import CheckpointError
+from helpers.checkpoints import library_ct_checkpoint
+from helpers.logprobs import abs_diff_stats, fixed_sequences
+from helpers.vllm_engine import subprocess_prompt_logprobs
 
 ct = pytest.importorskip("compressed_tensors")
 
-from test_interop import library_ct_checkpoint  # noqa: E402  (tests/ is on sys.path)
 
 #: evaluation texts, none of them in the calibration set (foursight/data/calib_default.jsonl)
 EVAL_TEXTS = [
@@ -155,7 +153,6 @@ def test_compensated_import_is_closer_to_bf16_than_the_k0_imports(tiny_llama_dir
     input scales are recalibrated the same way (so the gain is the BF16 channels', not the scales')."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from foursight.quant_methods.vllm_eval import fixed_sequences
     from foursight.trainer_bridge.scoring import sequence_logprobs
 
     k0 = import_compressed_tensors(ct_dir, tmp_path / "k0")
@@ -219,29 +216,6 @@ def test_bad_requests_fail_naming_the_field_or_layer(tiny_llama_dir, ct_dir, tmp
         "quantization_config"]["channel_budget"] == "0"
 
 
-def _vllm_logprobs(ckpt: Path, tmp_path: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Teacher-forced logprobs of the vLLM CPU engine (--quantization foursight) on 4 built-in texts, in a subprocess."""
-    script = textwrap.dedent(f"""
-        import os, json
-        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
-        if __name__ == "__main__":
-            from vllm import LLM
-            from transformers import AutoTokenizer
-            from foursight.models import builtin_texts
-            from foursight.quant_methods.vllm_eval import engine_prompt_logprobs, fixed_sequences
-            llm = LLM(model={str(ckpt)!r}, quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16")
-            seqs = fixed_sequences(AutoTokenizer.from_pretrained({str(ckpt)!r}), builtin_texts()[:4], 32)
-            lps = engine_prompt_logprobs(llm, seqs)
-            print("RESULT" + json.dumps({{"seqs": seqs, "lps": [x.tolist() for x in lps]}}))
-    """)
-    (tmp_path / "s.py").write_text(script)
-    r = subprocess.run([sys.executable, str(tmp_path / "s.py")], capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                       env={**os.environ})
-    assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT"))[6:])
-    return res["seqs"], [torch.tensor(x, dtype=torch.float64) for x in res["lps"]]
-
-
 @pytest.mark.vllm
 def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, k16_zeroed, tmp_path):
     """vLLM (CPU build, --quantization foursight) serves the compensated import (about 20 s per engine start).
@@ -257,13 +231,10 @@ def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, k16_zeroed, tmp
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
-    from foursight.quant_methods.vllm_eval import abs_diff_stats
     from foursight.trainer_bridge.scoring import sequence_logprobs
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    seqs, eng = _vllm_logprobs(k16, tmp_path / "a")
-    seqs_z, eng_z = _vllm_logprobs(k16_zeroed, tmp_path / "b")
+    seqs, eng = subprocess_prompt_logprobs(k16, tmp_path / "a")
+    seqs_z, eng_z = subprocess_prompt_logprobs(k16_zeroed, tmp_path / "b")
     assert seqs_z == seqs
     assert abs_diff_stats(eng, eng_z)["max"] == 0.0
     ref = sequence_logprobs(load_reference_model(k16), seqs)
@@ -283,13 +254,9 @@ def test_vllm_serves_the_compressed_tensors_folder_directly(ct_dir, tmp_path):
     the tensors to disk and its config lists every unquantized layer)."""
     pytest.importorskip("vllm")
     k0 = import_compressed_tensors(ct_dir, tmp_path / "k0")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    seqs, direct = _vllm_logprobs(ct_dir, tmp_path / "a")
-    seqs_i, imported = _vllm_logprobs(k0, tmp_path / "b")
+    seqs, direct = subprocess_prompt_logprobs(ct_dir, tmp_path / "a")
+    seqs_i, imported = subprocess_prompt_logprobs(k0, tmp_path / "b")
     assert seqs_i == seqs
-    from foursight.quant_methods.vllm_eval import abs_diff_stats
-
     assert abs_diff_stats(direct, imported)["max"] == 0.0
 
 

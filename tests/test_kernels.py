@@ -16,27 +16,18 @@ import os
 import pytest
 import torch
 
-# The @triton.jit decorators choose the interpreter at import, and Triton keeps reading the variable
-# while interpreting, so it is set for the rest of this (CPU-only) process. On a CUDA machine it is
-# left alone: the GPU tests then use compiled kernels and these CPU tests skip.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET before the kernels are imported
 
 import foursight.kernels as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
 from foursight.kernels import DequantConfig, FragmentConfig, GemvConfig, SSConfig, SwapConfig  # noqa: E402
-from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from foursight.layer import QuantizedWeight, quantize_activation, quantize_weight, reference_linear
 from foursight.nvfp4 import NVFP4Error
 
 # If another test module imported foursight.kernels first (compiled mode), or on a CUDA machine,
 # these CPU-interpreter tests skip; run tests/test_kernels.py in its own pytest process.
-pytestmark = pytest.mark.skipif(
-    not isinstance(_act_quant_kernel, InterpretedFunction),
-    reason="kernels not built for the Triton interpreter (CUDA machine, or imported earlier); run this file on its own on CPU",
-)
+pytestmark = interpreted_only
 
 
 def _channels(K: int, k: int, g: torch.Generator) -> torch.Tensor:

@@ -16,14 +16,10 @@ channels) and against ``q * s`` for the fp16 ``deq`` output:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-# Same preamble as tests/test_kernels.py: the interpreter is chosen when the kernels are imported.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET before the kernels are imported
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -38,15 +34,11 @@ from foursight.kernels.primitives import (  # noqa: E402
     _quant_block,
     _quant_block_2d,
 )
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from foursight.layer import check_channels, quantize_activation
 from foursight.nvfp4 import E2M1_VALUES, e2m1_codes, quantize_nvfp4, unpack_fp4
 
-pytestmark = pytest.mark.skipif(
-    not isinstance(_act_quant_kernel, InterpretedFunction),
-    reason="kernels not built for the Triton interpreter (CUDA machine, or imported earlier); run this file on its own on CPU",
-)
+pytestmark = interpreted_only
 
 DECISION_POINTS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 GRID_VALUES = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("rl_summary", Path(__file__).resolve().parents[1] / "benchmarks" / "rl" / "rl_summary.py")
-rl_summary = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(rl_summary)
+from helpers.scripts import load_benchmark
+
+rl_summary = load_benchmark("rl_summary")
 
 
 def _write(folder: Path, name: str, evals: dict[int, float], steps: list[dict], done: bool = True, kfrac: float = 0.0) -> None:

@@ -6,10 +6,8 @@ of benchmarks/rl/rl_study.py through the real `foursight rl` command."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +17,9 @@ from foursight.bf16_layers import CarveOutError, bf16_layer_patterns, bf16_weigh
 from foursight.rl import RLConfig, RLError, run_rl
 from foursight.rl import tasks as rl_tasks
 from foursight.schema import FourSightConfig
+from helpers.scripts import load_benchmark
 
-REPO = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("rl_study", REPO / "benchmarks" / "rl" / "rl_study.py")
-rl_study = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(rl_study)
+rl_study = load_benchmark("rl_study")
 
 LLAMA_LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                  "mlp.down_proj"]

@@ -31,18 +31,12 @@ pytest.importorskip("trl")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.models import builtin_texts  # noqa: E402
-from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences, server_prompt_logprobs  # noqa: E402
+from helpers.vllm_engine import fresh_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tiny_llama_dir, tmp_path_factory) -> Path:
-    from foursight.checkpoint import quantize_model
-
-    return quantize_model(tiny_llama_dir, tmp_path_factory.mktemp("trl-ckpt") / "tiny-fs16", channels="16", progress=False).out_dir
 
 
 @pytest.fixture(scope="module")
@@ -79,37 +73,13 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 def _fresh_logprobs(model_dir: Path, state: dict[str, torch.Tensor], channels: Path, seqs, tmp: Path) -> list[torch.Tensor]:
     """A fresh online-mode engine on ``state`` (the learner's weights, written as the learner holds them)."""
     from safetensors.torch import save_file
-    from vllm import LLM
 
     folder = tmp / f"fresh-{len(list(tmp.iterdir()))}"
     shutil.copytree(model_dir, folder)
     save_file({k: v.contiguous().clone() for k, v in state.items()}, str(folder / "model.safetensors"))
-    old = os.environ.get("FOURSIGHT_CHANNELS_FILE")
-    os.environ["FOURSIGHT_CHANNELS_FILE"] = str(channels)
-    try:
-        llm = LLM(model=str(folder), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
-        try:
-            return engine_prompt_logprobs(llm, seqs)
-        finally:
-            del llm
-            gc.collect()
-    finally:
-        if old is None:
-            os.environ.pop("FOURSIGHT_CHANNELS_FILE", None)
-        else:
-            os.environ["FOURSIGHT_CHANNELS_FILE"] = old
-
-
-def _server_prompt_logprobs(url: str, seqs) -> list[torch.Tensor]:
-    """Teacher-forced logprobs from a vLLM server (vLLM's ``prompt_logprobs`` extension)."""
-    out = []
-    for s in seqs:
-        r = httpx.post(url + "/v1/completions", json={"prompt": list(s), "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
-                       timeout=120)
-        r.raise_for_status()
-        plp = r.json()["choices"][0]["prompt_logprobs"]
-        out.append(torch.tensor([plp[t][str(s[t])]["logprob"] for t in range(1, len(s))], dtype=torch.float64))
-    return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOURSIGHT_CHANNELS_FILE", str(channels))
+        return fresh_logprobs(folder, seqs, quantization="foursight")
 
 
 def _check_run(probes, log_history, model_dir, channels, seqs, tmp, floor: float = 0.0):
@@ -167,7 +137,7 @@ def test_grpo_colocate_foursight_rollouts_stay_in_sync(tiny_llama_dir, tiny_ckpt
 def test_grpo_server_mode_through_the_bridge(tiny_llama_dir, tiny_ckpt, seqs, tmp_path):
     """Server mode: TRL's trainer against ``foursight bridge`` in front of vLLM serving the FourSight
     checkpoint; no patching: ``rollout="foursight"`` gives TRL the bridge's client."""
-    from foursight.trainer_bridge.engines import VLLMHTTPEngine
+    from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread, VLLMServer
     from foursight.trainer_bridge.server import create_app
     from foursight.trainer_bridge.trl import FourSightGRPOTrainer
@@ -190,7 +160,7 @@ def test_grpo_server_mode_through_the_bridge(tiny_llama_dir, tiny_ckpt, seqs, tm
 
         def probed_sync():
             sync()
-            probes.append((_snapshot(trainer.model), _server_prompt_logprobs(srv.url, seqs)))
+            probes.append((_snapshot(trainer.model), server_prompt_logprobs(srv.url, seqs)))
 
         trainer.vllm_generation.sync_weights = probed_sync
         trainer.train()

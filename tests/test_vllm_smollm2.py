@@ -21,14 +21,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import foursight  # noqa: E402
 from foursight.models import builtin_texts  # noqa: E402
-from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.vllm_engine import EXT  # noqa: E402
 from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.realmodel, pytest.mark.slow]
 
-EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
         from transformers import AutoTokenizer
         from foursight.hf import load_reference_model
         from foursight.models import builtin_texts
-        from foursight.quant_methods.vllm_eval import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
+        from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
         from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs
         ck, out = sys.argv[1], sys.argv[2]
         tok = AutoTokenizer.from_pretrained(ck)
@@ -49,7 +49,8 @@ def test_tp2_w4a16_matches_unsharded_reference(tiny_llama_dir, tmp_path):
     ck = quantize_model(tiny_llama_dir, tmp_path / "a16", channels="16", activation_dtype="bf16", progress=False).out_dir
     script, out = tmp_path / "run_tp2.py", tmp_path / "res.json"
     script.write_text(SCRIPT)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])))  # tests/helpers
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     r = subprocess.run([sys.executable, str(script), str(ck), str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -21,15 +21,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from foursight.checkpoint import quantize_model  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
 from foursight.models import builtin_texts  # noqa: E402
-from foursight.quant_methods.vllm_eval import engine_prompt_logprobs, fixed_sequences  # noqa: E402
-from weight_helpers import perturbed_state  # noqa: E402
+from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from helpers.vllm_engine import EXT, engine_model  # noqa: E402
+from helpers.weights import perturbed_state  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
-
-
-def _engine_model(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
 def _files(tiny_llama_dir, tmp_path) -> tuple[Path, Path, Path]:
@@ -70,7 +66,7 @@ def test_native_update_equals_the_collective_rpc_route(tiny_llama_dir, tmp_path)
         lp_native = engine_prompt_logprobs(llm, seqs)
         sd = load_file(str(whole))
         n = 0
-        for mod in _engine_model(llm).modules():
+        for mod in engine_model(llm).modules():
             plan = getattr(mod, "foursight_plan", None)
             if plan is None:
                 continue
@@ -100,7 +96,7 @@ def test_bridge_updates_a_vllm_server_through_the_native_api(tiny_llama_dir, tmp
     version (``/weight_info``) and the rollouts' logprobs are the new weights' (vLLM's own
     /v1/completions before and after agree with the bridge's stream)."""
     from foursight.trainer_bridge.client import RolloutClient
-    from foursight.trainer_bridge.engines import VLLMHTTPEngine
+    from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread, VLLMServer
     from foursight.trainer_bridge.server import create_app
 

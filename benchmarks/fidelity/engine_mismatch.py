@@ -75,9 +75,14 @@ class VLLMEngine:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def teacher_forced(self, seqs):
-        from foursight.quant_methods.vllm_eval import engine_prompt_logprobs
+        """``log p(seq[t] | seq[:t])``, t >= 1, from vLLM's ``prompt_logprobs`` (as SGLang's below from its own field)."""
+        import torch
+        from vllm import SamplingParams, TokensPrompt
 
-        return engine_prompt_logprobs(self.llm, seqs)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], sp, use_tqdm=False)
+        return [torch.tensor([o.prompt_logprobs[t][s[t]].logprob for t in range(1, len(s))], dtype=torch.float64)
+                for s, o in zip(seqs, outs)]
 
     def close(self) -> None:
         del self.llm

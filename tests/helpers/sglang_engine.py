@@ -1,5 +1,5 @@
-"""Helpers for the SGLang test suite: engine settings for CPU, teacher-forced logprobs from
-SGLang and from the PyTorch reference model, and a free port.
+"""SGLang in the tests (the SGLang venv): engine settings for CPU, servers (started, refused at load),
+teacher-forced logprobs from SGLang and from the PyTorch reference model, and the noise-floor rule.
 
 Engine settings on a CPU-only machine (see docs/sglang.md): ``SGLANG_USE_CPU_ENGINE=1``,
 ``device="cpu"``, ``attention_backend="torch_native"``; SGLang's CPU kernel package is replaced
@@ -8,6 +8,7 @@ by the test-harness stand-in in tests/sglang_harness (installed by scripts/setup
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import torch
@@ -144,6 +146,22 @@ def noise_floor(model: torch.nn.Module, prompts: list[list[int]], sdpa_logprobs:
     return abs_diffs(sdpa_logprobs, hf_prompt_logprobs(set_eager_attention(model), prompts))
 
 
+class FloorCheck(NamedTuple):
+    d: torch.Tensor  #: |Δ| of the engine's logprobs against the reference's, flat
+    ok: bool  #: within the floor (:func:`within_floor`)
+    msg: str
+    ref: list[list[float]]  #: the reference model's logprobs
+
+
+def floor_check(got: list[list[float]], ref_model: torch.nn.Module, prompts: list[list[int]]) -> FloorCheck:
+    """An engine's teacher-forced logprobs ``got`` against the reference model's, by the rule of
+    :func:`within_floor` (the floor measured on ``ref_model``, which is left on eager attention)."""
+    ref = hf_prompt_logprobs(ref_model, prompts)
+    d = abs_diffs(got, ref)
+    ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref))
+    return FloorCheck(d, ok, msg, ref)
+
+
 def within_floor(d: torch.Tensor, floor: torch.Tensor) -> tuple[bool, str]:
     """The acceptance rule of the engine-vs-reference tests (see docs/sglang.md):
     mean |Δ| ≤ 2·mean(floor) + 0.01 and max |Δ| ≤ 2·max(floor) + 0.05."""
@@ -153,6 +171,19 @@ def within_floor(d: torch.Tensor, floor: torch.Tensor) -> tuple[bool, str]:
     msg = (f"mean |Δ| {float(d.mean()):.5f} (tol {mean_tol:.5f}), max |Δ| {float(d.max()):.5f} (tol {max_tol:.5f}); "
            f"floor sdpa-vs-eager mean {float(floor.mean()):.5f} max {float(floor.max()):.5f}; {d.numel()} tokens")
     return ok, msg
+
+
+@contextlib.contextmanager
+def running_engine(model: str | Path, **kw):
+    """An in-process ``sglang.Engine(model_path=model, quantization="foursight")`` with :data:`ENGINE_KW`
+    (``kw`` adds or overrides); shut down on exit."""
+    import sglang as sgl
+
+    eng = sgl.Engine(model_path=str(model), **{"quantization": "foursight", **ENGINE_KW, **kw})
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
 
 
 # ---- SGLang HTTP servers (python -m sglang.launch_server --quantization foursight) -------------
@@ -175,6 +206,35 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def refused_at_load(model: Path, log: Path) -> tuple[int, str]:
+    """Start a server on a checkpoint it must refuse and wait for it to exit (AssertionError if it is
+    still up after ``STARTUP_TIMEOUT``). Returns its exit code and its log."""
+    proc = launch_server(model, free_port(), log)
+    try:
+        t0 = time.time()
+        proc.wait(STARTUP_TIMEOUT)
+        print(f"bad checkpoint {model.name}: server exited after {time.time() - t0:.0f} s")
+    except subprocess.TimeoutExpired:
+        stop_server(proc)
+        raise AssertionError(f"server with a bad checkpoint ({model}) did not exit:\n{log.read_text()[-3000:]}") from None
+    finally:
+        stop_server(proc)
+    return proc.returncode, log.read_text()
+
+
+@contextlib.contextmanager
+def running_server(model: Path, log: Path):
+    """An SGLang server on ``model`` (a free port), ready: yields its URL, stopped on exit."""
+    port = free_port()
+    proc = launch_server(model, port, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, log)
+        yield url
+    finally:
+        stop_server(proc)
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:

@@ -1,7 +1,8 @@
 """Fixtures of the SGLang suite (run in the SGLang venv: `.venv-sglang/bin/python -m pytest tests/sglang`).
 
 In a venv without SGLang (the vLLM/main one) the whole folder is skipped at collection.
-The FourSight checkpoints are written once per session with ``foursight.checkpoint.quantize_model``.
+The FourSight checkpoints are written once per session by tests/conftest.py's ``quantize_tiny``; the
+suite's helpers are in tests/helpers/sglang_engine.py.
 """
 
 from __future__ import annotations
@@ -29,25 +30,13 @@ def _sglang_installed() -> bool:
 if not _sglang_installed():
     collect_ignore_glob = ["test_*.py"]
 
-K_TINY = "16"  # BF16 channels per layer of the tiny model (K = 128 / 256)
-
-
-def _quantize(model_dir: Path, out: Path, channels: str) -> Path:
-    from foursight.checkpoint import quantize_model
-
-    return quantize_model(model_dir, out, channels=channels, progress=False).out_dir
+# tiny_ckpt (FourSight k=16 of the tiny Llama) and the quantize_tiny builder are in tests/conftest.py.
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tiny_llama_dir, tmp_path_factory) -> Path:
-    """FourSight checkpoint (k=16) of the tiny Llama."""
-    return _quantize(tiny_llama_dir, tmp_path_factory.mktemp("fs-ckpt") / "ckpt", K_TINY)
-
-
-@pytest.fixture(scope="session")
-def tiny_nvfp4_ckpt(tiny_llama_dir, tmp_path_factory) -> Path:
+def tiny_nvfp4_ckpt(quantize_tiny, tiny_llama_dir) -> Path:
     """Plain NVFP4 checkpoint (k=0) of the tiny Llama: the baseline FourSight must differ from."""
-    return _quantize(tiny_llama_dir, tmp_path_factory.mktemp("fp4-ckpt") / "ckpt", "0")
+    return quantize_tiny(tiny_llama_dir, channels="0").out_dir
 
 
 @pytest.fixture(scope="session")
@@ -59,5 +48,15 @@ def tiny_llama_b_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt_b(tiny_llama_b_dir, tmp_path_factory) -> Path:
-    return _quantize(tiny_llama_b_dir, tmp_path_factory.mktemp("fs-ckpt-b") / "ckpt", K_TINY)
+def tiny_ckpt_b(quantize_tiny, tiny_llama_b_dir) -> Path:
+    """FourSight checkpoint (k=16) of the second tiny Llama."""
+    return quantize_tiny(tiny_llama_b_dir).out_dir
+
+
+@pytest.fixture(scope="module")
+def ckpt_engine(tiny_ckpt):
+    """An in-process ``sglang.Engine`` serving the tiny FourSight checkpoint (one per test module)."""
+    from helpers.sglang_engine import running_engine
+
+    with running_engine(tiny_ckpt) as eng:
+        yield eng

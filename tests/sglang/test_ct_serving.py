@@ -14,40 +14,29 @@ quantization method specified in the `quantization` argument").
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from sglang_helpers import (abs_diffs, bf16_model, free_port, hf_prompt_logprobs, launch_server, prompt_ids, server_prompt_logprobs,
-                            stop_server, wait_ready)
+from helpers.checkpoints import library_ct_checkpoint
+from helpers.sglang_engine import abs_diffs, bf16_model, hf_prompt_logprobs, prompt_ids, running_server, server_prompt_logprobs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 pytest.importorskip("compressed_tensors")
 
-_SPEC = importlib.util.spec_from_file_location("ct_library", Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity" / "ct_library.py")
-_ct_library = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(_ct_library)
-
 
 def _served_logprobs(model: Path, prompts: list[list[int]], log: Path) -> list[list[float]]:
-    port = free_port()
-    proc = launch_server(model, port, log)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(proc, url, log)
+    with running_server(model, log) as url:
         return server_prompt_logprobs(url, prompts)
-    finally:
-        stop_server(proc)
 
 
 def test_sglang_serves_the_compressed_tensors_folder_directly(tiny_llama_dir, tmp_path):
     from foursight.interop import import_compressed_tensors
     from foursight.quant_methods.sglang_method import FourSightSGLangConfig
 
-    ct_dir = _ct_library.library_ct_checkpoint(tiny_llama_dir, tmp_path / "ct")
+    ct_dir = library_ct_checkpoint(tiny_llama_dir, tmp_path / "ct")
     qc = json.loads((ct_dir / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "nvfp4-pack-quantized"
     assert FourSightSGLangConfig.override_quantization_method(qc, "foursight") == "foursight"

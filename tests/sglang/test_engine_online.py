@@ -5,7 +5,7 @@ load with the channel sets of a ``foursight_channels.json`` (here: the one ``qua
 wrote next to the tiny checkpoint, passed through ``FOURSIGHT_CHANNELS_FILE``). Same channels and
 the same per-tensor global scale convention as the checkpoint writer, so the engine must match
 the PyTorch reference model *of the checkpoint* (tolerance: the measured noise floor, see
-test_server.py and ``sglang_helpers.within_floor``).
+test_server.py and ``helpers.sglang_engine.within_floor``).
 
 Then ``engine.update_weights_from_tensor`` (inside SGLang's ``begin_weight_update`` /
 ``end_weight_update`` session) streams the BF16 weights of another model (the "new policy" of an
@@ -18,22 +18,12 @@ tensors (the rollout bridge's contract) brings policy A back.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-from sglang_helpers import (
-    ENGINE_KW,
-    abs_diffs,
-    bf16_model,
-    engine_prompt_logprobs,
-    hf_prompt_logprobs,
-    noise_floor,
-    prompt_ids,
-    reference_model,
-    within_floor,
-)
+from helpers.sglang_engine import (abs_diffs, bf16_model, engine_prompt_logprobs, floor_check, hf_prompt_logprobs, prompt_ids,
+                                   reference_model, running_engine)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -42,19 +32,10 @@ SEPARATION = 1.5
 
 @pytest.fixture(scope="module")
 def online_engine(tiny_llama_dir, tiny_ckpt):
-    import sglang as sgl
-
-    old = os.environ.get("FOURSIGHT_CHANNELS_FILE")
-    os.environ["FOURSIGHT_CHANNELS_FILE"] = str(tiny_ckpt / "foursight_channels.json")
-    eng = sgl.Engine(model_path=str(tiny_llama_dir), quantization="foursight", **ENGINE_KW)
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
-        if old is None:
-            os.environ.pop("FOURSIGHT_CHANNELS_FILE", None)
-        else:
-            os.environ["FOURSIGHT_CHANNELS_FILE"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOURSIGHT_CHANNELS_FILE", str(tiny_ckpt / "foursight_channels.json"))
+        with running_engine(tiny_llama_dir) as eng:
+            yield eng
 
 
 def _rep(name, d):
@@ -64,15 +45,12 @@ def _rep(name, d):
 def test_online_quantization_matches_checkpoint_reference(online_engine, tiny_ckpt, tiny_llama_dir):
     prompts = prompt_ids(tiny_ckpt, n=4)
     eng = engine_prompt_logprobs(online_engine, prompts)
-    ref_model = reference_model(tiny_ckpt)
-    ref = hf_prompt_logprobs(ref_model, prompts)
-    bf16 = hf_prompt_logprobs(bf16_model(tiny_llama_dir), prompts)
-    d, d_bf16 = abs_diffs(eng, ref), abs_diffs(eng, bf16)
-    ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref))
-    msg = f"online engine vs checkpoint reference: {msg}; " + _rep("online engine vs bf16", d_bf16)
+    d_bf16 = abs_diffs(eng, hf_prompt_logprobs(bf16_model(tiny_llama_dir), prompts))
+    c = floor_check(eng, reference_model(tiny_ckpt), prompts)
+    msg = f"online engine vs checkpoint reference: {c.msg}; " + _rep("online engine vs bf16", d_bf16)
     print(msg)
-    assert ok, msg
-    assert float(d.mean()) * SEPARATION <= float(d_bf16.mean()), msg
+    assert c.ok, msg
+    assert float(c.d.mean()) * SEPARATION <= float(d_bf16.mean()), msg
 
 
 def test_generate_with_output_logprobs(online_engine, tiny_ckpt):
@@ -102,9 +80,7 @@ def test_weight_update_from_tensor_requantizes(online_engine, tiny_ckpt, tiny_ll
     after = engine_prompt_logprobs(online_engine, prompts)
     chans = json.loads((tiny_ckpt / "foursight_channels.json").read_text())["channels"]
     ref_model = quantize_hf_model(bf16_model(tiny_llama_b_dir), {k: torch.tensor(v, dtype=torch.int32) for k, v in chans.items()})
-    ref = hf_prompt_logprobs(ref_model, prompts)
-    d, moved = abs_diffs(after, ref), abs_diffs(after, before)
-    ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref))
+    (d, ok, msg, _), moved = floor_check(after, ref_model, prompts), abs_diffs(after, before)
     m = f"after update vs reference of new policy: {msg}; " + _rep("after vs before", moved)
     print(m)
     assert ok, m
@@ -125,8 +101,6 @@ def test_weight_update_from_disk_folder_of_bf16_tensors(online_engine, tiny_ckpt
     assert ok, msg
     prompts = prompt_ids(tiny_ckpt, n=4)
     eng = engine_prompt_logprobs(online_engine, prompts)
-    ref_model = reference_model(tiny_ckpt)
-    ref = hf_prompt_logprobs(ref_model, prompts)
-    ok, m = within_floor(abs_diffs(eng, ref), noise_floor(ref_model, prompts, ref))
+    _, ok, m, _ = floor_check(eng, reference_model(tiny_ckpt), prompts)
     print("after disk update back to A vs checkpoint reference:", m)
     assert ok, m

@@ -5,29 +5,22 @@ a CheckpointError naming the tensor; so do a subnormal global scale and the inco
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
 
-from sglang_helpers import STARTUP_TIMEOUT, free_port, launch_server, stop_server
+from helpers.checkpoints import edit_tensors
+from helpers.sglang_engine import refused_at_load
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 
 def _no_norm(dst):
-    from safetensors.torch import load_file, save_file
-
-    t = load_file(str(dst / "model.safetensors"))
-    del t["model.norm.weight"]
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    edit_tensors(dst, lambda t: t.pop("model.norm.weight"))
 
 
 def _subnormal_scale(dst):
-    from safetensors.torch import load_file, save_file
-
-    t = load_file(str(dst / "model.safetensors"))
-    t["model.layers.0.self_attn.q_proj.weight_global_scale"] = t["model.layers.0.self_attn.q_proj.weight_global_scale"].clone().fill_(1e-40)
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    name = "model.layers.0.self_attn.q_proj.weight_global_scale"
+    edit_tensors(dst, lambda t: t.__setitem__(name, t[name].clone().fill_(1e-40)))
 
 
 def _marked(dst):
@@ -45,15 +38,6 @@ def test_sglang_refuses_a_bad_checkpoint_at_load_naming_it(tiny_ckpt, tmp_path, 
     bad = tmp_path / case
     shutil.copytree(tiny_ckpt, bad)
     edit(bad)
-    log = tmp_path / "bad.log"
-    proc = launch_server(bad, free_port(), log)
-    try:
-        proc.wait(STARTUP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        stop_server(proc)
-        raise AssertionError(f"server with a bad checkpoint ({case}) did not exit:\n{log.read_text()[-3000:]}")
-    finally:
-        stop_server(proc)
-    text = log.read_text()
-    assert proc.returncode != 0
+    returncode, text = refused_at_load(bad, tmp_path / "bad.log")
+    assert returncode != 0
     assert message in " ".join(text.split()), text[-3000:]

@@ -17,7 +17,7 @@ BF16 vs the HF modules. A BF16 rounding difference in a layer input can move an 
 an FP4 rounding boundary, which later layers amplify. So the tolerance is measured, not guessed:
 the *noise floor* is the |Δ| between two equally valid HF implementations of the same checkpoint
 (SDPA vs eager attention), and the engine must satisfy mean |Δ| ≤ 2·floor_mean + 0.01 and
-max |Δ| ≤ 2·floor_max + 0.05 (``sglang_helpers.within_floor``). On the tiny model the floor is
+max |Δ| ≤ 2·floor_max + 0.05 (``helpers.sglang_engine.within_floor``). On the tiny model the floor is
 ≈0.12 mean / 0.5 max nats for W4A4 (≈0.012 / 0.06 for W4A16); the figures of a run are printed.
 So that the check can fail for a wrong layer, the engine must also be at least 2.5x closer
 (mean |Δ|) to the FourSight reference than that reference is to the plain NVFP4 (k=0) reference
@@ -26,29 +26,15 @@ of the same model.
 
 from __future__ import annotations
 
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from sglang_helpers import (
-    STARTUP_TIMEOUT,
-    generate_logprobs,
-    launch_server,
-    server_prompt_logprobs,
-    stop_server,
-    wait_ready,
-    abs_diffs,
-    free_port,
-    hf_prompt_logprobs,
-    prompt_ids,
-    noise_floor,
-    reference_model,
-    sglang_prompt_logprobs,
-    within_floor,
-)
+from helpers.checkpoints import edited_copy
+from helpers.sglang_engine import (abs_diffs, floor_check, free_port, generate_logprobs, hf_prompt_logprobs, launch_server, prompt_ids,
+                                   reference_model, refused_at_load, running_server, server_prompt_logprobs, sglang_prompt_logprobs,
+                                   stop_server, wait_ready)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -57,15 +43,8 @@ SEPARATION = 2.5
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("sglang-server") / "server.log"
-    proc = launch_server(tiny_ckpt, port, log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, log)
+    with running_server(tiny_ckpt, tmp_path_factory.mktemp("sglang-server") / "server.log") as url:
         yield url
-    finally:
-        stop_server(proc)
 
 
 def _report(name: str, d) -> str:
@@ -90,17 +69,13 @@ def test_generate_returns_logprobs(server, tiny_ckpt):
 
 def test_logprobs_match_reference_model(server, tiny_ckpt, tiny_nvfp4_ckpt, record_property):
     prompts = prompt_ids(tiny_ckpt, n=4)
-    eng = server_prompt_logprobs(server, prompts)
-    ref_model = reference_model(tiny_ckpt)
-    ref = hf_prompt_logprobs(ref_model, prompts)
-    fp4 = hf_prompt_logprobs(reference_model(tiny_nvfp4_ckpt), prompts)
-    d, d_fp4 = abs_diffs(eng, ref), abs_diffs(ref, fp4)
-    ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref))
-    msg = f"sglang vs reference: {msg}; " + _report("reference vs nvfp4 reference", d_fp4)
+    c = floor_check(server_prompt_logprobs(server, prompts), reference_model(tiny_ckpt), prompts)
+    d_fp4 = abs_diffs(c.ref, hf_prompt_logprobs(reference_model(tiny_nvfp4_ckpt), prompts))
+    msg = f"sglang vs reference: {c.msg}; " + _report("reference vs nvfp4 reference", d_fp4)
     record_property("sglang_vs_reference", msg)
     print(msg)
-    assert ok, msg
-    assert float(d.mean()) * SEPARATION <= float(d_fp4.mean()), msg
+    assert c.ok, msg
+    assert float(c.d.mean()) * SEPARATION <= float(d_fp4.mean()), msg
 
 
 def test_update_weights_from_disk_follows_new_policy(server, tiny_ckpt, tiny_ckpt_b):
@@ -110,11 +85,8 @@ def test_update_weights_from_disk_follows_new_policy(server, tiny_ckpt, tiny_ckp
         r = httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(tiny_ckpt_b)}, timeout=300)
         assert r.status_code == 200 and r.json()["success"], r.text
         after = server_prompt_logprobs(server, prompts)
-        ref_model = reference_model(tiny_ckpt_b)
-        ref_b = hf_prompt_logprobs(ref_model, prompts)
-        d = abs_diffs(after, ref_b)
+        d, ok, msg, _ = floor_check(after, reference_model(tiny_ckpt_b), prompts)
         moved = abs_diffs(after, before)
-        ok, msg = within_floor(d, noise_floor(ref_model, prompts, ref_b))
         print("after update vs reference B:", msg)
         assert ok, msg
         assert float(moved.mean()) >= SEPARATION * float(d.mean()), _report("after vs before", moved)
@@ -123,42 +95,18 @@ def test_update_weights_from_disk_follows_new_policy(server, tiny_ckpt, tiny_ckp
 
 
 def test_missing_tensor_fails_at_load_naming_it(tiny_ckpt, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny_ckpt, bad)
-    t = load_file(str(bad / "model.safetensors"))
-    del t["model.layers.1.self_attn.k_proj.weight_scale"]
-    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    log = tmp_path / "bad.log"
-    proc = launch_server(bad, free_port(), log)
-    try:
-        t0 = time.time()
-        proc.wait(STARTUP_TIMEOUT)
-        print(f"bad checkpoint: server exited after {time.time() - t0:.0f} s")
-    except subprocess.TimeoutExpired:
-        stop_server(proc)
-        raise AssertionError(f"server with a bad checkpoint did not exit:\n{log.read_text()[-3000:]}")
-    finally:
-        stop_server(proc)
-    text = log.read_text()
-    assert proc.returncode != 0
+    bad = edited_copy(tiny_ckpt, tmp_path / "bad", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight_scale"))
+    returncode, text = refused_at_load(bad, tmp_path / "bad.log")
+    assert returncode != 0
     assert "CheckpointError: missing tensor model.layers.1.self_attn.k_proj.weight_scale" in text, text[-3000:]
 
 
 def _nan_norm_copy(src: Path, dst: Path, name: str = "model.norm.weight") -> Path:
-    import shutil
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name][3] = float("nan")
 
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    t = load_file(str(dst / "model.safetensors"))
-    t[name] = t[name].clone()
-    t[name][3] = float("nan")
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
+    return edited_copy(src, dst, edit)
 
 
 def test_non_finite_update_from_disk_is_refused_and_previous_weights_keep_serving(server, tiny_ckpt, tmp_path):
@@ -176,17 +124,8 @@ def test_non_finite_update_from_disk_is_refused_and_previous_weights_keep_servin
 
 def test_non_finite_checkpoint_fails_at_load_naming_the_tensor(tiny_ckpt, tmp_path):
     bad = _nan_norm_copy(tiny_ckpt, tmp_path / "bad", "model.embed_tokens.weight")
-    log = tmp_path / "bad.log"
-    proc = launch_server(bad, free_port(), log)
-    try:
-        proc.wait(STARTUP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        stop_server(proc)
-        raise AssertionError(f"server with a NaN embedding did not exit:\n{log.read_text()[-3000:]}")
-    finally:
-        stop_server(proc)
-    text = log.read_text()
-    assert proc.returncode != 0
+    returncode, text = refused_at_load(bad, tmp_path / "bad.log")
+    assert returncode != 0
     assert "tensor model.embed_tokens.weight" in text and "non-finite" in text, text[-3000:]
 
 
@@ -195,7 +134,7 @@ def test_bridge_engine_reads_the_version_sglang_serves(server, tiny_ckpt):
     server (how the bridge tells a restarted server, back at version 0, from one in sync)."""
     import asyncio
 
-    from foursight.trainer_bridge.engines import SGLangHTTPEngine
+    from foursight.trainer_bridge.backends.sglang import SGLangHTTPEngine
 
     async def run():
         eng = SGLangHTTPEngine(server)
@@ -219,7 +158,7 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
     sees the served version fall back to 0, reports the engine stale (health 503), refuses rollouts
     rather than tagging them version 7, and is in sync again after the trainer pushes once more."""
     from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient
-    from foursight.trainer_bridge.engines import SGLangHTTPEngine
+    from foursight.trainer_bridge.backends.sglang import SGLangHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread
     from foursight.trainer_bridge.server import create_app
 
@@ -273,7 +212,7 @@ def test_bridge_detects_a_restarted_sglang_server_and_refuses_its_rollouts(tiny_
 def test_bridge_refuses_a_prompt_beyond_the_sglang_context_naming_the_field(server, tiny_ckpt):
     """issue 28: the SGLang server's context (its GET /v1/models max_model_len, 1024 for the tiny
     model): a prompt plus max_tokens beyond it gets 422 from the bridge naming the field."""
-    from foursight.trainer_bridge.engines import SGLangHTTPEngine
+    from foursight.trainer_bridge.backends.sglang import SGLangHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread
     from foursight.trainer_bridge.server import create_app
 

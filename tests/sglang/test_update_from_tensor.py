@@ -9,7 +9,7 @@ its empty ``weight`` parameter, which quantizes each shard with the checkpoint's
 
 Oracle: the PyTorch reference model of the new weights quantized with the checkpoint's channels
 (``foursight.hf.quantize_hf_model``), within the measured BF16 implementation floor
-(``sglang_helpers.within_floor``), and far from the previous policy. Twice in a row (B, then back
+(``helpers.sglang_engine.within_floor``), and far from the previous policy. Twice in a row (B, then back
 to A), then half a fused layer (q_proj of layer 0 alone).
 """
 
@@ -20,22 +20,11 @@ import json
 import pytest
 import torch
 
-from sglang_helpers import ENGINE_KW, abs_diffs, bf16_model, engine_prompt_logprobs, hf_prompt_logprobs, noise_floor, prompt_ids, within_floor
+from helpers.sglang_engine import abs_diffs, bf16_model, engine_prompt_logprobs, hf_prompt_logprobs, noise_floor, prompt_ids, within_floor
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
-
-
-@pytest.fixture(scope="module")
-def ckpt_engine(tiny_ckpt):
-    import sglang as sgl
-
-    eng = sgl.Engine(model_path=str(tiny_ckpt), quantization="foursight", **ENGINE_KW)
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
 
 
 def _reference(model_dir, tiny_ckpt, state=None):
