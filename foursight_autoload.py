@@ -72,11 +72,27 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Register now, or arrange to register when ``transformers.quantizers.auto`` has been imported (idempotent)."""
+    """Register now, or arrange to register when ``transformers.quantizers.auto`` has been imported (idempotent).
+
+    The ``sys.meta_path`` finder is the one side effect, and only where it has work to do: not when
+    transformers is not installed, never twice, and it removes itself once the module has loaded.
+    It cannot be avoided: transformers has no plugin entry point for quantizers, and importing it
+    here would cost every ``import torch`` the import of transformers (docs/ecosystem.md).
+    """
     if _loaded():
         _register()
-    elif not any(getattr(f, "foursight", False) for f in sys.meta_path):
+    elif not any(getattr(f, "foursight", False) for f in sys.meta_path) and _transformers_installed():
         sys.meta_path.insert(0, _Finder())
+
+
+def _transformers_installed() -> bool:
+    """Whether a ``transformers`` package can be found (its spec only: nothing is imported)."""
+    if "transformers" in sys.modules:
+        return True
+    try:
+        return importlib.machinery.PathFinder.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def torch_autoload() -> None:

@@ -72,7 +72,15 @@ def check_folder(path: Any) -> None:
 
 
 #: tensors engines skip by name without a parameter for them (rotary tables some checkpoints carry)
-_ENGINE_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+ENGINE_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def packed_name_map(model: torch.nn.Module, packed: dict[str, list[str]] | None = None):
+    """Checkpoint name -> engine parameter name through the fused-layer map (``packed`` or the
+    model's ``packed_modules_mapping``): ``...self_attn.q_proj.weight`` -> ``...self_attn.qkv_proj.weight``."""
+    packed = packed or dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED_MODULES)
+    shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
+    return lambda name: ".".join(shard_to_fused.get(p, p) for p in name.split("."))
 
 
 def checked_complete(weights, model: torch.nn.Module, where: str = "", packed: dict[str, list[str]] | None = None):
@@ -85,17 +93,15 @@ def checked_complete(weights, model: torch.nn.Module, where: str = "", packed: d
     embedding, an unquantized layer; tied weights are one parameter and need one tensor) raises
     "missing tensor", naming it. A fused layer's missing shard is the FourSight layer's own check.
     """
-    packed = packed or dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED_MODULES)
-    shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
+    map_name = packed_name_map(model, packed)
     params = {n for n, p in model.named_parameters() if p.numel() > 0}
     allowed = {n for n, _ in model.named_parameters()}
     cfg = getattr(model, "config", None)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     seen: set[str] = set()
     for name, t in weights:
-        parts = name.split(".")
-        mapped = ".".join(shard_to_fused.get(p, p) for p in parts)
-        if mapped not in allowed and not name.endswith(_ENGINE_SKIPPED) and not (tied and name == "lm_head.weight"):
+        mapped = map_name(name)
+        if mapped not in allowed and not name.endswith(ENGINE_SKIPPED) and not (tied and name == "lm_head.weight"):
             raise CheckpointError(f"unexpected tensor {name}{where}: the model has no parameter for it")
         seen.add(mapped)
         yield name, t

@@ -73,37 +73,37 @@ def _tp_context(layer: torch.nn.Module) -> TPContext:
     return TPContext(rank, size, all_reduce_max, all_gather_cat)
 
 
-def _install_load_check() -> None:
+def install_load_check() -> None:
     """Every tensor a FourSight model loads from its checkpoint is checked finite.
 
     vLLM loads norms, embeddings and lm_head through its own loaders, so the FourSight layers'
     own checks (``schema.decode_module``) do not see them, and a NaN there kills the engine at its
     first request. This wraps ``DefaultModelLoader.get_all_weights`` for models whose
     ``quantization`` is ``foursight`` only: a non-finite tensor stops the load with a
-    :class:`~foursight.schema.CheckpointError` naming it. Idempotent.
+    :class:`~foursight.schema.CheckpointError` naming it, and the tensors are compared with the
+    model's parameters. Idempotent; called by the plugin entry point
+    (:func:`foursight.quant_methods.vllm_plugin.register`), not on import
+    (:mod:`foursight.quant_methods.engine_hooks`).
     """
     try:
         from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     except ImportError:  # another vLLM layout: the FourSight layers' own checks still run
         return
-    original = DefaultModelLoader.get_all_weights
-    if getattr(original, "_foursight_checked", False):
-        return
+    from foursight.quant_methods.engine_hooks import wrap_method
 
-    def get_all_weights(self, model_config, model):
-        it = original(self, model_config, model)
-        if getattr(model_config, "quantization", None) != QUANT_METHOD:
-            yield from it
-            return
-        qc = getattr(model_config.hf_config, "quantization_config", None)
-        check_folder(model_config.model)  # an incomplete folder or a truncated file, named before vLLM reads it
-        yield from served_weights(it, qc, f" in {model_config.model}", model=model)
+    def wrap(original):
+        def get_all_weights(self, model_config, model):
+            it = original(self, model_config, model)
+            if getattr(model_config, "quantization", None) != QUANT_METHOD:
+                yield from it
+                return
+            qc = getattr(model_config.hf_config, "quantization_config", None)
+            check_folder(model_config.model)  # an incomplete folder or a truncated file, named before vLLM reads it
+            yield from served_weights(it, qc, f" in {model_config.model}", model=model)
 
-    get_all_weights._foursight_checked = True  # type: ignore[attr-defined]
-    DefaultModelLoader.get_all_weights = get_all_weights
+        return get_all_weights
 
-
-_install_load_check()
+    wrap_method(DefaultModelLoader, "get_all_weights", wrap)
 
 
 @register_quantization_config(QUANT_METHOD)

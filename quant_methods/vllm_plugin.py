@@ -12,12 +12,15 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Import the module whose ``@register_quantization_config("foursight")`` registers the method.
+    """Import the module whose ``@register_quantization_config("foursight")`` registers the method,
+    and install the checkpoint-load check (:func:`foursight.quant_methods.vllm_method.install_load_check`).
 
     Idempotent (a second call re-registers the same class, which vLLM allows).
     """
     _request_amx()
-    import foursight.quant_methods.vllm_method  # noqa: F401
+    from foursight.quant_methods.vllm_method import install_load_check  # its import registers the method
+
+    install_load_check()  # wraps vLLM's checkpoint loader (why: foursight.quant_methods.engine_hooks)
     from foursight.quant_methods.vllm_weight_transfer import register as register_weight_transfer
 
     register_weight_transfer()  # the foursight_file backend of --weight-transfer-config (vLLM >= 0.32)

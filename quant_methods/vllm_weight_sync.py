@@ -77,73 +77,17 @@ def _safetensors_names(path: str | Path) -> list[str]:
         return list(f.keys())
 
 
-#: tensors engines skip by name without a parameter for them (rotary tables some checkpoints carry)
-_SKIPPED_NAMES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
 def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Validate a WHOLE update before anything of it is loaded (issue 28: atomic updates).
-
-    Every tensor must be a finite floating-point tensor whose HF name maps (through the model's
-    ``hf_to_vllm_mapper``, e.g. ``q_proj`` -> ``qkv_proj``) to a parameter of the model, with the
-    shape that parameter takes: a FourSight shard ``[rows, K]``, any other parameter its own shape
-    (at TP = 1; a vocab-padded embedding takes up to its padded row count; with TP > 1 only
-    the dimensions that are not split are compared). Raises CheckpointError naming the first bad
-    tensor; returns the number of tensors. A refused update therefore leaves the engine as it was.
+    """Validate a WHOLE update before anything of it is loaded (issue 28: atomic updates):
+    :func:`foursight.quant_methods.update_check.check_update` with vLLM's name mapping (the model's
+    ``hf_to_vllm_mapper``; the fused ``qkv_proj`` shards are the FourSight layers' own) and BF16
+    weights only (every tensor a finite float). Raises CheckpointError naming the first bad tensor;
+    returns the number of tensors. A refused update therefore leaves the engine as it was.
     """
-    from foursight.nvfp4 import NVFP4Error, check_finite
+    from foursight.quant_methods.update_check import check_update as check
 
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    params = dict(model.named_parameters())
-    shards: dict[str, tuple[LayerPlan, int]] = {}
-    tp = 1
-    for m in foursight_layers(model).values():
-        plan: LayerPlan = m.foursight_plan
-        tp = max(tp, plan.tp_size)
-        for i, n in enumerate(plan.shard_names):
-            shards[n] = (plan, i)
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    n = 0
-    for name, t in weights:
-        n += 1
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise CheckpointError(f"tensor {name} has dtype {getattr(t, 'dtype', type(t).__name__)}, expected a floating-point weight")
-        mod, _, leaf = name.rpartition(".")
-        if mod in shards and leaf == "weight":
-            plan, i = shards[mod]
-            rows = plan.shard_sizes[i] * (1 if plan.k_split else plan.tp_size)
-            if t.dim() != 2 or t.shape[1] != plan.input_size or (plan.tp_size == 1 and t.shape[0] != rows):
-                raise CheckpointError(f"tensor {name} has shape {list(t.shape)}, expected {[rows, plan.input_size]}")
-        else:
-            mapped = mapper.map_name(name) if mapper is not None else name
-            p = params.get(mapped) if mapped is not None else None
-            if p is None:
-                if mapped is None or name.endswith(_SKIPPED_NAMES) or (tied and name == "lm_head.weight"):
-                    continue
-                raise CheckpointError(f"unexpected tensor {name}: the model has no parameter for it")
-            fused = mapped != name
-            if p.numel() and not fused and t.dim() == p.dim():
-                padded = hasattr(p, "output_dim") and p.dim() == 2 and getattr(_owner(model, mapped), "org_vocab_size", None) is not None
-                for d, (a, b) in enumerate(zip(t.shape, p.shape)):
-                    split = tp > 1 and d in (getattr(p, "output_dim", None), getattr(p, "input_dim", None))
-                    if (padded and d == 0 and a <= b) or split:
-                        continue
-                    if a != b:
-                        raise CheckpointError(f"tensor {name} has shape {list(t.shape)}, expected {list(p.shape)}")
-            elif p.numel() and not fused and t.dim() != p.dim():
-                raise CheckpointError(f"tensor {name} has shape {list(t.shape)}, expected {list(p.shape)}")
-        try:
-            check_finite(t, f"tensor {name}")
-        except NVFP4Error as e:
-            raise CheckpointError(str(e)) from None
-    return n
-
-
-def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module | None:
-    try:
-        return model.get_submodule(param_name.rpartition(".")[0])
-    except AttributeError:
-        return None
+    return check(model, weights, map_name=mapper.map_name if mapper is not None else (lambda name: name))
 
 
 def cpu_packed_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -50,14 +50,23 @@ CASES: list[Case] = [
          "subnormal, NaN/Inf and scales whose 448·6/scale overflows BF16 are refused naming the tensor "
          "(`schema.check_global_scale`, in the one codec every reader uses)", "28"),
     Case("high", "weight updates not atomic on every route (vLLM native route applies tensors before a refused one; "
-         "rejected tensors served later; NaN accepted; HF takes int32)", "partial",
+         "rejected tensors served later; NaN accepted; HF takes int32)", "fixed",
          (f"{LW}::test_a_refused_update_changes_nothing_and_is_never_served_later",
-          f"{LW}::test_a_bad_tensor_is_refused_naming_it"),
+          f"{LW}::test_a_bad_tensor_is_refused_naming_it",
+          "tests/sglang/test_atomic_updates.py::test_a_refused_update_from_tensor_changes_nothing_and_is_never_served_later",
+          "tests/sglang/test_atomic_updates.py::test_a_refused_update_from_disk_through_the_bridge_changes_nothing",
+          "tests/test_hf_update_refusals.py::test_an_int32_update_through_the_bridge_is_refused_naming_it_and_changes_nothing"),
          "vLLM, in memory (`apply_weight_update`), native (`foursight_file`: each file checked on arrival, loaded only at "
          "`finish_weight_update`) and `/collective_rpc`: the whole update (names, float dtypes, shapes, finiteness) is "
          "checked before anything loads (`vllm_weight_sync.check_update`); a bad shape, NaN, int32 or unknown name as the "
          "last tensor leaves the logprobs bit-identical and the version unchanged, and the next good update equals a fresh "
-         "load. The HF engine refuses non-float tensors (not tested); SGLang's update route is not checked as a whole", "28"),
+         "load. SGLang (`update_weights_from_tensor`, flattened buckets, `update_weights_from_distributed`, "
+         "`update_weights_from_disk` and the bridge's route to it): the plugin checks the whole update the same way "
+         "(`quant_methods/update_check.check_update`, checkpoint tensors included) before SGLang writes anything; a NaN, "
+         "int32, wrong shape or unknown name after good tensors is refused naming it, logprobs bit-identical, weight_version "
+         "unchanged, and a later valid update gives exactly its own logprobs. The HF engine refuses an int32 update through "
+         "the bridge's HTTP route naming the tensor, every parameter bit-identical (502: the bridge's own pre-check reads "
+         "values only)", "28"),
     Case("high", "`--weight-sync native`: a restarted vLLM is not noticed", "fixed",
          (f"{BV}::test_engine_restart_is_detected_on_the_native_sync_route",),
          "on the native route the engine's version is read from vLLM's `GET /weight_info` (the version the bridge gave "
