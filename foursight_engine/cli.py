@@ -79,6 +79,17 @@ def layer_table(layers, title: str = "Relative output error on calibration activ
     return t
 
 
+def _bf16_source(model, verb: str):
+    """The BF16 model folder ``quantize`` and ``calibrate`` read: resolved (a path, a Hub id or the
+    packaged model), refused naming it when it is already quantized."""
+    from foursight.interop import refuse_quantized_model
+    from foursight.models import resolve_model
+
+    src = resolve_model(model)
+    refuse_quantized_model(src, verb)
+    return src
+
+
 @app.command()
 @guarded
 def quantize(
@@ -98,12 +109,8 @@ def quantize(
 ):
     """Calibrate, pick BF16 channels, quantize to NVFP4 and write a FourSight checkpoint."""
     from foursight.checkpoint import quantize_model
-    from foursight.models import resolve_model
 
-    from foursight.interop import refuse_quantized_model
-
-    src = resolve_model(model)
-    refuse_quantized_model(src, "quantize")
+    src = _bf16_source(model, "quantize")
     carve = []
     if bf16_layers:
         from foursight.bf16_layers import bf16_layer_patterns, num_blocks_of
@@ -154,12 +161,8 @@ def calibrate(
 ):
     """Collect activation statistics and write a channels file for online (load-time) quantization."""
     from foursight.channels_file import calibrate_channels
-    from foursight.models import resolve_model
 
-    from foursight.interop import refuse_quantized_model
-
-    src = resolve_model(model)
-    refuse_quantized_model(src, "calibrate")
+    src = _bf16_source(model, "calibrate")
     path = calibrate_channels(src, out, channels=channels, calib=calib, ignore=tuple(ignore))
     console.print(f"[green]wrote[/] {path}")
 
