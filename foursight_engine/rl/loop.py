@@ -14,10 +14,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from foursight.channels import calibrate_channel_sets, channel_summary
 from foursight.rl import tasks as rl_tasks
 from foursight.rl.config import CHANNEL_PRECISIONS, RLConfig, RLError
-from foursight.rl.engines import HFRollout, VLLMRollout, calibrate_channel_sets, channel_summary, eos_ids
 from foursight.rl.grpo import group_advantages, grpo_loss
+from foursight.trainer_bridge.backends.hf import HFRollout
+from foursight.trainer_bridge.backends.vllm_inprocess import VLLMRollout
+from foursight.trainer_bridge.hf_sampling import eos_ids
 
 
 def state_dict_sha256(model_dir: str | Path) -> str:
@@ -58,7 +61,7 @@ def prompt_ids(tok, problems: Sequence[rl_tasks.Problem], style: str = "plain", 
 def evaluate(model: nn.Module, tok, problems: Sequence[rl_tasks.Problem], max_new_tokens: int, batch_size: int = 64,
              style: str = "plain", prefill: str = "") -> dict[str, float]:
     """Greedy accuracy (exact answer) and answer-format rate of ``model`` (BF16 compute) on ``problems``."""
-    from foursight.trainer_bridge.engines import hf_generate
+    from foursight.trainer_bridge.hf_sampling import hf_generate
 
     was_training = model.training
     model.eval()
