@@ -41,7 +41,15 @@ import triton.language as tl
 
 from foursight.nvfp4 import BLOCK_SIZE
 
-from .primitives import _bf16_rne, _mma, _prefetch_l2, _tile_ids, interpreting, pdl_supported
+from .primitives import (
+    _bf16_rne,
+    _mma,
+    _prefetch_l2,
+    _tile_ids,
+    interpreting,
+    pdl_supported,
+    resident_programs,
+)
 
 #: Rows of one stored block (one wgmma M=64 tile of 4 warps) and columns of one stored chunk
 #: (16 bytes per thread: 4 lanes x 32 values).
@@ -625,31 +633,11 @@ _SLOTS: dict = {}
 
 
 def _resident_slots(device, key, compile_fn) -> int:
-    """Programs of one compiled variant that fit on the device at once: SMs x blocks per SM, the
-    blocks per SM limited by its registers, shared memory and threads (the CUDA occupancy rule).
-    ``compile_fn`` compiles the variant without launching it (``JITFunction.warmup``). Under the
-    interpreter, or if the compiled kernel does not say, 8 programs (CPU) or 4 per SM."""
-    if interpreting() or device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ck = (idx, key)
+    """:func:`~.primitives.resident_programs` of one compiled variant (``compile_fn`` compiles it
+    without launching it), cached per device and ``key``."""
+    ck = (str(device), key)
     if ck not in _SLOTS:
-        props = torch.cuda.get_device_properties(idx)
-        per_sm = 4
-        try:
-            k = compile_fn()
-            if getattr(k, "n_regs", None) is None and hasattr(k, "_init_handles"):
-                k._init_handles()
-            regs, shared = int(k.n_regs), int(k.metadata.shared)
-            warp_regs = -(-max(regs, 1) * 32 // 256) * 256
-            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * 4)
-            smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-            by_smem = smem // (shared + 1024)
-            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // 128
-            per_sm = max(1, min(by_regs, by_smem, by_threads, 32))
-        except Exception:  # noqa: BLE001 - an introspection gap costs speed, never correctness
-            pass
-        _SLOTS[ck] = per_sm * props.multi_processor_count
+        _SLOTS[ck] = resident_programs(device, compile_fn)
     return _SLOTS[ck]
 
 

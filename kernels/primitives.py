@@ -10,6 +10,11 @@
   and its 2-D form), the dynamic global scale (:func:`_global_scale`).
 * **Plumbing**: the MMA wrapper (:func:`_mma`), BF16 round-to-nearest-even that the interpreter
   honours (:func:`_rne_bf16`, :func:`_bf16_rne`), the grouped tile order (:func:`_tile_ids`).
+* **Tile steps the GEMM forms share**: the global scales once per tile (:func:`_global_scales`), the
+  spliced BF16 channel segment (:func:`_bf16_segment`); and, in Python, the occupancy rule
+  (:func:`resident_programs`). A step is shared only where the offline sm_90a SASS of every
+  default configuration stays the same: an inlined helper adds debug-scope labels to the PTX, and
+  ptxas can schedule and spill differently around them (the fragment form keeps its own copies).
 
 Every kernel form (one file each: :mod:`.act_quant`, :mod:`.gemv`, :mod:`.swap`, :mod:`.ss`,
 :mod:`.dequant`) builds on these; the PyTorch references are in :mod:`foursight.layer` and
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -48,6 +54,39 @@ def _prefetch_l2(ptrs):
     """``prefetch.global.L2`` of the lines at ``ptrs`` (not under the interpreter)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+_DEVICE_PROPS: dict = {}
+
+
+def resident_programs(device, compile_fn=None) -> int:
+    """Programs of one kernel variant that fit on ``device`` at once: SMs x blocks per SM, the blocks
+    per SM limited by the variant's registers, shared memory and threads (the CUDA occupancy rule,
+    one warpgroup per program). ``compile_fn`` compiles the variant without launching it
+    (``JITFunction.warmup``); without it, or if the compiled kernel does not say, 4 per SM. Under the
+    interpreter or off CUDA: 8, so that the CPU tests exercise split-K."""
+    if interpreting() or device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _DEVICE_PROPS:
+        _DEVICE_PROPS[idx] = torch.cuda.get_device_properties(idx)
+    props = _DEVICE_PROPS[idx]
+    per_sm = 4
+    if compile_fn is not None:
+        try:
+            k = compile_fn()
+            if getattr(k, "n_regs", None) is None and hasattr(k, "_init_handles"):
+                k._init_handles()
+            regs, shared = int(k.n_regs), int(k.metadata.shared)
+            warp_regs = -(-max(regs, 1) * 32 // 256) * 256
+            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * 4)
+            smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+            by_smem = smem // (shared + 1024)
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // 128
+            per_sm = max(1, min(by_regs, by_smem, by_threads, 32))
+        except Exception:  # noqa: BLE001 - an introspection gap costs speed, never correctness
+            pass
+    return per_sm * props.multi_processor_count
 
 
 def interpreting() -> bool:
@@ -401,6 +440,54 @@ def _bf16_rne(x, INTERP: tl.constexpr):
         return _rne_bf16(x)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _global_scales(acc, a_gs_ptr, w_gs_ptr, rm, rn, UNIT: tl.constexpr, A_QUANT: tl.constexpr, SWAP: tl.constexpr):
+    """``acc · UNIT / (gs_w[n] · gs_a[m])`` (``A_QUANT``) or ``acc · UNIT / gs_w[n]`` (W4A16), once per
+    tile: ``UNIT`` undoes the power of two the decoded FP4 operands carry (2^14 for the
+    ``e2m1 · 2^-14`` decoders, 2^7 for the fragment form). ``SWAP``: ``acc`` is ``Yᵀ[BN, BM]``."""
+    wgs = tl.load(w_gs_ptr + rn)
+    if SWAP:
+        if A_QUANT:
+            ags = tl.load(a_gs_ptr + rm)
+            acc = acc * (UNIT / (wgs[:, None] * ags[None, :]))
+        else:
+            acc = acc * (UNIT / wgs)[:, None]
+    else:
+        if A_QUANT:
+            ags = tl.load(a_gs_ptr + rm)
+            acc = acc * (UNIT / (ags[:, None] * wgs[None, :]))
+        else:
+            acc = acc * (UNIT / wgs)[None, :]
+    return acc
+
+
+@triton.jit
+def _bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, rm, rn, lo, hi,
+                  BLOCK_KS: tl.constexpr, DENSE: tl.constexpr, ROUND: tl.constexpr, SWAP: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """The spliced BF16 channel segment: columns ``[lo, hi)`` of S as more K steps of ``BLOCK_KS`` into the
+    same fp32 accumulator, ``X[:, S] · W_bf16ᵀ``. ``DENSE``: ``x_ptr`` is the contiguous X[:, S]
+    (the activation quantizer writes it); else the columns are gathered from X at ``ch_ptr``'s indices. ``ROUND``: the activation is
+    rounded to bf16 first (round to nearest even also under the interpreter; fp16/fp32 X). ``SWAP``:
+    ``acc`` is ``Yᵀ[BN, BM]`` and W_bf16 the left operand."""
+    offs_c = tl.arange(0, BLOCK_KS)
+    for c0 in range(lo, hi, BLOCK_KS):
+        cm = (c0 + offs_c) < hi
+        if DENSE:
+            xs = tl.load(x_ptr + rm[:, None] * stride_xm + (c0 + offs_c)[None, :] * stride_xk, mask=cm[None, :], other=0.0)
+        else:
+            ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
+            xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :] * stride_xk, mask=cm[None, :], other=0.0)
+        wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
+        if ROUND:
+            xs = _bf16_rne(xs.to(tl.float32), INTERP).to(tl.bfloat16)
+        if SWAP:
+            acc = _mma(wb, tl.trans(xs), acc, INTERP)
+        else:
+            acc = _mma(xs, tl.trans(wb), acc, INTERP)
+    return acc
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from foursight.nvfp4 import BLOCK_SIZE
 
 from .configs import SwapConfig
 from .prepared import PreparedWeight, block_ks, weight_args
-from .primitives import _bf16_rne, _fp4_tile, _mma, _tile_ids, interpreting
+from .primitives import _bf16_rne, _bf16_segment, _fp4_tile, _global_scales, _mma, _tile_ids, interpreting, resident_programs
 
 
 @triton.jit
@@ -113,23 +113,13 @@ def _splice_gemm_kernel(
         ws_ptrs += G
 
     # global scales, once per tile: products carried 2^-14 per FP4-decoded operand
-    wgs = tl.load(w_gs_ptr + rn)
-    if A_QUANT:
-        ags = tl.load(a_gs_ptr + rm)
-        acc = acc * (16384.0 / (wgs[:, None] * ags[None, :]))
-    else:
-        acc = acc * (16384.0 / wgs)[:, None]
+    acc = _global_scales(acc, a_gs_ptr, w_gs_ptr, rm, rn, 16384.0, A_QUANT, True)
 
-    # the spliced BF16 channel segment: more K-steps into the same accumulator
+    # the spliced BF16 channel segment (gathered from X): more K-steps into the same accumulator
     if HAS_KS:
         if pid_k == 0:
-            offs_c = tl.arange(0, BLOCK_KS)
-            for c0 in range(0, KS, BLOCK_KS):
-                cm = (c0 + offs_c) < KS
-                ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
-                xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :] * stride_xk, mask=cm[None, :], other=0.0)
-                wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-                acc = _mma(wb, tl.trans(_bf16_rne(xs.to(tl.float32), INTERP)), acc, INTERP)
+            acc = _bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, rm, rn, 0, KS,
+                                BLOCK_KS, False, True, True, INTERP)
 
     omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
     if SPLIT:
@@ -163,26 +153,13 @@ def _split_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, stride_on, M, N, 
     tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_SM_COUNT: dict = {}
-
-
-def _programs_target(device: torch.device) -> int:
-    """About 4 programs per SM (8 under the interpreter, so that CPU tests exercise split-K)."""
-    if interpreting() or device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return 4 * _SM_COUNT[idx]
-
-
 def _split_plan(m: int, n: int, k_dim: int, bm: int, bn: int, bk: int, split: int, device) -> tuple[int, int]:
     """(number of K splits, K/16-groups per split). ``split`` 0 = automatic, 1 = no split."""
     kg, g = k_dim // BLOCK_SIZE, bk // BLOCK_SIZE
     steps = triton.cdiv(kg, g)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split == 0:
-        target = _programs_target(device)
+        target = resident_programs(device)  # about 4 programs per SM (8 under the interpreter)
         split = 1 if 2 * tiles >= target else min(triton.cdiv(target, tiles), steps)
         split = max(1, min(split, (256 * 2**20) // max(1, 4 * m * n)))  # workspace <= 256 MB
     split = max(1, min(split, steps))
