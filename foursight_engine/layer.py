@@ -28,8 +28,26 @@ from foursight.nvfp4 import (
 )
 
 
+class PackedLayerShape:
+    """``out_features``, ``in_features`` and ``num_channels`` of a layer form that holds
+    ``weight_packed`` (uint8 [N, K/2]) and ``bf16_channels`` ([k]): :class:`QuantizedWeight` and the
+    kernels' native form (:class:`foursight.kernels.dot_scaled.NativeWeight`)."""
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_packed.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight_packed.shape[1] * 2
+
+    @property
+    def num_channels(self) -> int:
+        return int(self.bf16_channels.numel())
+
+
 @dataclass
-class QuantizedWeight:
+class QuantizedWeight(PackedLayerShape):
     """The tensors of one compensated linear layer (one checkpoint module).
 
     Attributes:
@@ -46,18 +64,6 @@ class QuantizedWeight:
     weight_global_scale: torch.Tensor
     bf16_channels: torch.Tensor
     weight_bf16: torch.Tensor
-
-    @property
-    def out_features(self) -> int:
-        return self.weight_packed.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight_packed.shape[1] * 2
-
-    @property
-    def num_channels(self) -> int:
-        return int(self.bf16_channels.numel())
 
     def to(self, device: torch.device | str) -> "QuantizedWeight":
         return QuantizedWeight(*(t.to(device) for t in self.tensors()))
@@ -80,6 +86,15 @@ def check_channels(channels: torch.Tensor, k_dim: int, name: str = "layer") -> t
         if torch.unique(ch).numel() != ch.numel():
             raise NVFP4Error(f"{name}: bf16_channels has repeated indices")
     return torch.sort(ch).values.to(torch.int32)
+
+
+def channel_mask(channels: torch.Tensor, k_dim: int) -> torch.Tensor:
+    """uint8 [K] on ``channels``' device: 1 at the columns in ``channels`` (checked by
+    :func:`check_channels`), 0 elsewhere (the kernels' column mask of S)."""
+    mask = torch.zeros(k_dim, dtype=torch.uint8, device=channels.device)
+    if channels.numel():
+        mask[channels.long()] = 1
+    return mask
 
 
 def zero_columns(x: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,10 @@ dequantize-then-cuBLAS (:mod:`.dequant`). On CPU tensors the kernels run under
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from foursight.layer import QuantizedActivation, QuantizedWeight, check_channels
+from foursight.layer import QuantizedActivation, QuantizedWeight, channel_mask, check_channels
 from foursight.nvfp4 import NVFP4Error, check_k
 
 from . import act_quant as _aq
@@ -38,16 +36,12 @@ from .configs import (
     KernelConfig,
     SSConfig,
     SwapConfig,
-    WS_CONFIGS,
-    WSConfig,
 )
-from . import gluon_ws as _ws
-from .gluon_ws_twin import ws_twin_launch
 from .dequant import dequant_linear
 from .fragment import fragment_launch
 from .gemv import gemv_launch
-from .prepared import PreparedWeight, prepare_weight, resident_bytes
-from .primitives import interpreting, pdl_supported
+from .prepared import PreparedWeight, linear_operands, prepare_weight, resident_bytes
+from .primitives import pdl_supported
 from .ss import ss_launch
 from .swap import swap_launch
 from .tuning import TUNE_LOG, TUNED, pick_config
@@ -80,14 +74,12 @@ def datapath_for(m: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_act(x: torch.Tensor, k_dim: int | None, name: str) -> None:
+def _check_act(x: torch.Tensor, name: str) -> None:
     if x.dim() != 2:
         raise NVFP4Error(f"{name}: expected [M, K], got shape {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NVFP4Error(f"{name}: unsupported dtype {x.dtype} (bf16, fp16 or fp32)")
     check_k(x.shape[1], name)
-    if k_dim is not None and x.shape[1] != k_dim:
-        raise NVFP4Error(f"{name}: last dim {x.shape[1]} != layer in_features {k_dim}")
 
 
 def quantize_activation(
@@ -106,12 +98,10 @@ def quantize_activation(
         QuantizedActivation(packed uint8 [M, K/2], scale float8_e4m3fn [M, K/16],
         global_scale float32 [M], x_bf16 [M, k] in x's dtype).
     """
-    _check_act(x, None, name)
+    _check_act(x, name)
     m, k_dim = x.shape
     ch = check_channels(channels, k_dim, f"{name}.channels").to(x.device)
-    mask = torch.zeros(k_dim, dtype=torch.uint8, device=x.device)
-    if ch.numel():
-        mask[ch.long()] = 1
+    mask = channel_mask(ch, k_dim)
     packed, scale, _, gs, xs = _aq.act_quant_launch(x, mask, ch, global_scale, True, False, True)
     if xs is None:
         xs = torch.empty((m, 0), dtype=x.dtype, device=x.device)
@@ -132,11 +122,6 @@ def _candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
-    ws = os.environ.get("FOURSIGHT_WS", "1")  # the warp-specialized Gluon form: 1 (default), 0, only
-    if ws == "only":
-        return list(WS_CONFIGS[path]) if _ws.available() else []
-    if path in ("decode", "mid") and _ws.available():
-        return [*cands, *WS_CONFIGS[path]]
     return list(cands)
 
 
@@ -153,8 +138,6 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
         a, a_gs, a_quant, dot_bf16 = x, None, False, x.dtype == torch.bfloat16
     else:
         (a, a_gs), a_quant, dot_bf16 = qa, True, False
-    if isinstance(cfg, WSConfig):
-        return _ws_run(cfg, a, a_gs, x, pw, bias, out, a_quant)
     if isinstance(cfg, FragmentConfig):
         if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
             raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x.dtype}")
@@ -170,23 +153,15 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
     raise ValueError(f"foursight.kernels: unknown configuration {cfg!r}")
 
 
-def _ws_run(cfg: WSConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: bool, xs=None):
-    """The warp-specialized Gluon form (its plain-Triton twin under the interpreter)."""
-    if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
-        raise NVFP4Error(f"foursight.kernels: the gluon_ws form takes bf16 activations, got {x.dtype}")
-    launch = ws_twin_launch if interpreting() else _ws.ws_launch
-    return launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant, xs=xs)
-
-
 def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_scale, act_quant: bool, out):
     """One W4A4/W4A16 linear with configuration ``cfg``: activation quantization (if W4A4) + GEMM."""
     if isinstance(cfg, DequantConfig):
         return dequant_linear(cfg, x2, pw, bias, input_global_scale, act_quant, out)
     if not act_quant:
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
-    frag = isinstance(cfg, (FragmentConfig, WSConfig))
+    frag = isinstance(cfg, FragmentConfig)
     want_xs = (isinstance(cfg, SSConfig) or (frag and x2.dtype == torch.bfloat16)) and pw.num_channels > 0
-    pdl = isinstance(cfg, FragmentConfig) and x2.is_cuda and x2.dtype == torch.bfloat16 and not PDL_ERRORS and pdl_supported()
+    pdl = frag and x2.is_cuda and x2.dtype == torch.bfloat16 and not PDL_ERRORS and pdl_supported()
     if pdl:
         x2 = x2.contiguous()  # before the quantizer: nothing may run between it and the PDL-launched GEMM
     deq_dtype = torch.bfloat16 if frag else torch.float16
@@ -195,8 +170,6 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
     if frag:  # with PDL the GEMM's programs start during the quantization; X[:, S] read contiguous
         if x2.dtype != torch.bfloat16:
             raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x2.dtype}")
-        if isinstance(cfg, WSConfig):
-            return _ws_run(cfg, deq, gs, x2, pw, bias, out, True, xs=xs)
         if pdl:
             try:
                 return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True, xs=xs)
@@ -315,16 +288,9 @@ def splice_linear(
         accumulation order (the dequantize-then-cuBLAS form: up to the bf16 rounding of its
         operands, see :mod:`foursight.kernels.dequant`).
     """
-    k_dim = prepared.in_features
-    if x.shape[-1] != k_dim:
-        raise NVFP4Error(f"input: last dim {x.shape[-1]} != layer in_features {k_dim}")
-    if bias is not None and tuple(bias.shape) != (prepared.out_features,):
-        raise NVFP4Error(f"bias: expected [{prepared.out_features}], got {tuple(bias.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k_dim)
-    _check_act(x2, k_dim, "input")
+    lead, x2, out = linear_operands(x, prepared, bias, "layer")
+    _check_act(x2, "input")
     m = x2.shape[0]
-    out = torch.empty((m, prepared.out_features), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, prepared.out_features)
     if not act_quant and x2.dtype not in (torch.bfloat16, torch.float16):

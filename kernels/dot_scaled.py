@@ -45,16 +45,16 @@ import torch
 import triton
 import triton.language as tl
 
-from foursight.layer import QuantizedWeight, check_channels
-from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
+from foursight.layer import PackedLayerShape, QuantizedWeight
+from foursight.nvfp4 import NVFP4Error
 
 from . import act_quant as _aq
-from .prepared import _zero_channel_nibbles
-from .primitives import _bf16_rne, _fp4_tile, _mma, _tile_ids, interpreting
+from .prepared import checked_tensors, linear_operands
+from .primitives import _bf16_rne, _bf16_segment, _fp4_tile, _tile_ids, interpreting
 
 
 @dataclass
-class NativeWeight:
+class NativeWeight(PackedLayerShape):
     """The execution form of a layer for the native-FP4 backends: the checkpoint's layout itself.
 
     Attributes:
@@ -72,45 +72,18 @@ class NativeWeight:
     channel_mask: torch.Tensor
     weight_bf16: torch.Tensor
 
-    @property
-    def out_features(self) -> int:
-        return self.weight_packed.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight_packed.shape[1] * 2
-
-    @property
-    def num_channels(self) -> int:
-        return int(self.bf16_channels.numel())
-
 
 def prepare_native_weight(qw: QuantizedWeight, name: str = "layer") -> NativeWeight:
     """:class:`NativeWeight` of ``qw`` (idempotent; ``qw`` is not modified). Bad shapes or dtypes raise
     :class:`~foursight.nvfp4.NVFP4Error` naming the tensor."""
-    wp, ws, wgs, ch, wb = qw.tensors()
-    if wp.dtype != torch.uint8 or wp.dim() != 2:
-        raise NVFP4Error(f"{name}.weight_packed: expected uint8 [N, K/2], got {wp.dtype} {tuple(wp.shape)}")
-    n, k_dim = wp.shape[0], wp.shape[1] * 2
-    check_k(k_dim, f"{name}.weight_packed")
-    if ws.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(ws.shape) != (n, k_dim // BLOCK_SIZE):
-        raise NVFP4Error(f"{name}.weight_scale: expected float8_e4m3fn [{n}, {k_dim // BLOCK_SIZE}], got {ws.dtype} {tuple(ws.shape)}")
-    g = wgs.float().reshape(-1)
-    if g.numel() not in (1, n):
-        raise NVFP4Error(f"{name}.weight_global_scale: expected [1] or [{n}], got {tuple(wgs.shape)}")
-    ch32 = check_channels(ch, k_dim, f"{name}.bf16_channels").to(wp.device)
-    if tuple(wb.shape) != (n, ch32.numel()):
-        raise NVFP4Error(f"{name}.weight_bf16: expected [{n}, {ch32.numel()}], got {tuple(wb.shape)}")
-    mask = torch.zeros(k_dim, dtype=torch.uint8, device=wp.device)
-    if ch32.numel():
-        mask[ch32.long()] = 1
+    t = checked_tensors(qw, name)
     return NativeWeight(
-        weight_packed=_zero_channel_nibbles(wp.contiguous(), ch32),
-        weight_scale=ws.contiguous().view(torch.uint8).clone(),
-        weight_global_scale=(g.expand(n) if g.numel() == 1 else g).contiguous().clone(),
-        bf16_channels=ch32.contiguous(),
-        channel_mask=mask,
-        weight_bf16=wb.to(torch.bfloat16).contiguous(),
+        weight_packed=t.packed,
+        weight_scale=t.scale.clone(),
+        weight_global_scale=t.global_scale,
+        bf16_channels=t.channels,
+        channel_mask=t.channel_mask,
+        weight_bf16=t.weight_bf16,
     )
 
 
@@ -250,16 +223,8 @@ def _dot_scaled_kernel(
 
     # the BF16 segment: extra K steps into the same accumulator
     if HAS_KS:
-        offs_c = tl.arange(0, BLOCK_KS)
-        for c0 in range(0, KS, BLOCK_KS):
-            cm = (c0 + offs_c) < KS
-            xs = tl.load(xs_ptr + rm[:, None] * stride_xsm + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-            xs = _bf16_rne(xs.to(tl.float32), INTERP).to(tl.bfloat16)
-            wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-            if SWAP:
-                acc = _mma(wb, tl.trans(xs), acc, INTERP)
-            else:
-                acc = _mma(xs, tl.trans(wb), acc, INTERP)
+        acc = _bf16_segment(acc, xs_ptr, stride_xsm, 1, xs_ptr, wb_ptr, stride_wbn, rm, rn, 0, KS,
+                            BLOCK_KS, True, True, SWAP, INTERP)
 
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rn).to(tl.float32)
@@ -316,17 +281,10 @@ def dot_scaled_linear(
     """W4A4 FourSight linear on the dot_scaled form: activation quantization (dynamic per-row or the
     static ``input_global_scale``) + the kernel. ``x`` [..., K] bf16/fp16; returns [..., N] in x's
     dtype. W4A16 is not a mode of this form (the dispatcher refuses it)."""
-    k_dim = pw.in_features
-    if x.shape[-1] != k_dim:
-        raise NVFP4Error(f"{name}: input last dim {x.shape[-1]} != in_features {k_dim}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise NVFP4Error(f"{name}: the dot_scaled form takes bf16 or fp16 activations, got {x.dtype}")
-    if bias is not None and tuple(bias.shape) != (pw.out_features,):
-        raise NVFP4Error(f"{name}.bias: expected [{pw.out_features}], got {tuple(bias.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k_dim)
+    lead, x2, out = linear_operands(x, pw, bias, name)
     m = x2.shape[0]
-    out = torch.empty((m, pw.out_features), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, pw.out_features)
     packed, scale, _, gs, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, input_global_scale, True, False, True)

@@ -15,11 +15,12 @@ it (and :func:`resident_bytes` counts it), and as a temporary by the autotuner's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import triton
 
-from foursight.layer import QuantizedWeight, check_channels
+from foursight.layer import QuantizedWeight, channel_mask, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
 
 from .fragment import FragmentWeight, fragment_weight, unfragment
@@ -116,16 +117,26 @@ def _zero_channel_nibbles(packed: torch.Tensor, channels: torch.Tensor) -> torch
     return out
 
 
-def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
-    """Build the execution form of ``qw`` (idempotent; ``qw`` is not modified).
+class CheckedTensors(NamedTuple):
+    """The tensors of a :class:`~foursight.layer.QuantizedWeight`, checked, in the form every
+    execution form starts from (:func:`checked_tensors`)."""
 
-    Raises :class:`NVFP4Error` naming the tensor when a shape or dtype is wrong.
-    """
+    packed: torch.Tensor  #: uint8 [N, K/2], a contiguous copy with the S columns' nibbles 0
+    scale: torch.Tensor  #: uint8 [N, K/16] E4M3 bytes, contiguous (may share the checkpoint's storage)
+    global_scale: torch.Tensor  #: float32 [N], a new tensor (a per-tensor [1] scale broadcast)
+    uniform_global_scale: bool  #: every row has the same weight global scale
+    channels: torch.Tensor  #: int32 [k] sorted, on the weight's device
+    channel_mask: torch.Tensor  #: uint8 [K], 1 at the S columns
+    weight_bf16: torch.Tensor  #: bfloat16 [N, k] contiguous
+
+
+def checked_tensors(qw: QuantizedWeight, name: str = "layer") -> CheckedTensors:
+    """Check ``qw``'s shapes and dtypes (an :class:`NVFP4Error` naming the tensor) and return its
+    tensors as :class:`CheckedTensors` (``qw`` is not modified)."""
     wp, ws, wgs, ch, wb = qw.tensors()
     if wp.dtype != torch.uint8 or wp.dim() != 2:
         raise NVFP4Error(f"{name}.weight_packed: expected uint8 [N, K/2], got {wp.dtype} {tuple(wp.shape)}")
-    n, kh = wp.shape
-    k_dim = kh * 2
+    n, k_dim = wp.shape[0], wp.shape[1] * 2
     check_k(k_dim, f"{name}.weight_packed")
     if ws.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(ws.shape) != (n, k_dim // BLOCK_SIZE):
         raise NVFP4Error(f"{name}.weight_scale: expected float8_e4m3fn [{n}, {k_dim // BLOCK_SIZE}], got {ws.dtype} {tuple(ws.shape)}")
@@ -133,23 +144,48 @@ def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
     if g.numel() not in (1, n):
         raise NVFP4Error(f"{name}.weight_global_scale: expected [1] or [{n}], got {tuple(wgs.shape)}")
     ch32 = check_channels(ch, k_dim, f"{name}.bf16_channels").to(wp.device)
-    kk = ch32.numel()
-    if tuple(wb.shape) != (n, kk):
-        raise NVFP4Error(f"{name}.weight_bf16: expected [{n}, {kk}], got {tuple(wb.shape)}")
-    mask = torch.zeros(k_dim, dtype=torch.uint8, device=wp.device)
-    if kk:
-        mask[ch32.long()] = 1
-    frag = fragment_weight(_zero_channel_nibbles(wp.contiguous(), ch32), ws.contiguous().view(torch.uint8))
-    return PreparedWeight(
-        fragment=frag,
-        weight_global_scale=g.expand(n).contiguous().clone() if g.numel() == 1 else g.contiguous().clone(),
-        bf16_channels=ch32.contiguous(),
-        channel_mask=mask,
-        weight_bf16=wb.to(torch.bfloat16).contiguous(),
-        out_features=n,
-        in_features=k_dim,
+    if tuple(wb.shape) != (n, ch32.numel()):
+        raise NVFP4Error(f"{name}.weight_bf16: expected [{n}, {ch32.numel()}], got {tuple(wb.shape)}")
+    return CheckedTensors(
+        packed=_zero_channel_nibbles(wp.contiguous(), ch32),
+        scale=ws.contiguous().view(torch.uint8),
+        global_scale=(g.expand(n) if g.numel() == 1 else g).contiguous().clone(),
         uniform_global_scale=bool(g.numel() == 1 or bool((g == g[0]).all())),
+        channels=ch32.contiguous(),
+        channel_mask=channel_mask(ch32, k_dim),
+        weight_bf16=wb.to(torch.bfloat16).contiguous(),
     )
+
+
+def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
+    """Build the execution form of ``qw`` (idempotent; ``qw`` is not modified).
+
+    Raises :class:`NVFP4Error` naming the tensor when a shape or dtype is wrong.
+    """
+    t = checked_tensors(qw, name)
+    return PreparedWeight(
+        fragment=fragment_weight(t.packed, t.scale),
+        weight_global_scale=t.global_scale,
+        bf16_channels=t.channels,
+        channel_mask=t.channel_mask,
+        weight_bf16=t.weight_bf16,
+        out_features=qw.out_features,
+        in_features=qw.in_features,
+        uniform_global_scale=t.uniform_global_scale,
+    )
+
+
+def linear_operands(x: torch.Tensor, pw, bias: torch.Tensor | None, name: str = "layer") -> tuple:
+    """``(lead, x2, out)`` of a linear on the execution form ``pw`` (``in_features``/``out_features``):
+    ``x`` [..., K] viewed as ``x2`` [M, K], the leading shape, and an empty output [M, N] in x's dtype.
+    A last dim other than K or a bias other than [N] raises :class:`NVFP4Error` naming ``name``."""
+    k_dim, n = pw.in_features, pw.out_features
+    if x.shape[-1] != k_dim:
+        raise NVFP4Error(f"{name}: input last dim {x.shape[-1]} != layer in_features {k_dim}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise NVFP4Error(f"{name}.bias: expected [{n}], got {tuple(bias.shape)}")
+    x2 = x.reshape(-1, k_dim)
+    return x.shape[:-1], x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
 
 
 def weight_args(pw: PreparedWeight, bias, packed: torch.Tensor | None = None) -> tuple:
