@@ -17,6 +17,8 @@ dequantize-then-cuBLAS (:mod:`.dequant`). On CPU tensors the kernels run under
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -36,12 +38,16 @@ from .configs import (
     KernelConfig,
     SSConfig,
     SwapConfig,
+    WS_CONFIGS,
+    WSConfig,
 )
+from . import gluon_ws as _ws
+from .gluon_ws_twin import ws_twin_launch
 from .dequant import dequant_linear
 from .fragment import fragment_launch
 from .gemv import gemv_launch
 from .prepared import PreparedWeight, linear_operands, prepare_weight, resident_bytes
-from .primitives import pdl_supported
+from .primitives import interpreting, pdl_supported
 from .ss import ss_launch
 from .swap import swap_launch
 from .tuning import TUNE_LOG, TUNED, pick_config
@@ -122,6 +128,11 @@ def _candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
+    ws = os.environ.get("FOURSIGHT_WS", "1")  # the warp-specialized Gluon form: 1 (default), 0, only
+    if ws == "only":
+        return list(WS_CONFIGS[path]) if _ws.available() else []
+    if path in ("decode", "mid") and _ws.available():
+        return [*cands, *WS_CONFIGS[path]]
     return list(cands)
 
 
@@ -138,6 +149,8 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
         a, a_gs, a_quant, dot_bf16 = x, None, False, x.dtype == torch.bfloat16
     else:
         (a, a_gs), a_quant, dot_bf16 = qa, True, False
+    if isinstance(cfg, WSConfig):
+        return _ws_run(cfg, a, a_gs, x, pw, bias, out, a_quant)
     if isinstance(cfg, FragmentConfig):
         if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
             raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x.dtype}")
@@ -153,15 +166,23 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
     raise ValueError(f"foursight.kernels: unknown configuration {cfg!r}")
 
 
+def _ws_run(cfg: WSConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: bool, xs=None):
+    """The warp-specialized Gluon form (its plain-Triton twin under the interpreter)."""
+    if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
+        raise NVFP4Error(f"foursight.kernels: the gluon_ws form takes bf16 activations, got {x.dtype}")
+    launch = ws_twin_launch if interpreting() else _ws.ws_launch
+    return launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant, xs=xs)
+
+
 def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_scale, act_quant: bool, out):
     """One W4A4/W4A16 linear with configuration ``cfg``: activation quantization (if W4A4) + GEMM."""
     if isinstance(cfg, DequantConfig):
         return dequant_linear(cfg, x2, pw, bias, input_global_scale, act_quant, out)
     if not act_quant:
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
-    frag = isinstance(cfg, FragmentConfig)
+    frag = isinstance(cfg, (FragmentConfig, WSConfig))
     want_xs = (isinstance(cfg, SSConfig) or (frag and x2.dtype == torch.bfloat16)) and pw.num_channels > 0
-    pdl = frag and x2.is_cuda and x2.dtype == torch.bfloat16 and not PDL_ERRORS and pdl_supported()
+    pdl = isinstance(cfg, FragmentConfig) and x2.is_cuda and x2.dtype == torch.bfloat16 and not PDL_ERRORS and pdl_supported()
     if pdl:
         x2 = x2.contiguous()  # before the quantizer: nothing may run between it and the PDL-launched GEMM
     deq_dtype = torch.bfloat16 if frag else torch.float16
@@ -170,6 +191,8 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
     if frag:  # with PDL the GEMM's programs start during the quantization; X[:, S] read contiguous
         if x2.dtype != torch.bfloat16:
             raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x2.dtype}")
+        if isinstance(cfg, WSConfig):
+            return _ws_run(cfg, deq, gs, x2, pw, bias, out, True, xs=xs)
         if pdl:
             try:
                 return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True, xs=xs)

@@ -121,7 +121,36 @@ class FragmentConfig(_Config):
             )
 
 
-KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig]
+@dataclass(frozen=True)
+class WSConfig(_Config):
+    """Warp-specialized fragment tile in Gluon (:mod:`.gluon_ws`; its plain-Triton twin
+    :mod:`.gluon_ws_twin` under the interpreter): ``Yᵀ[block_n, block_m]``, 256-column K steps through
+    a ``num_stages``-slot TMA/mbarrier ring, ``num_warps`` consumer warps (one or two warpgroups) plus
+    one producer warp; ``split_k`` 0 = automatic, 1 = no split. CUDA sm_90 with Gluon only
+    (:func:`.gluon_ws.available`); BF16 activations."""
+
+    form: ClassVar[str] = "gluon_ws"
+    block_m: int
+    block_n: int = 64
+    num_stages: int = 3
+    num_warps: int = 4
+    split_k: int = 0
+    #: register cap per thread of the launch (Triton's ``maxnreg``; 0 = Triton's choice, which gives the
+    #: CTA the whole register file): the consumer warps get what the producer's warpgroup leaves, and
+    #: 128 lets two programs share an SM, 80 three
+    max_regs: int = 128
+
+    def __post_init__(self):
+        if (self.num_warps not in (4, 8) or self.block_n % 64 or not 16 * self.num_warps <= self.block_n <= 256
+                or self.block_m not in (16, 32, 64, 128) or not 1 <= self.num_stages <= 6
+                or self.max_regs not in (0, *range(64, 257, 8))):
+            raise ValueError(
+                f"WSConfig: num_warps 4 or 8, block_n a multiple of 64 (the stored block) from 16 x num_warps to 256, "
+                f"block_m in 16..128 (a power of two), 1..6 stages and max_regs 0 or a multiple of 8 in 64..256, got {self}"
+            )
+
+
+KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig]
 
 #: Decode datapath (M <= DECODE_MAX_M), bf16 activations: the fragment form only (the GEMV, swap and
 #: SS tiles were never chosen for bf16 on the H200 and read another weight layout; see
@@ -158,6 +187,32 @@ PREFILL_CONFIGS: tuple = (
     DequantConfig(128, 256, 8),
     DequantConfig(128, 128, 8),
 )
+#: Warp-specialized Gluon tiles (:class:`WSConfig`), added to the decode and mid candidates where
+#: :func:`.gluon_ws.available` (CUDA sm_90 with Gluon); ``FOURSIGHT_WS=only`` makes them the only
+#: candidates of every path (``prefill`` then takes its list: benchmarks time the form alone at M = 256),
+#: ``FOURSIGHT_WS=0`` leaves them out. Shared memory per stage: block_m x 512 + block_n x 128 bytes.
+WS_CONFIGS: dict = {
+    "decode": (
+        WSConfig(16, 64, 4, 4),
+        WSConfig(16, 64, 4, 4, max_regs=80),
+        WSConfig(16, 128, 4, 4),
+        WSConfig(16, 128, 4, 8),
+        WSConfig(16, 64, 6, 4),
+    ),
+    "mid": (
+        WSConfig(32, 64, 4, 4),
+        WSConfig(32, 64, 4, 4, max_regs=80),
+        WSConfig(64, 64, 3, 4),
+        WSConfig(64, 128, 3, 8),
+        WSConfig(32, 128, 4, 8),
+        WSConfig(128, 64, 2, 4),
+    ),
+    "prefill": (
+        WSConfig(128, 64, 2, 4),
+        WSConfig(128, 128, 2, 8),
+        WSConfig(64, 128, 3, 8),
+    ),
+}
 #: fp16 activations (and ``splice_gemm`` on an fp16 ``q*s``): the fragment and dequant forms take
 #: bf16 only, so fp16 models run the forms that read the compressed-tensors packed layout, which the
 #: layer then rebuilds once from the fragment form and keeps (a second resident form, for fp16 only).
