@@ -78,7 +78,7 @@ fi
 if want gputests; then
   { echo "# pytest tests/test_kernels_ws_gpu.py; commit $FOURSIGHT_COMMIT; kernels sha256 $KSHA"
     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
-    run_step gputests 240 $PY -m pytest tests/test_kernels_ws_gpu.py -q -s -p no:cacheprovider --maxfail=6 -rs 2>&1 | tail -60
+    run_step gputests 240 $PY -m pytest tests/test_kernels_ws_gpu.py -q -s -p no:cacheprovider --maxfail=6 -rfEs --tb=line 2>&1 | tail -60
   } > "$OUT/ws_gpu_tests.log" 2>&1
   tail -5 "$OUT/ws_gpu_tests.log"
 fi
