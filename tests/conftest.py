@@ -120,17 +120,30 @@ def quantizer_hash() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_fs32_ckpt(smollm2_dir) -> Path:
-    """``foursight quantize --model SMOLLM2 --out DIR --channels 32`` through the CLI, cached per quantizer version."""
+    """The README's main job as printed (``.venv/bin/foursight quantize``: SmolLM2, 32 BF16 channels per
+    input), run in a folder laid out as the install leaves it, cached per quantizer version and command
+    text. The command it ran is written beside the folder (``<name>.made-by``), so the README test can
+    check where the folder came from without quantizing a second time."""
+    import hashlib
     import shutil
     import subprocess
     import sys
+    import tempfile
 
     from foursight.models import cache_dir
+    from helpers.readme import README_COMMAND_FILE, readme_quantize_command
 
-    out = cache_dir() / "test-ckpts" / f"smollm2-fs32-{quantizer_hash()}"
-    if not (out / "config.json").exists():
-        exe = shutil.which("foursight", path=str(Path(sys.executable).parent)) or "foursight"
-        r = subprocess.run([exe, "quantize", "--model", str(smollm2_dir), "--out", str(out), "--channels", "32", "--force"],
-                           capture_output=True, text=True, timeout=1800)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cmd = readme_quantize_command()
+    key = hashlib.sha256(f"{quantizer_hash()}|{cmd}".encode()).hexdigest()[:12]
+    out = cache_dir() / "test-ckpts" / f"smollm2-readme-{key}"
+    made_by = out.parent / (out.name + README_COMMAND_FILE)
+    if not ((out / "config.json").exists() and made_by.exists()):
+        with tempfile.TemporaryDirectory() as td:
+            (Path(td) / ".venv").symlink_to(Path(sys.prefix))  # the venv running the tests, where the README puts it
+            r = subprocess.run(["bash", "-c", cmd], cwd=td, capture_output=True, text=True, timeout=1800)
+            assert r.returncode == 0 and "wrote out/smollm2-foursight" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.move(str(Path(td) / "out" / "smollm2-foursight"), str(out))
+        made_by.write_text(cmd)
     return out
