@@ -1,4 +1,11 @@
-"""The GRPO loop of ``foursight rl`` (:func:`run_rl`) and its evaluation."""
+"""The GRPO loop of ``foursight rl`` (:func:`run_rl`) and its evaluation.
+
+:func:`run_rl` reads as the algorithm: :func:`build_run` (learner, reference, optimizer, channel
+sets, rollout engine), then per step :func:`train_step` = :func:`sync_weights` (re-quantization) →
+:func:`sample` → :func:`score` (rewards, the learner's teacher-forced logprobs) →
+:func:`filter_batch` (TIM metrics, the filter's mask, advantages) → :func:`update` (loss, one
+optimizer step) → :func:`step_record` (the log line), with :func:`eval_and_log` every
+``eval_every`` steps."""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -98,62 +105,69 @@ def _save_checkpoint(path: Path, step: int, learner: nn.Module, opt, channels, w
     tmp.replace(path)
 
 
-def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
-    """Run GRPO as configured; write one JSON object per line to ``cfg.out`` and return its path.
+@dataclass
+class RLRun:
+    """What one run holds between steps: the models, optimizer, rollout engine and log."""
 
-    Lines: a ``{"type": "config", ...}`` header, ``{"type": "eval", "step": s, "eval_acc", ...}``
-    at step 0 and every ``eval_every`` steps (and after the last), and ``{"type": "step", ...}``
-    with reward, TIM metrics (``tim/*``, ``rollout_corr/*``), ``filter/*``, the loss stats and the
-    step time split by phase ``time/sync`` (re-quantization), ``time/generate``, ``time/score``
-    (rewards, the learner's teacher-forced forward), ``time/filter`` (TIM metrics, the filter's
-    mask, advantages), ``time/learn`` (loss, backward, optimizer step) and ``time/step`` (their
-    sum; ``time/follow``, the ``follow/*`` metrics, is outside it); the reward of the kept and of
-    the dropped sequences; ``follow/*`` (:mod:`foursight.rl.follow`); a ``done`` record after the
-    last step.
+    cfg: RLConfig
+    dev: torch.device
+    model_dir: Any  # as foursight.models.resolve_model returns it
+    tok: Any
+    learner: nn.Module
+    ref: nn.Module | None  # the frozen initial model of the KL term (kl_coef > 0)
+    opt: torch.optim.Optimizer
+    engine: Any  # HFRollout | VLLMRollout
+    channels: Any  # the BF16 channel sets, calibrated once on the initial model
+    evals: list[rl_tasks.Problem]
+    exclude: set[str]  # the eval questions, never trained on
+    follow: Any  # FollowTracker | None
+    ch_info: dict[str, Any]
+    setup_s: float
+    fcfg: Any = None  # the filter's FilterConfig
+    emit: Callable[[dict[str, Any]], None] = print
+    t_start: float = 0.0  # perf_counter of step 0 (a resumed run's earlier wall time subtracted)
 
-    Reproducible: the problems of a step depend on (seed, step) only, sampling is seeded by (seed,
-    step), the SpliceGEMM kernels run fixed configurations (no autotuning, unless
-    ``cfg.kernel_autotune``) and torch runs its deterministic algorithms (``cfg.deterministic``);
-    two CPU runs of one seed write the same log but for times
-    (``tests/test_rl.py::test_two_runs_of_a_seed_write_the_same_log``).
 
-    Resumable: with ``cfg.resume`` a log ending in ``done`` is left alone (the run is complete),
-    and a checkpoint (``cfg.checkpoint_path()``: learner, optimizer, channel sets, step) written
-    when pausing at ``cfg.stop_at`` or every ``cfg.checkpoint_every`` steps is continued: the log
-    keeps its records up to the checkpoint's step and gets a ``resume`` record. Without a
-    checkpoint the run starts over.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class Batch:
+    """One step's problems, rollouts and their scores."""
 
-    from foursight.models import builtin_texts, resolve_model
-    from foursight.trainer_bridge.filters import apply_filter
-    from foursight.trainer_bridge.scoring import pad_rollouts, teacher_forced_logprobs
+    probs: list[rl_tasks.Problem]
+    samples: list[Any]  # Rollout records
+    rewards: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    logp_new: torch.Tensor | None = None  # the learner's logprobs of the sampled tokens (with grad)
 
-    cfg.validate()
+
+def _set_reproducibility(cfg: RLConfig) -> None:
+    """Fixed kernel configurations unless ``kernel_autotune``; torch's deterministic algorithms."""
     if not cfg.kernel_autotune:
         os.environ["FOURSIGHT_KERNELS_AUTOTUNE"] = "0"  # read by foursight.kernels.tuning.pick_config
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-    fcfg = cfg.filter_config()
-    out = Path(cfg.out)
-    ckpt_path = Path(cfg.checkpoint_path())
-    if cfg.resume and out.exists():
-        prev = read_log(out)
-        if prev and prev[-1].get("type") == "done":
-            log(f"rl: {out} is complete (done at step {prev[-1].get('step')}); nothing to do")
-            return out
-    resume_state = torch.load(ckpt_path, map_location="cpu", weights_only=False) if cfg.resume and ckpt_path.exists() else None
+
+
+def _device(cfg: RLConfig) -> torch.device:
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     if cfg.engine == "vllm" and dev.type != "cpu":
         raise RLError("--engine vllm is the CPU smoke path here; use --engine hf on CUDA")
+    return dev
+
+
+def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | None) -> RLRun:
+    """Load the learner (FP32 master weights), the reference model, the optimizer, the channel sets
+    (calibrated on the initial model, or the checkpoint's) and the rollout engine."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from foursight.bf16_layers import bf16_layer_patterns, model_bf16_share, num_blocks_of
+    from foursight.models import builtin_texts, resolve_model
+
     model_dir = resolve_model(cfg.model)
     torch.manual_seed(cfg.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
     learner.config.use_cache = True
-    from foursight.bf16_layers import bf16_layer_patterns, model_bf16_share, num_blocks_of
-
     carve = bf16_layer_patterns(cfg.bf16_layers, num_blocks_of(learner)) if cfg.bf16_layers else []
     ignore = ("lm_head", *carve)
     ref = None
@@ -196,147 +210,251 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
 
         follow = FollowTracker(ignore=("lm_head",))
         follow.update(engine.model, learner)  # the initial weights
-    k_sizes = ch_info["channels_k"]
+    return RLRun(cfg, dev, model_dir, tok, learner, ref, opt, engine, channels, evals, exclude, follow, ch_info, setup_s)
 
+
+def _open_log(out: Path, start_step: int, resuming: bool):
+    """The log file: new, or (resuming) rewritten with its records up to the checkpoint's step."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    start_step, wall_offset = 0, 0.0
-    if resume_state is not None:
-        start_step, wall_offset = int(resume_state["step"]), float(resume_state["wall_s"])
-        kept = [r for r in read_log(out) if r.get("type") in ("config", "eval", "step", "resume") and int(r.get("step", 0)) <= start_step]
-        fh = out.open("w")
-        for r in kept:
-            fh.write(json.dumps(r) + "\n")
+    if not resuming:
+        return out.open("w")
+    kept = [r for r in read_log(out) if r.get("type") in ("config", "eval", "step", "resume") and int(r.get("step", 0)) <= start_step]
+    fh = out.open("w")
+    for r in kept:
+        fh.write(json.dumps(r) + "\n")
+    return fh
+
+
+def sync_weights(run: RLRun, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
+    """Push the learner's weights into the rollout engine (re-quantization), then the ``follow/*``
+    metrics. Returns the engine's sync info, the follow metrics and the times (``t0`` the step's
+    start, ``sync``, ``follow``, ``t1`` the end)."""
+    _sync_device(run.dev)
+    t0 = time.perf_counter()
+    info = run.engine.sync(run.learner, step)
+    _sync_device(run.dev)
+    t1 = time.perf_counter()
+    fol = run.follow.update(run.engine.model, run.learner) if run.follow is not None else {}
+    _sync_device(run.dev)
+    t1n = time.perf_counter()
+    return info, fol, {"t0": t0, "sync": t1 - t0, "follow": t1n - t1, "t1": t1n}
+
+
+def sample(run: RLRun, step: int) -> Batch:
+    """The step's problems (a function of seed and step) and ``group_size`` rollouts of each."""
+    cfg = run.cfg
+    probs = rl_tasks.train_problems(cfg.task, step, cfg.prompts_per_step, seed=cfg.seed, exclude=run.exclude)
+    pids = prompt_ids(run.tok, probs, cfg.prompt_style, cfg.prefill)
+    samples = run.engine.generate(pids, cfg.group_size, cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
+    return Batch(probs, samples)
+
+
+def score(run: RLRun, batch: Batch) -> None:
+    """Rewards and the learner's logprobs of the sampled tokens (one teacher-forced forward, with
+    grad, kept for the update)."""
+    from foursight.trainer_bridge.scoring import teacher_forced_logprobs
+
+    cfg, samples = run.cfg, batch.samples
+    texts = [cfg.prefill + run.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+    group_probs = [p for p in batch.probs for _ in range(cfg.group_size)]
+    batch.rewards = torch.tensor([rl_tasks.reward(t, p, cfg.format_bonus) for t, p in zip(texts, group_probs)])
+    batch.correct = torch.tensor([float(rl_tasks.is_correct(t, p)) for t, p in zip(texts, group_probs)])
+    run.learner.train()
+    run.opt.zero_grad(set_to_none=True)
+    with torch.autocast(device_type=run.dev.type, dtype=torch.bfloat16):
+        batch.logp_new, _ = teacher_forced_logprobs(run.learner, [s.prompt_ids for s in samples], [s.token_ids for s in samples],
+                                                    device=run.dev)
+
+
+def filter_batch(run: RLRun, batch: Batch):
+    """TIM metrics and the filter's loss mask (``apply_filter`` on the rollout and learner
+    logprobs), and the group-relative advantages. Returns the filter result, the padded rollout
+    logprobs and the advantages."""
+    from foursight.trainer_bridge.filters import apply_filter
+    from foursight.trainer_bridge.scoring import pad_rollouts
+
+    lens = [len(s.token_ids) for s in batch.samples]
+    lt, lr_, m = pad_rollouts(batch.samples, [batch.logp_new[b, :n].detach().cpu() for b, n in enumerate(lens)])
+    fres = apply_filter(lt, lr_, m, run.fcfg)
+    adv = group_advantages(batch.rewards, run.cfg.group_size)
+    return fres, lr_, adv
+
+
+def update(run: RLRun, batch: Batch, fres, logp_rollout: torch.Tensor, adv: torch.Tensor) -> tuple[dict[str, float], float]:
+    """The clipped policy loss over the kept tokens (π_old: the rollout's or the learner's detached
+    logprobs; + the KL term), backward, gradient clipping, one AdamW step. Returns the loss stats and
+    the gradient norm."""
+    from foursight.trainer_bridge.scoring import teacher_forced_logprobs
+
+    cfg, dev, logp_new, samples = run.cfg, run.dev, batch.logp_new, batch.samples
+    T = logp_new.shape[1]
+    w = torch.zeros_like(logp_new)
+    lw = fres.loss_weights()
+    w[:, : lw.shape[1]] = lw.to(dev)[:, :T]
+    if cfg.old_logprobs == "learner":
+        old = logp_new.detach()  # ρ = 1; the rollout log-probs act only through the filter / TIS weights in w
     else:
-        fh = out.open("w")
+        old = torch.zeros_like(logp_new)
+        old[:, : logp_rollout.shape[1]] = logp_rollout.to(dev)[:, :T]
+    logp_ref = None
+    if run.ref is not None:
+        with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+            logp_ref, _ = teacher_forced_logprobs(run.ref, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
+    loss, lstats = grpo_loss(logp_new, old, adv.to(dev), w, cfg.clip_eps, logp_ref, cfg.kl_coef)
+    loss.backward()
+    gnorm = float(torch.nn.utils.clip_grad_norm_(run.learner.parameters(), 1.0))
+    run.opt.step()
+    return lstats, gnorm
+
+
+def step_record(run: RLRun, step: int, batch: Batch, fres, lstats: dict[str, float], gnorm: float, info: dict[str, Any],
+                fol: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
+    """The step's log record: rewards (of the kept and the dropped sequences too), TIM and filter
+    metrics, loss stats, the time of each phase, ``follow/*``."""
+    samples, rewards, correct = batch.samples, batch.rewards, batch.correct
+    lens = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
+    keep = fres.keep.bool()
+    return {
+        "type": "step", "step": step,
+        "reward_kept": float(rewards[keep].mean()) if keep.any() else None,
+        "reward_dropped": float(rewards[~keep].mean()) if (~keep).any() else None,
+        "accuracy_dropped": float(correct[~keep].mean()) if (~keep).any() else None,
+        "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
+        "response_len": float(lens.mean()), "truncated_fraction": float(sum(s.finish_reason == "length" for s in samples)) / len(samples),
+        "adv_zero_groups": float((rewards.view(-1, run.cfg.group_size).std(1) == 0).float().mean()),
+        "filtered_fraction": 1.0 - fres.metrics["filter/kept_seq_fraction"],
+        **{k: v for k, v in fres.metrics.items()}, **lstats, "grad_norm": gnorm,
+        "requantized_layers": info.get("requantized_layers", 0),
+        "time/sync": times["sync"], "time/generate": times["generate"] - times["t1"], "time/score": times["score"] - times["generate"],
+        "time/filter": times["filter"] - times["score"], "time/learn": times["learn"] - times["filter"],
+        "time/step": times["learn"] - times["t0"] - times["follow"], "time/follow": times["follow"], **fol,
+        "wall_s": time.perf_counter() - run.t_start,
+    }
+
+
+def train_step(run: RLRun, step: int) -> dict[str, Any]:
+    """One GRPO step: sync weights, sample, score, filter, update; returns its log record."""
+    info, fol, times = sync_weights(run, step)
+    batch = sample(run, step)
+    times["generate"] = _now(run.dev)
+    score(run, batch)
+    times["score"] = _now(run.dev)
+    fres, logp_rollout, adv = filter_batch(run, batch)
+    times["filter"] = _now(run.dev)
+    lstats, gnorm = update(run, batch, fres, logp_rollout, adv)
+    times["learn"] = _now(run.dev)
+    return step_record(run, step, batch, fres, lstats, gnorm, info, fol, times)
+
+
+def _now(dev: torch.device) -> float:
+    """perf_counter once the device's queued work is done (each phase's time is its own)."""
+    _sync_device(dev)
+    return time.perf_counter()
+
+
+def eval_and_log(run: RLRun, step: int, log: Callable[[str], None]) -> float:
+    """Greedy evaluation on the held-out set; an ``eval`` record."""
+    t0 = time.perf_counter()
+    cfg = run.cfg
+    ev = evaluate(run.learner, run.tok, run.evals, cfg.max_new_tokens, style=cfg.prompt_style, prefill=cfg.prefill)
+    _sync_device(run.dev)
+    run.emit({"type": "eval", "step": step, **ev, "time/eval": time.perf_counter() - t0})
+    log(f"  step {step:4d} eval_acc={ev['eval_acc']:.3f} format={ev['eval_format']:.2f}")
+    return ev["eval_acc"]
+
+
+def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
+    """Run GRPO as configured; write one JSON object per line to ``cfg.out`` and return its path.
+
+    Lines: a ``{"type": "config", ...}`` header, ``{"type": "eval", "step": s, "eval_acc", ...}``
+    at step 0 and every ``eval_every`` steps (and after the last), and ``{"type": "step", ...}``
+    with reward, TIM metrics (``tim/*``, ``rollout_corr/*``), ``filter/*``, the loss stats and the
+    step time split by phase ``time/sync`` (re-quantization), ``time/generate``, ``time/score``
+    (rewards, the learner's teacher-forced forward), ``time/filter`` (TIM metrics, the filter's
+    mask, advantages), ``time/learn`` (loss, backward, optimizer step) and ``time/step`` (their
+    sum; ``time/follow``, the ``follow/*`` metrics, is outside it); the reward of the kept and of
+    the dropped sequences; ``follow/*`` (:mod:`foursight.rl.follow`); a ``done`` record after the
+    last step.
+
+    Reproducible: the problems of a step depend on (seed, step) only, sampling is seeded by (seed,
+    step), the SpliceGEMM kernels run fixed configurations (no autotuning, unless
+    ``cfg.kernel_autotune``) and torch runs its deterministic algorithms (``cfg.deterministic``);
+    two CPU runs of one seed write the same log but for times
+    (``tests/test_rl.py::test_two_runs_of_a_seed_write_the_same_log``).
+
+    Resumable: with ``cfg.resume`` a log ending in ``done`` is left alone (the run is complete),
+    and a checkpoint (``cfg.checkpoint_path()``: learner, optimizer, channel sets, step) written
+    when pausing at ``cfg.stop_at`` or every ``cfg.checkpoint_every`` steps is continued: the log
+    keeps its records up to the checkpoint's step and gets a ``resume`` record. Without a
+    checkpoint the run starts over.
+    """
+    cfg.validate()
+    _set_reproducibility(cfg)
+    fcfg = cfg.filter_config()
+    out = Path(cfg.out)
+    ckpt_path = Path(cfg.checkpoint_path())
+    if cfg.resume and out.exists():
+        prev = read_log(out)
+        if prev and prev[-1].get("type") == "done":
+            log(f"rl: {out} is complete (done at step {prev[-1].get('step')}); nothing to do")
+            return out
+    resume_state = torch.load(ckpt_path, map_location="cpu", weights_only=False) if cfg.resume and ckpt_path.exists() else None
+    dev = _device(cfg)
+    run = build_run(cfg, dev, resume_state)
+    run.fcfg = fcfg
+
+    start_step, wall_offset = (int(resume_state["step"]), float(resume_state["wall_s"])) if resume_state is not None else (0, 0.0)
+    fh = _open_log(out, start_step, resume_state is not None)
 
     def emit(rec: dict[str, Any]) -> None:
         fh.write(json.dumps(rec) + "\n")
         fh.flush()
 
-    header = {"type": "config", **asdict(cfg), "device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "model_dir": str(model_dir), **ch_info, "setup_s": setup_s, "torch": torch.__version__}
+    run.emit = emit
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     if resume_state is None:
-        emit(header)
+        emit({"type": "config", **asdict(cfg), "device": str(dev), "device_name": device_name, "model_dir": str(run.model_dir),
+              **run.ch_info, "setup_s": run.setup_s, "torch": torch.__version__})
     else:
-        emit({"type": "resume", "step": start_step, "setup_s": setup_s, "device_name": header["device_name"]})
+        emit({"type": "resume", "step": start_step, "setup_s": run.setup_s, "device_name": device_name})
         log(f"rl: resuming {out} after step {start_step}")
-    log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, k={k_sizes}, "
-        f"BF16 weight share {ch_info['bf16_weight_share']:.2%}")
-
-    def do_eval(step: int) -> float:
-        t0 = time.perf_counter()
-        ev = evaluate(learner, tok, evals, cfg.max_new_tokens, style=cfg.prompt_style, prefill=cfg.prefill)
-        _sync_device(dev)
-        emit({"type": "eval", "step": step, **ev, "time/eval": time.perf_counter() - t0})
-        log(f"  step {step:4d} eval_acc={ev['eval_acc']:.3f} format={ev['eval_format']:.2f}")
-        return ev["eval_acc"]
+    log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, "
+        f"k={run.ch_info['channels_k']}, BF16 weight share {run.ch_info['bf16_weight_share']:.2%}")
 
     if resume_state is None:
-        do_eval(0)
-    t_start = time.perf_counter() - wall_offset
+        eval_and_log(run, 0, log)
+    run.t_start = time.perf_counter() - wall_offset
     step = start_step
     paused = False
     try:
         for step in range(start_step + 1, cfg.steps + 1):
             if cfg.stop_at and time.time() > cfg.stop_at:
                 step -= 1
-                _save_checkpoint(ckpt_path, step, learner, opt, channels, time.perf_counter() - t_start)
+                _save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
                 emit({"type": "pause", "step": step, "checkpoint": str(ckpt_path)})
                 log(f"  paused after step {step} (stop_at reached); checkpoint {ckpt_path}")
                 paused = True
                 break
-            if cfg.time_budget_s and time.perf_counter() - t_start > cfg.time_budget_s:
+            if cfg.time_budget_s and time.perf_counter() - run.t_start > cfg.time_budget_s:
                 log(f"  time budget {cfg.time_budget_s}s reached after {step - 1} steps")
                 emit({"type": "stop", "step": step - 1, "reason": "time_budget"})
                 step -= 1
                 break
-            rec: dict[str, Any] = {"type": "step", "step": step}
-            # 1. sync (re-quantization)
-            _sync_device(dev)
-            t0 = time.perf_counter()
-            info = engine.sync(learner, step)
-            _sync_device(dev)
-            t1 = time.perf_counter()
-            t_sync = t1 - t0
-            fol = follow.update(engine.model, learner) if follow is not None else {}
-            _sync_device(dev)
-            t1n = time.perf_counter()
-            t_follow, t1 = t1n - t1, t1n
-            # 2. generate
-            probs = rl_tasks.train_problems(cfg.task, step, cfg.prompts_per_step, seed=cfg.seed, exclude=exclude)
-            pids = prompt_ids(tok, probs, cfg.prompt_style, cfg.prefill)
-            samples = engine.generate(pids, cfg.group_size, cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
-            _sync_device(dev)
-            t2 = time.perf_counter()
-            # 3. score: rewards and the learner's logprobs of the sampled tokens (one forward, kept
-            #    for the update)
-            texts = [cfg.prefill + tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-            group_probs = [p for p in probs for _ in range(cfg.group_size)]
-            rewards = torch.tensor([rl_tasks.reward(t, p, cfg.format_bonus) for t, p in zip(texts, group_probs)])
-            correct = torch.tensor([float(rl_tasks.is_correct(t, p)) for t, p in zip(texts, group_probs)])
-            learner.train()
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
-                logp_new, mask = teacher_forced_logprobs(learner, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
-            lens = [len(s.token_ids) for s in samples]
-            _sync_device(dev)
-            t_score = time.perf_counter()
-            # 4. filter: TIM metrics, the filter's loss mask, advantages
-            lt, lr_, m = pad_rollouts(samples, [logp_new[b, :n].detach().cpu() for b, n in enumerate(lens)])
-            fres = apply_filter(lt, lr_, m, fcfg)
-            adv = group_advantages(rewards, cfg.group_size)
-            _sync_device(dev)
-            t3 = time.perf_counter()
-            # 5. learn
-            T = logp_new.shape[1]
-            w = torch.zeros_like(logp_new)
-            lw = fres.loss_weights()
-            w[:, : lw.shape[1]] = lw.to(dev)[:, :T]
-            if cfg.old_logprobs == "learner":
-                old = logp_new.detach()  # ρ = 1; the rollout log-probs act only through the filter / TIS weights in w
-            else:
-                old = torch.zeros_like(logp_new)
-                old[:, : lr_.shape[1]] = lr_.to(dev)[:, :T]
-            logp_ref = None
-            if ref is not None:
-                with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
-                    logp_ref, _ = teacher_forced_logprobs(ref, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
-            loss, lstats = grpo_loss(logp_new, old, adv.to(dev), w, cfg.clip_eps, logp_ref, cfg.kl_coef)
-            loss.backward()
-            gnorm = float(torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0))
-            opt.step()
-            _sync_device(dev)
-            t4 = time.perf_counter()
-            lens = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
-            keep = fres.keep.bool()
-            rec.update({
-                "reward_kept": float(rewards[keep].mean()) if keep.any() else None,
-                "reward_dropped": float(rewards[~keep].mean()) if (~keep).any() else None,
-                "accuracy_dropped": float(correct[~keep].mean()) if (~keep).any() else None,
-                "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
-                "response_len": float(lens.mean()), "truncated_fraction": float(sum(s.finish_reason == "length" for s in samples)) / len(samples),
-                "adv_zero_groups": float((rewards.view(-1, cfg.group_size).std(1) == 0).float().mean()),
-                "filtered_fraction": 1.0 - fres.metrics["filter/kept_seq_fraction"],
-                **{k: v for k, v in fres.metrics.items()}, **lstats, "grad_norm": gnorm,
-                "requantized_layers": info.get("requantized_layers", 0),
-                "time/sync": t_sync, "time/generate": t2 - t1, "time/score": t_score - t2, "time/filter": t3 - t_score,
-                "time/learn": t4 - t3, "time/step": t4 - t0 - t_follow, "time/follow": t_follow, **fol,
-                "wall_s": time.perf_counter() - t_start,
-            })
+            rec = train_step(run, step)
             emit(rec)
             if step % 5 == 0 or step == 1:
                 log(f"  step {step:4d} reward={rec['reward']:.3f} acc={rec['accuracy']:.3f} |r|={rec['tim/abs_log_ratio_mean']:.4f} "
                     f"filtered={rec['filtered_fraction']:.2f} t={rec['time/step']:.2f}s")
             if step % cfg.eval_every == 0:
-                do_eval(step)
+                eval_and_log(run, step, log)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-                _save_checkpoint(ckpt_path, step, learner, opt, channels, time.perf_counter() - t_start)
+                _save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
         if not paused:
             if step and step % cfg.eval_every:
-                do_eval(step)
+                eval_and_log(run, step, log)
             emit({"type": "done", "step": step})
             ckpt_path.unlink(missing_ok=True)
     finally:
         fh.close()
-        engine.close()
+        run.engine.close()
     return out
