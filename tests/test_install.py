@@ -95,3 +95,19 @@ def test_vllm_loads_the_plugin_from_a_plain_install(tmp_path, tiny_llama_dir):
     assert res["eps"] == ["foursight.quant_methods.vllm_plugin:register"]
     assert res["config"] == "foursight.quant_methods.vllm_method" and res["config_file"].startswith(str(target)), res
     assert len(res["tokens"]) == 4
+
+
+def test_every_package_folder_is_shipped():
+    """Every folder with an ``__init__.py`` under the four source folders is in pyproject's package list
+    (an editable install imports an unlisted subpackage; the wheel leaves it out)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    found = set()
+    for name, folder in cfg["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder)
+            found.add(".".join([name, *rel.parts]))
+    assert found - listed == set(), f"package folders missing from pyproject's packages: {sorted(found - listed)}"
