@@ -90,7 +90,9 @@ def _serves_foursight(updater) -> bool:
 
 
 def _refused(e: Exception) -> tuple[bool, str]:
-    return False, f"FourSight refused the update, nothing applied: {e}"
+    from foursight.quant_methods.update_check import REFUSED_PREFIX
+
+    return False, f"{REFUSED_PREFIX}{e}"
 
 
 def check_folder_update(model, path: str, model_config) -> int:

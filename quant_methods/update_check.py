@@ -45,6 +45,11 @@ from foursight.schema import (
     check_global_scale,
 )
 
+#: how an engine's answer to a refused update starts (SGLang's ``message``): the bridge reads it as
+#: "refused before anything was applied" and answers 422 instead of 502
+REFUSED_PREFIX = "FourSight refused the update, nothing applied: "
+
+
 def _shards(model: torch.nn.Module) -> tuple[dict[str, tuple[LayerPlan, int]], int]:
     """Checkpoint module name of every FourSight shard -> (its layer's plan, shard index); the TP size."""
     shards: dict[str, tuple[LayerPlan, int]] = {}

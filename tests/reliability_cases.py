@@ -65,8 +65,8 @@ CASES: list[Case] = [
          "(`quant_methods/update_check.check_update`, checkpoint tensors included) before SGLang writes anything; a NaN, "
          "int32, wrong shape or unknown name after good tensors is refused naming it, logprobs bit-identical, weight_version "
          "unchanged, and a later valid update gives exactly its own logprobs. The HF engine refuses an int32 update through "
-         "the bridge's HTTP route naming the tensor, every parameter bit-identical (502: the bridge's own pre-check reads "
-         "values only)", "28"),
+         "the bridge's HTTP route naming the tensor, every parameter bit-identical; an update an engine refuses before "
+         "applying any of it (HF, or SGLang with the plugin) gets 422 from the bridge, not 502", "28"),
     Case("high", "`--weight-sync native`: a restarted vLLM is not noticed", "fixed",
          (f"{BV}::test_engine_restart_is_detected_on_the_native_sync_route",),
          "on the native route the engine's version is read from vLLM's `GET /weight_info` (the version the bridge gave "

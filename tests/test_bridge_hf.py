@@ -108,7 +108,7 @@ def test_bad_weight_update_names_the_tensor(hf_bridge, tmp_path):
     save_file({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3, dtype=torch.bfloat16)}, str(bad))
     with pytest.raises(BridgeHTTPError) as ei:
         c.update_weights(version=v + 1, path=str(bad))
-    assert ei.value.status == 502 and "model.layers.0.self_attn.q_proj.weight" in str(ei.value)
+    assert ei.value.status == 422 and "model.layers.0.self_attn.q_proj.weight" in str(ei.value)
     unknown = tmp_path / "unknown.safetensors"
     save_file({"model.layers.0.nope.weight": torch.zeros(3, dtype=torch.bfloat16)}, str(unknown))
     with pytest.raises(BridgeHTTPError, match="model.layers.0.nope.weight"):

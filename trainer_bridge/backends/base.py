@@ -30,6 +30,11 @@ class EngineError(RuntimeError):
     """An engine refused or failed a call; the message says which engine and why."""
 
 
+class UpdateRefused(EngineError):
+    """The engine checked a weight update and refused it before applying any of it: the update is at
+    fault, not the engine, and the engine still serves its previous weights (the bridge answers 422)."""
+
+
 class LocalTokenizer:
     """Prompt -> token ids with a local HF tokenizer (chat template applied for ``messages``)."""
 

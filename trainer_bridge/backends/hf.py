@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from foursight.trainer_bridge import hf_sampling
-from foursight.trainer_bridge.backends.base import Engine, EngineError, LocalTokenizer
+from foursight.trainer_bridge.backends.base import Engine, EngineError, LocalTokenizer, UpdateRefused
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
 
 
@@ -291,24 +291,24 @@ class HFEngine(Engine):
         plan: list[tuple[str, Any, Any]] = []
         for name, t in tensors.items():
             if not t.is_floating_point():  # an int32 tensor would be applied truncated (issue 28)
-                raise EngineError(f"tensor {name} has dtype {t.dtype}, expected a floating-point weight")
+                raise UpdateRefused(f"tensor {name} has dtype {t.dtype}, expected a floating-point weight")
             try:
                 check_finite(name, t)
             except CheckpointError as e:
-                raise EngineError(str(e)) from None
+                raise UpdateRefused(str(e)) from None
             prefix, _, leaf = name.rpartition(".")
             mod = modules.get(prefix)
             if isinstance(mod, (FourSightLinear, Fp8Linear)) and leaf == "weight":
                 if tuple(t.shape) != (mod.out_features, mod.in_features):
-                    raise EngineError(f"tensor {name} has shape {list(t.shape)}, expected {[mod.out_features, mod.in_features]}")
+                    raise UpdateRefused(f"tensor {name} has shape {list(t.shape)}, expected {[mod.out_features, mod.in_features]}")
                 plan.append(("requant", mod, t))
             elif name in params or name in buffers:
                 dst = params.get(name, buffers.get(name))
                 if tuple(dst.shape) != tuple(t.shape):
-                    raise EngineError(f"tensor {name} has shape {list(t.shape)}, expected {list(dst.shape)}")
+                    raise UpdateRefused(f"tensor {name} has shape {list(t.shape)}, expected {list(dst.shape)}")
                 plan.append(("copy", dst, t))
             else:
-                raise EngineError(f"tensor {name} does not match any parameter of the model")
+                raise UpdateRefused(f"tensor {name} does not match any parameter of the model")
         with self._lock, torch.no_grad():
             n_req = 0
             for op, dst, t in plan:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from foursight.trainer_bridge.backends.base import EngineError
+from foursight.trainer_bridge.backends.base import EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
 
@@ -76,7 +76,10 @@ class SGLangHTTPEngine(HTTPEngine):
             model_path = folder
         r = await self.client.post("/update_weights_from_disk", json={"model_path": str(model_path), "weight_version": str(version)})
         if r.status_code != 200 or not r.json().get("success", False):
-            raise EngineError(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")
+            from foursight.quant_methods.update_check import REFUSED_PREFIX
+
+            refused = r.status_code == 200 and str(r.json().get("message", "")).startswith(REFUSED_PREFIX)
+            raise (UpdateRefused if refused else EngineError)(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")
         return {"engine": self.name, "version": version, "response": r.json(), "seconds": time.monotonic() - t0}
 
     async def served_state(self) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from foursight.trainer_bridge.backends.base import UpdateRefused
 from foursight.trainer_bridge.guards import WeightsRoots, unprocessable
 from foursight.trainer_bridge.protocol import WeightUpdateRequest, WeightUpdateResponse, shm_path
 from foursight.trainer_bridge.routes.state import BridgeState, DrainTimeout, State, UpdateInProgress
@@ -25,7 +26,8 @@ router = APIRouter()
 
 async def push_weights(state: BridgeState, req: WeightUpdateRequest):
     """Check the update's file, then apply it on every engine under the version gate: the
-    :class:`WeightUpdateResponse`, or the error response (422 bad file, 409 version or drain, 502 engine)."""
+    :class:`WeightUpdateResponse`, or the error response (422 bad file or an update the first engine
+    refused before applying any of it, 409 version or drain, 502 engine failure)."""
     field = "path" if req.path is not None else "shm_name"
     resolved = state.roots.resolve(req.path) if req.path is not None else WeightsRoots([Path(shm_path(""))]).resolve(shm_path(req.shm_name))
     if resolved is None:
@@ -54,6 +56,17 @@ async def push_weights(state: BridgeState, req: WeightUpdateRequest):
                 try:
                     acks.append(await e.update_weights(path, req.version))
                     await state.liveness.of(e).baseline(req.version, state.liveness.state_timeout_s)
+                except UpdateRefused as ex:
+                    state.metrics.errors.labels(kind="weight_update").inc()
+                    if not acks:  # nothing applied anywhere: the update is at fault, every engine serves version prev
+                        return JSONResponse(status_code=422, content={
+                            "error": f"invalid request: engine {e.name} refused the update to version {req.version}: {ex}",
+                            "version": prev, "fields": [{"field": field, "message": str(ex)}]})
+                    state.liveness.of(e).update_failed(prev, True)  # this engine is unchanged; the ones before it moved
+                    return JSONResponse(status_code=502, content={
+                        "error": f"engine {e.name} refused the update to version {req.version} after "
+                                 f"{', '.join(a.get('engine') for a in acks)} applied it: {ex}",
+                        "version": prev, "updated_engines": [a.get("engine") for a in acks]})
                 except Exception as ex:  # noqa: BLE001
                     state.liveness.of(e).update_failed(prev, e.atomic_updates)
                     state.metrics.errors.labels(kind="weight_update").inc()
