@@ -42,7 +42,7 @@ import os
 import torch
 import triton
 
-from .fragment import FRAG_COLS, _counters, _split_plan, fragment_of, scale_view, segment_plan
+from .fragment import _DECODE_WORD_E5M3_PAIR, FRAG_COLS, _counters, _split_plan, fragment_of, scale_view, segment_plan
 from .primitives import interpreting
 
 try:  # Gluon is optional (Triton >= 3.5 on CUDA); the package must import without it
@@ -87,38 +87,7 @@ if gluon is not None:
         """The fragment form's word decode (see :func:`.fragment._decode_word_asm_pair`): int32 words
         and their E5M3 scale-byte pairs -> the 8 bf16 values ``e2m1·scale·2^-7`` of every word."""
         return gl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, y, s0, s1;
-            .reg .b16 ha, hb;
-            prmt.b32 y, $9, 0, 0x4140;
-            mad.lo.u32 y, y, 16, 0x70007000;
-            mov.b32 {ha, hb}, y;
-            mov.b32 s0, {ha, ha};
-            mov.b32 s1, {hb, hb};
-            and.b32 q0, $8, 0x81C081C0;
-            shl.b32 t0, $8, 3;
-            and.b32 q1, t0, 0x81C081C0;
-            shl.b32 t1, $8, 6;
-            and.b32 q2, t1, 0x81C081C0;
-            shl.b32 t0, $8, 1;
-            and.b32 t0, t0, 0x80008000;
-            shr.b32 t1, $8, 3;
-            and.b32 t1, t1, 0x01800180;
-            shr.b32 t2, $8, 7;
-            and.b32 t2, t2, 0x00400040;
-            or.b32 t3, t0, t1;
-            or.b32 q3, t3, t2;
-            mul.rn.bf16x2 q0, q0, s0;
-            mul.rn.bf16x2 q1, q1, s0;
-            mul.rn.bf16x2 q2, q2, s1;
-            mul.rn.bf16x2 q3, q3, s1;
-            mov.b32 {$0, $1}, q0;
-            mov.b32 {$2, $3}, q1;
-            mov.b32 {$4, $5}, q2;
-            mov.b32 {$6, $7}, q3;
-            }
-            """,
+            asm=_DECODE_WORD_E5M3_PAIR,
             constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
             args=[w, pair],
             dtype=(gl.bfloat16, ) * 8,
