@@ -331,3 +331,15 @@ def test_a_stream_whose_client_stops_reading_is_dropped_and_cannot_block_updates
     finally:
         s.close()
         b.stop()
+
+
+@pytest.mark.parametrize("path, shape", [("/v1/rollouts", "bridge"), ("/v1/completions", "openai")])
+def test_a_body_that_is_not_json_is_named_body(edge, path, shape):
+    """A body that is not JSON: 422 naming ``body`` (before: ``[1]``, FastAPI's byte offset read as a list index)."""
+    b, eng = edge
+    r = httpx.post(b.url + path, content=b"{not json", headers={**H, "Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    fields = r.json()["fields"] if shape == "bridge" else err["fields"]
+    assert [f["field"] for f in fields] == ["body"], r.text
+    assert eng.generated == 0

@@ -236,11 +236,16 @@ async def _unparsable_body(request, exc):
         return await http_exception_handler(request, exc)
     cause = exc.__cause__
     why = f"not decodable as JSON ({type(cause).__name__}: {cause})" if cause is not None else "not decodable as JSON"
-    field = [{"field": "body", "message": why}]
-    if request.url.path in _OPENAI_PATHS:
-        return JSONResponse(status_code=422, content={"error": {"message": f"invalid request: body: {why}", "type": "invalid_request_error",
-                                                                "fields": field}})
-    return JSONResponse(status_code=422, content={"error": f"invalid request: body: {why}", "fields": field})
+    return invalid_request(request.url.path, [{"field": "body", "message": why}])
+
+
+def invalid_request(path: str, fields: list[dict[str, str]]) -> JSONResponse:
+    """The documented 422 of a request the route could not validate, in the route's shape: the
+    bridge's ``{"error": str, "fields"}`` or, on the OpenAI routes, ``{"error": {"message", "type", "fields"}}``."""
+    msg = "invalid request: " + "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    if path in _OPENAI_PATHS:
+        return JSONResponse(status_code=422, content={"error": {"message": msg, "type": "invalid_request_error", "fields": fields}})
+    return JSONResponse(status_code=422, content={"error": msg, "fields": fields})
 
 
 def add_guards(app, *, api_key: str | None, allowed_hosts: Sequence[str], max_body_bytes: int,
@@ -333,6 +338,20 @@ def engine_field_errors(req: RolloutRequest, prompt_ids: Sequence[Sequence[int]]
             if bad is not None:
                 errs.append({"field": f"prompts[{i}].token_ids[{bad[0]}]", "message": f"token id {bad[1]} is outside the vocabulary (size {vocab_size})"})
     return errs
+
+
+def field_name(err: dict[str, Any]) -> str:
+    """The field a pydantic/FastAPI validation error names, as the error bodies spell it
+    (``prompts[0].token_ids[1]``, ``sampling.top_p``); ``body`` for a body that is not JSON at all
+    (FastAPI reports that at ``("body", <byte offset>)``, which would read as a list index)."""
+    if err.get("type") == "json_invalid":
+        return "body"
+    out = ""
+    for p in err.get("loc", ()):
+        if p == "body":
+            continue
+        out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
+    return out or "<body>"
 
 
 def unprocessable(errs: list[dict[str, Any]], **extra) -> JSONResponse:

@@ -24,24 +24,15 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 
 from foursight.trainer_bridge.backends.base import Engine
-from foursight.trainer_bridge.guards import DEFAULT_MAX_BODY_BYTES, add_guards, allowed_hosts_for, check_bind
+from foursight.trainer_bridge.guards import DEFAULT_MAX_BODY_BYTES, add_guards, allowed_hosts_for, check_bind, field_name, invalid_request
 from foursight.trainer_bridge.routes import health, openai, rollouts, trl, weights
 from foursight.trainer_bridge.routes.state import BridgeState
-
-
-def _field_name(loc: Sequence[Any]) -> str:
-    parts = [p for p in loc if p != "body"]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
-    return out or "<body>"
 
 
 def create_app(
@@ -99,10 +90,9 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        fields = [{"field": _field_name(e.get("loc", ())), "message": e.get("msg", "")} for e in exc.errors()]
+        fields = [{"field": field_name(e), "message": e.get("msg", "")} for e in exc.errors()]
         state.metrics.errors.labels(kind="bad_request").inc()
-        msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
-        return JSONResponse(status_code=422, content={"error": f"invalid request: {msg}", "fields": fields})
+        return invalid_request(request.url.path, fields)
 
     for module in (rollouts, weights, health, openai, trl):  # the API key, Host/Origin and body limit: the guards' middleware
         app.include_router(module.router)

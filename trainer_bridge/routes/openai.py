@@ -29,6 +29,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from foursight.trainer_bridge.guards import field_name
 from foursight.trainer_bridge.protocol import ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
 from foursight.trainer_bridge.routes.rollouts import admit, events
 from foursight.trainer_bridge.routes.state import BridgeState, State
@@ -156,13 +157,6 @@ def _openai_field(name: str, kind: str) -> str:
     return name
 
 
-def _loc(loc) -> str:
-    out = ""
-    for p in loc:
-        out += f"[{p}]" if isinstance(p, int) else (("." if out else "") + str(p))
-    return out or "<body>"
-
-
 def _error(status: int, fields: list[dict[str, str]], **extra) -> JSONResponse:
     msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
     return JSONResponse(status_code=status, content={"error": {"message": f"invalid request: {msg}", "type": "invalid_request_error",
@@ -171,7 +165,7 @@ def _error(status: int, fields: list[dict[str, str]], **extra) -> JSONResponse:
 
 def _invalid(exc: ValidationError | ValueError, field: str = "<body>", kind: str | None = None) -> JSONResponse:
     if isinstance(exc, ValidationError):
-        fields = [{"field": _loc(e["loc"]), "message": e["msg"]} for e in exc.errors()]
+        fields = [{"field": field_name(e), "message": e["msg"]} for e in exc.errors()]
     else:
         fields = [{"field": field, "message": str(exc)}]
     if kind is not None:
