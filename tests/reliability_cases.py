@@ -108,6 +108,13 @@ CASES: list[Case] = [
     Case("low", "a body with invalid UTF-8 gets 400 in FastAPI's shape instead of the documented 422", "fixed",
          (f"{BE}::test_body_with_invalid_utf8_gets_the_documented_422",),
          "422 naming `body`, in the bridge's shape or, on the OpenAI routes, the OpenAI one", "28"),
+    Case("low", "probing 19 bridge requests: a body that is not JSON named field `[1]`; OpenAI routes answered a "
+         "validation error in the bridge's shape; an update the engine refused before applying it was a 502", "fixed",
+         (f"{BE}::test_a_body_that_is_not_json_is_named_body", "tests/test_bridge_hf.py::test_bad_weight_update_names_the_tensor"),
+         "`body` named; every 422 of an OpenAI route in the OpenAI shape (`guards.invalid_request`); an engine's "
+         "refusal before applying anything is a 422 naming engine and tensor (`backends.base.UpdateRefused`). The other "
+         "16 probes (missing/ill-typed fields, n <= 0, huge max_tokens, out-of-vocabulary ids, bad sampling values, "
+         "non-safetensors weight files) already gave a 422 naming the field", "28"),
     # ---- issue 14 (round one) ----
     Case("high", "vLLM killed and restarted after an update: samples tagged with the pushed version while the engine "
          "serves its checkpoint; health ok", "fixed",
