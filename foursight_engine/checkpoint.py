@@ -183,9 +183,9 @@ def _is_ours(out_dir: Path) -> bool:
     if (out_dir / INCOMPLETE_MARKER).exists() or (out_dir / WRITTEN_BY_FILE).is_file():
         return True
     try:
-        qc = json.loads((out_dir / "config.json").read_text()).get("quantization_config") or {}
+        qc = schema.read_config(out_dir).get("quantization_config") or {}
         return qc.get("quant_method") == schema.QUANT_METHOD
-    except (OSError, ValueError, AttributeError):
+    except (CheckpointError, AttributeError):
         return False
 
 
@@ -307,14 +307,10 @@ def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file,
 def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
     """Parse and validate ``config.json["quantization_config"]`` (CheckpointError names the field)."""
     path = Path(ckpt_dir) / "config.json"
-    if not Path(ckpt_dir).exists():
-        raise CheckpointError(f"{ckpt_dir} does not exist")
-    if not path.exists():
-        raise CheckpointError(f"{ckpt_dir}: no config.json")
-    try:
-        raw = json.loads(path.read_text()).get("quantization_config")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
+    cfg = schema.read_config(ckpt_dir)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: unreadable config (not a JSON object)")
+    raw = cfg.get("quantization_config")
     if raw is None:
         raise CheckpointError(f"{path}: no quantization_config: {ckpt_dir} is not a quantized checkpoint (a BF16 model? "
                               f"make one with `foursight quantize --model {ckpt_dir}`)")

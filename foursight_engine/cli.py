@@ -114,8 +114,9 @@ def quantize(
     carve = []
     if bf16_layers:
         from foursight.bf16_layers import bf16_layer_patterns, num_blocks_of
+        from foursight.schema import read_config
 
-        carve = bf16_layer_patterns(bf16_layers, num_blocks_of(json.loads((Path(src) / "config.json").read_text())))
+        carve = bf16_layer_patterns(bf16_layers, num_blocks_of(read_config(src)))
     res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore) + tuple(carve), error_target=error_target,
                          max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
                          batch_size=batch_size, max_length=max_length, force=force)

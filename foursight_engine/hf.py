@@ -8,7 +8,6 @@ its layers run the Triton SpliceGEMM kernels (:mod:`foursight.dispatch`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -126,7 +125,7 @@ def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu
 
     ckpt_dir = Path(ckpt_dir)
     cfg, mods, rest = load_quantized_tensors(ckpt_dir)
-    raw = json.loads((ckpt_dir / "config.json").read_text())
+    raw = schema.read_config(ckpt_dir)
     raw.pop("quantization_config", None)
     hf_cfg = AutoConfig.for_model(**raw)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
@@ -157,12 +156,12 @@ def quantize_hf_model(model: nn.Module, channels: dict[str, torch.Tensor], ignor
         channels: module name → int32 channel set (missing names get k=0, plain NVFP4).
     """
     cfg = FourSightConfig(ignore=list(ignore))
-    for n, m in list(model.named_modules()):
-        if isinstance(m, nn.Linear) and not cfg.is_ignored(n):
-            ch = channels.get(n, torch.zeros(0, dtype=torch.int32))
-            qw = quantize_weight(m.weight.detach(), ch, name=n)
-            b = None if m.bias is None else m.bias.detach().clone()
-            _set_module(model, n, FourSightLinear(qw, b, act_quant, name=n))
+    for n in find_linears(model, cfg):
+        m = model.get_submodule(n)
+        ch = channels.get(n, torch.zeros(0, dtype=torch.int32))
+        qw = quantize_weight(m.weight.detach(), ch, name=n)
+        b = None if m.bias is None else m.bias.detach().clone()
+        _set_module(model, n, FourSightLinear(qw, b, act_quant, name=n))
     return model
 
 
@@ -172,9 +171,9 @@ def quantize_hf_model_fp8(model: nn.Module, ignore=("lm_head",)) -> nn.Module:
     from foursight.fp8 import Fp8Linear
 
     cfg = FourSightConfig(ignore=list(ignore))
-    for n, m in list(model.named_modules()):
-        if isinstance(m, nn.Linear) and not cfg.is_ignored(n):
-            _set_module(model, n, Fp8Linear(m.weight.detach(), m.bias, name=n))
+    for n in find_linears(model, cfg):
+        m = model.get_submodule(n)
+        _set_module(model, n, Fp8Linear(m.weight.detach(), m.bias, name=n))
     return model
 
 

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from foursight import schema
-from foursight.schema import CheckpointError
+from foursight.schema import CheckpointError, read_config
 
 CT_METHOD = "compressed-tensors"
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
@@ -40,23 +40,6 @@ CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 CT_SUFFIXES = (schema.WEIGHT_PACKED, schema.WEIGHT_SCALE, schema.WEIGHT_GLOBAL_SCALE, schema.INPUT_GLOBAL_SCALE)
 #: what an imported W4A16 module gets as its (unused) activation global scale
 UNUSED_INPUT_SCALE = 1.0
-
-
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """``config.json`` of an HF folder as a dict (CheckpointError naming the file when unreadable)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        if not Path(model_dir).exists():
-            raise CheckpointError(f"{model_dir} does not exist") from None
-        if not Path(model_dir).is_dir():
-            raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
-        raise CheckpointError(f"{model_dir}: no config.json") from None
-    except NotADirectoryError:
-        raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
 
 
 def quant_method(model_dir: str | Path) -> str | None:

@@ -317,6 +317,24 @@ def checked_finite(weights, where: str = ""):
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+def read_config(model_dir: str | Path) -> dict:
+    """``config.json`` of an HF folder as a dict (CheckpointError naming the folder or the file when
+    it is missing or unreadable): the one reader of ``config.json``."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        if not Path(model_dir).exists():
+            raise CheckpointError(f"{model_dir} does not exist") from None
+        if not Path(model_dir).is_dir():
+            raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
+        raise CheckpointError(f"{model_dir}: no config.json") from None
+    except NotADirectoryError:
+        raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
+
+
 def _read_index(folder: Path) -> dict[str, list[str]] | None:
     """File -> tensor names of ``folder``'s safetensors index, or None without one. Raises
     :class:`CheckpointError` naming the index or the file it lists that is missing."""

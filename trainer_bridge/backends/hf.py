@@ -132,11 +132,11 @@ class HFEngine(Engine):
         self.boot_id = uuid.uuid4().hex
 
     def _load(self) -> None:
-        import json
-
         from transformers import AutoModelForCausalLM
 
-        cfg = json.loads((self.model_dir / "config.json").read_text())
+        from foursight.schema import read_config
+
+        cfg = read_config(self.model_dir)
         qc = cfg.get("quantization_config") or {}
         if qc.get("quant_method") == "foursight":
             from foursight.hf import load_reference_model

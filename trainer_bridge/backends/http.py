@@ -8,12 +8,12 @@ Connections retry a refused connect and expire keep-alives below the engine's
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 
+from foursight.schema import CheckpointError, read_config
 from foursight.trainer_bridge import connections
 from foursight.trainer_bridge.backends.base import Engine, EngineError, LocalTokenizer
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
@@ -24,8 +24,8 @@ def config_vocab_size(folder: str | Path | None) -> int | None:
     if folder is None:
         return None
     try:
-        n = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
+        n = read_config(folder).get("vocab_size")
+    except (CheckpointError, AttributeError):
         return None
     return int(n) if isinstance(n, int) and n > 0 else None
 
