@@ -39,7 +39,7 @@ import triton.language as tl
 
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error
 
-from .primitives import MAX_ONEPASS_K, _global_scale, _quant_block, _quant_block_2d, _quant_xb, _quant_xb_2d, _rne_bf16, interpreting
+from .primitives import MAX_ONEPASS_K, _global_scale, _quant_block, _quant_xb, _quant_xb_2d, _rne_bf16, interpreting
 
 #: Match PyTorch-on-CUDA's ``tensor / 6.0`` (multiplication by fp32(1/6)) in the block scales, so
 #: that the kernel is bit-exact with foursight.layer run on the same CUDA device.

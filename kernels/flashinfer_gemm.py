@@ -134,7 +134,7 @@ def _segments(gs: torch.Tensor) -> list[tuple[int, int]]:
 def prepare_flashinfer_weight(qw: QuantizedWeight, name: str = "layer") -> FlashInferWeight:
     """FlashInfer's execution form of ``qw`` (the checkpoint tensors are not modified)."""
     pw = prepare_native_weight(qw, name)
-    n, k_dim = pw.out_features, pw.in_features
+    k_dim = pw.in_features
     if k_dim % DIM_STEP:
         raise NVFP4Error(f"{name}: in_features {k_dim} is not a multiple of {DIM_STEP}, which FlashInfer's "
                          "mm_nvfp4_svdquant needs; use FOURSIGHT_KERNEL_BACKEND=dot_scaled or triton")

@@ -47,7 +47,6 @@ from .primitives import (
     _prefetch_l2,
     _tile_ids,
     interpreting,
-    pdl_supported,
     resident_programs,
 )
 

@@ -74,7 +74,6 @@ class OnlineSettings:
         )
 
 
-_warned_fallback: set[str] = set()
 
 
 def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | None = None, k_split: bool = False) -> torch.Tensor:

@@ -75,7 +75,7 @@ import torch
 from foursight.dispatch import PreparedLinear, prepare_linear
 from foursight.layer import QuantizedWeight, check_channels, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
-from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings, _warned_fallback, weight_based_channels
+from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings, weight_based_channels
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_index, shard_names
 from foursight.schema import (
     BF16_CHANNELS,
@@ -91,6 +91,8 @@ from foursight.schema import (
 )
 
 logger = logging.getLogger("foursight.quant_methods")
+#: the weight-based channel fallback warns once per channels file (and once when there is none)
+_warned_fallback: set[str] = set()
 
 #: Name of the BF16 weight parameter in online mode (the HF name, so ``load_weights`` finds it).
 WEIGHT = "weight"

@@ -45,7 +45,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from foursight.quant_methods.plan import LayerPlan, refresh_layer
+from foursight.quant_methods.plan import refresh_layer
 from foursight.schema import CheckpointError
 
 

@@ -8,7 +8,6 @@ those of the FourSight reference model re-quantized from the same new weights.
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 pytest.importorskip("vllm")

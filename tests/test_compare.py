@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from foursight.compare import CompareError, EngineSpec, engine_metrics, pairwise, parse_engine_urls, parse_engines
+from foursight.compare import CompareError, engine_metrics, pairwise, parse_engine_urls, parse_engines
 
 
 def test_engine_spec_parsing_names_the_flag():

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from foursight import schema
 from foursight.cli import app
-from foursight.hf import FourSightLinear, load_reference_model
+from foursight.hf import load_reference_model
 from foursight.interop import _save, compensate_import, import_compressed_tensors, read_compressed_tensors
 from foursight.schema import CheckpointError
 from helpers.checkpoints import library_ct_checkpoint

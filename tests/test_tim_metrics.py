@@ -153,7 +153,6 @@ def test_filters_match_numpy(batch, cfg):
         np.testing.assert_allclose(res.is_weights.numpy(), w.astype(np.float32), rtol=1e-6)
     else:
         assert res.is_weights is None
-    n_valid = int(mask.any(axis=1).sum())
     dropped = int((~keep & mask.any(axis=1)).sum())
     assert res.metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(dropped / len(keep))  # verl: over every row
 

@@ -14,7 +14,8 @@ import torch
 
 from foursight.channels import weight_based_channels as calib_weight_channels
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
-from foursight.quant_methods import online, sharding
+from foursight.quant_methods import sharding
+from foursight.quant_methods import plan as plan_mod
 from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_quantized_weight
@@ -233,7 +234,7 @@ def test_online_quantization_with_channels_file(tmp_path):
 
 
 def test_online_fallback_warns_and_uses_weight_channels(caplog):
-    online._warned_fallback.clear()
+    plan_mod._warned_fallback.clear()
     ws = [_w(64), _w(32, seed=1)]
     plan = _plan([("model.layers.0.self_attn.q_proj", 64), ("model.layers.0.self_attn.k_proj", 32)], k=0, mode="online", online=OnlineSettings(budget="16"))
     layer = FakeLayer(plan)
