@@ -192,7 +192,18 @@ def _read(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir):
+def _private_tempdir(monkeypatch, tmp_path):
+    """Point ``tempfile`` at a fresh folder, so that what a run leaves behind there can be seen."""
+    import tempfile
+
+    d = tmp_path / "tempdir"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir, monkeypatch):
+    temp = _private_tempdir(monkeypatch, tmp_path)
     out = tmp_path / "fs.jsonl"
     run_rl(RLConfig(model=str(tiny_llama_dir), rollout_precision="foursight", filter="max_token", steps=2,
                     prompts_per_step=2, group_size=4, max_new_tokens=4, eval_every=2, eval_size=4, channels="16",
@@ -213,6 +224,7 @@ def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir):
         assert r["time/step"] == pytest.approx(r["time/sync"] + r["time/generate"] + r["time/score"] + r["time/filter"]
                                                + r["time/learn"], rel=1e-6)
         assert r["tim/abs_log_ratio_mean"] > 0  # quantized rollouts differ from the BF16 learner
+    assert list(temp.iterdir()) == []  # a run leaves no temporary folder (each run left an empty one)
 
 
 def test_old_logprobs_learner_makes_the_ratio_one(tmp_path, tiny_llama_dir):
@@ -345,10 +357,12 @@ def test_bf16_rollouts_have_small_mismatch(tmp_path, tiny_llama_dir):
 
 
 @pytest.mark.vllm
-def test_run_rl_vllm_cpu_smoke(tmp_path, tiny_llama_dir):
+def test_run_rl_vllm_cpu_smoke(tmp_path, tiny_llama_dir, monkeypatch):
     """CI smoke: a few GRPO steps with FourSight rollouts from the vLLM CPU engine, weights synced
-    through the worker extension every step."""
+    through the worker extension every step; the engine's checkpoint and update file are removed
+    at the end (they were left in /tmp, one model-sized folder per run)."""
     pytest.importorskip("vllm")
+    temp = _private_tempdir(monkeypatch, tmp_path)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out = tmp_path / "vllm.jsonl"
     run_rl(RLConfig(model=str(tiny_llama_dir), engine="vllm", rollout_precision="foursight", filter="max_token", steps=2,
@@ -359,3 +373,4 @@ def test_run_rl_vllm_cpu_smoke(tmp_path, tiny_llama_dir):
     for r in steps:
         assert r["requantized_layers"] > 0
         assert math.isfinite(r["tim/abs_log_ratio_mean"]) and r["tim/num_tokens"] > 0
+    assert [p.name for p in temp.iterdir() if p.name.startswith("foursight-rl-")] == []

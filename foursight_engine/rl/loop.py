@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -193,11 +192,10 @@ def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | N
         channels = calibrate_channel_sets(learner_bf16, tok, texts, cfg.channels, ignore=ignore, error_target=cfg.error_target,
                                           max_k=cfg.max_k)
         del learner_bf16
-    workdir = Path(tempfile.mkdtemp(prefix="foursight-rl-"))
     if cfg.engine == "hf":
         engine = HFRollout(learner, tok, cfg.rollout_precision, channels, sync=cfg.sync, ignore=ignore)
     else:
-        engine = VLLMRollout(model_dir, tok, cfg.rollout_precision, cfg.channels, workdir, seed=cfg.seed)
+        engine = VLLMRollout(model_dir, tok, cfg.rollout_precision, cfg.channels, seed=cfg.seed)  # its own temporary folder
     setup_s = time.perf_counter() - t_setup
     ch_info = channel_summary(learner, channels)
     if cfg.rollout_precision == "bf16":
@@ -401,32 +399,33 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     resume_state = torch.load(ckpt_path, map_location="cpu", weights_only=False) if cfg.resume and ckpt_path.exists() else None
     dev = _device(cfg)
     run = build_run(cfg, dev, resume_state)
-    run.fcfg = fcfg
+    fh = None
+    try:  # the engine (and its temporary folder) is released however the run ends
+        run.fcfg = fcfg
 
-    start_step, wall_offset = (int(resume_state["step"]), float(resume_state["wall_s"])) if resume_state is not None else (0, 0.0)
-    fh = _open_log(out, start_step, resume_state is not None)
+        start_step, wall_offset = (int(resume_state["step"]), float(resume_state["wall_s"])) if resume_state is not None else (0, 0.0)
+        fh = _open_log(out, start_step, resume_state is not None)
 
-    def emit(rec: dict[str, Any]) -> None:
-        fh.write(json.dumps(rec) + "\n")
-        fh.flush()
+        def emit(rec: dict[str, Any]) -> None:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
 
-    run.emit = emit
-    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    if resume_state is None:
-        emit({"type": "config", **asdict(cfg), "device": str(dev), "device_name": device_name, "model_dir": str(run.model_dir),
-              **run.ch_info, "setup_s": run.setup_s, "torch": torch.__version__})
-    else:
-        emit({"type": "resume", "step": start_step, "setup_s": run.setup_s, "device_name": device_name})
-        log(f"rl: resuming {out} after step {start_step}")
-    log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, "
-        f"k={run.ch_info['channels_k']}, BF16 weight share {run.ch_info['bf16_weight_share']:.2%}")
+        run.emit = emit
+        device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        if resume_state is None:
+            emit({"type": "config", **asdict(cfg), "device": str(dev), "device_name": device_name, "model_dir": str(run.model_dir),
+                  **run.ch_info, "setup_s": run.setup_s, "torch": torch.__version__})
+        else:
+            emit({"type": "resume", "step": start_step, "setup_s": run.setup_s, "device_name": device_name})
+            log(f"rl: resuming {out} after step {start_step}")
+        log(f"rl: {cfg.rollout_precision} rollouts, filter={cfg.filter}, task={cfg.task}, engine={cfg.engine}, device={dev}, "
+            f"k={run.ch_info['channels_k']}, BF16 weight share {run.ch_info['bf16_weight_share']:.2%}")
 
-    if resume_state is None:
-        eval_and_log(run, 0, log)
-    run.t_start = time.perf_counter() - wall_offset
-    step = start_step
-    paused = False
-    try:
+        if resume_state is None:
+            eval_and_log(run, 0, log)
+        run.t_start = time.perf_counter() - wall_offset
+        step = start_step
+        paused = False
         for step in range(start_step + 1, cfg.steps + 1):
             if cfg.stop_at and time.time() > cfg.stop_at:
                 step -= 1
@@ -455,6 +454,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             emit({"type": "done", "step": step})
             ckpt_path.unlink(missing_ok=True)
     finally:
-        fh.close()
+        if fh is not None:
+            fh.close()
         run.engine.close()
     return out

@@ -9,6 +9,8 @@ vLLM served over HTTP is :mod:`foursight.trainer_bridge.backends.vllm`.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,11 +24,14 @@ from foursight.trainer_bridge.protocol import Rollout
 class VLLMRollout:
     """vLLM rollout engine (in-process ``LLM``; CPU build in CI): a FourSight checkpoint written by
     :func:`foursight.checkpoint.quantize_model` (k=0 for ``nvfp4``), weights synced every step
-    through the worker extension ``foursight_update_weights`` (a BF16 safetensors file)."""
+    through the worker extension ``foursight_update_weights`` (a BF16 safetensors file).
+
+    The checkpoint and the update file live in ``workdir``; without one, a temporary folder that
+    :meth:`close` removes (a checkpoint of an 8B model is ~5 GB)."""
 
     EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
 
-    def __init__(self, model_dir: Path, tok, precision: str, channels_spec: str, workdir: Path,
+    def __init__(self, model_dir: Path, tok, precision: str, channels_spec: str, workdir: Path | None = None,
                  max_model_len: int = 512, seed: int = 0):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -36,13 +41,20 @@ class VLLMRollout:
             # cannot update them in place; the FourSight worker extension handles FourSight layers.
             raise EngineError("VLLMRollout: the precision must be nvfp4 or foursight (weights are synced through "
                           "the FourSight worker extension); use the HF rollout engine for bf16")
-        self.tok, self.precision, self.workdir = tok, precision, Path(workdir)
-        from foursight.checkpoint import quantize_model
+        self.tok, self.precision = tok, precision
+        self._own_workdir = workdir is None
+        self.workdir = Path(tempfile.mkdtemp(prefix="foursight-rl-")) if workdir is None else Path(workdir)
+        self.llm = None
+        try:
+            from foursight.checkpoint import quantize_model
 
-        k = channels_spec if precision == "foursight" else "0"
-        src = quantize_model(model_dir, self.workdir / f"ckpt-{precision}", channels=k, progress=False).out_dir
-        self.llm = LLM(model=str(src), enforce_eager=True, max_model_len=max_model_len, dtype="bfloat16", seed=seed,
-                       worker_extension_cls=self.EXT, logprobs_mode="raw_logprobs")
+            k = channels_spec if precision == "foursight" else "0"
+            src = quantize_model(model_dir, self.workdir / f"ckpt-{precision}", channels=k, progress=False).out_dir
+            self.llm = LLM(model=str(src), enforce_eager=True, max_model_len=max_model_len, dtype="bfloat16", seed=seed,
+                           worker_extension_cls=self.EXT, logprobs_mode="raw_logprobs")
+        except BaseException:
+            self.close()
+            raise
         self.version = 0
         self.last_update: dict[str, Any] = {}
 
@@ -73,7 +85,10 @@ class VLLMRollout:
         return res
 
     def close(self) -> None:
+        """Release the engine and remove the temporary folder (when this object made it)."""
         import gc
 
-        del self.llm
+        self.llm = None
         gc.collect()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
