@@ -192,9 +192,18 @@ class StatsCollector:
 
 
 def read_jsonl(path: str | Path):
-    """``(line number, object)`` of each non-blank line of a JSONL file; ValueError names ``path:line``
-    for invalid JSON or a line that is not an object."""
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    """``(line number, object)`` of each non-blank line of a JSONL file; FileNotFoundError or
+    ValueError names ``path`` when it is missing or cannot be read, and ``path:line`` for invalid
+    JSON or a line that is not an object."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not a JSONL file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -226,6 +235,13 @@ def load_calibration_texts(path: str | Path | None) -> list[str]:
 
 
 @torch.no_grad()
+def check_calibration_batches(batch_size: int, max_length: int) -> None:
+    """``--batch-size`` and ``--max-length`` of calibration must be ≥ 1 (ValueError naming the flag)."""
+    for flag, v in (("--batch-size", batch_size), ("--max-length", max_length)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} {v!r}: must be an integer >= 1 (texts per calibration batch / tokens per text)")
+
+
 def collect_stats(
     model: nn.Module,
     tokenizer,
@@ -248,6 +264,7 @@ def collect_stats(
     """
     from tqdm.auto import tqdm
 
+    check_calibration_batches(batch_size, max_length)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     device = next(model.parameters()).device

@@ -18,10 +18,13 @@ def calibrate_channels(model_dir, out, channels="32", calib=None, ignore=("lm_he
     """Calibrate the BF16 model in ``model_dir`` and write the channels file ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from foursight.calibration import collect_stats, load_calibration_texts
+    from foursight.calibration import check_calibration_batches, collect_stats, load_calibration_texts
     from foursight.channels import choose_channels
     from foursight.checkpoint import check_model_quantizable, find_linears
 
+    schema.check_channels_destination(out)  # before the slow part
+    schema.check_channel_spec(channels)
+    check_calibration_batches(batch_size, max_length)
     cfg = schema.FourSightConfig(ignore=list(ignore))
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

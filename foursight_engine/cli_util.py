@@ -44,9 +44,21 @@ def guarded(fn: F) -> F:
     return run  # type: ignore[return-value]
 
 
+def _check_channels(value: Optional[str]) -> Optional[str]:
+    """``--channels`` is checked when the command line is read, before any model is loaded."""
+    if value is not None:
+        from foursight.schema import check_channel_spec
+
+        try:
+            check_channel_spec(value)
+        except ValueError as e:
+            fail(str(e))
+    return value
+
+
 #: The flags several verbs take, declared once so that each means one thing everywhere.
 DEFAULT_CHANNELS = "32"
 ModelOption = Annotated[Optional[str], typer.Option("--model", help="BF16 HF model folder, or a Hub id already in the local HF cache (no download); default: the packaged SmolLM2-135M-Instruct.")]
-ChannelsOption = Annotated[str, typer.Option("--channels", help="BF16 channels per input: a count (e.g. 128) or a percentage of K (e.g. 2%); 0 = plain NVFP4.")]
-CalibOption = Annotated[Optional[Path], typer.Option("--calib", help="Calibration JSONL ({'text': ...} or {'messages': [...]} per line); default: built-in texts.")]
+ChannelsOption = Annotated[str, typer.Option("--channels", callback=_check_channels, help="BF16 channels per input: a count (e.g. 128) or a percentage of K (e.g. 2%); 0 = plain NVFP4.")]
+CalibOption = Annotated[Optional[Path], typer.Option("--calib", exists=True, dir_okay=False, readable=True, help="Calibration JSONL ({'text': ...} or {'messages': [...]} per line); default: built-in texts.")]
 IgnoreOption = Annotated[list[str], typer.Option("--ignore", help="Modules kept unquantized (name, suffix or re:<regex>); repeatable.")]

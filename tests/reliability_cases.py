@@ -26,6 +26,7 @@ CK, VE, FM = "tests/test_checkpoint.py", "tests/test_vllm_engine.py", "tests/tes
 LW = "tests/test_vllm_load_weights.py"
 CP, FW, SC, SS = ("tests/test_completeness.py", "tests/test_folder_writer.py", "tests/sglang/test_load_refusals.py",
                   "tests/sglang/test_server.py")
+PR = "tests/test_cli_probes.py"
 
 CASES: list[Case] = [
     # ---- issue 28 (round two) ----
@@ -79,7 +80,7 @@ CASES: list[Case] = [
           f"{FW}::test_force_replaces_what_the_same_verb_wrote",
           f"{FW}::test_a_marked_destination_is_refused_by_readers_and_removed_by_the_next_run",
           f"{CP}::test_vllm_refuses_to_serve_a_bad_checkpoint_naming_the_tensor"),
-         "one folder writer (`checkpoint.folder_writer`) for quantize, import and export: a temporary folder under "
+         "one folder writer (`folder_writer.folder_writer`) for quantize, import and export: a temporary folder under "
          "the `.foursight-incomplete` marker, renamed at the end, the marker cleared last; every reader (inspect, "
          "import, export, transformers, vLLM, SGLang) refuses a marked folder naming the marker; the next run removes it; "
          "`--force` replaces only a FourSight checkpoint or a folder a FourSight writer made (`.foursight-written`)", "28"),
@@ -115,6 +116,41 @@ CASES: list[Case] = [
          "refusal before applying anything is a 422 naming engine and tensor (`backends.base.UpdateRefused`). The other "
          "16 probes (missing/ill-typed fields, n <= 0, huge max_tokens, out-of-vocabulary ids, bad sampling values, "
          "non-safetensors weight files) already gave a 422 naming the field", "28"),
+    Case("high", "probing 28 CLI runs: `models tiny --out` overwrote any existing folder (a FourSight checkpoint here); "
+         "reading its code then showed `models prepare --out X --force` deleting whatever folder X named", "fixed",
+         (f"{PR}::test_models_tiny_refuses_an_existing_folder_and_force_replaces_only_its_own",
+          f"{PR}::test_models_prepare_force_does_not_delete_a_folder_it_did_not_write"),
+         "both write through the one folder writer (`folder_writer.folder_writer`): an existing folder is refused, "
+         "and `--force` replaces only a folder a FourSight writer made", "28"),
+    Case("low", "probing 28 CLI runs: eleven unclear answers. `--channels 200%`/`abc`, `--max-length 0` and an "
+         "unwritable `rl --out` were reported only after the model loaded (`--max-length 0` as a reshape error inside "
+         "attention); a missing `--calib` or `--prompts` file as a bare errno; `calibrate --out <folder>` as a traceback "
+         "leaving `<folder>.tmp`; `compare` ignored `--engine-url` for the in-process hf engine and a `--foursight-ckpt` "
+         "it does not use (and, found while fixing these, an `--engine-url` for an engine it does not run and a given "
+         "checkpoint not of its kind); "
+         "`bridge serve --engine hf --model <missing>` gave a transformers traceback; `import` of a BF16 folder said "
+         "`quant_method is None`", "fixed",
+         (f"{PR}::test_a_bad_channels_value_is_named_before_the_model_loads",
+          f"{PR}::test_quantize_max_length_zero_is_named",
+          f"{PR}::test_a_missing_calibration_file_names_the_flag",
+          f"{PR}::test_calibrate_out_a_folder_is_refused_and_leaves_nothing",
+          f"{PR}::test_rl_out_that_cannot_be_written_is_named_before_the_model_loads",
+          f"{PR}::test_rl_bad_channels_is_named",
+          f"{PR}::test_compare_refuses_a_url_for_the_in_process_hf_engine",
+          f"{PR}::test_compare_refuses_a_url_for_an_engine_it_does_not_run",
+          f"{PR}::test_compare_names_a_missing_prompts_file_before_quantizing",
+          f"{PR}::test_compare_checks_the_checkpoints_it_is_given",
+          f"{PR}::test_bridge_hf_model_that_does_not_exist_is_named",
+          f"{PR}::test_import_of_a_bf16_folder_says_what_it_is"),
+         "each gets `error:` naming the flag or folder, exit status 2, before any model loads (the tests fail if one "
+         "does). The other 15 runs (unknown arch, precision, task or filter, `--out` equal to `--model`, a file as a "
+         "checkpoint, a k > 0 export, a missing `--engine-url`, a non-loopback `--host`, a missing `--weights-dir`, "
+         "a missing `serve` model) were already clear", "28"),
+    Case("low", "`foursight rl` left a `/tmp/foursight-rl-*` folder per run, with the vLLM engine's quantized "
+         "checkpoint in it (model-sized)", "fixed",
+         ("tests/test_rl.py::test_run_rl_hf_tiny_end_to_end", "tests/test_rl.py::test_run_rl_vllm_cpu_smoke"),
+         "the vLLM rollout engine owns a temporary folder and removes it on close; `run_rl` closes the engine however "
+         "the run ends", "28"),
     # ---- issue 14 (round one) ----
     Case("high", "vLLM killed and restarted after an update: samples tagged with the pushed version while the engine "
          "serves its checkpoint; health ok", "fixed",

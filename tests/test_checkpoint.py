@@ -258,7 +258,8 @@ def test_killed_quantize_leaves_a_folder_every_reader_refuses_and_the_next_run_r
     import subprocess
     import sys
 
-    from foursight.checkpoint import INCOMPLETE_MARKER, quantize_model
+    from foursight.checkpoint import quantize_model
+    from foursight.schema import INCOMPLETE_MARKER
 
     out = tmp_path / "ckpt"
     script = ("import os, foursight.schema as s\n"

@@ -1,4 +1,4 @@
-"""The one checkpoint folder writer (foursight.checkpoint.folder_writer) behind ``quantize``,
+"""The one checkpoint folder writer (foursight.folder_writer.folder_writer) behind ``quantize``,
 ``import`` and ``export``: ``--force`` replaces only what FourSight wrote, a killed run leaves a
 marked folder that every reader refuses naming the marker, and the next run removes it."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from foursight.checkpoint import WRITTEN_BY_FILE, quantize_model
+from foursight.checkpoint import quantize_model
+from foursight.folder_writer import WRITTEN_BY_FILE
 from foursight.cli import app
 from foursight.schema import INCOMPLETE_MARKER, CheckpointError
 

@@ -41,6 +41,9 @@ def build_engines(engine: str, engine_urls: list[str], model: Optional[Path], to
     if engine == "hf":
         if model is None:
             raise OptionError("--engine hf needs --model DIR (a BF16 HF folder or a FourSight checkpoint)")
+        if not (Path(model) / "config.json").is_file():
+            raise OptionError(f"--model {model}: " + ("no config.json in that folder" if Path(model).is_dir() else "no such folder")
+                              + " (--engine hf needs a BF16 HF folder or a FourSight checkpoint)")
         if engine_urls:
             raise OptionError("--engine-url is for --engine vllm|sglang; --engine hf runs the model in-process")
         return [HFEngine(model, tokenizer=tokenizer, device=device)]
@@ -94,7 +97,7 @@ def serve(
     model: Optional[Path] = typer.Option(None, "--model", help="model folder (hf engine; also the tokenizer by default)"),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer folder for text/chat prompts"),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address (loopback by default)"),
-    port: int = typer.Option(8100, "--port"),
+    port: int = typer.Option(8100, "--port", min=1, max=65535),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FOURSIGHT_BRIDGE_API_KEY",
                                           help="required on /v1/rollouts and /v1/weights (header Authorization: Bearer KEY)"),
     engine_api_key: Optional[str] = typer.Option(None, "--engine-api-key", envvar="FOURSIGHT_ENGINE_API_KEY"),

@@ -150,7 +150,8 @@ def main() -> None:
     if dry and model is None:
         from foursight.models import build_tiny_model
 
-        model = str(build_tiny_model(a.state / "tiny"))
+        tiny = a.state / "tiny"
+        model = str(tiny if (tiny / "config.json").exists() else build_tiny_model(tiny))
     if model is None:
         raise SystemExit("--model is required (except with RL_DRY=1)")
     ngpu = 0

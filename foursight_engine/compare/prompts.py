@@ -33,7 +33,7 @@ def load_prompts(source: str, n: int, tokenizer) -> list[list[int]]:
         convs = []
         try:
             records = list(read_jsonl(source))
-        except ValueError as e:
+        except (ValueError, FileNotFoundError) as e:
             raise CompareError(f"--prompts {e}") from None
         for i, rec in records:
             if isinstance(rec.get("messages"), list):

@@ -16,21 +16,32 @@ from foursight.compare.config import CompareConfig
 from foursight.compare.launch import default_sglang_python, drive, open_engine
 from foursight.compare.prompts import load_prompts
 from foursight.compare.report import engine_metrics, pairwise, print_table, write_plots, write_report
-from foursight.compare.spec import LEARNER, EngineSpec, parse_engine_urls
+from foursight.compare.spec import LEARNER, CompareError, EngineSpec, parse_engine_urls
 from foursight.trainer_bridge.protocol import Rollout
 
 
 def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, workdir: Path,
                        foursight_ckpt: Optional[Path], nvfp4_ckpt: Optional[Path]) -> dict[str, Path]:
     """BF16 folder and the FourSight / plain-NVFP4 / W4A16 checkpoints the engines need (quantized once, reused)."""
-    from foursight.checkpoint import quantize_model
+    from foursight.checkpoint import quantize_model, read_quant_config
 
     dirs = {"bf16": model_dir, "fp8": model_dir}  # fp8: the BF16 model, quantized in memory by the HF engine
-    for prec, given, ch in (("foursight", foursight_ckpt, channels), ("nvfp4", nvfp4_ckpt, "0"), ("w4a16", None, channels)):
-        if prec not in precisions:
+    for prec, given in (("foursight", foursight_ckpt), ("nvfp4", nvfp4_ckpt)):  # checked before any quantization
+        if given is None:
             continue
-        if given is not None:
-            dirs[prec] = given
+        flag = f"--{prec}-ckpt {given}"
+        if prec not in precisions:
+            raise CompareError(f"{flag}: no engine of this run has precision {prec}; nothing would use that checkpoint")
+        try:
+            qc = read_quant_config(given)
+        except ValueError as e:
+            raise CompareError(f"{flag}: {e}") from None
+        if prec == "nvfp4" and any(qc.channels.values()):
+            raise CompareError(f"{flag}: it keeps BF16 channels; the nvfp4 precision needs a plain-NVFP4 (k = 0) checkpoint "
+                               "(`foursight quantize --channels 0`)")
+        dirs[prec] = Path(given)
+    for prec, ch in (("foursight", channels), ("nvfp4", "0"), ("w4a16", channels)):
+        if prec not in precisions or prec in dirs:
             continue
         dst = workdir / f"{model_dir.name}-{prec}-k{ch.replace('%', 'pct')}"
         if not (dst / "config.json").exists():
@@ -57,10 +68,14 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], cfg: CompareConfig |
     specs = list(engines)
     if LEARNER not in {e.name for e in specs}:
         specs.append(EngineSpec("hf", "bf16"))
+    unused = sorted(set(urls) - {e.name for e in specs})
+    if unused:
+        raise CompareError(f"--engine-url {unused[0]}: not an engine of this run (--engines {cfg.engines}"
+                           + (f", --generator {cfg.generator}" if cfg.generator else "") + "); nothing would use that server")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = load_prompts(cfg.prompts, n, tok)  # before the checkpoints: a bad --prompts fails at once
     out.mkdir(parents=True, exist_ok=True)
     dirs = ensure_checkpoints(model_dir, {e.precision for e in specs}, channels, out / "checkpoints", cfg.foursight_ckpt, cfg.nvfp4_ckpt)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt_ids = load_prompts(cfg.prompts, n, tok)
     sglang_python = cfg.sglang_python or default_sglang_python()
 
     t0 = time.time()

@@ -53,5 +53,8 @@ def parse_engine_urls(items: Sequence[str]) -> dict[str, str]:
         name, eq, url = it.partition("=")
         if not eq or not url.startswith("http"):
             raise CompareError(f"--engine-url: {it!r} is not KIND:PRECISION=http://HOST:PORT")
-        urls[EngineSpec.parse(name).name] = url.rstrip("/")
+        spec = EngineSpec.parse(name)
+        if spec.kind == "hf":
+            raise CompareError(f"--engine-url {it}: the hf engine runs in this process; only vllm and sglang servers are reached by URL")
+        urls[spec.name] = url.rstrip("/")
     return urls

@@ -130,6 +130,13 @@ class RLConfig:
             raise RLError(f"--group-size must be >= 2 for group-relative advantages, got {self.group_size}")
         if not self.lr > 0:
             raise RLError(f"--lr must be > 0, got {self.lr}")
+        if self.rollout_precision in CHANNEL_PRECISIONS and self.error_target is None:
+            from foursight.schema import check_channel_spec
+
+            try:
+                check_channel_spec(self.channels)
+            except ValueError as e:
+                raise RLError(str(e)) from None
 
     def filter_config(self):
         from foursight.trainer_bridge.filters import FilterConfig

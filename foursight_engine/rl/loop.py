@@ -211,6 +211,20 @@ def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | N
     return RLRun(cfg, dev, model_dir, tok, learner, ref, opt, engine, channels, evals, exclude, follow, ch_info, setup_s)
 
 
+def _check_log_path(out: Path) -> None:
+    """``--out`` must be a file FourSight can write, checked before the model loads (RLError naming it)."""
+    if out.is_dir():
+        raise RLError(f"--out {out} is a folder; the log is a file (e.g. {out / 'rl.jsonl'})")
+    existed = out.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.open("a").close()
+    except OSError as e:
+        raise RLError(f"--out {out}: cannot write the log there ({e.strerror or e})") from None
+    if not existed:
+        out.unlink(missing_ok=True)
+
+
 def _open_log(out: Path, start_step: int, resuming: bool):
     """The log file: new, or (resuming) rewritten with its records up to the checkpoint's step."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -390,6 +404,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     _set_reproducibility(cfg)
     fcfg = cfg.filter_config()
     out = Path(cfg.out)
+    _check_log_path(out)
     ckpt_path = Path(cfg.checkpoint_path())
     if cfg.resume and out.exists():
         prev = read_log(out)
