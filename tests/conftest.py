@@ -112,7 +112,7 @@ def quantizer_hash() -> str:
     import foursight
 
     h = hashlib.sha256()
-    for f in ("nvfp4.py", "layer.py", "schema.py", "calibration.py", "checkpoint.py", "cli.py"):
+    for f in ("nvfp4.py", "layer.py", "schema.py", "calibration.py", "channels.py", "checkpoint.py", "folder_writer.py", "cli.py"):
         p = Path(foursight.__file__).parent / f
         h.update(p.read_bytes() if p.exists() else b"")
     return h.hexdigest()[:12]
