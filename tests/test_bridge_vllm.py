@@ -93,11 +93,14 @@ def test_rollouts_stream_per_sample(client, tiny_llama_dir):
     for r in client.stream(prompts, {"temperature": 1.0, "ignore_eos": True, "seed": 3}, n=2):
         arrivals.append((time.monotonic() - t0, r))
     assert [(r.prompt_index, len(r.token_ids)) for _, r in arrivals] == [(0, 2), (0, 2), (1, 800), (1, 800)]
-    short_last = max(t for t, r in arrivals if r.prompt_index == 0)
     long_first = min(t for t, r in arrivals if r.prompt_index == 1)
-    # streamed, not batched at the end: the 2-token samples arrive in well under half the time the
-    # 800-token ones take (a ratio, not a fixed margin: the engine's speed depends on machine load)
-    assert short_last < 0.5 * long_first, arrivals
+    # streamed, not batched at the end: a 2-token sample reaches the client as soon as the engine has
+    # answered it (queued_s + engine_s, the bridge's clock), not when the 800-token ones end. The
+    # delay is measured from the engine's answer: on a loaded 2-core box vLLM itself once answered
+    # the 2-token requests only with the long ones (engine_s 2.31 s of 2.32 s; CI, 2026-12-05), which
+    # says nothing about the bridge. A ratio, not a fixed margin: the speed depends on machine load.
+    lag = max(t - (r.timing.queued_s + r.timing.engine_s) for t, r in arrivals if r.prompt_index == 0)
+    assert lag < 0.5 * long_first, arrivals
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     for _, r in arrivals:
         assert r.prompt_ids == tok.encode(prompts[r.prompt_index]["text"])
