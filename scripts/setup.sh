@@ -17,6 +17,18 @@ CONSTRAINTS="$REPO/requirements/cpu-constraints.txt"
 
 log() { echo "[setup] $*"; }
 
+# The SGLang venv's dependencies install in the background beside the main venv (they share no
+# files); its editable install of this repo waits for the main one (scripts/setup_sglang.sh says why).
+SGL_PID=""
+SGL_LOG=""
+if [ "${FOURSIGHT_SKIP_SGLANG:-0}" != "1" ]; then
+    SGL_LOG="$(mktemp /tmp/foursight-setup-sglang.XXXXXX)"
+    log "SGLang venv: its dependencies install in the background (printed when done)"
+    bash "$REPO/scripts/setup_sglang.sh" deps >"$SGL_LOG" 2>&1 &
+    SGL_PID=$!
+    trap 'kill "$SGL_PID" 2>/dev/null || true' EXIT
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating $VENV with $PY_BASE"
     "$PY_BASE" -m venv "$VENV"
@@ -46,9 +58,18 @@ fi
 log "converting SmolLM2-135M-Instruct to a BF16 HF folder (cached in \${FOURSIGHT_CACHE:-~/.cache/foursight})"
 "$VENV/bin/foursight" models prepare
 
-if [ "${FOURSIGHT_SKIP_SGLANG:-0}" != "1" ]; then
-    log "SGLang venv"
-    bash "$REPO/scripts/setup_sglang.sh"
+if [ -n "$SGL_PID" ]; then
+    log "SGLang venv: waiting for its dependencies"
+    sgl_rc=0
+    wait "$SGL_PID" || sgl_rc=$?
+    trap - EXIT
+    cat "$SGL_LOG"
+    rm -f "$SGL_LOG"
+    if [ "$sgl_rc" -ne 0 ]; then
+        log "SGLang venv: installing its dependencies failed (exit $sgl_rc, output above)"
+        exit 1
+    fi
+    bash "$REPO/scripts/setup_sglang.sh" project
 fi
 
 "$VENV/bin/python" - <<'PY'

