@@ -234,7 +234,6 @@ def load_calibration_texts(path: str | Path | None) -> list[str]:
     return texts
 
 
-@torch.no_grad()
 def check_calibration_batches(batch_size: int, max_length: int) -> None:
     """``--batch-size`` and ``--max-length`` of calibration must be ≥ 1 (ValueError naming the flag)."""
     for flag, v in (("--batch-size", batch_size), ("--max-length", max_length)):
@@ -242,6 +241,7 @@ def check_calibration_batches(batch_size: int, max_length: int) -> None:
             raise ValueError(f"{flag} {v!r}: must be an integer >= 1 (texts per calibration batch / tokens per text)")
 
 
+@torch.no_grad()
 def collect_stats(
     model: nn.Module,
     tokenizer,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +108,9 @@ def quantize_model(
         schema.check_channel_spec(channels)
     elif not error_target > 0:
         raise ValueError(f"--error-target must be > 0 (a relative output error per layer), got {error_target}")
-    for flag, value, allowed in (("--activations", activation_dtype, ("nvfp4", "bf16")),
-                                 ("--activation-scale", activation_scale, ("dynamic", "static"))):
+    for flag, field, value in (("--activations", "activation_dtype", activation_dtype),
+                               ("--activation-scale", "activation_scale", activation_scale)):
+        allowed = typing.get_args(FourSightConfig.model_fields[field].annotation)  # the schema's Literal
         if value not in allowed:
             raise ValueError(f"{flag} {value!r}: expected {' or '.join(allowed)}")
     cfg = FourSightConfig.parse(
@@ -225,10 +227,7 @@ def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file,
 def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
     """Parse and validate ``config.json["quantization_config"]`` (CheckpointError names the field)."""
     path = Path(ckpt_dir) / "config.json"
-    cfg = schema.read_config(ckpt_dir)
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: unreadable config (not a JSON object)")
-    raw = cfg.get("quantization_config")
+    raw = schema.read_config(ckpt_dir).get("quantization_config")
     if raw is None:
         raise CheckpointError(f"{path}: no quantization_config: {ckpt_dir} is not a quantized checkpoint (a BF16 model? "
                               f"make one with `foursight quantize --model {ckpt_dir}`)")

@@ -330,7 +330,7 @@ def read_config(model_dir: str | Path) -> dict:
     it is missing or unreadable): the one reader of ``config.json``."""
     path = Path(model_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except FileNotFoundError:
         if not Path(model_dir).exists():
             raise CheckpointError(f"{model_dir} does not exist") from None
@@ -341,6 +341,9 @@ def read_config(model_dir: str | Path) -> dict:
         raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: unreadable config (not a JSON object)")
+    return cfg
 
 
 def _read_index(folder: Path) -> dict[str, list[str]] | None:

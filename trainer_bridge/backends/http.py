@@ -25,7 +25,7 @@ def config_vocab_size(folder: str | Path | None) -> int | None:
         return None
     try:
         n = read_config(folder).get("vocab_size")
-    except (CheckpointError, AttributeError):
+    except CheckpointError:
         return None
     return int(n) if isinstance(n, int) and n > 0 else None
 

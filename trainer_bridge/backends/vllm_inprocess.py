@@ -27,7 +27,7 @@ class VLLMRollout:
     through the worker extension ``foursight_update_weights`` (a BF16 safetensors file).
 
     The checkpoint and the update file live in ``workdir``; without one, a temporary folder that
-    :meth:`close` removes (a checkpoint of an 8B model is ~5 GB)."""
+    :meth:`close` removes (it holds a whole quantized checkpoint)."""
 
     EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
 
