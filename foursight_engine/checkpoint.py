@@ -88,7 +88,7 @@ def quantize_model(
 
     Args:
         model_dir: a BF16 HF causal-LM folder.
-        out_dir: destination (must not exist unless ``force``).
+        out_dir: destination (must not exist unless ``force``; :func:`foursight.folder_writer.prepare_destination`).
         channels: k per input group: an integer or a percentage of K (``"2%"``); ``0`` = plain NVFP4.
         calib: JSONL calibration file (``{"text": ...}`` per line); None uses the built-in texts.
         ignore: module names / suffixes / ``re:`` patterns left unquantized.
@@ -101,8 +101,8 @@ def quantize_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from tqdm.auto import tqdm
 
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
-    prepare_destination(out_dir, force, source=model_dir)
+    model_dir = Path(model_dir)
+    out_dir = prepare_destination(out_dir, force, source=model_dir)  # resolved, before anything else
     check_calibration_batches(batch_size, max_length)
     if error_target is None:
         schema.check_channel_spec(channels)

@@ -160,12 +160,14 @@ def calibrate(
     channels: ChannelsOption = DEFAULT_CHANNELS,
     calib: CalibOption = None,
     ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
+    force: bool = typer.Option(False, "--force", help="Replace --out if it is a channels file (anything else is refused)."),
 ):
     """Collect activation statistics and write a channels file for online (load-time) quantization."""
-    from foursight.channels_file import calibrate_channels
+    from foursight.channels_file import calibrate_channels, prepare_channels_destination
 
+    prepare_channels_destination(out, force)  # before the model is resolved or loaded
     src = _bf16_source(model, "calibrate")
-    path = calibrate_channels(src, out, channels=channels, calib=calib, ignore=tuple(ignore))
+    path = calibrate_channels(src, out, channels=channels, calib=calib, ignore=tuple(ignore), force=force)
     console.print(f"[green]wrote[/] {path}")
 
 

@@ -227,11 +227,10 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
 
     from foursight.checkpoint import load_quantized_tensors
-
     from foursight.folder_writer import prepare_destination
 
-    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    prepare_destination(out_dir, force, source=ckpt_dir, verb="export")
+    ckpt_dir = Path(ckpt_dir)
+    out_dir = prepare_destination(out_dir, force, source=ckpt_dir, verb="export")  # resolved, before anything else
     cfg, mods, rest = load_quantized_tensors(ckpt_dir)
     with_k = sorted(n for n, k in cfg.channels.items() if k)
     if with_k:
@@ -279,14 +278,14 @@ def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels:
     from foursight.folder_writer import prepare_destination
 
     ct_dir = Path(ct_dir)
-    prepare_destination(Path(out_dir), force, source=ct_dir, verb="import")  # before the slow part
+    out_dir = prepare_destination(out_dir, force, source=ct_dir, verb="import")  # resolved, before the slow part
     hf_cfg, tensors = read_compressed_tensors(ct_dir)
     ks = _budget_per_layer(tensors, channels)
     if not any(ks.values()):
-        return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force, "import")
+        return _save(out_dir, ct_dir, hf_cfg, tensors, force, "import")
     hf_cfg, tensors, cf = compensate_import(ct_dir, hf_cfg, tensors, channels, calib, batch_size=batch_size,
                                             max_length=max_length, progress=progress)
-    return _save(Path(out_dir), ct_dir, hf_cfg, tensors, force, "import", channels_file=cf)
+    return _save(out_dir, ct_dir, hf_cfg, tensors, force, "import", channels_file=cf)
 
 
 def _budget_per_layer(tensors: dict[str, torch.Tensor], channels: str | int) -> dict[str, int]:

@@ -80,10 +80,12 @@ def prepare_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     if out_dir is not None:
         # a folder the user names goes through the one folder writer: an existing folder is reused only
         # when this command wrote it, and --force replaces only a folder a FourSight writer made
-        from foursight.folder_writer import folder_writer, written_by
+        from foursight.folder_writer import folder_writer, resolve_out, written_by
+        from foursight.schema import INCOMPLETE_MARKER
 
-        final = Path(out_dir)
-        if not force and (final / "config.json").exists() and written_by(final) == "foursight models prepare":
+        final = resolve_out(out_dir)
+        if (not force and (final / "config.json").exists() and written_by(final) == "foursight models prepare"
+                and not (final / INCOMPLETE_MARKER).exists()):
             return final
         with folder_writer(final, force, "models prepare") as tmp:
             _convert_smollm2(tmp)
@@ -188,8 +190,7 @@ def build_tiny_model(
 
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
-    out = Path(out_dir)
-    prepare_destination(out, force, verb="models tiny")  # before the work
+    out = prepare_destination(out_dir, force, verb="models tiny")  # resolved, before the work
     tok = build_tokenizer(vocab_size)
     common = dict(
         vocab_size=len(tok),

@@ -242,9 +242,12 @@ def test_force_replaces_only_a_foursight_checkpoint(tiny_qwen2_ckpt, tiny_llama_
         quantize_model(tiny_llama_dir, f, channels="16", force=True, progress=False)
     assert f.read_text() == "x"
     ck = copy_folder(tiny_qwen2_ckpt, tmp_path / "ck" / "copy")
-    (ck / "stale.txt").write_text("old run")
+    (ck / "notes.txt").write_text("the user's")  # a file added to a checkpoint of ours is the user's: named, kept (issue 38)
+    with pytest.raises(FileExistsError, match=r"refusing to replace .*copy.*notes\.txt.*nothing was deleted"):
+        quantize_model(tiny_llama_dir, ck, channels="8", force=True, progress=False)
+    (ck / "notes.txt").unlink()
     quantize_model(tiny_llama_dir, ck, channels="8", force=True, progress=False)
-    assert not (ck / "stale.txt").exists() and json.loads((ck / "config.json").read_text())["quantization_config"]["quant_method"] == "foursight"
+    assert json.loads((ck / "config.json").read_text())["quantization_config"]["quant_method"] == "foursight"
     r = CliRunner().invoke(__import__("foursight.cli", fromlist=["app"]).app,
                            ["quantize", "--model", str(tiny_llama_dir), "--out", str(plain), "--channels", "16", "--force"])
     assert r.exit_code != 0 and "not a FourSight checkpoint" in " ".join(r.output.split()), r.output

@@ -171,3 +171,27 @@ def test_quantize_values_outside_their_range_are_named_before_the_model_loads(fl
                                                                               no_model_load):
     _refused(_run("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "o", flag, value), needle)
     assert not (tmp_path / "o").exists()
+
+
+# ---- round three (issue 38, item 5): `calibrate --out` replaces a file only with --force, and only a channels file
+
+
+def test_calibrate_refuses_an_existing_file_without_force(tiny_llama_dir, tmp_path, no_model_load):
+    # the file was overwritten, whatever it was, before
+    f = tmp_path / "notes.json"
+    f.write_text('{"my": "notes"}')
+    _refused(_run("calibrate", "--model", tiny_llama_dir, "--out", f), f"{f} exists; pass --force")
+    _refused(_run("calibrate", "--model", tiny_llama_dir, "--out", f, "--force"), "refusing to replace", "not a channels file")
+    assert f.read_text() == '{"my": "notes"}' and sorted(p.name for p in tmp_path.iterdir()) == ["notes.json"]
+
+
+def test_calibrate_force_replaces_a_channels_file(tiny_llama_dir, tmp_path):
+    from foursight.schema import ChannelsFile
+
+    f = tmp_path / "ch.json"
+    assert _run("calibrate", "--model", tiny_llama_dir, "--out", f, "--channels", "16").exit_code == 0
+    _refused(_run("calibrate", "--model", tiny_llama_dir, "--out", f, "--channels", "32"), "exists; pass --force")
+    assert {len(v) for v in ChannelsFile.read(f).channels.values()} == {16}
+    r = _run("calibrate", "--model", tiny_llama_dir, "--out", f, "--channels", "32", "--force")
+    assert r.exit_code == 0, r.output
+    assert {len(v) for v in ChannelsFile.read(f).channels.values()} == {32}

@@ -68,7 +68,9 @@ def test_force_replaces_what_the_same_verb_wrote(verb, fs0, ct, tmp_path):
     for _ in range(2):
         r = _cli(verb, str(src), "--out", str(out), "--force")
         assert r.exit_code == 0, r.output
-    assert json.loads((out / WRITTEN_BY_FILE).read_text()) == {"written_by": f"foursight {verb}"}
+    written = json.loads((out / WRITTEN_BY_FILE).read_text())
+    assert written["written_by"] == f"foursight {verb}"
+    assert sorted(written["files"]) == sorted(p.name for p in out.iterdir() if p.name != WRITTEN_BY_FILE)  # what it wrote
     assert not (out / INCOMPLETE_MARKER).exists()
     assert _cli("inspect", str(out)).exit_code == 0
     r = _cli(verb, str(src), "--out", str(out))
@@ -154,3 +156,113 @@ def test_inspect_says_what_a_folder_is_not(tiny_llama_dir, tmp_path):
     assert r.exit_code == 2 and "does not exist" in r.output
     r = _cli("inspect", str(tiny_llama_dir))
     assert r.exit_code == 2 and "is not a quantized checkpoint" in " ".join(r.output.split()) and "foursight quantize" in " ".join(r.output.split())
+
+
+# ---- round three (issue 38, item 5): `--out` resolved first, never a glob; --force keeps the user's files; a marker
+# alone is not ours; a second run leaves a live run's temporary folder alone. Each failed on ee7c2bc.
+
+
+def test_out_through_dotdot_replaces_the_folder_it_names(fs0, tmp_path):
+    """`export --force --out CK/sub/..` replaces CK (before: the temporary folder went into CK/sub, inside the folder
+    being replaced, so the replacement deleted it with CK and nothing was written)."""
+    ck = tmp_path / "ck"
+    assert _cli("export", str(fs0), "--out", str(ck)).exit_code == 0
+    r = _cli("export", str(fs0), "--out", f"{ck}/sub/..", "--force")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and not (ck / "sub").exists()
+    assert _cli("inspect", str(ck)).exit_code == 0
+
+
+def test_out_with_glob_characters_is_a_plain_name(fs0, tmp_path):
+    """`--out 'run[1]'` writes a folder named `run[1]` and touches nothing of `run1` (before: `run[1].tmp-*` was used
+    as a glob, and removed the marked temporary folder of a run to `run1`)."""
+    other = tmp_path / "run1.tmp-abcd1234"
+    other.mkdir()
+    (other / INCOMPLETE_MARKER).write_text("a run to run1")
+    (other / "model.safetensors").write_text("its work")
+    r = _cli("export", str(fs0), "--out", str(tmp_path / "run[1]"))
+    assert r.exit_code == 0, r.output
+    assert (other / "model.safetensors").read_text() == "its work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run1.tmp-abcd1234", "run[1]"]
+    assert _cli("inspect", str(tmp_path / "run[1]")).exit_code == 0
+
+
+@pytest.mark.parametrize("verb", ["import", "export"])
+def test_force_refuses_a_folder_of_ours_holding_the_users_files_naming_them(verb, fs0, ct, tmp_path):
+    """A folder FourSight wrote, to which the user added files: `--force` names them and deletes nothing (before:
+    the folder was replaced and the user's files were gone)."""
+    src = ct if verb == "import" else fs0
+    out = tmp_path / "out"
+    assert _cli(verb, str(src), "--out", str(out)).exit_code == 0
+    (out / "notes.md").write_text("my notes")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.json").write_text("{}")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    r = _cli(verb, str(src), "--out", str(out), "--force")
+    msg = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "notes.md" in msg and "eval/scores.json" in msg and "nothing was deleted" in msg, msg
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    assert (out / "notes.md").read_text() == "my notes"
+
+
+@pytest.mark.parametrize("verb", ["export", "models tiny"])
+def test_a_stray_marker_does_not_make_a_folder_ours(verb, fs0, tmp_path):
+    """A user's folder that happens to hold `.foursight-incomplete`: refused without --force and with it, nothing
+    deleted (before: the marker made it "an interrupted run of ours", removed without --force)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    (mine / INCOMPLETE_MARKER).write_text("copied from somewhere")
+    args = ["export", str(fs0)] if verb == "export" else ["models", "tiny"]
+    r = _cli(*args, "--out", str(mine))
+    assert r.exit_code == 2 and "pass --force" in r.output, r.output
+    r = _cli(*args, "--out", str(mine), "--force")
+    assert r.exit_code == 2 and "refusing to replace" in " ".join(r.output.split()), r.output
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in mine.iterdir()) == [INCOMPLETE_MARKER, "thesis.tex"]
+
+
+# the first run stops while copying the tokenizer (its temporary folder holds the tensors and config.json) until
+# the test lets it go on
+_PAUSE = ("import os, shutil, sys, time\n"
+          "real = shutil.copy2\n"
+          "def copy2(src, dst, *a, **k):\n"
+          "    if 'tokenizer' in str(src) and not os.path.exists({go!r}):\n"
+          "        open({ready!r}, 'w').close()\n"
+          "        while not os.path.exists({go!r}):\n"
+          "            time.sleep(0.05)\n"
+          "    return real(src, dst, *a, **k)\n"
+          "shutil.copy2 = copy2\n"
+          "from foursight.cli import app\n"
+          "sys.argv = ['foursight', 'export', {src!r}, '--out', {out!r}]\n"
+          "app()\n")
+
+
+def test_a_second_run_leaves_a_live_runs_temporary_folder_alone(fs0, tmp_path):
+    """Two `export` runs to one --out: the second does not remove the first's temporary folder while the first is
+    still writing (before: it removed every marked `<out>.tmp-*`, and the first run failed); the first then finds the
+    second's folder and refuses to replace it without --force."""
+    import time
+
+    out, ready, go = tmp_path / "out", tmp_path / "ready", tmp_path / "go"
+    script = _PAUSE.format(go=str(go), ready=str(ready), src=str(fs0), out=str(out))
+    first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**__import__("os").environ, "COLUMNS": "200"})
+    try:
+        t0 = time.monotonic()
+        while not ready.exists():
+            assert first.poll() is None and time.monotonic() - t0 < 120, first.stdout.read() if first.stdout else ""
+            time.sleep(0.1)
+        (live,) = list(tmp_path.glob("out.tmp-*"))
+        r = _cli("export", str(fs0), "--out", str(out))
+        assert r.exit_code == 0, r.output
+        assert live.is_dir() and (live / "config.json").exists(), "the second run removed the live run's temporary folder"
+        go.write_text("")
+        output = first.communicate(timeout=120)[0]
+    finally:
+        go.write_text("")
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 2 and "exists; pass --force" in " ".join(output.split()), output
+    assert list(tmp_path.glob("out.tmp-*")) == [] and _cli("inspect", str(out)).exit_code == 0
