@@ -91,20 +91,31 @@ def _check_shard_tensor(name: str, t: torch.Tensor, plan: LayerPlan, i: int, lea
         raise CheckpointError(f"tensor {name} has shape {list(t.shape)}, expected {shape}")
 
 
-def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 map_name: Callable[[str], str | None] | None = None, checkpoint_tensors: bool = False,
-                 where: str = "") -> int:
-    """Validate a WHOLE update against ``model`` before anything of it is loaded (rules: module
-    docstring). ``map_name`` maps a checkpoint name to the engine's parameter name (None: skip the
-    tensor, as vLLM's ``hf_to_vllm_mapper`` does); default :func:`packed_name_map`. Raises
-    :class:`CheckpointError` naming the first bad tensor (and ``where``); returns the number of tensors."""
-    map_name = map_name or packed_name_map(model)
-    params = dict(model.named_parameters())
-    shards, tp = _shards(model)
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    n = 0
-    for name, t in weights:
-        n += 1
+class UpdateChecker:
+    """:func:`check_update` bound to one model: the model's parameters, FourSight shards and name
+    mapping are read once, so that a trainer's per-tensor loop (TRL colocate: one ``load_weights``
+    call per tensor) pays only the per-tensor checks. Built by :func:`guard_load_weights`."""
+
+    def __init__(self, model: torch.nn.Module, map_name: Callable[[str], str | None] | None = None,
+                 checkpoint_tensors: bool = False) -> None:
+        self.model = model
+        self.map_name = map_name or packed_name_map(model)
+        self.params = dict(model.named_parameters())
+        self.shards, self.tp = _shards(model)
+        self.tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        self.checkpoint_tensors = checkpoint_tensors
+
+    def check(self, weights: Iterable[tuple[str, torch.Tensor]], where: str = "") -> int:
+        """Check every ``(name, tensor)`` (module docstring's rules); raises CheckpointError naming
+        the first bad one (and ``where``); returns the number of tensors."""
+        n = 0
+        for name, t in weights:
+            n += 1
+            self.check_one(name, t, where)
+        return n
+
+    def check_one(self, name: str, t: torch.Tensor, where: str = "") -> None:
+        checkpoint_tensors, shards = self.checkpoint_tensors, self.shards
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"tensor {name}{where} is a {type(t).__name__}, not a tensor")
         mod, _, leaf = name.rpartition(".")
@@ -116,7 +127,7 @@ def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
                                       f"at load (online mode) and takes only {mod}.weight")
             _check_shard_tensor(name + where, t, plan, i, leaf)
             check_finite(name, t, where)
-            continue
+            return
         if not t.is_floating_point() and not checkpoint_tensors:
             raise CheckpointError(f"tensor {name}{where} has dtype {t.dtype}, expected a floating-point weight")
         if mod in shards and leaf == WEIGHT:
@@ -127,28 +138,85 @@ def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             if t.dim() != 2 or t.shape[1] != plan.input_size or (plan.tp_size == 1 and t.shape[0] != rows):
                 raise CheckpointError(f"tensor {name}{where} has shape {list(t.shape)}, expected {[rows, plan.input_size]}")
         else:
-            mapped = map_name(name)
-            p = params.get(mapped) if mapped is not None else None
+            mapped = self.map_name(name)
+            p = self.params.get(mapped) if mapped is not None else None
             if p is None:
-                if mapped is None or name.endswith(ENGINE_SKIPPED) or (tied and name == "lm_head.weight"):
-                    continue
+                if mapped is None or name.endswith(ENGINE_SKIPPED) or (self.tied and name == "lm_head.weight"):
+                    return
                 raise CheckpointError(f"unexpected tensor {name}{where}: the model has no parameter for it")
             if p.is_floating_point() != t.is_floating_point() or (not p.is_floating_point() and p.dtype != t.dtype):
                 raise CheckpointError(f"tensor {name}{where} has dtype {t.dtype}, expected "
                                       + ("a floating-point weight" if p.is_floating_point() else str(p.dtype)))
             fused = mapped != name
             if p.numel() and not fused and t.dim() == p.dim():
-                padded = hasattr(p, "output_dim") and p.dim() == 2 and getattr(_owner(model, mapped), "org_vocab_size", None) is not None
+                padded = hasattr(p, "output_dim") and p.dim() == 2 and getattr(_owner(self.model, mapped), "org_vocab_size", None) is not None
                 for d, (a, b) in enumerate(zip(t.shape, p.shape)):
-                    split = tp > 1 and d in (getattr(p, "output_dim", None), getattr(p, "input_dim", None))
+                    split = self.tp > 1 and d in (getattr(p, "output_dim", None), getattr(p, "input_dim", None))
                     if (padded and d == 0 and a <= b) or split:
                         continue
                     if a != b:
                         raise CheckpointError(f"tensor {name}{where} has shape {list(t.shape)}, expected {list(p.shape)}")
             elif p.numel() and not fused and t.dim() != p.dim():
                 raise CheckpointError(f"tensor {name}{where} has shape {list(t.shape)}, expected {list(p.shape)}")
+        _check_finite_fast(name, t, where)
+
+
+def _check_finite_fast(name: str, t: torch.Tensor, where: str = "") -> None:
+    """:func:`foursight.schema.check_finite` without its float32 copy of the tensor (one pass in the
+    tensor's own dtype; fp8 has no ``isfinite`` and goes through the copy)."""
+    if not t.is_floating_point() or not t.numel():
+        return
+    if t.element_size() == 1:
         check_finite(name, t, where)
-    return n
+    elif not bool(torch.isfinite(t).all()):
+        check_finite(name, t, where)  # counts and names the bad values
+
+
+def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 map_name: Callable[[str], str | None] | None = None, checkpoint_tensors: bool = False,
+                 where: str = "") -> int:
+    """Validate a WHOLE update against ``model`` before anything of it is loaded (rules: module
+    docstring). ``map_name`` maps a checkpoint name to the engine's parameter name (None: skip the
+    tensor, as vLLM's ``hf_to_vllm_mapper`` does); default :func:`packed_name_map`. Raises
+    :class:`CheckpointError` naming the first bad tensor (and ``where``); returns the number of tensors."""
+    return UpdateChecker(model, map_name, checkpoint_tensors).check(weights, where)
+
+
+def guard_load_weights(model: torch.nn.Module, map_name: Callable[[str], str | None] | None = None) -> None:
+    """Make the engine's own ``model.load_weights`` check each call WHOLE before it writes anything.
+
+    A trainer that syncs through the engine's model directly (TRL colocate: one tensor per call;
+    verl: one bucket per call, then the post-load step) bypasses every FourSight update route, and
+    vLLM's loaders for norms, embeddings and lm_head check nothing: a NaN norm was served, an Inf
+    embedding row wedged the engine at its next request, an int32 norm was cast and served, and an
+    online layer's NaN was written before its quantizer refused it (a layer that re-raised at every
+    forward). With the guard, a call's tensors are read into a list (a bucket is bounded by the
+    trainer), checked by an :class:`UpdateChecker` built once for the model, and handed to the
+    original ``load_weights`` only if all pass: a refused call raises :class:`CheckpointError`
+    naming the tensor and writes nothing. Installed on the instance (other models of the same class
+    are untouched), idempotent; ``model.load_weights.foursight_unchecked`` is the original, for a
+    route that checked the whole update itself (:func:`unchecked_load_weights`)."""
+    current = model.load_weights
+    if getattr(current, "foursight_unchecked", None) is not None:
+        return
+    checker: list[UpdateChecker] = []  # built at the first call: the model's parameters are final by then
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]], *args, **kwargs):
+        items = weights if isinstance(weights, (list, tuple)) else list(weights)
+        if not checker:
+            checker.append(UpdateChecker(model, map_name))
+        checker[0].check(items)
+        return current(items, *args, **kwargs)
+
+    load_weights.foursight_unchecked = current  # type: ignore[attr-defined]
+    model.load_weights = load_weights
+
+
+def unchecked_load_weights(model: torch.nn.Module) -> Callable:
+    """The model's ``load_weights`` without the :func:`guard_load_weights` check (for a route that
+    already checked the whole update)."""
+    lw = model.load_weights
+    return getattr(lw, "foursight_unchecked", lw)
 
 
 def _owner(model: torch.nn.Module, param_name: str) -> torch.nn.Module | None:

@@ -81,7 +81,9 @@ def install_load_check() -> None:
     first request. This wraps ``DefaultModelLoader.get_all_weights`` for models whose
     ``quantization`` is ``foursight`` only: a non-finite tensor stops the load with a
     :class:`~foursight.schema.CheckpointError` naming it, and the tensors are compared with the
-    model's parameters. Idempotent; called by the plugin entry point
+    model's parameters. After the load, the model's own ``load_weights`` (what TRL colocate and
+    verl call for a weight sync) checks every call whole before it writes anything
+    (:func:`foursight.quant_methods.update_check.guard_load_weights`). Idempotent; called by the plugin entry point
     (:func:`foursight.quant_methods.vllm_plugin.register`), not on import
     (:mod:`foursight.quant_methods.engine_hooks`).
     """
@@ -104,6 +106,22 @@ def install_load_check() -> None:
         return get_all_weights
 
     wrap_method(DefaultModelLoader, "get_all_weights", wrap)
+
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    def wrap_load_model(original):
+        def load_model(self, vllm_config, model_config, *args, **kwargs):
+            model = original(self, vllm_config, model_config, *args, **kwargs)
+            if getattr(model_config, "quantization", None) == QUANT_METHOD:
+                from foursight.quant_methods.update_check import guard_load_weights
+                from foursight.quant_methods.vllm_weight_sync import vllm_name_map
+
+                guard_load_weights(model, vllm_name_map(model))  # a trainer's own load_weights: checked whole
+            return model
+
+        return load_model
+
+    wrap_method(BaseModelLoader, "load_model", wrap_load_model)
 
 
 @register_quantization_config(QUANT_METHOD)

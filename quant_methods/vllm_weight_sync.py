@@ -46,6 +46,7 @@ from typing import Iterable, Iterator
 import torch
 
 from foursight.quant_methods.plan import refresh_layer
+from foursight.quant_methods.update_check import unchecked_load_weights
 from foursight.schema import CheckpointError
 
 
@@ -77,17 +78,32 @@ def _safetensors_names(path: str | Path) -> list[str]:
         return list(f.keys())
 
 
+def vllm_name_map(model: torch.nn.Module):
+    """Checkpoint (HF) name -> vLLM parameter name: the model's ``hf_to_vllm_mapper`` (None: a name
+    vLLM skips), then the fused-layer map (``q_proj`` -> ``qkv_proj``; a FourSight layer's shards are
+    checked by their own rules before the map is consulted)."""
+    from foursight.quant_methods.config import packed_name_map
+
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    packed = packed_name_map(model)
+
+    def map_name(name: str) -> str | None:
+        mapped = mapper.map_name(name) if mapper is not None else name
+        return None if mapped is None else packed(mapped)
+
+    return map_name
+
+
 def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Validate a WHOLE update before anything of it is loaded (issue 28: atomic updates):
-    :func:`foursight.quant_methods.update_check.check_update` with vLLM's name mapping (the model's
-    ``hf_to_vllm_mapper``; the fused ``qkv_proj`` shards are the FourSight layers' own) and BF16
-    weights only (every tensor a finite float). Raises CheckpointError naming the first bad tensor;
-    returns the number of tensors. A refused update therefore leaves the engine as it was.
+    :func:`foursight.quant_methods.update_check.check_update` with vLLM's name mapping
+    (:func:`vllm_name_map`) and BF16 weights only (every tensor a finite float). Raises
+    CheckpointError naming the first bad tensor; returns the number of tensors. A refused update
+    therefore leaves the engine as it was.
     """
     from foursight.quant_methods.update_check import check_update as check
 
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    return check(model, weights, map_name=mapper.map_name if mapper is not None else (lambda name: name))
+    return check(model, weights, map_name=vllm_name_map(model))
 
 
 def cpu_packed_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -241,7 +257,8 @@ def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
             session["count"] += 1
             yield item
 
-    model.load_weights(weights=counted(session["gate"].admit(weights)))
+    # the session's route checked the whole update before it began: skip the per-call guard
+    unchecked_load_weights(model)(weights=counted(session["gate"].admit(weights)))
     return session["count"] - n0
 
 

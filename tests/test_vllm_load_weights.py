@@ -300,3 +300,44 @@ def test_a_refused_update_changes_nothing_and_is_never_served_later(engine, setu
     push(setup["new2"], 8)
     llm.reset_prefix_cache()
     assert _same(engine_prompt_logprobs(llm, setup["seqs"]), setup["ref"][mode]["new2"])
+
+
+# ---- issue 38 item 3: a diverged learner step is refused on the trainers' own road ----
+
+def _diverged(new: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Tensor]]:
+    """One bad tensor per case, as a diverged learner step hands it over (HF names)."""
+    norm, emb = new["model.norm.weight"], new["model.embed_tokens.weight"]
+    nan_norm = norm.clone()
+    nan_norm[7] = float("nan")
+    inf_row = emb.clone()
+    inf_row[42] = float("inf")
+    nan_q = new[Q0].clone()
+    nan_q[2, 3] = float("nan")
+    return {"nan norm": ("model.norm.weight", nan_norm), "inf embedding row": ("model.embed_tokens.weight", inf_row),
+            "nan q_proj": (Q0, nan_q), "int32 norm": ("model.norm.weight", norm.to(torch.int32)),
+            "mis-shaped norm": ("model.norm.weight", norm[:-1].contiguous())}
+
+
+def test_a_diverged_step_is_refused_on_the_trainers_road(engine, setup):
+    """TRL colocate's per-tensor ``load_weights`` and verl's bucketed one (the bad tensor last in
+    its bucket), in both modes: every bad tensor (norm, embedding, FourSight layer; NaN, Inf, int32,
+    wrong shape) is refused with an error naming it before anything is written, and the engine
+    keeps serving with bit-identical logprobs. Before the fix the NaN norm, the Inf embedding row
+    and the int32 norm were accepted (non-finite logprobs, a wedged engine, 66 nats moved) and an
+    online layer's NaN wedged the engine."""
+    from vllm import SamplingParams
+
+    mode, llm = engine
+    _trl_sync(llm, setup["new1"])
+    before = engine_prompt_logprobs(llm, setup["seqs"])
+    bucket = [(n, t) for n, t in setup["new2"].items() if n.startswith("model.layers.1.")]
+    for what, (name, bad) in _diverged(setup["new2"]).items():
+        for road in ("trl", "verl"):
+            items = [(name, bad)] if road == "trl" else [*bucket, (name, bad)]
+            with pytest.raises(Exception, match=name.replace(".", r"\.")):
+                llm.apply_model(lambda m: m.load_weights(iter(items)))
+            llm.reset_prefix_cache()
+            got = engine_prompt_logprobs(llm, setup["seqs"])
+            assert _same(got, before), f"{mode}/{road}: the refused {what} changed the engine (|d| {_gap(got, before):.3g})"
+    (out,) = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
