@@ -16,9 +16,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from foursight.cli_config import typer_command
 from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption, fail, guarded
 from foursight.compare.cli import compare_command
 from foursight.models import DEFAULT_MODEL
+from foursight.quantize_config import QuantizeConfig
 from foursight.rl.cli import rl_command
 from foursight.trainer_bridge.cli import app as bridge_app
 
@@ -91,36 +93,20 @@ def _bf16_source(model, verb: str):
     return src
 
 
-@app.command()
-@guarded
-def quantize(
-    model: ModelOption = None,
-    out: Path = typer.Option(Path("out/smollm2-foursight"), help="Checkpoint folder to write."),
-    channels: ChannelsOption = DEFAULT_CHANNELS,
-    calib: CalibOption = None,
-    ignore: IgnoreOption = ["lm_head"],  # noqa: B006 (typer copies it)
-    bf16_layers: Optional[list[str]] = typer.Option(None, "--bf16-layers", help="Whole layers kept in BF16 (the practitioners' carve-out): attention, mlp, first:N, last:N, block:I, joined by & to intersect, or a name/re: pattern; repeatable (foursight.bf16_layers)."),
-    error_target: Optional[float] = typer.Option(None, help="Per-layer budget: smallest k (0,16,32,...) with relative output error <= this."),
-    max_k: Optional[int] = typer.Option(None, min=0, help="Cap on k for --error-target."),
-    activations: str = typer.Option("nvfp4", help="nvfp4 (W4A4) or bf16 (W4A16)."),
-    activation_scale: str = typer.Option("dynamic", help="dynamic (per-row, at run time) or static (calibrated)."),
-    batch_size: int = typer.Option(8), max_length: int = typer.Option(256),
-    force: bool = typer.Option(False, help="Replace --out if it is a FourSight checkpoint (anything else is refused)."),
-    report: Optional[Path] = typer.Option(None, help="Also write the per-layer table as Markdown here."),
-):
+def quantize(cfg: QuantizeConfig) -> None:
     """Calibrate, pick BF16 channels, quantize to NVFP4 and write a FourSight checkpoint."""
     from foursight.checkpoint import quantize_model
 
-    src = _bf16_source(model, "quantize")
+    src = _bf16_source(cfg.model, "quantize")
+    kwargs = cfg.quantize_kwargs()
     carve = []
-    if bf16_layers:
+    if cfg.bf16_layers:
         from foursight.bf16_layers import bf16_layer_patterns, num_blocks_of
         from foursight.schema import read_config
 
-        carve = bf16_layer_patterns(bf16_layers, num_blocks_of(read_config(src)))
-    res = quantize_model(src, out, channels=channels, calib=calib, ignore=tuple(ignore) + tuple(carve), error_target=error_target,
-                         max_k=max_k, activation_dtype=activations, activation_scale=activation_scale,
-                         batch_size=batch_size, max_length=max_length, force=force)
+        carve = bf16_layer_patterns(cfg.bf16_layers, num_blocks_of(read_config(src)))
+        kwargs["ignore"] = kwargs["ignore"] + tuple(carve)
+    res = quantize_model(src, cfg.out, **kwargs)
     print_layer_table(res.layers)
     n_fs = sum(1 for r in res.layers if r.err_foursight < r.err_nvfp4)
     console.print(f"[green]wrote[/] {res.out_dir}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
@@ -130,9 +116,12 @@ def quantize(
         sh = checkpoint_bf16_share(res.out_dir, carve)
         console.print(f"BF16 carve-out: {len(sh['bf16_layers'])} layers; BF16 weight share {sh['bf16_weight_share']:.2%} "
                       f"(whole layers {sh['bf16_layer_share']:.2%}, channels {sh['bf16_channel_share']:.2%})")
-    if report:
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(markdown_layer_table(res.layers))
+    if cfg.report:
+        cfg.report.parent.mkdir(parents=True, exist_ok=True)
+        cfg.report.write_text(markdown_layer_table(res.layers))
+
+
+app.command("quantize")(guarded(typer_command(QuantizeConfig, quantize)))
 
 
 def print_layer_table(layers, **kw) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -47,22 +49,27 @@ def test_flags_defaults_and_bounds_come_from_the_dataclass():
         assert text in help_text
 
 
-def test_compare_flags_are_exactly_compare_config():
-    """Every CompareConfig option is a flag of `foursight compare` with the config's default, and no other
-    flag exists (the defaults live once, in CompareConfig)."""
-    from foursight.cli import app
-    from foursight.compare.config import CompareConfig
+@pytest.mark.parametrize("verb, config", [("compare", "foursight.compare.config:CompareConfig"),
+                                           ("quantize", "foursight.quantize_config:QuantizeConfig")])
+def test_verb_flags_are_exactly_its_config(verb, config):
+    """Every option of the verb's config is a flag of the verb with the config's default, and no other flag exists
+    (the defaults live once, in the config)."""
+    import importlib
 
-    cmd = typer.main.get_command(app).commands["compare"]  # type: ignore[attr-defined]
+    from foursight.cli import app
+
+    mod, _, cls = config.partition(":")
+    cfg_cls = getattr(importlib.import_module(mod), cls)
+    cmd = typer.main.get_command(app).commands[verb]  # type: ignore[attr-defined]
     params = {p.name: p for p in cmd.params if p.name != "help"}
-    fields = {f.name: f for f in cli_fields(CompareConfig)}
+    fields = {f.name: f for f in cli_fields(cfg_cls)}
     assert set(params) == set(fields)
     for name, f in fields.items():
-        default = f.default
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         got = params[name].default
         assert (got if not isinstance(default, Path) else Path(got)) == default or (default is None and got in (None, ())), name
-        if name != "model" and name != "channels":
-            assert flag_name(f) in params[name].opts
+        if f.metadata["cli"]["typer_type"] is None:
+            assert flag_name(f).split("/")[0] in params[name].opts
 
 
 def test_rl_command_lines_of_the_docs_parse_into_rl_config(monkeypatch):
@@ -95,3 +102,59 @@ def test_rl_command_lines_of_the_docs_parse_into_rl_config(monkeypatch):
     CliRunner().invoke(app, ["rl", "--tis-cap", "0", "--error-target", "0", "--bf16-layers", "attention", "--bf16-layers", "last:1",
                              "--time-budget", "5", "--no-follow"])
     assert seen[-1] == RLConfig(tis_cap=None, error_target=None, bf16_layers=["attention", "last:1"], time_budget_s=5.0, follow=False)
+
+
+# ---- `foursight quantize`: its flags generated from QuantizeConfig parse every command line as the hand-written ones did
+
+
+def _quantize_lines(model: Path, calib: Path, report: Path) -> list[tuple[list[str], dict]]:
+    """Representative `foursight quantize` command lines and the options each must reach ``quantize_model`` with
+    (written down from the hand-listed flags of ee7c2bc; this test passed there before QuantizeConfig)."""
+    from foursight.bf16_layers import bf16_layer_patterns
+
+    m = str(model)
+    base = dict(channels="32", calib=None, ignore=("lm_head",), error_target=None, max_k=None, activation_dtype="nvfp4",
+                activation_scale="dynamic", batch_size=8, max_length=256, force=False, model=Path(model))
+    return [
+        ([], dict(base, out=Path("out/smollm2-foursight"), model=None)),
+        (["--model", m, "--out", "o", "--channels", "16"], dict(base, out=Path("o"), channels="16")),
+        (["--model", m, "--out", "o", "--channels", "2%", "--ignore", "lm_head", "--ignore", "re:.*down_proj"],
+         dict(base, out=Path("o"), channels="2%", ignore=("lm_head", "re:.*down_proj"))),
+        (["--model", m, "--out", "o", "--error-target", "0.05", "--max-k", "64"], dict(base, out=Path("o"), error_target=0.05, max_k=64)),
+        (["--model", m, "--out", "o", "--activations", "bf16", "--activation-scale", "static", "--channels", "0"],
+         dict(base, out=Path("o"), channels="0", activation_dtype="bf16", activation_scale="static")),
+        (["--model", m, "--out", "o", "--batch-size", "4", "--max-length", "128", "--force", "--calib", str(calib)],
+         dict(base, out=Path("o"), batch_size=4, max_length=128, force=True, calib=calib)),
+        (["--model", m, "--out", "o", "--force", "--no-force", "--report", str(report)], dict(base, out=Path("o"))),
+        (["--model", m, "--out", "o", "--bf16-layers", "attention", "--bf16-layers", "last:1"],
+         dict(base, out=Path("o"), ignore=("lm_head", *bf16_layer_patterns(["attention", "last:1"], 2)))),  # the tiny model: 2 blocks
+    ]
+
+
+def test_quantize_command_lines_parse_to_the_same_options(tiny_llama_dir, tmp_path, monkeypatch):
+    """Each command line reaches ``quantize_model`` with the options it spelled before QuantizeConfig generated the
+    flags (the quantization itself is replaced: only the parsing is under test), and --report is written."""
+    from types import SimpleNamespace
+
+    import foursight.bf16_layers
+    import foursight.checkpoint
+    import foursight.cli as cli
+
+    seen: list[dict] = []
+
+    def fake_quantize(src, out, **kw):
+        seen.append(dict(kw, out=Path(out), model=src))
+        return SimpleNamespace(out_dir=Path(out), layers=[])
+
+    monkeypatch.setattr(foursight.checkpoint, "quantize_model", fake_quantize)
+    monkeypatch.setattr(cli, "_bf16_source", lambda model, verb: None if model is None else Path(model))
+    monkeypatch.setattr(foursight.bf16_layers, "checkpoint_bf16_share",
+                        lambda d, carve: {"bf16_layers": [], "bf16_weight_share": 0.0, "bf16_layer_share": 0.0, "bf16_channel_share": 0.0})
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"text": "hello"}\n')
+    report = tmp_path / "report.md"
+    for args, want in _quantize_lines(tiny_llama_dir, calib, report):
+        r = CliRunner().invoke(cli.app, ["quantize", *args])
+        assert r.exit_code == 0, (args, r.output, r.exception)
+        assert dict(seen[-1], ignore=tuple(seen[-1]["ignore"])) == want, args
+    assert report.exists()
