@@ -1,4 +1,9 @@
-"""Calibration: streaming per-input-channel activation statistics (the choice of channels from them: :mod:`foursight.channels`).
+"""Calibration: the calibration texts and streaming per-input-channel activation statistics (the
+choice of channels from them: :mod:`foursight.channels`).
+
+The texts are a JSONL file (:func:`load_calibration_texts`) or the built-in set packaged with FourSight
+(:func:`builtin_texts`: prose, code, math, chat, several languages), which also serves as prompts for
+tests and benchmarks and as the corpus of the tiny models' tokenizer (:mod:`foursight.models`).
 
 Statistics are kept in a mergeable form (count, mean, M2 — Chan et al.'s parallel Welford
 update), in float64, per *input group*: linear layers that read the same activation tensor
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -215,10 +221,14 @@ def read_jsonl(path: str | Path):
         yield i, rec
 
 
+def builtin_texts() -> list[str]:
+    """The built-in calibration / prompt texts (diverse: prose, code, math, chat, several languages)."""
+    path = resources.files("foursight").joinpath("data/calib_default.jsonl")
+    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def load_calibration_texts(path: str | Path | None) -> list[str]:
     """Texts from a JSONL file (``{"text": ...}`` or ``{"messages": [...]}`` per line), or the built-ins."""
-    from foursight.models import builtin_texts
-
     if path is None:
         return builtin_texts()
     texts: list[str] = []

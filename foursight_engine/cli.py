@@ -85,7 +85,7 @@ def layer_table(layers, title: str = "Relative output error on calibration activ
 def _bf16_source(model, verb: str):
     """The BF16 model folder ``quantize`` and ``calibrate`` read: resolved (a path, a Hub id or the
     packaged model), refused naming it when it is already quantized."""
-    from foursight.interop import refuse_quantized_model
+    from foursight.compressed_tensors_format import refuse_quantized_model
     from foursight.models import resolve_model
 
     src = resolve_model(model)
@@ -166,7 +166,7 @@ def inspect(ckpt: Path = typer.Argument(..., help="A FourSight checkpoint folder
     """Validate a checkpoint against the schema and print its layers (a compressed-tensors NVFP4
     checkpoint is checked as the FourSight k = 0 checkpoint `foursight import` would make of it)."""
     from foursight.hf import load_reference_model
-    from foursight.interop import CT_METHOD, quant_method, read_compressed_tensors
+    from foursight.compressed_tensors_format import CT_METHOD, quant_method, read_compressed_tensors
     from foursight.schema import LAYER_REPORT_FILE
 
     if quant_method(ckpt) == CT_METHOD:

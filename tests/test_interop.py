@@ -20,8 +20,9 @@ from typer.testing import CliRunner
 
 from foursight.checkpoint import quantize_model
 from foursight.cli import app
+from foursight.compressed_tensors_format import read_compressed_tensors
 from foursight.hf import FourSightLinear, load_reference_model
-from foursight.interop import export_compressed_tensors, import_compressed_tensors, read_compressed_tensors
+from foursight.interop import export_compressed_tensors, import_compressed_tensors
 from foursight.layer import dequantize_weight
 from foursight.schema import CheckpointError
 from helpers.checkpoints import library_ct_checkpoint

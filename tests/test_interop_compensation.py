@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 
 from foursight import schema
 from foursight.cli import app
+from foursight.compressed_tensors_format import read_compressed_tensors
 from foursight.hf import load_reference_model
-from foursight.interop import _save, compensate_import, import_compressed_tensors, read_compressed_tensors
+from foursight.interop import compensate_import, import_compressed_tensors, write_checkpoint_folder
 from foursight.schema import CheckpointError
 from helpers.checkpoints import library_ct_checkpoint
 from helpers.logprobs import abs_diff_stats, fixed_sequences
@@ -121,7 +122,7 @@ def test_s_is_the_top_variance_channels_of_the_dequantized_model(ct_dir, k16):
     built-in calibration texts (one text per forward: no padding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
-    from foursight.models import builtin_texts
+    from foursight.calibration import builtin_texts
 
     m = AutoModelForCausalLM.from_pretrained(ct_dir, quantization_config=CompressedTensorsConfig(dequantize=True),
                                              dtype=torch.bfloat16).eval()
@@ -158,7 +159,7 @@ def test_compensated_import_is_closer_to_bf16_than_the_k0_imports(tiny_llama_dir
     k0 = import_compressed_tensors(ct_dir, tmp_path / "k0")
     cfg, tensors, cf = compensate_import(ct_dir, *read_compressed_tensors(ct_dir), "0", progress=False)
     assert cfg["quantization_config"]["channel_selection"] == "none" and not any(cfg["quantization_config"]["channels"].values())
-    k0r = _save(tmp_path / "k0r", ct_dir, cfg, tensors, False, "import", channels_file=cf)
+    k0r = write_checkpoint_folder(tmp_path / "k0r", ct_dir, cfg, tensors, False, "import", channels_file=cf)
     seqs = fixed_sequences(AutoTokenizer.from_pretrained(tiny_llama_dir), EVAL_TEXTS, 64)
     ref = sequence_logprobs(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval(), seqs)
     d = {name: _mean_abs_dlogp(load_reference_model(p), ref, seqs) for name, p in (("k0", k0), ("k0 recal", k0r), ("k16", k16))}

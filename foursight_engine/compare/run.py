@@ -17,6 +17,7 @@ from foursight.compare.launch import default_sglang_python, drive, open_engine
 from foursight.compare.prompts import load_prompts
 from foursight.compare.report import engine_metrics, pairwise, print_table, write_plots, write_report
 from foursight.compare.spec import LEARNER, CompareError, EngineSpec, parse_engine_urls
+from foursight.precisions import CHANNEL_PRECISIONS, NVFP4_PRECISIONS
 from foursight.trainer_bridge.protocol import Rollout
 
 
@@ -40,9 +41,10 @@ def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, wor
             raise CompareError(f"{flag}: it keeps BF16 channels; the nvfp4 precision needs a plain-NVFP4 (k = 0) checkpoint "
                                "(`foursight quantize --channels 0`)")
         dirs[prec] = Path(given)
-    for prec, ch in (("foursight", channels), ("nvfp4", "0"), ("w4a16", channels)):
+    for prec in NVFP4_PRECISIONS:  # the precisions served from a FourSight checkpoint
         if prec not in precisions or prec in dirs:
             continue
+        ch = channels if prec in CHANNEL_PRECISIONS else "0"
         dst = workdir / f"{model_dir.name}-{prec}-k{ch.replace('%', 'pct')}"
         if not (dst / "config.json").exists():
             quantize_model(model_dir, dst, channels=ch, progress=True, activation_dtype="bf16" if prec == "w4a16" else "nvfp4")

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-#: bf16; foursight (W4A4, --channels); nvfp4 (k=0); w4a16 (FourSight weights, BF16 activations);
-#: fp8 (rowwise W8A8, the FlashRL anchor: foursight.fp8, HF engine only)
-PRECISIONS = ("bf16", "foursight", "nvfp4", "w4a16", "fp8")
-#: precisions that only the in-process HF engine serves here
+from foursight.precisions import PRECISIONS
+
+#: precisions that only the in-process HF engine serves here (fp8: foursight.fp8)
 HF_ONLY = ("fp8",)
 KINDS = ("hf", "vllm", "sglang")
 LEARNER = "hf:bf16"

@@ -1,0 +1,26 @@
+"""The package index in ``foursight/__init__.py``'s docstring names every module and sub-package of the
+distribution's top level, so that it cannot go stale again (issue 39: it had lost eight modules)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import foursight
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_top_level_module_and_package_is_in_the_index():
+    dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    base = REPO / dirs["foursight"]
+    names = {f.stem for f in base.glob("*.py") if f.stem != "__init__"}
+    names |= {d.name for d in base.iterdir() if (d / "__init__.py").exists()}
+    names |= {pkg.rpartition(".")[2] for pkg in dirs if pkg != "foursight"}  # kernels, quant_methods, trainer_bridge
+    doc = foursight.__doc__ or ""
+    listed = set()
+    for first in re.findall(r"^ {4}([a-z_][a-z0-9_, ]*?)(?= {2,}|\s*\()", doc, flags=re.M):  # the name column
+        listed |= {n.strip() for n in first.split(",")}
+    listed |= set(re.findall(r"\b([a-z_][a-z0-9_]*) \(", doc))  # names given in passing: "cli_util (shared options, ...)"
+    assert sorted(names - listed) == []
