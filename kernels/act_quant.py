@@ -39,7 +39,7 @@ import triton.language as tl
 
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error
 
-from .primitives import MAX_ONEPASS_K, _global_scale, _quant_block, _quant_xb, _quant_xb_2d, _rne_bf16, interpreting
+from .primitives import MAX_ONEPASS_K, global_scale, quant_block, quant_xb, quant_xb_2d, rne_bf16, interpreting
 
 #: Match PyTorch-on-CUDA's ``tensor / 6.0`` (multiplication by fp32(1/6)) in the block scales, so
 #: that the kernel is bit-exact with foursight.layer run on the same CUDA device.
@@ -74,12 +74,19 @@ def _act_quant_kernel(
     post_ptr=None,  # FQ: fp32 [1], an extra factor folded into the fake-quantized value (1/gs_w or 1)
     FQ: tl.constexpr = False,  # WRITE_DEQ writes the bf16 fake-quantized row instead of fp16 q*s (ROWS == 1)
     LAUNCH_DEPS: tl.constexpr = False,  # PDL: let the GEMM that reads this output start (it waits for us)
+    COLS: tl.constexpr = 1,  # programs per row (grid axis 1; ROWS == 1, ONE_PASS, not FQ): each quantizes BLOCK_K / COLS columns
 ):
     if LAUNCH_DEPS:
         # the dependent GEMM may be scheduled now; it only prefetches weights until its gdc_wait,
         # which returns once this whole grid has completed and its writes are visible
         tl.extra.cuda.gdc_launch_dependents()
-    if ROWS == 1:
+    if COLS > 1:
+        _act_quant_row_part(
+            x_ptr, stride_xm, stride_xk, smask_ptr, ch_ptr, gs_in_ptr, packed_ptr, scale_ptr, deq_ptr,
+            gs_out_ptr, xs_ptr, K, KS, BLOCK_K, HAS_CH, STATIC_GS, WRITE_PACKED, WRITE_DEQ,
+            WRITE_XS, BLOCK_KS, DIV6_RECIP, COLS,
+        )
+    elif ROWS == 1:
         _act_quant_row(
             x_ptr, stride_xm, stride_xk, smask_ptr, ch_ptr, gs_in_ptr, packed_ptr, scale_ptr, deq_ptr,
             gs_out_ptr, xs_ptr, K, KS, BLOCK_K, ONE_PASS, HAS_CH, STATIC_GS, WRITE_PACKED, WRITE_DEQ,
@@ -121,8 +128,8 @@ def _act_quant_row(
         xb = tl.reshape(x, (BLOCK_K // 16, 16))
         bamax = tl.max(tl.abs(xb), axis=1)
         if not STATIC_GS:
-            gs = _global_scale(tl.max(bamax, axis=0))
-        packed, sbyte, deq = _quant_xb(xb, bamax, gs, BLOCK_K, DIV6_RECIP)
+            gs = global_scale(tl.max(bamax, axis=0))
+        packed, sbyte, deq = quant_xb(xb, bamax, gs, BLOCK_K, DIV6_RECIP)
         if WRITE_PACKED:
             offs_p = tl.arange(0, BLOCK_K // 2)
             tl.store(packed_ptr + row * (K // 2) + offs_p, packed.to(tl.uint8), mask=offs_p < K // 2)
@@ -133,7 +140,7 @@ def _act_quant_row(
                 fq = deq * (post / gs)
                 if HAS_CH:
                     fq = tl.where(sm != 0, x_in, fq)
-                tl.store(deq_ptr + row * K + offs, _rne_bf16(fq).to(tl.bfloat16), mask=kmask)
+                tl.store(deq_ptr + row * K + offs, rne_bf16(fq).to(tl.bfloat16), mask=kmask)
             else:
                 tl.store(deq_ptr + row * K + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
     else:
@@ -146,7 +153,7 @@ def _act_quant_row(
                     sm = tl.load(smask_ptr + k0 + offs, mask=kmask, other=0)
                     x = tl.where(sm != 0, 0.0, x)
                 amax_v = tl.maximum(amax_v, tl.abs(x))
-            gs = _global_scale(tl.max(amax_v, axis=0))
+            gs = global_scale(tl.max(amax_v, axis=0))
         for k0 in range(0, K, BLOCK_K):
             kmask = (k0 + offs) < K
             x = tl.load(x_row + (k0 + offs) * stride_xk, mask=kmask, other=0.0).to(tl.float32)
@@ -154,7 +161,7 @@ def _act_quant_row(
             if HAS_CH:
                 sm = tl.load(smask_ptr + k0 + offs, mask=kmask, other=0)
                 x = tl.where(sm != 0, 0.0, x)
-            packed, sbyte, deq = _quant_block(x, gs, BLOCK_K, DIV6_RECIP)
+            packed, sbyte, deq = quant_block(x, gs, BLOCK_K, DIV6_RECIP)
             if WRITE_PACKED:
                 offs_p = tl.arange(0, BLOCK_K // 2)
                 tl.store(packed_ptr + row * (K // 2) + k0 // 2 + offs_p, packed.to(tl.uint8), mask=(k0 // 2 + offs_p) < K // 2)
@@ -165,7 +172,7 @@ def _act_quant_row(
                     fq = deq * (post / gs)
                     if HAS_CH:
                         fq = tl.where(sm != 0, x_in, fq)
-                    tl.store(deq_ptr + row * K + k0 + offs, _rne_bf16(fq).to(tl.bfloat16), mask=kmask)
+                    tl.store(deq_ptr + row * K + k0 + offs, rne_bf16(fq).to(tl.bfloat16), mask=kmask)
                 else:
                     tl.store(deq_ptr + row * K + k0 + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
     tl.store(gs_out_ptr + row, gs)
@@ -176,6 +183,59 @@ def _act_quant_row(
             ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
             xv = tl.load(x_row + ch.to(tl.int64) * stride_xk, mask=cmask, other=0.0)
             tl.store(xs_ptr + row * KS + c0 + offs_c, xv, mask=cmask)
+
+
+@triton.jit
+def _act_quant_row_part(
+    x_ptr, stride_xm, stride_xk, smask_ptr, ch_ptr, gs_in_ptr, packed_ptr, scale_ptr, deq_ptr,
+    gs_out_ptr, xs_ptr, K, KS,
+    BLOCK_K: tl.constexpr, HAS_CH: tl.constexpr, STATIC_GS: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_XS: tl.constexpr, BLOCK_KS: tl.constexpr,
+    DIV6_RECIP: tl.constexpr, COLS: tl.constexpr,
+):
+    """Part ``program_id(1)`` of ``COLS`` of one row (K <= MAX_ONEPASS_K): the quantization off the
+    critical path at decode, where one program per row is a latency chain (issue 36 item 2). A dynamic
+    global scale needs the whole row's amax: each part reads the row once for it (2·K bytes, from L2
+    after the first part) and quantizes only its ``BLOCK_K / COLS`` columns, with the same primitives as
+    :func:`_act_quant_row` (bit-identical). Part 0 writes the global scale and ``X[:, S]``."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    x_row = x_ptr + row * stride_xm
+    BC: tl.constexpr = BLOCK_K // COLS
+    if STATIC_GS:
+        gs = tl.load(gs_in_ptr)
+    else:
+        offs_all = tl.arange(0, BLOCK_K)
+        km = offs_all < K
+        xa = tl.load(x_row + offs_all * stride_xk, mask=km, other=0.0).to(tl.float32)
+        if HAS_CH:
+            sma = tl.load(smask_ptr + offs_all, mask=km, other=0)
+            xa = tl.where(sma != 0, 0.0, xa)
+        gs = global_scale(tl.max(tl.abs(xa), axis=0))
+    offs = part * BC + tl.arange(0, BC)
+    kmask = offs < K
+    x = tl.load(x_row + offs * stride_xk, mask=kmask, other=0.0).to(tl.float32)
+    if HAS_CH:
+        sm = tl.load(smask_ptr + offs, mask=kmask, other=0)
+        x = tl.where(sm != 0, 0.0, x)
+    xb = tl.reshape(x, (BC // 16, 16))
+    packed, sbyte, deq = quant_xb(xb, tl.max(tl.abs(xb), axis=1), gs, BC, DIV6_RECIP)
+    if WRITE_PACKED:
+        offs_p = part * (BC // 2) + tl.arange(0, BC // 2)
+        tl.store(packed_ptr + row * (K // 2) + offs_p, packed.to(tl.uint8), mask=offs_p < K // 2)
+        offs_s = part * (BC // 16) + tl.arange(0, BC // 16)
+        tl.store(scale_ptr + row * (K // 16) + offs_s, sbyte.to(tl.uint8), mask=offs_s < K // 16)
+    if WRITE_DEQ:
+        tl.store(deq_ptr + row * K + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
+    if part == 0:
+        tl.store(gs_out_ptr + row, gs)
+        if WRITE_XS:
+            offs_c = tl.arange(0, BLOCK_KS)
+            for c0 in range(0, KS, BLOCK_KS):
+                cmask = (c0 + offs_c) < KS
+                ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
+                xv = tl.load(x_row + ch.to(tl.int64) * stride_xk, mask=cmask, other=0.0)
+                tl.store(xs_ptr + row * KS + c0 + offs_c, xv, mask=cmask)
 
 
 @triton.jit
@@ -198,7 +258,7 @@ def _rows_quant_store(
 ):
     """Quantize the tile ``xb`` [ROWS, BLOCK_K/16, 16] (columns ``k0 ...``, block amaxes ``bamax``)
     with per-row ``gs`` and store it."""
-    packed, sbyte, deq = _quant_xb_2d(xb, bamax, gs, ROWS, BLOCK_K, DIV6_RECIP)
+    packed, sbyte, deq = quant_xb_2d(xb, bamax, gs, ROWS, BLOCK_K, DIV6_RECIP)
     if WRITE_PACKED:
         offs_p = tl.arange(0, BLOCK_K // 2)
         pm = rmask[:, None] & ((k0 // 2 + offs_p) < K // 2)[None, :]
@@ -236,7 +296,7 @@ def _act_quant_rows(
         xb = tl.reshape(x, (ROWS, BLOCK_K // 16, 16))
         bamax = tl.max(tl.abs(xb), axis=2)
         if not STATIC_GS:
-            gs = _global_scale(tl.max(bamax, axis=1))
+            gs = global_scale(tl.max(bamax, axis=1))
         _rows_quant_store(xb, bamax, gs, rows64, rmask, 0, K, packed_ptr, scale_ptr, deq_ptr,
                           BLOCK_K, WRITE_PACKED, WRITE_DEQ, DIV6_RECIP, ROWS)
     else:
@@ -245,7 +305,7 @@ def _act_quant_rows(
             for k0 in range(0, K, BLOCK_K):
                 x = _rows_load(x_rows, stride_xk, smask_ptr, k0, K, rmask, offs, HAS_CH)
                 amax_v = tl.maximum(amax_v, tl.abs(x))
-            gs = _global_scale(tl.max(amax_v, axis=1))
+            gs = global_scale(tl.max(amax_v, axis=1))
         for k0 in range(0, K, BLOCK_K):
             x = _rows_load(x_rows, stride_xk, smask_ptr, k0, K, rmask, offs, HAS_CH)
             xb = tl.reshape(x, (ROWS, BLOCK_K // 16, 16))
@@ -282,11 +342,14 @@ def act_quant_launch(
     deq_dtype: torch.dtype = torch.float16,
     num_warps: int | None = None,
     launch_deps: bool = False,
+    cols: int = 1,
 ):
     """Launch ``_act_quant_kernel``; ``post`` (fp32 [1]) selects the FQ output: ``deq`` is then the
     bf16 fake-quantized activation ``q*s*post/gs`` with ``X[:, S]`` at the S columns; otherwise
     ``deq`` is the exact ``q*s`` in ``deq_dtype`` (fp16 or bf16: both hold it exactly). ``launch_deps``:
-    the next kernel on the stream is launched with PDL and waits for this one (``gdc_wait``)."""
+    the next kernel on the stream is launched with PDL and waits for this one (``gdc_wait``). ``cols``:
+    programs per row (:func:`_act_quant_row_part`; one-pass rows without ``post`` only, else 1), each
+    with ``num_warps`` (default 4) warps."""
     m, k_dim = x.shape
     kk = channels.numel()
     dev = x.device
@@ -304,11 +367,14 @@ def act_quant_launch(
         nw = 32  # few rows: the row's latency chain is the time, so spread it over the most threads
     if num_warps is not None:
         nw = num_warps
+    cols = cols if (one_pass and not fq and cols > 1 and block_k // cols >= 16) else 1
+    if cols > 1:
+        nw = num_warps or 4
     if interpreting():
         nw = 4
     dummy = gs_out
     if m:
-        _act_quant_kernel[(m,)](
+        _act_quant_kernel[(m, cols)](
             x, x.stride(0), x.stride(1),
             mask, channels if kk else mask, gs_in,
             packed if write_packed else dummy, scale if write_packed else dummy,
@@ -320,6 +386,7 @@ def act_quant_launch(
             DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False,
             post_ptr=post if fq else dummy, FQ=fq,
             LAUNCH_DEPS=launch_deps and not interpreting(),
+            COLS=cols,
             num_warps=nw,
         )
     return packed, scale, deq, gs_out, xs

@@ -41,12 +41,10 @@ from .configs import (
     WS_CONFIGS,
     WSConfig,
 )
-from . import gluon_ws as _ws
-from .gluon_ws_twin import ws_twin_launch
 from .dequant import dequant_linear
-from .fragment import fragment_launch
+from .fragment import QUANT_IN_MAX_M, fragment_launch
 from .gemv import gemv_launch
-from .prepared import PreparedWeight, linear_operands, prepare_weight, resident_bytes
+from .prepared import OP_HANDLES, PreparedWeight, linear_operands, prepare_weight, resident_bytes
 from .primitives import interpreting, pdl_supported
 from .ss import ss_launch
 from .swap import swap_launch
@@ -128,11 +126,14 @@ def _candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
-    ws = os.environ.get("FOURSIGHT_WS", "1")  # the warp-specialized Gluon form: 1 (default), 0, only
-    if ws == "only":
-        return list(WS_CONFIGS[path]) if _ws.available() else []
-    if path in ("decode", "mid") and _ws.available():
-        return [*cands, *WS_CONFIGS[path]]
+    ws = os.environ.get("FOURSIGHT_WS", "0")  # the experimental warp-specialized Gluon form: 0 (default), 1, only
+    if ws in ("1", "only"):
+        from . import gluon_ws  # experimental: imported only when asked for
+
+        if ws == "only":
+            return list(WS_CONFIGS[path]) if gluon_ws.available() else []
+        if path in ("decode", "mid") and gluon_ws.available():
+            return [*cands, *WS_CONFIGS[path]]
     return list(cands)
 
 
@@ -167,10 +168,13 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
 
 
 def _ws_run(cfg: WSConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: bool, xs=None):
-    """The warp-specialized Gluon form (its plain-Triton twin under the interpreter)."""
+    """The experimental warp-specialized Gluon form (its plain-Triton twin under the interpreter)."""
     if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
         raise NVFP4Error(f"foursight.kernels: the gluon_ws form takes bf16 activations, got {x.dtype}")
-    launch = ws_twin_launch if interpreting() else _ws.ws_launch
+    if interpreting():
+        from .gluon_ws_twin import ws_twin_launch as launch
+    else:
+        from .gluon_ws import ws_launch as launch
     return launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant, xs=xs)
 
 
@@ -181,24 +185,34 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
     if not act_quant:
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
     frag = isinstance(cfg, (FragmentConfig, WSConfig))
-    want_xs = (isinstance(cfg, SSConfig) or (frag and x2.dtype == torch.bfloat16)) and pw.num_channels > 0
-    pdl = isinstance(cfg, FragmentConfig) and x2.is_cuda and x2.dtype == torch.bfloat16 and not PDL_ERRORS and pdl_supported()
-    if pdl:
-        x2 = x2.contiguous()  # before the quantizer: nothing may run between it and the PDL-launched GEMM
+    if frag and x2.dtype != torch.bfloat16:
+        raise NVFP4Error(f"foursight.kernels: the {cfg.form} form takes bf16 activations, got {x2.dtype}")
+    fragment = isinstance(cfg, FragmentConfig)
+    m = x2.shape[0]
+    if fragment and cfg.quant_in and input_global_scale is not None and m <= QUANT_IN_MAX_M:
+        # no quantizer launch: every GEMM program quantizes the activation slice it reads
+        gs = _aq.static_global_scale(input_global_scale, x2.device)
+        xc = x2.contiguous()
+        return fragment_launch(cfg, xc, gs, xc, pw, bias, out, True, quant_in=True)
+    # X[:, S]: the SS form reads it contiguous from the quantizer; the fragment form gathers it itself,
+    # before its FP4 loop (the quantizer's serial gather is off the critical path)
+    want_xs = (isinstance(cfg, SSConfig) or isinstance(cfg, WSConfig)) and pw.num_channels > 0
+    pdl = fragment and x2.is_cuda and not PDL_ERRORS and pdl_supported()
+    if pdl or fragment:
+        x2 = x2.contiguous()  # before the quantizer: nothing may run between it and a PDL-launched GEMM
     deq_dtype = torch.bfloat16 if frag else torch.float16
     _, _, deq, gs, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, input_global_scale, False, True, want_xs,
-                                             deq_dtype=deq_dtype, launch_deps=pdl)
-    if frag:  # with PDL the GEMM's programs start during the quantization; X[:, S] read contiguous
-        if x2.dtype != torch.bfloat16:
-            raise NVFP4Error(f"foursight.kernels: the fragment form takes bf16 activations, got {x2.dtype}")
-        if isinstance(cfg, WSConfig):
-            return _ws_run(cfg, deq, gs, x2, pw, bias, out, True, xs=xs)
+                                             deq_dtype=deq_dtype, launch_deps=pdl,
+                                             cols=cfg.q_split if fragment else 1)
+    if isinstance(cfg, WSConfig):
+        return _ws_run(cfg, deq, gs, x2, pw, bias, out, True, xs=xs)
+    if fragment:
         if pdl:
             try:
-                return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True, xs=xs)
+                return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True)
             except Exception as e:  # noqa: BLE001 - a Triton whose PDL build fails: run without it from now on
                 PDL_ERRORS.append(f"{type(e).__name__}: {str(e)[:300]}")
-        return fragment_launch(cfg, deq, gs, x2.contiguous(), pw, bias, out, True, xs=xs)
+        return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True)
     return _gemm_dispatch(cfg, x2, pw, (deq, gs), bias, out, xs=xs)
 
 
@@ -311,6 +325,10 @@ def splice_linear(
         accumulation order (the dequantize-then-cuBLAS form: up to the bf16 rounding of its
         operands, see :mod:`foursight.kernels.dequant`).
     """
+    if torch.compiler.is_compiling():
+        # under torch.compile (vLLM compiles the model with fullgraph=True) the call is one opaque
+        # custom op: the autotuner, the launches and their Python control flow stay out of the trace
+        return torch.ops.foursight.splice_linear(x, prepared.op_handle, bias, input_global_scale, act_quant)
     lead, x2, out = linear_operands(x, prepared, bias, "layer")
     _check_act(x2, "input")
     m = x2.shape[0]
@@ -332,3 +350,18 @@ def splice_linear(
     cfg = config or pick_config(key, run, cands, _interp_config(path, m, bf16), out, reference)
     run(cfg)
     return out.reshape(*lead, prepared.out_features)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile: the linear as one custom op
+# --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("foursight::splice_linear", mutates_args=())
+def _splice_linear_op(x: torch.Tensor, handle: int, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None,
+                      act_quant: bool) -> torch.Tensor:
+    return splice_linear(x, OP_HANDLES[handle], bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
+
+
+@_splice_linear_op.register_fake
+def _(x, handle, bias, input_global_scale, act_quant):
+    return x.new_empty((*x.shape[:-1], OP_HANDLES[handle].out_features))

@@ -8,6 +8,7 @@ correctly is refused when it is built (``__post_init__``), not at launch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import astuple, dataclass
 from typing import ClassVar, Union
 
@@ -100,8 +101,21 @@ class FragmentConfig(_Config):
     """Fragment-layout swap-AB wgmma tile (:mod:`.fragment`, BF16 activations only): ``Yᵀ[block_n,
     block_m]`` from the weight's fragment execution form; ``split_k`` 0 = automatic, 1 = no split.
 
-    One warpgroup (the stored layout is that of a 4-warp wgmma), ``block_n`` a multiple of 64 (the
-    stored block) and ``block_k`` 128 or 256 (one or two stored chunks; K is stored padded to 256)."""
+    ``block_n`` a multiple of 64 (the stored block) and ``block_k`` 128 or 256 (one or two stored
+    chunks; K is stored padded to 256). The stored layout is that of a 4-warp wgmma, so with 8 warps
+    (``num_warps``) the decoded tile is still correct but may pass through a layout conversion (the
+    offline SASS says whether it does). The issue-36 options (triton_kernels' recipe and the
+    quantization off the critical path), each timed by the autotuner against the plain tile:
+
+    * ``narrow``: at M below ``block_m`` only the next power of two >= M activation rows are loaded
+      (and repeated to the tile) instead of ``block_m`` rows that all re-read row 0 at M = 1;
+    * ``quant_in``: W4A4 with a static activation scale at M <= ``fragment.QUANT_IN_MAX_M``: each
+      program quantizes the activation slice it consumes (no quantizer launch; bit-identical ``q*s``);
+      elsewhere the tile runs as without it;
+    * ``persistent``: as many programs as fit on the GPU at once walk the (tile, split) work items;
+    * ``q_split``: the standalone quantizer (dynamic scale, or M above ``QUANT_IN_MAX_M``) runs
+      ``q_split`` programs per row instead of one (:func:`.act_quant.act_quant_launch`).
+    """
 
     form: ClassVar[str] = "fragment"
     block_m: int
@@ -112,12 +126,19 @@ class FragmentConfig(_Config):
     #: register cap per thread for ptxas (0 = the compiler's choice): 128 lets four one-warpgroup
     #: programs share an SM instead of three (the decode tiles use 140)
     max_regs: int = 0
+    num_warps: int = 4
+    narrow: bool = False
+    quant_in: bool = False
+    persistent: bool = False
+    q_split: int = 1
 
     def __post_init__(self):
         if (self.block_n % 64 or self.block_k not in (128, 256) or self.block_m not in (16, 32, 64, 128, 256)
-                or self.max_regs not in (0, *range(64, 256, 8))):
+                or self.max_regs not in (0, *range(64, 256, 8)) or self.num_warps not in (4, 8)
+                or self.q_split not in (1, 2, 4, 8, 16)):
             raise ValueError(
-                f"FragmentConfig: block_n a multiple of 64, block_k 128 or 256, block_m in 16..256 (a power of two) and max_regs 0 or a multiple of 8 in 64..248, got {self}"
+                f"FragmentConfig: block_n a multiple of 64, block_k 128 or 256, block_m in 16..256 (a power of two), max_regs 0 or a "
+                f"multiple of 8 in 64..248, num_warps 4 or 8 and q_split 1..16 (a power of two), got {self}"
             )
 
 
@@ -152,45 +173,70 @@ class WSConfig(_Config):
 
 KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig]
 
+# The candidate lists. **First-candidate rule:** with autotuning off (``FOURSIGHT_KERNELS_AUTOTUNE=0``),
+# under CUDA-graph capture of a key never run eagerly, and wherever :func:`.tuning.pick_config` does not
+# time, the *first* configuration of a list runs; so each list starts with its safest measured tile
+# (the v3 form the H200 measured), and a new, unmeasured form never goes first.
+
+#: The triton_kernels recipe (issue 36 item 3) in the fragment form: 8 warps, block_n 128-256, a
+#: register cap that lets 2 programs share an SM, persistent over (tile, split), 4 stages, and an
+#: activation tile of M rows. Unmeasured: autotune candidates after the measured tiles.
+RECIPE_CONFIGS: tuple = (
+    FragmentConfig(16, 128, 128, 4, max_regs=128, num_warps=8, narrow=True, persistent=True),
+    FragmentConfig(16, 256, 128, 4, max_regs=128, num_warps=8, narrow=True, persistent=True),
+    FragmentConfig(16, 128, 256, 4, max_regs=128, num_warps=8, narrow=True, persistent=True),
+)
+
+# The v3 tiles kept below are those the H200 grid chose somewhere (benchmarks/results/h200-2026-12-05/
+# splice_gemm.json, "*_config"); the ones it never chose left the lists (fewer compilations and timings
+# per key). Each list starts with a tile that grid chose.
+
 #: Decode datapath (M <= DECODE_MAX_M), bf16 activations: the fragment form only (the GEMV, swap and
 #: SS tiles were never chosen for bf16 on the H200 and read another weight layout; see
-#: :data:`FP16_CONFIGS`).
+#: :data:`FP16_CONFIGS`). The v3 tiles first, then the issue-36 forms (narrow activation tile,
+#: quantization in the GEMM or split over programs, the recipe).
 DECODE_CONFIGS: tuple = (
-    FragmentConfig(16, 64),
     FragmentConfig(16, 128),
-    FragmentConfig(16, 64, 128, 4),
     FragmentConfig(16, 64, 256, 3),
     FragmentConfig(16, 128, 256, 3),
-    FragmentConfig(16, 256, 128, 2),
     FragmentConfig(16, 64, 256, 3, max_regs=128),
     FragmentConfig(16, 64, 128, 3, max_regs=128),
+    FragmentConfig(16, 128, narrow=True),
+    FragmentConfig(16, 64, 256, 3, narrow=True),
+    FragmentConfig(16, 128, narrow=True, quant_in=True),
+    FragmentConfig(16, 64, 256, 3, narrow=True, quant_in=True),
+    FragmentConfig(16, 128, narrow=True, q_split=8),
+    FragmentConfig(16, 64, 256, 3, max_regs=128, narrow=True, q_split=8),
+    *RECIPE_CONFIGS,
 )
-#: Mid datapath (DECODE_MAX_M < M <= 128), bf16 activations.
+#: Mid datapath (DECODE_MAX_M < M <= 128), bf16 activations. ``split_k`` 4 and 2 spread the BF16 columns
+#: (and K) over several programs per tile where the automatic plan gives one (M = 64: 9-17 µs of serial
+#: segment in v3, benchmarks/results/h200-2026-12-05/breakdown.md).
 MID_CONFIGS: tuple = (
-    FragmentConfig(32, 64),
     FragmentConfig(64, 64),
-    FragmentConfig(64, 128),
-    FragmentConfig(128, 64),
-    FragmentConfig(32, 128, 256, 3),
-    FragmentConfig(64, 128, 256, 2),
+    FragmentConfig(32, 64),
     FragmentConfig(64, 64, 128, 3, max_regs=128),
-    FragmentConfig(32, 64, 128, 3, max_regs=128),
     DequantConfig(64, 256),
+    FragmentConfig(64, 64, split_k=4),
+    FragmentConfig(64, 128, split_k=2),
+    FragmentConfig(64, 64, q_split=8),
+    FragmentConfig(64, 128, 128, 4, max_regs=128, num_warps=8, persistent=True),
+    FragmentConfig(64, 256, 128, 3, max_regs=128, num_warps=8, persistent=True),
 )
 #: Prefill datapath (M > 128), bf16 activations.
 PREFILL_CONFIGS: tuple = (
     FragmentConfig(128, 64),
-    FragmentConfig(128, 128),
-    FragmentConfig(256, 64, 128, 2),
     DequantConfig(64, 256),
-    DequantConfig(64, 128),
     DequantConfig(128, 256, 8),
-    DequantConfig(128, 128, 8),
+    FragmentConfig(128, 128, 128, 3, max_regs=128, num_warps=8, persistent=True),
+    FragmentConfig(128, 256, 128, 3, num_warps=8, persistent=True),
 )
-#: Warp-specialized Gluon tiles (:class:`WSConfig`), added to the decode and mid candidates where
-#: :func:`.gluon_ws.available` (CUDA sm_90 with Gluon); ``FOURSIGHT_WS=only`` makes them the only
-#: candidates of every path (``prefill`` then takes its list: benchmarks time the form alone at M = 256),
-#: ``FOURSIGHT_WS=0`` leaves them out. Shared memory per stage: block_m x 512 + block_n x 128 bytes.
+#: Warp-specialized Gluon tiles (:class:`WSConfig`, :mod:`.experimental.gluon_ws`): **not candidates by
+#: default** (measured slower than the fragment form in every cell on the H200:
+#: benchmarks/results/h200-2026-12-05-ws/bench_ws.md). ``FOURSIGHT_WS=1`` adds them to the decode and mid
+#: candidates where Gluon runs; ``FOURSIGHT_WS=only`` makes them the only candidates of every path
+#: (``prefill`` then takes its list: benchmarks time the form alone at M = 256). Shared memory per stage:
+#: block_m x 512 + block_n x 128 bytes.
 WS_CONFIGS: dict = {
     "decode": (
         WSConfig(16, 64, 4, 4),
@@ -245,3 +291,19 @@ INTERP_CONFIGS: dict = {
     "fp16:mid": SwapConfig(32, 32, 32, 4, 1, 1),
     "fp16:prefill": SSConfig(32, 32, 32, 4, 1, True),
 }
+
+
+_FORMS: dict = {c.form: c for c in (GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig)}
+
+
+def config_from_str(tag: str) -> KernelConfig:
+    """The configuration whose ``str()`` is ``tag`` (``form/field/...``, as the benchmarks write it)."""
+    form, *vals = tag.split("/")
+    if form not in _FORMS:
+        raise ValueError(f"config_from_str: unknown form {form!r} in {tag!r}")
+    cls = _FORMS[form]
+    fields = dataclasses.fields(cls)
+    if len(vals) > len(fields):
+        raise ValueError(f"config_from_str: {tag!r} has {len(vals)} fields, {cls.__name__} {len(fields)}")
+    kw = {f.name: (v == "True") if f.type in (bool, "bool") else int(v) for f, v in zip(fields, vals)}
+    return cls(**kw)

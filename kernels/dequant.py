@@ -36,8 +36,8 @@ import triton.language as tl
 from .act_quant import act_quant_launch
 from .configs import DequantConfig
 from .prepared import PreparedWeight
-from .fragment import _fragment_tile, scale_view
-from .primitives import _rne_bf16, interpreting
+from .fragment import fragment_tile, scale_view
+from .primitives import rne_bf16, interpreting
 
 
 
@@ -56,7 +56,7 @@ def _dequant_weight_kernel(
 ):
     """``out[n, k] = e2m1(W)[n, k] · s[n, k // 16] (/ gs_w[n])`` (0 at the S columns, whose codes are
     0), read from the fragment form, the same loads and decode as the GEMM's main loop
-    (:func:`~.fragment._fragment_tile`), whose value ``e2m1 · s · 2^-7`` is exact in bf16. One program
+    (:func:`~.fragment.fragment_tile`), whose value ``e2m1 · s · 2^-7`` is exact in bf16. One program
     per [BN, BK] tile (BN a multiple of the stored 64-row block, BK of the 128-column chunk). The
     caller then writes W[:, S] into the S columns (one ``index_copy_``, stream-ordered after this)."""
     pid_n = tl.program_id(0)
@@ -68,12 +68,12 @@ def _dequant_weight_kernel(
     rmask = (rl < NP)[:, None]
     wq = tl.load(wf_ptr + rl.to(tl.int64)[:, None] * stride_wfn + (pid_k * WB + tl.arange(0, WB))[None, :], mask=rmask, other=0)
     sc = tl.load(sf_ptr + rl.to(tl.int64)[:, None] * stride_sfn + (pid_k * G + tl.arange(0, G))[None, :], mask=rmask, other=0)
-    w = _fragment_tile(wq, sc.to(tl.int32), BN, BK, SCALE_BF16, INTERP).to(tl.float32)
+    w = fragment_tile(wq, sc.to(tl.int32), BN, BK, SCALE_BF16, INTERP).to(tl.float32)
     nmask = offs_n < N
     rn = offs_n.to(tl.int64)
     if DIV_GS:
         f = 128.0 / tl.load(w_gs_ptr + rn, mask=nmask, other=1.0)
-        v = _rne_bf16(w * f[:, None])  # no-op on the GPU's rounding conversion; the interpreter truncates
+        v = rne_bf16(w * f[:, None])  # no-op on the GPU's rounding conversion; the interpreter truncates
     else:
         v = w * 128.0  # exact
     kk = pid_k * BK + tl.arange(0, BK)

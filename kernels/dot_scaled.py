@@ -28,7 +28,7 @@ Reference: :func:`foursight.layer.reference_linear` (equal up to fp32 accumulati
 
 **Under Triton's CPU interpreter** ``tl.dot_scaled`` reads E4M3 scale bytes as E8M0 (``bits << 23``;
 Triton 3.9, ``tests/test_blackwell_kernels.py`` shows it), so there (``EMULATE_MMA``, on with ``INTERP``)
-the same kernel decodes both operands with :func:`~.primitives._fp4_tile` (exact ``e2m1·s·2^-14``) and
+the same kernel decodes both operands with :func:`~.primitives.fp4_tile` (exact ``e2m1·s·2^-14``) and
 multiplies them with an fp32 ``tl.dot``: the same products (each exact in fp32) summed in fp32, i.e. the
 equivalent formulation of the block-scaled MMA. Everything else (tile indexing, masks, epilogue, BF16
 segment, stores) is the code the GPU runs. The ``tl.dot_scaled`` branch itself is also run by the
@@ -50,7 +50,7 @@ from foursight.nvfp4 import NVFP4Error
 
 from . import act_quant as _aq
 from .prepared import checked_tensors, linear_operands
-from .primitives import _bf16_rne, _bf16_segment, _fp4_tile, _tile_ids, interpreting
+from .primitives import bf16_rne, bf16_segment, fp4_tile, tile_ids, interpreting
 
 
 @dataclass
@@ -169,7 +169,7 @@ def _dot_scaled_kernel(
     INTERP: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = (offs_m % M).to(tl.int64)
@@ -199,8 +199,8 @@ def _dot_scaled_kernel(
             sw = tl.load(ws_ptr + rn[:, None] * stride_wsn + (k0 // 16 + g)[None, :], mask=gm[None, :], other=0)
         if EMULATE_MMA:
             # the interpreter's dot_scaled reads E4M3 scales as E8M0: the same products, decoded exactly
-            va = _fp4_tile(tl.reshape(a, (BLOCK_M, G, 8)).to(tl.int32), sa.to(tl.int32), BLOCK_M, BLOCK_K).to(tl.float32)
-            vw = _fp4_tile(tl.reshape(w, (BLOCK_N, G, 8)).to(tl.int32), sw.to(tl.int32), BLOCK_N, BLOCK_K).to(tl.float32)
+            va = fp4_tile(tl.reshape(a, (BLOCK_M, G, 8)).to(tl.int32), sa.to(tl.int32), BLOCK_M, BLOCK_K).to(tl.float32)
+            vw = fp4_tile(tl.reshape(w, (BLOCK_N, G, 8)).to(tl.int32), sw.to(tl.int32), BLOCK_N, BLOCK_K).to(tl.float32)
             if SWAP:
                 acc = tl.dot(vw * 16384.0, tl.trans(va * 16384.0), acc)
             else:
@@ -223,7 +223,7 @@ def _dot_scaled_kernel(
 
     # the BF16 segment: extra K steps into the same accumulator
     if HAS_KS:
-        acc = _bf16_segment(acc, xs_ptr, stride_xsm, 1, xs_ptr, wb_ptr, stride_wbn, rm, rn, 0, KS,
+        acc = bf16_segment(acc, xs_ptr, stride_xsm, 1, xs_ptr, wb_ptr, stride_wbn, rm, rn, 0, KS,
                             BLOCK_KS, True, True, SWAP, INTERP)
 
     if HAS_BIAS:
@@ -233,7 +233,7 @@ def _dot_scaled_kernel(
         else:
             acc += bias[None, :]
     if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-        acc = _bf16_rne(acc, INTERP)
+        acc = bf16_rne(acc, INTERP)
     if SWAP:
         omask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64) * stride_on

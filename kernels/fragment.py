@@ -42,10 +42,11 @@ import triton.language as tl
 from foursight.nvfp4 import BLOCK_SIZE
 
 from .primitives import (
-    _bf16_rne,
-    _mma,
-    _prefetch_l2,
-    _tile_ids,
+    bf16_rne,
+    mma,
+    prefetch_l2,
+    quant_xb_2d,
+    tile_ids,
     interpreting,
     resident_programs,
 )
@@ -168,7 +169,7 @@ _DECODE_WORD_BF16_SCALES = tl.constexpr("""
 """ + _DECODE_WORD_TAIL)
 
 #: :func:`_decode_word_asm_pair`: the E5M3 byte pair ``$9`` widened to the two bf16 scales.
-_DECODE_WORD_E5M3_PAIR = tl.constexpr("""
+DECODE_WORD_E5M3_PAIR = tl.constexpr("""
         {
         .reg .b32 t0, t1, t2, t3, q0, q1, q2, q3, y, s0, s1;
         .reg .b16 ha, hb;
@@ -201,7 +202,7 @@ def _decode_word_asm_pair(w, pair):
     mantissa fields and sets the exponent offset bits (``byte·16 + 224·128``; no carry between the
     halves); the half-selects of the multiplies are free operand modifiers."""
     return tl.inline_asm_elementwise(
-        asm=_DECODE_WORD_E5M3_PAIR,
+        asm=DECODE_WORD_E5M3_PAIR,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
         args=[w, pair],
         dtype=(tl.bfloat16,) * 8,
@@ -248,7 +249,7 @@ def _code_value(s, e1, e0, m):
 
 
 @triton.jit
-def _fragment_tile(wq, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BF16: tl.constexpr, INTERP: tl.constexpr):
+def fragment_tile(wq, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BF16: tl.constexpr, INTERP: tl.constexpr):
     """Decode one loaded tile of the fragment form: int32 words ``wq`` [BN, BK/8] and the scales
     ``sc`` (rows in stored/load order): int32 [BN, BK/16] bf16 bits (``SCALE_BF16``), or int32
     [BN, BK/32] E5M3 byte pairs (the two groups of one word: byte 0 and byte 1) -> bf16 [BN, BK]
@@ -287,9 +288,56 @@ def _fragment_tile(wq, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_B
 
 
 @triton.jit
+def _a_tile(a_ptr, stride_am, smask_ptr, q_gs, k0, K, rm, ok, M, BLOCK_M: tl.constexpr, A_ROWS: tl.constexpr,
+            QUANT_IN: tl.constexpr, DIV6_RECIP: tl.constexpr):
+    """The activation tile [BLOCK_M, BLOCK_K] of columns ``k0 + ok``: ``BLOCK_M`` rows loaded (``A_ROWS``
+    0), or only ``A_ROWS`` rows (the first ``A_ROWS`` >= M) loaded and repeated to ``BLOCK_M`` (row r is
+    row r % A_ROWS; rows >= M are never stored). ``QUANT_IN``: ``a_ptr`` is X and the rows are
+    quantized here with the static global scale ``q_gs``, with the standalone quantizer's primitives
+    (bit-identical ``q * s``), S columns zeroed from ``smask_ptr``."""
+    kmask = (k0 + ok) < K
+    if A_ROWS == 0:
+        a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + ok)[None, :], mask=kmask[None, :], other=0.0)
+    else:
+        rr = tl.arange(0, A_ROWS)
+        lm = (rr < M)[:, None] & kmask[None, :]
+        a = tl.load(a_ptr + rr.to(tl.int64)[:, None] * stride_am + (k0 + ok)[None, :], mask=lm, other=0.0)
+        if QUANT_IN:
+            BK: tl.constexpr = a.shape[1]
+            x = a.to(tl.float32)
+            sm = tl.load(smask_ptr + k0 + ok, mask=kmask, other=0)
+            x = tl.where((sm != 0)[None, :], 0.0, x)
+            xb = tl.reshape(x, (A_ROWS, BK // 16, 16))
+            gsv = tl.full((A_ROWS,), 1.0, tl.float32) * q_gs
+            _p, _s, deq = quant_xb_2d(xb, tl.max(tl.abs(xb), axis=2), gsv, A_ROWS, BK, DIV6_RECIP)
+            a = deq.to(tl.bfloat16)  # exact: e2m1 x e4m3 products have at most 6 significant bits
+        if A_ROWS < BLOCK_M:
+            BK2: tl.constexpr = a.shape[1]
+            a = tl.reshape(tl.broadcast_to(a[None, :, :], (BLOCK_M // A_ROWS, A_ROWS, BK2)), (BLOCK_M, BK2))
+    return a
+
+
+@triton.jit
+def _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, hi, M, BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr, A_ROWS: tl.constexpr):
+    """``X[:, S]`` columns ``k0 .. k0 + BLOCK_KS`` (< ``hi``) gathered from X by channel index: [BLOCK_M, BLOCK_KS]
+    (``A_ROWS`` > 0: those rows loaded and repeated, as :func:`_a_tile`)."""
+    offs_c = tl.arange(0, BLOCK_KS)
+    cm = (k0 + offs_c) < hi
+    ch = tl.load(ch_ptr + k0 + offs_c, mask=cm, other=0).to(tl.int64)
+    if A_ROWS == 0:
+        xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=cm[None, :], other=0.0)
+    else:
+        rr = tl.arange(0, A_ROWS)
+        xs = tl.load(x_ptr + rr.to(tl.int64)[:, None] * stride_xm + ch[None, :], mask=(rr < M)[:, None] & cm[None, :], other=0.0)
+        if A_ROWS < BLOCK_M:
+            xs = tl.reshape(tl.broadcast_to(xs[None, :, :], (BLOCK_M // A_ROWS, A_ROWS, BLOCK_KS)), (BLOCK_M, BLOCK_KS))
+    return xs
+
+
+@triton.jit
 def _fragment_gemm_kernel(
-    a_ptr, stride_am,  # A: bf16 q*s (A_QUANT) or X (W4A16) [M, K], unit stride along K
-    a_gs_ptr,  # fp32 [M] activation global scale (A_QUANT)
+    a_ptr, stride_am,  # A: bf16 q*s (A_QUANT), X (W4A16, or QUANT_IN: quantized here) [M, K], unit stride along K
+    a_gs_ptr,  # fp32 [M] activation global scale (A_QUANT); QUANT_IN: fp32 [1], the static scale
     x_ptr, stride_xm,  # X [M, K] bf16, source of the BF16 segment
     ch_ptr,  # int32 [KS] channel indices
     wf_ptr, stride_wfn,  # fragment codes as int32 words [Np, Kp/8] (rows of each 64-row block in load order)
@@ -306,8 +354,9 @@ def _fragment_gemm_kernel(
     FIRST_CHUNKS,  # chunks of split 0 (equal to CHUNKS_PER_SPLIT: the BF16 segment is spread over the splits)
     KCP,  # 128-column chunks of the padded weight
     NP,  # stored rows (N rounded up to 64)
-    xs_ptr,  # X[:, S] [M, KS] contiguous, written by the activation quantizer (XS_DENSE)
+    smask_ptr,  # uint8 [K], 1 on the S columns (QUANT_IN)
     SEG_PER_SPLIT,  # BF16-segment columns per split (a multiple of BLOCK_KS)
+    TILES,  # output tiles (PERSISTENT: the work items are TILES x SPLITS)
     A_QUANT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_KS: tl.constexpr,
@@ -321,11 +370,41 @@ def _fragment_gemm_kernel(
     INTERP: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,  # launched with PDL after the activation quantizer: wait for it
     PREFETCH_CHUNKS: tl.constexpr = 0,  # with GDC_WAIT: 128-column chunks of weight prefetched into L2 first
-    XS_DENSE: tl.constexpr = False,  # the BF16 segment reads X[:, S] from xs_ptr (contiguous) instead of gathering it from x
+    A_ROWS: tl.constexpr = 0,  # > 0: M <= A_ROWS < BLOCK_M, only A_ROWS activation rows are loaded (see _a_tile)
+    QUANT_IN: tl.constexpr = False,  # the activation is quantized in this kernel (static scale, A_ROWS > 0)
+    DIV6_RECIP: tl.constexpr = False,  # QUANT_IN: the block-scale division as on CUDA (act_quant.DIV6_RECIP_ON_CUDA)
+    PERSISTENT: tl.constexpr = False,  # grid axis 0 walks the TILES x SPLITS work items with stride num_programs
 ):
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if PERSISTENT:
+        for work in range(tl.program_id(0), TILES * SPLITS, tl.num_programs(0)):
+            _fragment_work(work % TILES, work // TILES,
+                           a_ptr, stride_am, a_gs_ptr, x_ptr, stride_xm, ch_ptr, wf_ptr, stride_wfn, sf_ptr, stride_sfn,
+                           w_gs_ptr, wb_ptr, stride_wbn, bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLITS,
+                           M, N, K, KS, CHUNKS_PER_SPLIT, FIRST_CHUNKS, KCP, NP, smask_ptr, SEG_PER_SPLIT,
+                           A_QUANT, HAS_BIAS, HAS_KS, SPLIT, SCALE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_KS, GROUP_M,
+                           INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP)
+    else:
+        _fragment_work(tl.program_id(0), tl.program_id(1),
+                       a_ptr, stride_am, a_gs_ptr, x_ptr, stride_xm, ch_ptr, wf_ptr, stride_wfn, sf_ptr, stride_sfn,
+                       w_gs_ptr, wb_ptr, stride_wbn, bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLITS,
+                       M, N, K, KS, CHUNKS_PER_SPLIT, FIRST_CHUNKS, KCP, NP, smask_ptr, SEG_PER_SPLIT,
+                       A_QUANT, HAS_BIAS, HAS_KS, SPLIT, SCALE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_KS, GROUP_M,
+                       INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP)
+
+
+@triton.jit
+def _fragment_work(
+    pid, pid_k,
+    a_ptr, stride_am, a_gs_ptr, x_ptr, stride_xm, ch_ptr, wf_ptr, stride_wfn, sf_ptr, stride_sfn,
+    w_gs_ptr, wb_ptr, stride_wbn, bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLITS,
+    M, N, K, KS, CHUNKS_PER_SPLIT, FIRST_CHUNKS, KCP, NP, smask_ptr, SEG_PER_SPLIT,
+    A_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KS: tl.constexpr, SPLIT: tl.constexpr,
+    SCALE_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_KS: tl.constexpr, GROUP_M: tl.constexpr, INTERP: tl.constexpr, GDC_WAIT: tl.constexpr,
+    PREFETCH_CHUNKS: tl.constexpr, A_ROWS: tl.constexpr, QUANT_IN: tl.constexpr, DIV6_RECIP: tl.constexpr,
+):
+    """One (output tile ``pid``, split ``pid_k``) of :func:`_fragment_gemm_kernel`."""
+    pid_m, pid_n = tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rl = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # stored rows, in load order
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows (wgmma order = real order)
@@ -348,7 +427,23 @@ def _fragment_gemm_kernel(
     ok = tl.arange(0, BLOCK_K)
     w_ptrs = wf_ptr + rl.to(tl.int64)[:, None] * stride_wfn + (c_start * 16 + ow)[None, :]
     s_ptrs = sf_ptr + rl.to(tl.int64)[:, None] * stride_sfn + (c_start * SPC + og)[None, :]
-    a_ptrs = a_ptr + rm[:, None] * stride_am + (c_start * 128 + ok)[None, :]
+
+    if HAS_KS:
+        # the BF16 columns at their byte cost: this split's first BLOCK_KS columns of W[:, S] and X[:, S]
+        # are loaded *before* the FP4 loop (their latency hides behind it) and multiplied after it, in
+        # the reference's order (FP4 part scaled first, then the segment added); a split with more
+        # columns than BLOCK_KS runs the rest as further K steps after that
+        seg_lo = pid_k * SEG_PER_SPLIT
+        seg_hi = tl.minimum(KS, seg_lo + SEG_PER_SPLIT)
+        offs_c = tl.arange(0, BLOCK_KS)
+        wb0 = tl.load(wb_ptr + rn[:, None] * stride_wbn + (seg_lo + offs_c)[None, :],
+                      mask=((seg_lo + offs_c) < seg_hi)[None, :], other=0.0)
+        xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS)
+
+    if QUANT_IN:
+        q_gs = tl.load(a_gs_ptr)
+    else:
+        q_gs = 1.0
 
     if GDC_WAIT:
         # PDL: this program may run while the activation quantizer still does. The weights do not
@@ -358,9 +453,9 @@ def _fragment_gemm_kernel(
             rows64 = tl.minimum(rl, NP - 1).to(tl.int64)
             for c in tl.static_range(PREFETCH_CHUNKS):
                 cc = tl.minimum(c_start + c, KCP - 1)
-                _prefetch_l2(wf_ptr + rows64 * stride_wfn + cc * 16)
+                prefetch_l2(wf_ptr + rows64 * stride_wfn + cc * 16)
                 if c % 4 == 0:
-                    _prefetch_l2(sf_ptr + rows64 * stride_sfn + cc * SPC)
+                    prefetch_l2(sf_ptr + rows64 * stride_sfn + cc * SPC)
         tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -368,38 +463,28 @@ def _fragment_gemm_kernel(
     for c0 in range(c_start, c_end, STEP):
         wq = tl.load(w_ptrs, mask=rmask, other=0)
         sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)  # [BN, G] int16 -> int32 (rows in load order)
-        w = _fragment_tile(wq, sc, BLOCK_N, BLOCK_K, SCALE_BF16, INTERP)
-        kmask = (c0 * 128 + ok) < K
-        a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-        acc = _mma(w, tl.trans(a), acc, INTERP)
+        w = fragment_tile(wq, sc, BLOCK_N, BLOCK_K, SCALE_BF16, INTERP)
+        a = _a_tile(a_ptr, stride_am, smask_ptr, q_gs, c0 * 128, K, rm, ok, M, BLOCK_M, A_ROWS, QUANT_IN, DIV6_RECIP)
+        acc = mma(w, tl.trans(a), acc, INTERP)
         w_ptrs += WB
         s_ptrs += G
-        a_ptrs += BLOCK_K
 
     wgs = tl.load(w_gs_ptr + rn)
-    if A_QUANT:
+    if QUANT_IN:
+        acc = acc * (128.0 / (wgs * q_gs))[:, None]
+    elif A_QUANT:
         ags = tl.load(a_gs_ptr + rm)
         acc = acc * (128.0 / (wgs[:, None] * ags[None, :]))
     else:
         acc = acc * (128.0 / wgs)[:, None]
 
     if HAS_KS:
-        # the BF16 columns as ordinary K steps of the same accumulator, spread over the splits: split
-        # s runs columns [s * SEG_PER_SPLIT, (s + 1) * SEG_PER_SPLIT) of S in 16-column steps (a short loop Triton
-        # pipelines like the main one), so no split carries a serial tail; X[:, S] is read contiguous
-        # from the quantizer's output (W4A4) or gathered from X (W4A16)
-        offs_c = tl.arange(0, BLOCK_KS)
-        seg_lo = pid_k * SEG_PER_SPLIT
-        seg_hi = tl.minimum(KS, seg_lo + SEG_PER_SPLIT)
-        for k0 in range(seg_lo, seg_hi, BLOCK_KS):
+        acc = mma(wb0, tl.trans(xs0), acc, INTERP)
+        for k0 in range(seg_lo + BLOCK_KS, seg_hi, BLOCK_KS):
             cm = (k0 + offs_c) < seg_hi
-            if XS_DENSE:
-                xs = tl.load(xs_ptr + rm[:, None] * KS + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-            else:
-                ch = tl.load(ch_ptr + k0 + offs_c, mask=cm, other=0).to(tl.int64)
-                xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=cm[None, :], other=0.0)
+            xs = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS)
             wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-            acc = _mma(wb, tl.trans(xs), acc, INTERP)
+            acc = mma(wb, tl.trans(xs), acc, INTERP)
 
     omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
@@ -418,14 +503,14 @@ def _fragment_gemm_kernel(
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
             if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-                tot = _bf16_rne(tot, INTERP)
+                tot = bf16_rne(tot, INTERP)
             tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
         if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-            acc = _bf16_rne(acc, INTERP)
+            acc = bf16_rne(acc, INTERP)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -598,7 +683,7 @@ def _wave_split(tiles: int, steps: int, slots: int) -> int:
     return best
 
 
-def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, split: int, slots: int) -> tuple[int, int, int]:
+def split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, split: int, slots: int) -> tuple[int, int, int]:
     """(splits, chunks per split, chunks of split 0) for ``kcp`` 128-column chunks. ``split`` 0 =
     automatic (:func:`_wave_split` over ``slots``, the programs that can be resident at once),
     1 = no split. Every split gets the same number of chunks: the BF16 segment (``kk`` columns) is
@@ -616,27 +701,32 @@ def _split_plan(m: int, n: int, kcp: int, kk: int, bm: int, bn: int, step: int, 
     return splits, cps, cps
 
 
-#: columns of one BF16-segment step (the bf16 MMA's K): one value for every split count, so the split
-#: plan never asks for another compiled variant
+#: columns of the smallest BF16-segment step (the bf16 MMA's K)
 SEGMENT_STEP: int = 16
+#: at most this many BF16-segment columns of a split are loaded before its FP4 loop (one MMA after it);
+#: a split with more runs the rest as further steps after that one. 32 columns cost a 64-row tile 8
+#: registers per thread for W[:, S] (16 at block_n 128), and keep at most two compiled variants.
+SEGMENT_PRELOAD: int = 32
 
 
 def segment_plan(kk: int, splits: int) -> tuple[int, int]:
-    """(BLOCK_KS, columns per split) of the BF16 segment: ``kk`` columns over ``splits`` programs in
-    steps of :data:`SEGMENT_STEP` columns."""
+    """(BLOCK_KS, columns per split) of the BF16 segment: ``kk`` columns over ``splits`` programs;
+    BLOCK_KS (16 or :data:`SEGMENT_PRELOAD`) is the step loaded before the FP4 loop, and every split's
+    share is a multiple of it."""
     per = triton.cdiv(max(kk, 1), splits)
-    return SEGMENT_STEP, triton.cdiv(per, SEGMENT_STEP) * SEGMENT_STEP
+    step = SEGMENT_STEP if per <= SEGMENT_STEP else SEGMENT_PRELOAD
+    return step, triton.cdiv(per, step) * step
 
 
 _SLOTS: dict = {}
 
 
-def _resident_slots(device, key, compile_fn) -> int:
+def _resident_slots(device, key, compile_fn, num_warps: int = 4) -> int:
     """:func:`~.primitives.resident_programs` of one compiled variant (``compile_fn`` compiles it
     without launching it), cached per device and ``key``."""
     ck = (str(device), key)
     if ck not in _SLOTS:
-        _SLOTS[ck] = resident_programs(device, compile_fn)
+        _SLOTS[ck] = resident_programs(device, compile_fn, num_warps)
     return _SLOTS[ck]
 
 
@@ -644,7 +734,7 @@ _COUNTERS: dict = {}
 _COUNTERS_KEEP: list = []  # earlier, smaller counter buffers stay alive (a CUDA graph may hold them)
 
 
-def _counters(device, tiles: int) -> torch.Tensor:
+def split_counters(device, tiles: int) -> torch.Tensor:
     """The per-tile arrival counters of the split-K reduction on ``device``: zeroed once when
     allocated; every call leaves them at zero (the last split resets its tile's counter). Calls that
     use them must not run concurrently on two streams."""
@@ -662,15 +752,32 @@ def _counters(device, tiles: int) -> torch.Tensor:
 PDL_PREFETCH_CHUNKS: int = 4
 
 
-def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = False, xs=None):
+#: the activation is quantized inside the GEMM (``FragmentConfig.quant_in``) up to this many rows, with
+#: a static activation scale only (a dynamic one needs the row's amax before any block)
+QUANT_IN_MAX_M: int = 4
+
+
+def a_rows_for(m: int, bm: int) -> int:
+    """Activation rows a narrow tile loads (``A_ROWS``): the power of two >= ``m`` when that is below the
+    token tile ``bm``, else 0 (the whole tile)."""
+    r = triton.next_power_of_2(max(m, 1))
+    return r if r < bm else 0
+
+
+def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = False, quant_in: bool = False):
     """Launch the fragment kernel (one launch; with split-K the last split of each tile reduces).
 
     ``a``: the bf16 ``q*s`` activation (``a_quant``, ``a_gs`` its per-row global scales) or X itself
-    (W4A16, bf16); ``x``: the source of the BF16 segment's columns (bf16, unit stride along K).
-    ``pdl``: launched with programmatic dependent launch right after the activation quantizer
-    (which called ``gdc_launch_dependents``): each program prefetches its first weight chunks into
-    L2 and then waits for the quantizer (``gdc_wait``) before it reads ``a``. ``xs``: ``X[:, S]``
-    [M, k] contiguous (the quantizer writes it), read by the BF16 segment instead of gathering from ``x``."""
+    (W4A16, bf16); ``x``: the source of the BF16 segment's columns (bf16, unit stride along K), read by
+    channel index (loaded before the FP4 loop). ``quant_in``: ``a`` is X and the kernel quantizes it
+    (``a_gs`` the static global scale, fp32 [1]; at most :data:`QUANT_IN_MAX_M` rows).
+    ``pdl`` (opt-in, ``FOURSIGHT_PDL=1``): launched with programmatic dependent launch right after the
+    activation quantizer (which called ``gdc_launch_dependents``): each program prefetches its first
+    weight chunks into L2 and then waits for the quantizer (``gdc_wait``) before it reads ``a``.
+    ``cfg.narrow``: only ``a_rows_for(M)`` activation rows are loaded; ``cfg.persistent``: as many
+    programs as fit at once walk the (tile, split) work items."""
+    from .act_quant import DIV6_RECIP_ON_CUDA
+
     fw = fragment_of(pw)
     sf = scale_view(fw)
     m = x.shape[0]
@@ -681,11 +788,15 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     step = bk // FRAG_COLS
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     dummy = pw.weight_global_scale
-    xs_dense = xs is not None and kk > 0
+    a_rows = a_rows_for(m, bm) if (cfg.narrow or quant_in) else 0
+    if quant_in and (a_rows == 0 or m > QUANT_IN_MAX_M or not a_quant):
+        raise ValueError(f"fragment_launch: quantizing inside the GEMM needs W4A4 and M <= {QUANT_IN_MAX_M}, got M = {m}")
     consts = dict(A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SCALE_BF16=fw.scale_bf16,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=16,
-                  GROUP_M=8, INTERP=interpreting(), XS_DENSE=xs_dense)
-    opts = dict(num_warps=4, num_stages=cfg.num_stages)
+                  GROUP_M=8, INTERP=interpreting(), A_ROWS=a_rows, QUANT_IN=quant_in,
+                  DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False, PERSISTENT=cfg.persistent)
+    nw = cfg.num_warps
+    opts = dict(num_warps=nw, num_stages=cfg.num_stages)
     if cfg.max_regs and not interpreting():
         opts["maxnreg"] = cfg.max_regs
     pdl = pdl and not interpreting()
@@ -705,15 +816,16 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
                 bias if bias is not None else dummy,
                 out, out.stride(0), ws, cnt, splits,
                 m, n, k_dim, kk, cps, first, kcp, fw.words.shape[0],
-                xs if xs_dense else dummy, seg)
+                pw.channel_mask, seg, tiles)
 
     slots = 8
-    if cfg.split_k == 0:
+    if cfg.split_k == 0 or cfg.persistent:
         key = (str(cfg), tuple(sorted(consts.items())), a.dtype, out.dtype, bias.dtype if bias is not None else None)
         slots = _resident_slots(out.device, key, lambda: _fragment_gemm_kernel.warmup(
-            *args(dummy, _counters(out.device, 1), 2, 16, 16), SPLIT=True, **consts, **opts, grid=(1, 1)))
-    splits, cps, first = _split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, slots)
+            *args(dummy, split_counters(out.device, 1), 2, 16, 16), SPLIT=True, **consts, **opts, grid=(1, 1)), nw)
+    splits, cps, first = split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, slots)
     consts["BLOCK_KS"], seg = segment_plan(kk, splits)
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
-    cnt = _counters(out.device, tiles) if splits > 1 else dummy
-    return _fragment_gemm_kernel[(tiles, splits)](*args(ws, cnt, splits, cps, first, seg), SPLIT=splits > 1, **consts, **opts)
+    cnt = split_counters(out.device, tiles) if splits > 1 else dummy
+    grid = (min(tiles * splits, slots), 1) if cfg.persistent else (tiles, splits)
+    return _fragment_gemm_kernel[grid](*args(ws, cnt, splits, cps, first, seg), SPLIT=splits > 1, **consts, **opts)

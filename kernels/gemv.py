@@ -2,7 +2,7 @@
 
 ``y[n] = sum_k deq(a)[k] · deq(W)[n, k] (+ x[S] · W_bf16[n]) (+ bias)``: no MMA; the memory-bound
 case. The packed weight is read as 32-bit words (16-byte vectors per thread) and each word decoded
-into 8 fp32 values with inline PTX (:func:`~.primitives._word_nibbles_asm`; the interpreter runs its
+into 8 fp32 values with inline PTX (:func:`~.primitives.word_nibbles_asm`; the interpreter runs its
 portable twin). Products are fp32 FMAs per word; the two words of a 16-element group are added and
 scaled by the group's E4M3 scale once; the global scales once per output.
 
@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .configs import GemvConfig
 from .prepared import PreparedWeight, block_ks, weight_args
-from .primitives import _bf16_rne, _e4m3_f32, _word_nibble, _word_nibbles_asm, interpreting
+from .primitives import bf16_rne, e4m3_f32, word_nibble, word_nibbles_asm, interpreting
 
 
 @triton.jit
@@ -108,16 +108,16 @@ def _splice_gemv1_kernel(
         x1, x5 = tl.split(b41)
         x3, x7 = tl.split(b43)
         if USE_ASM:
-            d0, d1, d2, d3, d4, d5, d6, d7 = _word_nibbles_asm(q)
+            d0, d1, d2, d3, d4, d5, d6, d7 = word_nibbles_asm(q)
         else:
-            d0 = _word_nibble(q, 0)
-            d1 = _word_nibble(q, 4)
-            d2 = _word_nibble(q, 8)
-            d3 = _word_nibble(q, 12)
-            d4 = _word_nibble(q, 16)
-            d5 = _word_nibble(q, 20)
-            d6 = _word_nibble(q, 24)
-            d7 = _word_nibble(q, 28)
+            d0 = word_nibble(q, 0)
+            d1 = word_nibble(q, 4)
+            d2 = word_nibble(q, 8)
+            d3 = word_nibble(q, 12)
+            d4 = word_nibble(q, 16)
+            d5 = word_nibble(q, 20)
+            d6 = word_nibble(q, 24)
+            d7 = word_nibble(q, 28)
         part = d0 * x0[None, :, :]
         part += d1 * x1[None, :, :]
         part += d2 * x2[None, :, :]
@@ -127,7 +127,7 @@ def _splice_gemv1_kernel(
         part += d6 * x6[None, :, :]
         part += d7 * x7[None, :, :]  # [BN, G2, 4]: one word's 8 products
         grp = tl.sum(tl.reshape(part, (BN, G2, 2, 2)), axis=3)  # words (0,1) | (2,3) -> [BN, G2, 2]
-        acc += grp * _e4m3_f32(sb)
+        acc += grp * e4m3_f32(sb)
 
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     wgs = tl.load(w_gs_ptr + rn)
@@ -136,18 +136,18 @@ def _splice_gemv1_kernel(
     else:
         y = y * (16384.0 / (tl.load(a_gs_ptr) * wgs))
     if HAS_KS:
-        ys = wb0.to(tl.float32) * _bf16_rne(xs0.to(tl.float32), INTERP).to(tl.float32)[None, :]
+        ys = wb0.to(tl.float32) * bf16_rne(xs0.to(tl.float32), INTERP).to(tl.float32)[None, :]
         for c0 in range(BLOCK_KS, KS, BLOCK_KS):
             cm = (c0 + offs_c) < KS
             ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
-            xs = _bf16_rne(tl.load(x_ptr + ch * stride_xk, mask=cm, other=0.0).to(tl.float32), INTERP).to(tl.float32)
+            xs = bf16_rne(tl.load(x_ptr + ch * stride_xk, mask=cm, other=0.0).to(tl.float32), INTERP).to(tl.float32)
             wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0).to(tl.float32)
             ys += wb * xs[None, :]
         y += tl.sum(ys, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn).to(tl.float32)
     if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-        y = _bf16_rne(y, INTERP)
+        y = bf16_rne(y, INTERP)
     tl.store(out_ptr + offs_n.to(tl.int64) * stride_on, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 

@@ -28,7 +28,7 @@ then this split's share of the BF16 channel segment (fp32 FMA per channel column
 then the split-K reduction of :mod:`.fragment` (every split stores an fp32 partial, the last to
 arrive at a per-tile counter sums them in split order, adds the bias, resets the counter): results
 are deterministic and bit-identical across calls. Not persistent: one program per (tile, split), the
-split plan of :func:`.fragment._split_plan`.
+split plan of :func:`.fragment.split_plan`.
 
 Gluon (``triton.experimental.gluon``) cannot run under the interpreter; its API is that of Triton
 3.6 (the H200's). This module imports on any machine: :func:`available` says whether the Gluon
@@ -42,7 +42,7 @@ import os
 import torch
 import triton
 
-from .fragment import _DECODE_WORD_E5M3_PAIR, FRAG_COLS, _counters, _split_plan, fragment_of, scale_view, segment_plan
+from .fragment import DECODE_WORD_E5M3_PAIR, FRAG_COLS, split_counters, split_plan, fragment_of, scale_view, segment_plan
 from .primitives import interpreting
 
 try:  # Gluon is optional (Triton >= 3.5 on CUDA); the package must import without it
@@ -87,7 +87,7 @@ if gluon is not None:
         """The fragment form's word decode (see :func:`.fragment._decode_word_asm_pair`): int32 words
         and their E5M3 scale-byte pairs -> the 8 bf16 values ``e2m1·scale·2^-7`` of every word."""
         return gl.inline_asm_elementwise(
-            asm=_DECODE_WORD_E5M3_PAIR,
+            asm=DECODE_WORD_E5M3_PAIR,
             constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
             args=[w, pair],
             dtype=(gl.bfloat16, ) * 8,
@@ -292,7 +292,7 @@ def ws_plan(cfg, m: int, pw) -> dict:
     slots = 8
     if _on_cuda(pw):
         slots = torch.cuda.get_device_properties(pw.weight_global_scale.device).multi_processor_count * ws_programs_per_sm(cfg)
-    splits, cps, _ = _split_plan(m, n, kcp, pw.num_channels, bm, bn, step, cfg.split_k, slots)
+    splits, cps, _ = split_plan(m, n, kcp, pw.num_channels, bm, bn, step, cfg.split_k, slots)
     _, seg = segment_plan(pw.num_channels, splits)
     return dict(splits=splits, cps=cps, seg=seg, tiles=tiles, kcp=kcp)
 
@@ -325,7 +325,7 @@ def ws_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
     dummy = pw.weight_global_scale
     xs_dense = xs is not None and kk > 0
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
-    cnt = _counters(out.device, plan["tiles"]) if splits > 1 else dummy
+    cnt = split_counters(out.device, plan["tiles"]) if splits > 1 else dummy
     _ws_kernel[(plan["tiles"], splits)](
         a_desc, w_desc, sf, sf.stride(0),
         a_gs if a_gs is not None else dummy,

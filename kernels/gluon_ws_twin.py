@@ -1,6 +1,6 @@
 """Plain-Triton twin of the warp-specialized Gluon kernel (:mod:`.gluon_ws`): the same tiling
 (``Yᵀ[BN, BM]`` tiles, 256-column K steps of the fragment form), the same decode
-(:func:`.fragment._fragment_tile`, the word decode in PTX on the GPU and its portable twin in the
+(:func:`.fragment.fragment_tile`, the word decode in PTX on the GPU and its portable twin in the
 interpreter), the same split plan (:func:`.gluon_ws.ws_plan`) and the same epilogue order (global
 scales and ``2^7`` on the fp32 accumulator, the split's BF16 columns one at a time, the ordered
 split-K reduction, the bias), without warp specialization. Reference:
@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fragment import _counters, _fragment_tile, fragment_of, scale_view
+from .fragment import split_counters, fragment_tile, fragment_of, scale_view
 from .gluon_ws import ws_plan
-from .primitives import _bf16_rne, _mma, interpreting
+from .primitives import bf16_rne, mma, interpreting
 
 
 @triton.jit
@@ -63,9 +63,9 @@ def _ws_twin_kernel(
     for c0 in range(c_start, c_end, 2):
         wq = tl.load(w_ptrs, mask=rmask, other=0)
         sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)
-        w = _fragment_tile(wq, sc, BLOCK_N, 256, False, INTERP)
+        w = fragment_tile(wq, sc, BLOCK_N, 256, False, INTERP)
         a = tl.load(a_ptrs, mask=((c0 * 128 + ok) < K)[None, :] & (offs_m < M)[:, None], other=0.0)
-        acc = _mma(w, tl.trans(a), acc, INTERP)
+        acc = mma(w, tl.trans(a), acc, INTERP)
         w_ptrs += 32
         s_ptrs += 8
         a_ptrs += 256
@@ -102,14 +102,14 @@ def _ws_twin_kernel(
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
             if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-                tot = _bf16_rne(tot, INTERP)
+                tot = bf16_rne(tot, INTERP)
             tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
         if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-            acc = _bf16_rne(acc, INTERP)
+            acc = bf16_rne(acc, INTERP)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -126,7 +126,7 @@ def ws_twin_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
     dummy = pw.weight_global_scale
     xs_dense = xs is not None and kk > 0
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
-    cnt = _counters(out.device, plan["tiles"]) if splits > 1 else dummy
+    cnt = split_counters(out.device, plan["tiles"]) if splits > 1 else dummy
     opts = {} if interpreting() else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _ws_twin_kernel[(plan["tiles"], splits)](
         a, a.stride(0), fw.words, fw.words.stride(0), sf, sf.stride(0),

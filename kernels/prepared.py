@@ -14,6 +14,8 @@ it (and :func:`resident_bytes` counts it), and as a temporary by the autotuner's
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -24,6 +26,11 @@ from foursight.layer import QuantizedWeight, channel_mask, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
 
 from .fragment import FragmentWeight, fragment_weight, unfragment
+
+
+#: every live prepared layer by its ``op_handle`` (weak: a dropped layer leaves)
+OP_HANDLES: "weakref.WeakValueDictionary[int, PreparedWeight]" = weakref.WeakValueDictionary()
+_HANDLE_COUNTER = itertools.count(1)
 
 
 @dataclass
@@ -52,6 +59,13 @@ class PreparedWeight:
     in_features: int
     uniform_global_scale: bool = False
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        # the number torch.compile's graphs name this layer by (:func:`.api.splice_linear` under compilation
+        # is the custom op ``foursight::splice_linear``, which takes tensors and numbers, not this object);
+        # given here, eagerly, because a registration during tracing would only happen after the trace
+        self.op_handle = next(_HANDLE_COUNTER)
+        OP_HANDLES[self.op_handle] = self
 
     @property
     def num_channels(self) -> int:

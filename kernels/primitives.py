@@ -1,17 +1,17 @@
 """Shared ``@triton.jit`` NVFP4 primitives of the FourSight kernels: one home for the numerics.
 
 * **Decoding** (exact): E2M1 codes to fp16 ``e2m1 · 2^-14`` (:func:`_e2m1_f16`, code 1 is an fp16
-  subnormal), E4M3 scale bytes to fp16/fp32 (:func:`_e4m3_f16`, :func:`_e4m3_f32`), whole packed
-  tiles (:func:`_fp4_tile`) and 32-bit words of 8 codes (:func:`_word_nibbles_asm` in PTX, with its
-  portable twin :func:`_word_nibble` for the interpreter).
+  subnormal), E4M3 scale bytes to fp16/fp32 (:func:`_e4m3_f16`, :func:`e4m3_f32`), whole packed
+  tiles (:func:`fp4_tile`) and 32-bit words of 8 codes (:func:`word_nibbles_asm` in PTX, with its
+  portable twin :func:`word_nibble` for the interpreter).
 * **Quantization** (bit-exact with :func:`foursight.layer.quantize_activation`, i.e. with
-  compressed-tensors): E4M3 rounding (:func:`_e4m3_round`), E2M1 rounding (:func:`_e2m1_round`),
-  block scales and element codes (:func:`_block_scales`, :func:`_quant_elems`, :func:`_quant_block`
-  and its 2-D form), the dynamic global scale (:func:`_global_scale`).
-* **Plumbing**: the MMA wrapper (:func:`_mma`), BF16 round-to-nearest-even that the interpreter
-  honours (:func:`_rne_bf16`, :func:`_bf16_rne`), the grouped tile order (:func:`_tile_ids`).
-* **Tile steps the GEMM forms share**: the global scales once per tile (:func:`_global_scales`), the
-  spliced BF16 channel segment (:func:`_bf16_segment`); and, in Python, the occupancy rule
+  compressed-tensors): E4M3 rounding (:func:`e4m3_round`), E2M1 rounding (:func:`e2m1_round`),
+  block scales and element codes (:func:`block_scales`, :func:`quant_elems`, :func:`quant_block`
+  and its 2-D form), the dynamic global scale (:func:`global_scale`).
+* **Plumbing**: the MMA wrapper (:func:`mma`), BF16 round-to-nearest-even that the interpreter
+  honours (:func:`rne_bf16`, :func:`bf16_rne`), the grouped tile order (:func:`tile_ids`).
+* **Tile steps the GEMM forms share**: the global scales once per tile (:func:`global_scales`), the
+  spliced BF16 channel segment (:func:`bf16_segment`); and, in Python, the occupancy rule
   (:func:`resident_programs`). A step is shared only where the offline sm_90a SASS of every
   default configuration stays the same: an inlined helper adds debug-scope labels to the PTX, and
   ptxas can schedule and spill differently around them (the fragment form keeps its own copies).
@@ -37,8 +37,11 @@ MAX_ONEPASS_K: int = 16384
 def pdl_supported() -> bool:
     """Programmatic dependent launch is usable: Triton has ``tl.extra.cuda.gdc_wait`` /
     ``gdc_launch_dependents`` and the ``launch_pdl`` launch option (Triton 3.6 and 3.9 do; older
-    ones, and the interpreter, do not). ``FOURSIGHT_PDL=0`` turns it off (the benchmarks' A/B)."""
-    if os.environ.get("FOURSIGHT_PDL", "1") in ("0", ""):
+    ones, and the interpreter, do not) **and** ``FOURSIGHT_PDL=1`` asks for it. Off by default: on the
+    H200 the W4A4 call took 28.4 µs with PDL against 25.8 µs without at 8192², M = 1 (27.6 vs 25.5 at
+    14336 × 4096; ``benchmarks/results/h200-2026-12-05/breakdown.md``): the L2 prefetch and the
+    dependent-launch wait cost more than the overlap gained."""
+    if os.environ.get("FOURSIGHT_PDL", "0") != "1":
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -50,7 +53,7 @@ def pdl_supported() -> bool:
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
+def prefetch_l2(ptrs):
     """``prefetch.global.L2`` of the lines at ``ptrs`` (not under the interpreter)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
@@ -59,10 +62,10 @@ def _prefetch_l2(ptrs):
 _DEVICE_PROPS: dict = {}
 
 
-def resident_programs(device, compile_fn=None) -> int:
+def resident_programs(device, compile_fn=None, num_warps: int = 4) -> int:
     """Programs of one kernel variant that fit on ``device`` at once: SMs x blocks per SM, the blocks
     per SM limited by the variant's registers, shared memory and threads (the CUDA occupancy rule,
-    one warpgroup per program). ``compile_fn`` compiles the variant without launching it
+    ``num_warps`` warps per program). ``compile_fn`` compiles the variant without launching it
     (``JITFunction.warmup``); without it, or if the compiled kernel does not say, 4 per SM. Under the
     interpreter or off CUDA: 8, so that the CPU tests exercise split-K."""
     if interpreting() or device.type != "cuda":
@@ -79,10 +82,10 @@ def resident_programs(device, compile_fn=None) -> int:
                 k._init_handles()
             regs, shared = int(k.n_regs), int(k.metadata.shared)
             warp_regs = -(-max(regs, 1) * 32 // 256) * 256
-            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * 4)
+            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
             smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
             by_smem = smem // (shared + 1024)
-            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // 128
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
             per_sm = max(1, min(by_regs, by_smem, by_threads, 32))
         except Exception:  # noqa: BLE001 - an introspection gap costs speed, never correctness
             pass
@@ -119,7 +122,7 @@ def _e4m3_f16(sb):
 
 
 @triton.jit
-def _e4m3_f32(sb):
+def e4m3_f32(sb):
     """fp32 value of non-negative E4M3 bytes ``sb`` (int32), decoded through fp16 (exact)."""
     return _e4m3_f16(sb).to(tl.float32)
 
@@ -139,7 +142,7 @@ def _e2m1_f16_pair(p):
 
 
 @triton.jit
-def _fp4_tile(p, sb, R: tl.constexpr, BK: tl.constexpr):
+def fp4_tile(p, sb, R: tl.constexpr, BK: tl.constexpr):
     """Decode an NVFP4 tile.
 
     Args:
@@ -157,7 +160,7 @@ def _fp4_tile(p, sb, R: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _word_nibbles_asm(q):
+def word_nibbles_asm(q):
     """The 8 E2M1 codes of each int32 word ``q`` (4 packed bytes) as fp32 ``e2m1 * 2^-14``, in PTX.
 
     Output k (0..7) is element k of the word (byte k // 2, low nibble for even k). Four fp16x2
@@ -211,9 +214,9 @@ def _word_nibbles_asm(q):
 
 
 @triton.jit
-def _word_nibble(q, SHIFT: tl.constexpr):
+def word_nibble(q, SHIFT: tl.constexpr):
     """fp32 ``e2m1 * 2^-14`` of the nibble at bit ``SHIFT`` of int32 words ``q`` (portable twin of
-    :func:`_word_nibbles_asm`, used by the interpreter)."""
+    :func:`word_nibbles_asm`, used by the interpreter)."""
     return _e2m1_f16((q >> SHIFT) & 15).to(tl.float32)
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +225,7 @@ def _word_nibble(q, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_round(s):
+def e4m3_round(s):
     """Round non-negative fp32 ``s`` (<= 448) to the nearest E4M3 value, ties to even.
 
     Returns ``(value_fp32, byte_int32)``; a value of 0 is replaced by 0.125 (byte 0x20).
@@ -244,7 +247,7 @@ def _e4m3_round(s):
 
 
 @triton.jit
-def _e2m1_round(q):
+def e2m1_round(q):
     """Round fp32 ``q`` (any shape, any finite value) to E2M1 exactly as the oracle does.
 
     The oracle clamps to [-6, 6], rounds the magnitude to {0, 0.5, 1, 1.5, 2, 3, 4, 6} with ties to
@@ -281,14 +284,14 @@ def _e2m1_round(q):
 
 
 @triton.jit
-def _e2m1_code(q):
+def e2m1_code(q):
     """E2M1 code (int32, 0..15) of fp32 ``q``; clamps to [-6, 6], ties to even, -0 keeps its sign."""
-    code, _val = _e2m1_round(q)
+    code, _val = e2m1_round(q)
     return code
 
 
 @triton.jit
-def _e2m1_value(code):
+def e2m1_value(code):
     """fp32 E2M1 value of int32 ``code`` (sign in bit 3), built from the code's bits.
 
     The 4 code bits are exactly an fp16 number scaled by 2^-14 when put in fp16's sign, exponent
@@ -302,11 +305,11 @@ def _e2m1_value(code):
 
 
 @triton.jit
-def _block_scales(bamax, gs, DIV6_RECIP: tl.constexpr):
+def block_scales(bamax, gs, DIV6_RECIP: tl.constexpr):
     """Per-block ``(sv fp32, scale byte int32, eff fp32 = sv / gs, effp, y, p)`` from block amaxes
     (any shape; ``gs`` a scalar or broadcastable to ``bamax``).
 
-    ``effp = eff · p`` and ``y = RN(1 / effp)`` feed :func:`_quant_elems`' reciprocal multiply;
+    ``effp = eff · p`` and ``y = RN(1 / effp)`` feed :func:`quant_elems`' reciprocal multiply;
     ``p`` is a power of two (2^64, 1 or 2^-64) that keeps ``effp`` and ``y`` normal numbers, so that
     ``x / eff = (x · p) / effp`` as real numbers (the scaling is exact) and the correction steps
     there stay exact."""
@@ -316,7 +319,7 @@ def _block_scales(bamax, gs, DIV6_RECIP: tl.constexpr):
     else:
         s = gs * tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32))
     s = tl.minimum(s, 448.0)
-    sv, sbyte = _e4m3_round(s)
+    sv, sbyte = e4m3_round(s)
     eff = tl.math.div_rn(sv, tl.full(sv.shape, 1.0, tl.float32) * gs)
     # < 2^-60: times 2^64; > 2^60: times 2^-64
     p = tl.where(eff < 8.673617379884035e-19, 1.8446744073709552e19,
@@ -327,9 +330,9 @@ def _block_scales(bamax, gs, DIV6_RECIP: tl.constexpr):
 
 
 @triton.jit
-def _quant_elems(xb, sv, effp, y, p):
+def quant_elems(xb, sv, effp, y, p):
     """E2M1 codes and ``deq = q * s`` of the elements ``xb`` (blocks of 16 on the last axis) given
-    their block's ``sv``, ``effp``, ``y`` and ``p`` (:func:`_block_scales`; same rank, last dim 1).
+    their block's ``sv``, ``effp``, ``y`` and ``p`` (:func:`block_scales`; same rank, last dim 1).
     Returns ``(code int32, deq fp32)`` shaped like ``xb``, with ``code = e2m1(clamp(x / eff, -6, 6))``
     exactly as the oracle, whose ``x / eff`` is an IEEE round-to-nearest division.
 
@@ -353,54 +356,54 @@ def _quant_elems(xb, sv, effp, y, p):
     q = tl.where(q == q, q, q0)  # x' overflowed (a static scale far off): inf - inf; the quotient clamps to 6
     # the sign of -0 and of quotients that underflow follows x (the oracle's x / eff has x's sign)
     q = ((q.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | (xb.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
-    code, val = _e2m1_round(q)
+    code, val = e2m1_round(q)
     return code, val * sv
 
 
 @triton.jit
-def _quant_xb(xb, bamax, gs, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
-    """:func:`_quant_block` on ``xb`` = x reshaped [BLOCK/16, 16] with its block amaxes [BLOCK/16]."""
-    sv, sbyte, _eff, effp, y, p = _block_scales(bamax, gs, DIV6_RECIP)
-    code, deq = _quant_elems(xb, sv[:, None], effp[:, None], y[:, None], p[:, None])
+def quant_xb(xb, bamax, gs, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
+    """:func:`quant_block` on ``xb`` = x reshaped [BLOCK/16, 16] with its block amaxes [BLOCK/16]."""
+    sv, sbyte, _eff, effp, y, p = block_scales(bamax, gs, DIV6_RECIP)
+    code, deq = quant_elems(xb, sv[:, None], effp[:, None], y[:, None], p[:, None])
     lo, hi = tl.split(tl.reshape(code, (BLOCK // 2, 2)))
     packed = lo | (hi << 4)
     return packed, sbyte, tl.reshape(deq, (BLOCK,))
 
 
 @triton.jit
-def _quant_block(x, gs, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
+def quant_block(x, gs, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
     """Quantize a [BLOCK] fp32 chunk (S already zeroed) with global scale ``gs`` (fp32 scalar).
 
     Returns (packed bytes [BLOCK/2] int32, scale bytes [BLOCK/16] int32, deq [BLOCK] fp32 = q*s).
     """
     xb = tl.reshape(x, (BLOCK // 16, 16))
     bamax = tl.max(tl.abs(xb), axis=1)
-    return _quant_xb(xb, bamax, gs, BLOCK, DIV6_RECIP)
+    return quant_xb(xb, bamax, gs, BLOCK, DIV6_RECIP)
 
 
 @triton.jit
-def _quant_xb_2d(xb, bamax, gs, R: tl.constexpr, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
-    """:func:`_quant_block_2d` on ``xb`` [R, BLOCK/16, 16] with its block amaxes [R, BLOCK/16]."""
-    sv, sbyte, _eff, effp, y, p = _block_scales(bamax, gs[:, None], DIV6_RECIP)
-    code, deq = _quant_elems(xb, sv[:, :, None], effp[:, :, None], y[:, :, None], p[:, :, None])
+def quant_xb_2d(xb, bamax, gs, R: tl.constexpr, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
+    """:func:`quant_block_2d` on ``xb`` [R, BLOCK/16, 16] with its block amaxes [R, BLOCK/16]."""
+    sv, sbyte, _eff, effp, y, p = block_scales(bamax, gs[:, None], DIV6_RECIP)
+    code, deq = quant_elems(xb, sv[:, :, None], effp[:, :, None], y[:, :, None], p[:, :, None])
     lo, hi = tl.split(tl.reshape(code, (R, BLOCK // 2, 2)))
     packed = lo | (hi << 4)
     return packed, sbyte, tl.reshape(deq, (R, BLOCK))
 
 
 @triton.jit
-def _quant_block_2d(x, gs, R: tl.constexpr, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
+def quant_block_2d(x, gs, R: tl.constexpr, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
     """Quantize R rows at once: ``x`` fp32 [R, BLOCK] (S already zeroed), ``gs`` fp32 [R].
 
     Returns (packed bytes [R, BLOCK/2] int32, scale bytes [R, BLOCK/16] int32, deq [R, BLOCK] fp32).
     """
     xb = tl.reshape(x, (R, BLOCK // 16, 16))
     bamax = tl.max(tl.abs(xb), axis=2)
-    return _quant_xb_2d(xb, bamax, gs, R, BLOCK, DIV6_RECIP)
+    return quant_xb_2d(xb, bamax, gs, R, BLOCK, DIV6_RECIP)
 
 
 @triton.jit
-def _global_scale(amax):
+def global_scale(amax):
     """``448*6 / amax`` as PyTorch computes it (``2688 * (1/amax)``), 1.0 where it overflows."""
     amax = tl.maximum(amax, 1.1754943508222875e-38)
     gs = 2688.0 * tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax)
@@ -412,7 +415,7 @@ def _global_scale(amax):
 
 
 @triton.jit
-def _mma(a, b, acc, INTERP: tl.constexpr):
+def mma(a, b, acc, INTERP: tl.constexpr):
     """``acc + a @ b`` with fp32 accumulation. Triton's CPU interpreter multiplies bf16 operands as
     raw integers (triton 3.9), so under the interpreter the (exact) operands are widened to fp32."""
     if INTERP:
@@ -422,7 +425,7 @@ def _mma(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _rne_bf16(x):
+def rne_bf16(x):
     """fp32 ``x`` rounded to the nearest bf16 value (ties to even), returned as fp32 (finite ``x``), so
     that the following ``.to(tl.bfloat16)`` is exact: Triton's interpreter truncates in that
     conversion, the GPU rounds; with this both give the same bits."""
@@ -432,18 +435,18 @@ def _rne_bf16(x):
 
 
 @triton.jit
-def _bf16_rne(x, INTERP: tl.constexpr):
+def bf16_rne(x, INTERP: tl.constexpr):
     """Round fp32 ``x`` to bf16 (nearest, ties to even). Triton's interpreter (3.9) truncates in
     ``.to(tl.bfloat16)``, so there the rounding is done on the bits (finite inputs) and the result
     is returned as the fp32 value; on the GPU the native conversion is used."""
     if INTERP:
-        return _rne_bf16(x)
+        return rne_bf16(x)
     else:
         return x.to(tl.bfloat16)
 
 
 @triton.jit
-def _global_scales(acc, a_gs_ptr, w_gs_ptr, rm, rn, UNIT: tl.constexpr, A_QUANT: tl.constexpr, SWAP: tl.constexpr):
+def global_scales(acc, a_gs_ptr, w_gs_ptr, rm, rn, UNIT: tl.constexpr, A_QUANT: tl.constexpr, SWAP: tl.constexpr):
     """``acc · UNIT / (gs_w[n] · gs_a[m])`` (``A_QUANT``) or ``acc · UNIT / gs_w[n]`` (W4A16), once per
     tile: ``UNIT`` undoes the power of two the decoded FP4 operands carry (2^14 for the
     ``e2m1 · 2^-14`` decoders, 2^7 for the fragment form). ``SWAP``: ``acc`` is ``Yᵀ[BN, BM]``."""
@@ -464,7 +467,7 @@ def _global_scales(acc, a_gs_ptr, w_gs_ptr, rm, rn, UNIT: tl.constexpr, A_QUANT:
 
 
 @triton.jit
-def _bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, rm, rn, lo, hi,
+def bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, rm, rn, lo, hi,
                   BLOCK_KS: tl.constexpr, DENSE: tl.constexpr, ROUND: tl.constexpr, SWAP: tl.constexpr,
                   INTERP: tl.constexpr):
     """The spliced BF16 channel segment: columns ``[lo, hi)`` of S as more K steps of ``BLOCK_KS`` into the
@@ -482,16 +485,16 @@ def _bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, 
             xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :] * stride_xk, mask=cm[None, :], other=0.0)
         wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
         if ROUND:
-            xs = _bf16_rne(xs.to(tl.float32), INTERP).to(tl.bfloat16)
+            xs = bf16_rne(xs.to(tl.float32), INTERP).to(tl.bfloat16)
         if SWAP:
-            acc = _mma(wb, tl.trans(xs), acc, INTERP)
+            acc = mma(wb, tl.trans(xs), acc, INTERP)
         else:
-            acc = _mma(xs, tl.trans(wb), acc, INTERP)
+            acc = mma(xs, tl.trans(wb), acc, INTERP)
     return acc
 
 
 @triton.jit
-def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of program ``pid`` in the grouped order of Triton's matmul tutorial: GROUP_M
     M-tiles walk the N-tiles together, so their weight tiles are reused from L2."""
     num_m = tl.cdiv(M, BLOCK_M)

@@ -2,7 +2,7 @@
 operands in shared memory.
 
 The activation tile (fp16 ``q*s`` or X) is the left operand; the weight tile is decoded in registers
-(:func:`~.primitives._fp4_tile`, exact ``e2m1·s·2^-14`` in fp16) and reaches the MMA through shared
+(:func:`~.primitives.fp4_tile`, exact ``e2m1·s·2^-14`` in fp16) and reaches the MMA through shared
 memory. The BF16 segment follows as extra K steps on the same accumulator; global scales once per
 tile, then the bias. Reference: :func:`foursight.layer.reference_linear`.
 """
@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .configs import SSConfig
 from .prepared import PreparedWeight, block_ks, weight_args
-from .primitives import _bf16_rne, _fp4_tile, _mma, _tile_ids, interpreting
+from .primitives import bf16_rne, fp4_tile, mma, tile_ids, interpreting
 
 
 @triton.jit
@@ -45,11 +45,11 @@ def _splice_gemm_ss_kernel(
     INTERP: tl.constexpr,
 ):
     """Prefill tile ``Y[BM, BN]``: the activation tile is the left MMA operand, the weight tile is
-    decoded in registers (``_fp4_tile``: exact ``e2m1*s*2^-14`` in fp16) and becomes the right
+    decoded in registers (``fp4_tile``: exact ``e2m1*s*2^-14`` in fp16) and becomes the right
     operand through shared memory. The BF16 segment follows as extra K steps on the same
     accumulator, reading X[:, S] from the contiguous copy the quantization kernel wrote."""
     pid = tl.program_id(0)
-    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,10 +88,10 @@ def _splice_gemm_ss_kernel(
             gm = (kg0 + g) < KG
             p = tl.load(w_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
             sb = tl.load(ws_ptrs, mask=gm[None, :], other=0).to(tl.int32)
-        w = _fp4_tile(p, sb, BLOCK_N, BLOCK_K)
+        w = fp4_tile(p, sb, BLOCK_N, BLOCK_K)
         if DOT_BF16:
             w = w.to(tl.bfloat16)
-        acc = _mma(a, tl.trans(w), acc, INTERP)
+        acc = mma(a, tl.trans(w), acc, INTERP)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += G * 8
         ws_ptrs += G
@@ -113,14 +113,14 @@ def _splice_gemm_ss_kernel(
                 ch = tl.load(ch_ptr + c0 + offs_c, mask=cm, other=0).to(tl.int64)
                 xs = tl.load(xs_ptr + rm[:, None] * stride_xsm + ch[None, :] * stride_xsk, mask=cm[None, :], other=0.0)
             wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (c0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
-            acc = _mma(_bf16_rne(xs.to(tl.float32), INTERP).to(tl.bfloat16), tl.trans(wb), acc, INTERP)
+            acc = mma(bf16_rne(xs.to(tl.float32), INTERP).to(tl.bfloat16), tl.trans(wb), acc, INTERP)
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :].to(tl.int64) * stride_on
     if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-        acc = _bf16_rne(acc, INTERP)
+        acc = bf16_rne(acc, INTERP)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 

@@ -38,7 +38,7 @@ from foursight.nvfp4 import BLOCK_SIZE
 
 from .configs import SwapConfig
 from .prepared import PreparedWeight, block_ks, weight_args
-from .primitives import _bf16_rne, _bf16_segment, _fp4_tile, _global_scales, _mma, _tile_ids, interpreting, resident_programs
+from .primitives import bf16_rne, bf16_segment, fp4_tile, global_scales, mma, tile_ids, interpreting, resident_programs
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _splice_gemm_kernel(
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = _tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,7 +100,7 @@ def _splice_gemm_kernel(
             gm = (kg0 + g) < KG
             p = tl.load(w_ptrs, mask=gm[None, :, None], other=0).to(tl.int32)
             sb = tl.load(ws_ptrs, mask=gm[None, :], other=0).to(tl.int32)
-        w = _fp4_tile(p, sb, BLOCK_N, BLOCK_K)
+        w = fp4_tile(p, sb, BLOCK_N, BLOCK_K)
         if EVEN_K:
             a = tl.load(a_ptrs)
         else:
@@ -108,17 +108,17 @@ def _splice_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         if DOT_BF16:
             w = w.to(tl.bfloat16)
-        acc = _mma(w, tl.trans(a), acc, INTERP)
+        acc = mma(w, tl.trans(a), acc, INTERP)
         w_ptrs += G * 8
         ws_ptrs += G
 
     # global scales, once per tile: products carried 2^-14 per FP4-decoded operand
-    acc = _global_scales(acc, a_gs_ptr, w_gs_ptr, rm, rn, 16384.0, A_QUANT, True)
+    acc = global_scales(acc, a_gs_ptr, w_gs_ptr, rm, rn, 16384.0, A_QUANT, True)
 
     # the spliced BF16 channel segment (gathered from X): more K-steps into the same accumulator
     if HAS_KS:
         if pid_k == 0:
-            acc = _bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, rm, rn, 0, KS,
+            acc = bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, rm, rn, 0, KS,
                                 BLOCK_KS, False, True, True, INTERP)
 
     omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
@@ -131,7 +131,7 @@ def _splice_gemm_kernel(
             acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64) * stride_on
         if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-            acc = _bf16_rne(acc, INTERP)
+            acc = bf16_rne(acc, INTERP)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -149,7 +149,7 @@ def _split_reduce_kernel(ws_ptr, bias_ptr, out_ptr, stride_om, stride_on, M, N, 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-        acc = _bf16_rne(acc, INTERP)
+        acc = bf16_rne(acc, INTERP)
     tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

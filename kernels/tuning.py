@@ -4,8 +4,8 @@
 M bucket, mode) and caches the fastest in :data:`TUNED`; :data:`TUNE_LOG` keeps every candidate's
 time or the reason it was skipped. A candidate is timed only after its output matched the PyTorch
 reference on the device and was bit-identical on a second call. Times are medians of CUDA-graph
-replays with a cold L2 (:func:`time_gpu`), so small decode kernels are not timed as Python launch
-overhead.
+replays with the operands out of the L2 (:func:`time_gpu`, a read flush: why not a memset is in its
+docstring), so small decode kernels are not timed as Python launch overhead.
 """
 
 from __future__ import annotations
@@ -23,43 +23,87 @@ TUNE_LOG: dict = {}
 
 _FLUSH: dict = {}
 
+#: How :func:`time_gpu` leaves the L2 before each timed call (``FOURSIGHT_TIMER_FLUSH`` overrides):
+#: ``read`` (default) reads a buffer of twice the L2's size, so the next call finds its operands in
+#: device memory and the L2 full of *clean* lines; ``memset`` writes a 256 MB buffer (the timer of
+#: issue 27; see :func:`time_gpu` for why it is biased); ``none`` flushes nothing (an L2 benchmark
+#: unless the caller rotates weight copies).
+FLUSH_MODES: tuple = ("read", "memset", "none")
+DEFAULT_FLUSH: str = "read"
 
-def time_gpu(fn, reps: int = 8, rounds: int = 5) -> float:
-    """GPU milliseconds of one ``fn()`` with a cold L2, free of Python launch overhead.
+
+def _flush_fn(mode: str):
+    """The flush of ``mode`` on the current device, as a callable (None for ``none``)."""
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"time_gpu: flush {mode!r} is not one of {FLUSH_MODES}")
+    if mode == "none":
+        return None
+    dev = torch.cuda.current_device()
+    key = (dev, mode)
+    if key not in _FLUSH:
+        if mode == "memset":
+            _FLUSH[key] = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+        else:
+            l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 * 2**20)
+            _FLUSH[key] = torch.ones(2 * l2 // 2, dtype=torch.float16, device="cuda")
+    buf = _FLUSH[key]
+    if mode == "memset":
+        return buf.zero_
+    return lambda: buf.sum(dtype=torch.float32)
+
+
+def time_gpu(fn, reps: int = 8, rounds: int = 5, flush: str | None = None) -> float:
+    """GPU milliseconds of one ``fn()`` with its operands out of the L2, free of Python launch overhead.
 
     ``fn`` is run once eagerly (compilation), then captured in a CUDA graph as ``reps`` pairs
-    (256 MB L2-flushing memset, fn); a second graph holds the memsets alone. The median over
-    ``rounds`` replays of (pairs - memsets) / reps is returned. Eager event timing (``do_bench``)
-    measured the launch overhead of the small decode kernels instead of their GPU time.
+    (flush, fn); a second graph holds the flushes alone. The median over ``rounds`` replays of
+    (pairs - flushes) / reps is returned. Eager event timing (``do_bench``) measured the launch
+    overhead of the small decode kernels instead of their GPU time.
+
+    Why the read flush is the default: a memset flush (the timer before issue 36) leaves the L2 full of
+    *dirty* lines, which are written back to device memory while the timed call runs, so a call that
+    streams at the bandwidth limit pays for the flush's write-back too: on the H200 this timer put cuBLAS
+    at 43-45 µs where rotated weight copies without a memset measured 33.4 µs, while a slower FP4 tile
+    lost only about 2 µs, so it under-rewarded the fastest candidates
+    (benchmarks/results/h200-2026-12-05-ws/bench_ws.md against benchmarks/results/h200-2026-12-05/splice_gemm.md).
+    A read of twice the L2 leaves clean lines only, which is what a layer of a decode step meets (the
+    layers before it read their weights; nothing wrote 256 MB). Rotated weight copies (the benchmarks
+    pass one ``fn`` that runs the op on several copies whose bytes exceed the L2, :func:`common.ms_per_call`)
+    need no flush at all, but need the copies; the autotuner has one weight, so it uses the read flush.
+    ``flush``: ``read``, ``memset`` or ``none`` (default :data:`DEFAULT_FLUSH`, or ``FOURSIGHT_TIMER_FLUSH``).
+    The issue-36 probe (``benchmarks/kernels/probe_v4.py``) measures the three side by side.
     """
+    mode = flush or os.environ.get("FOURSIGHT_TIMER_FLUSH", DEFAULT_FLUSH)
+    fl = _flush_fn(mode)
     fn()
-    dev = torch.cuda.current_device()
-    if dev not in _FLUSH:
-        _FLUSH[dev] = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
-    buf = _FLUSH[dev]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     g_run, g_flush = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         fn()  # warm-up on the capture stream
+        if fl is not None:
+            fl()
         with torch.cuda.graph(g_run, stream=stream):
             for _ in range(reps):
-                buf.zero_()
+                if fl is not None:
+                    fl()
                 fn()
-        with torch.cuda.graph(g_flush, stream=stream):
-            for _ in range(reps):
-                buf.zero_()
+        if fl is not None:
+            with torch.cuda.graph(g_flush, stream=stream):
+                for _ in range(reps):
+                    fl()
     torch.cuda.current_stream().wait_stream(stream)
     times = []
     for _ in range(rounds):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         ev[0].record()
         g_run.replay()
         ev[1].record()
-        g_flush.replay()
+        if fl is not None:
+            g_flush.replay()
         ev[2].record()
         torch.cuda.synchronize()
-        times.append((ev[0].elapsed_time(ev[1]) - ev[1].elapsed_time(ev[2])) / reps)
+        times.append((ev[0].elapsed_time(ev[1]) - (ev[1].elapsed_time(ev[2]) if fl is not None else 0.0)) / reps)
     times.sort()
     return max(times[len(times) // 2], 1e-6)
 

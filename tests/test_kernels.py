@@ -470,14 +470,14 @@ def test_fragment_split_k_reduces_in_one_launch_and_leaves_counters_at_zero():
 def test_fragment_split_plan_fills_whole_waves():
     """The automatic split count leaves no partial wave when one exists: 128 tiles on 396 resident
     programs (3 per SM x 132) take 3 splits (384 programs, one wave), not 5 (640: 1.6 waves)."""
-    from foursight.kernels.fragment import _split_plan, _wave_split
+    from foursight.kernels.fragment import split_plan, _wave_split
 
     assert _wave_split(128, 32, 396) == 3
     assert _wave_split(128, 32, 528) == 4
     assert _wave_split(64, 56, 396) == 6
     assert _wave_split(1000, 32, 396) == 1  # more tiles than resident programs: no split
     assert _wave_split(2, 4, 8) == 4  # capped by the K steps
-    splits, cps, first = _split_plan(16, 8192, 64, 128, 16, 64, 2, 0, 396)
+    splits, cps, first = split_plan(16, 8192, 64, 128, 16, 64, 2, 0, 396)
     assert splits == 3 and first == cps and splits * cps >= 64 and (splits - 1) * cps < 64  # equal FP4 shares
     # the BF16 segment spread over the splits in 16-column steps, every column covered once
     from foursight.kernels.fragment import segment_plan

@@ -6,7 +6,7 @@ channels) and against ``q * s`` for the fp16 ``deq`` output:
 
 * the E2M1 rounding helpers through tiny test kernels: every code, a dense sweep of q in [-7, 7],
   every fp32 value within 64 ulps of each decision point and grid value, +-0, subnormals, huge;
-* ``_quant_block`` (1-D, used by the fused GEMV) and ``_quant_block_2d`` on their own, both
+* ``quant_block`` (1-D, used by the fused GEMV) and ``quant_block_2d`` on their own, both
   ``DIV6_RECIP`` settings (True checked against a CPU emulation of PyTorch-on-CUDA's ``/ 6.0``);
 * the kernel on inputs built to sit exactly on, and one ulp either side of, the E2M1 decision
   points relative to their block scale; -0.0; zero blocks and rows; a single huge value per row;
@@ -28,11 +28,11 @@ import foursight.kernels as fk  # noqa: E402
 from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
 from foursight.kernels.primitives import (  # noqa: E402
     MAX_ONEPASS_K,
-    _e2m1_code,
-    _e2m1_round,
-    _e2m1_value,
-    _quant_block,
-    _quant_block_2d,
+    e2m1_code,
+    e2m1_round,
+    e2m1_value,
+    quant_block,
+    quant_block_2d,
 )
 
 from foursight.layer import check_channels, quantize_activation
@@ -61,16 +61,16 @@ def _round_probe(q_ptr, code_ptr, val_ptr, code2_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     q = tl.load(q_ptr + offs, mask=m, other=0.0)
-    code, val = _e2m1_round(q)
+    code, val = e2m1_round(q)
     tl.store(code_ptr + offs, code, mask=m)
     tl.store(val_ptr + offs, val, mask=m)
-    tl.store(code2_ptr + offs, _e2m1_code(q), mask=m)
+    tl.store(code2_ptr + offs, e2m1_code(q), mask=m)
 
 
 @triton.jit
 def _value_probe(code_ptr, val_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(val_ptr + offs, _e2m1_value(tl.load(code_ptr + offs)))
+    tl.store(val_ptr + offs, e2m1_value(tl.load(code_ptr + offs)))
 
 
 def _round(q: torch.Tensor):
@@ -127,14 +127,14 @@ def test_e2m1_round_every_code_and_ties():
 
 
 # ---------------------------------------------------------------------------------------------
-# _quant_block (1-D) and _quant_block_2d on their own
+# quant_block (1-D) and quant_block_2d on their own
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _block_probe(x_ptr, gs_ptr, p_ptr, s_ptr, d_ptr, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    packed, sbyte, deq = _quant_block(tl.load(x_ptr + offs), tl.load(gs_ptr), BLOCK, DIV6_RECIP)
+    packed, sbyte, deq = quant_block(tl.load(x_ptr + offs), tl.load(gs_ptr), BLOCK, DIV6_RECIP)
     tl.store(p_ptr + tl.arange(0, BLOCK // 2), packed)
     tl.store(s_ptr + tl.arange(0, BLOCK // 16), sbyte)
     tl.store(d_ptr + offs, deq)
@@ -144,7 +144,7 @@ def _block_probe(x_ptr, gs_ptr, p_ptr, s_ptr, d_ptr, BLOCK: tl.constexpr, DIV6_R
 def _block2d_probe(x_ptr, gs_ptr, p_ptr, s_ptr, d_ptr, R: tl.constexpr, BLOCK: tl.constexpr, DIV6_RECIP: tl.constexpr):
     r = tl.arange(0, R)[:, None]
     offs = tl.arange(0, BLOCK)[None, :]
-    packed, sbyte, deq = _quant_block_2d(tl.load(x_ptr + r * BLOCK + offs), tl.load(gs_ptr + tl.arange(0, R)), R, BLOCK, DIV6_RECIP)
+    packed, sbyte, deq = quant_block_2d(tl.load(x_ptr + r * BLOCK + offs), tl.load(gs_ptr + tl.arange(0, R)), R, BLOCK, DIV6_RECIP)
     tl.store(p_ptr + r * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :], packed)
     tl.store(s_ptr + r * (BLOCK // 16) + tl.arange(0, BLOCK // 16)[None, :], sbyte)
     tl.store(d_ptr + r * BLOCK + offs, deq)
@@ -434,7 +434,7 @@ def test_kernel_two_pass_path_with_rows():
 
 def test_reciprocal_multiply_is_corrected_where_a_plain_one_would_differ():
     """The quantizer multiplies by a per-block reciprocal instead of dividing per element
-    (``_quant_elems``: two Newton-Markstein FMA steps). On rows built around every decision point,
+    (``quant_elems``: two Newton-Markstein FMA steps). On rows built around every decision point,
     with static scales from 2^-100 to 2^100 (E4M3-subnormal block scales, effective scales far
     outside [2^-60, 2^60] that take the power-of-two rescale), a plain ``x * RN(1/eff)`` gives a
     different E2M1 code for some elements — checked here, so the rows do exercise the correction —

@@ -79,10 +79,12 @@ def row_for(N: int, K: int, M: int, k: int, layers: dict) -> dict:
     ref = reference_linear(x, qw, out_dtype=torch.float32)
     row["rel_err"] = relative_error(y, ref)
     pw = pws[0]
+    cols = getattr(cfg, "q_split", 1)  # the quantizer as the chosen tile runs it (programs per row)
     row["quant_us"] = _us([lambda: fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, False,
-                                                           deq_dtype=torch.bfloat16)])
+                                                           deq_dtype=torch.bfloat16, cols=cols)])
     if isinstance(cfg, fk.FragmentConfig):
-        _, _, deq, gs, _ = fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, False, deq_dtype=torch.bfloat16)
+        _, _, deq, gs, _ = fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, False, deq_dtype=torch.bfloat16,
+                                                  cols=cols)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         row["gemm_us"] = _us([lambda p=p: fragment_launch(cfg, deq, gs, x, p, None, out, True) for p in pws])
         row["gemm_k0_us"] = _us([lambda p=p: fragment_launch(cfg, deq, gs, x, p, None, out, True) for p in pws0])

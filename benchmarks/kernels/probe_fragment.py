@@ -65,7 +65,7 @@ def plan_of(cfg, m: int, pw) -> dict:
     slots = [v for k, v in frag._SLOTS.items() if k[1][0] == str(cfg)]
     kcp = frag.fragment_of(pw).words.shape[1] // 16
     sl = slots[0] if slots else 0
-    plan = frag._split_plan(m, pw.out_features, kcp, pw.num_channels, cfg.block_m, cfg.block_n, cfg.block_k // 128,
+    plan = frag.split_plan(m, pw.out_features, kcp, pw.num_channels, cfg.block_m, cfg.block_n, cfg.block_k // 128,
                             cfg.split_k, sl or 1)
     return {"slots": sl, "splits": plan[0]}
 

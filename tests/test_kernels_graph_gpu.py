@@ -1,0 +1,132 @@
+"""The FourSight linear on the engine's real road on a GPU: captured as the vLLM method calls it, under
+``torch.compile`` and in a CUDA graph, bit-identical to eager (issue 36 item 5).
+
+vLLM's ``FourSightLinearMethod.apply`` calls ``foursight.quant_methods.plan.apply_linear(layer.foursight_state,
+x, bias)``, which calls the layer's ``PreparedLinear`` (``foursight.dispatch``: the Triton backend's
+``splice_linear``). vLLM compiles the model with ``torch.compile`` (fullgraph, batch dimension dynamic)
+and then captures CUDA graphs per batch size, after a warm-up run at each size (where our autotuner
+times its candidates). These tests do the same with several layers (dynamic and static activation
+scales, bias, a chained pair), M changing between captures, and autotuning finished before capture;
+the replayed outputs must equal eager outputs bit for bit. vLLM itself does not run on the device
+(its wheels need another torch), hence this stand-in at the call vLLM makes.
+
+Marked ``gpu``: skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from foursight.dispatch import prepare_linear  # noqa: E402
+from foursight.layer import quantize_weight  # noqa: E402
+
+try:
+    from foursight.quant_methods.plan import LayerState, apply_linear
+except ImportError:  # the device copy without the engine layer's dependencies (pydantic): the same call, spelled here
+    from dataclasses import dataclass
+
+    @dataclass
+    class LayerState:  # the fields apply_linear reads
+        qw: object
+        prepared: object
+        input_global_scale: object
+        act_quant: bool
+        channels: object
+        generation: int
+
+    def apply_linear(state, x, bias=None):
+        """``foursight.quant_methods.plan.apply_linear``'s body: the call vLLM's apply() makes."""
+        return state.prepared(x, bias, state.input_global_scale, state.act_quant)
+
+DEV = "cuda"
+MS = (1, 4, 16, 64)
+#: (N, K, k, static activation scale, bias): qkv-like, gate_up-like, o-like; "down" reads gate_up's output
+LAYERS = {"qkv": (1536, 1024, 64, False, True), "gate_up": (2048, 1024, 128, True, False),
+          "o": (1024, 1024, 0, False, False), "down": (1024, 2048, 128, False, False)}
+
+
+@pytest.fixture(scope="module")
+def states():
+    g = torch.Generator(device=DEV).manual_seed(36)
+    out = {}
+    for name, (n, k_dim, k, static, has_bias) in LAYERS.items():
+        w = torch.randn(n, k_dim, generator=g, device=DEV) * 0.02
+        ch = torch.sort(torch.randperm(k_dim, generator=g, device=DEV)[:k]).values.to(torch.int32)
+        qw = quantize_weight(w, ch)
+        gs = torch.tensor([3.0], device=DEV) if static else None
+        fields = dict(qw=qw, prepared=prepare_linear(qw, name), input_global_scale=gs, act_quant=True, channels=ch, generation=1)
+        st = LayerState(**{f.name: fields[f.name] for f in dataclasses.fields(LayerState) if f.name in fields})
+        bias = (torch.randn(n, generator=g, device=DEV) * 0.1).bfloat16() if has_bias else None
+        out[name] = (st, bias)
+    assert type(out["qkv"][0].prepared.backend).__name__ == "TritonBackend"
+    return out
+
+
+def _forward(states, x):
+    """Several layers as a decoder block calls them: qkv, o, gate_up on x; down on gate_up's output."""
+    ys = [apply_linear(states[n][0], x, states[n][1]) for n in ("qkv", "o", "gate_up")]
+    h = torch.nn.functional.silu(ys[2])
+    ys.append(apply_linear(states["down"][0], h, states["down"][1]))
+    return ys
+
+
+def _inputs(m: int):
+    g = torch.Generator(device=DEV).manual_seed(1000 + m)
+    return (torch.randn(m, 1024, generator=g, device=DEV) * 2).bfloat16()
+
+
+def _capture_and_compare(states, fn):
+    eager = {}
+    for m in MS:  # warm-up at every size first: the autotuner times its candidates here, never in a capture
+        x = _inputs(m)
+        eager[m] = [y.clone() for y in _forward(states, x)]
+    graphs = {}
+    for m in MS:  # M changes between captures, as an engine captures its batch sizes
+        x = _inputs(m).clone()
+        fn(x)  # the compiled function's first call at this size (compilation), outside capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ys = fn(x)
+        graphs[m] = (g, x, ys)
+    for m in reversed(MS):
+        g, x, ys = graphs[m]
+        x.copy_(_inputs(m))
+        g.replay()
+        torch.cuda.synchronize()
+        for name, y, e in zip(("qkv", "o", "gate_up", "down"), ys, eager[m]):
+            assert y.shape == e.shape and torch.equal(y, e), f"{name}, M = {m}: replayed graph differs from eager"
+
+
+def test_eager_calls_repeat_bit_identical(states):
+    for m in MS:
+        x = _inputs(m)
+        a, b = _forward(states, x), _forward(states, x)
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_cuda_graph_matches_eager(states):
+    _capture_and_compare(states, lambda x: _forward(states, x))
+
+
+def test_torch_compile_and_cuda_graph_match_eager(states):
+    """torch.compile as a user writes it (graph breaks allowed), then CUDA graphs."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: _forward(states, x), dynamic=False)
+    _capture_and_compare(states, fn)
+
+
+def test_torch_compile_fullgraph_dynamic_batch_and_cuda_graph_match_eager(states):
+    """vLLM's mode: fullgraph, the batch dimension dynamic (the linear is one ``foursight::splice_linear``
+    custom op under compilation), then CUDA graphs per size."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: _forward(states, x), dynamic=True, fullgraph=True)
+    _capture_and_compare(states, fn)

@@ -1,0 +1,176 @@
+"""SpliceGEMM v4 (issue 36) under the Triton interpreter (CPU): every new form against the plain fragment
+tile and the PyTorch reference.
+
+* the issue-36 options of :class:`FragmentConfig` (``narrow`` activation tile, ``quant_in``: the
+  activation quantized inside the GEMM, ``persistent`` programs, 8 warps, ``q_split``: the standalone
+  quantizer over several programs per row) give output *bit-identical* to the plain tile (the same
+  arithmetic in the same order) and within fp32-accumulation tolerance of ``reference_linear``;
+* the BF16 columns loaded before the FP4 loop cover every column once, for split counts whose share is
+  one preloaded step, more than one, or none;
+* the quantizer split over programs is bit-exact (codes, scale bytes, global scales, ``q*s``, ``X[:, S]``);
+* the linear compiles with ``torch.compile(fullgraph=True, dynamic=True)`` as one custom op and gives
+  eager's output;
+* the timer's flush modes, PDL off by default, the experimental Gluon form out of the default
+  candidates, the first-candidate rule, configuration tags that parse back.
+
+Small shapes: the whole file takes about a minute in the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET before the kernels are imported
+
+import foursight.kernels as fk  # noqa: E402
+import foursight.kernels.act_quant as fk_aq  # noqa: E402
+import foursight.kernels.api as fk_api  # noqa: E402
+from foursight.kernels import FragmentConfig  # noqa: E402
+from foursight.layer import channel_mask, quantize_activation, quantize_weight, reference_linear  # noqa: E402
+
+pytestmark = interpreted_only
+
+N, K, KS = 130, 400, 128
+
+
+@pytest.fixture(scope="module")
+def layer():
+    g = torch.Generator().manual_seed(36)
+    w = torch.randn(N, K, generator=g) * 0.05
+    ch = torch.sort(torch.randperm(K, generator=g)[:KS]).values.to(torch.int32)
+    qw = quantize_weight(w, ch)
+    return qw, fk.prepare_weight(qw), g
+
+
+def _act(m: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, K, generator=g) * torch.exp(torch.randn(1, K, generator=g))
+    x[:, ::7] *= 20.0
+    return x.bfloat16()
+
+
+def _close(y, ref):
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+PLAIN = FragmentConfig(16, 64, 128, 1, 0)
+NEW_FORMS = [
+    FragmentConfig(16, 64, 128, 1, 0, narrow=True),
+    FragmentConfig(16, 64, 128, 1, 0, narrow=True, quant_in=True),
+    FragmentConfig(16, 64, 128, 1, 0, persistent=True),
+    FragmentConfig(16, 64, 128, 1, 3, narrow=True, persistent=True),
+    FragmentConfig(16, 128, 128, 1, 0, num_warps=8),
+    FragmentConfig(16, 64, 128, 1, 0, q_split=4),
+]
+
+
+@pytest.mark.parametrize("cfg", NEW_FORMS, ids=str)
+@pytest.mark.parametrize("m", [1, 3])
+def test_new_fragment_forms_equal_the_plain_tile(layer, cfg, m):
+    qw, pw, g = layer
+    x = _act(m, g)
+    bias = torch.randn(N, generator=g).bfloat16()
+    gs = torch.tensor([17.0])
+    for kw, ref_kw in (({}, {}), ({"input_global_scale": gs}, {"input_global_scale": gs})):  # dynamic, static scale
+        base = cfg if not cfg.num_warps == 8 else FragmentConfig(16, 128, 128, 1, 0)
+        plain = FragmentConfig(base.block_m, base.block_n, base.block_k, base.num_stages, base.split_k)
+        y0 = fk.splice_linear(x, pw, bias=bias, config=plain, **kw)
+        y = fk.splice_linear(x, pw, bias=bias, config=cfg, **kw)
+        assert torch.equal(y, y0), f"{cfg} differs from {plain} ({kw})"
+        _close(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32, **ref_kw))
+    y16 = fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=cfg)  # W4A16: narrow/persistent apply too
+    assert torch.equal(y16, fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=plain))
+
+
+def test_quant_in_runs_no_quantizer_launch(layer, monkeypatch):
+    """With a static scale at M <= 4 the ``quant_in`` tile quantizes inside the GEMM: the standalone
+    quantizer is not launched (and with a dynamic scale, or M > 4, it is)."""
+    qw, pw, g = layer
+    calls = []
+    real = fk_aq.act_quant_launch
+    monkeypatch.setattr(fk_aq, "act_quant_launch", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    cfg = FragmentConfig(16, 64, 128, 1, 0, narrow=True, quant_in=True)
+    fk.splice_linear(_act(2, g), pw, input_global_scale=torch.tensor([5.0]), config=cfg)
+    assert calls == []
+    fk.splice_linear(_act(2, g), pw, config=cfg)
+    fk.splice_linear(_act(5, g), pw, input_global_scale=torch.tensor([5.0]), config=cfg)
+    assert calls == [2, 5]
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 8])
+def test_bf16_columns_preloaded_cover_every_column(split_k):
+    """k = 200 BF16 columns over 1 (200 columns: one preloaded step of 32 and six more), 2, 3 and 8
+    splits (25 columns: one 32-column step; the last splits have none)."""
+    g = torch.Generator().manual_seed(200 + split_k)
+    w = torch.randn(64, 1024, generator=g) * 0.05
+    ch = torch.sort(torch.randperm(1024, generator=g)[:200]).values.to(torch.int32)
+    qw = quantize_weight(w, ch)
+    pw = fk.prepare_weight(qw)
+    x = (torch.randn(2, 1024, generator=g) * 3).bfloat16()
+    cfg = FragmentConfig(16, 64, 128, 1, split_k)
+    y = fk.splice_linear(x, pw, config=cfg)
+    _close(y, reference_linear(x, qw, out_dtype=torch.float32))
+    y16 = fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=cfg)
+    ref16 = reference_linear(x, qw, act_quant=False, out_dtype=torch.float32)
+    assert (y16 - ref16).abs().max() <= 2e-5 * ref16.abs().max()
+
+
+@pytest.mark.parametrize("cols", [2, 4, 8])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantizer_split_over_programs_is_bit_exact(layer, cols, static):
+    qw, pw, g = layer
+    x = _act(3, g)
+    ch = qw.bf16_channels
+    gs = torch.tensor([9.0]) if static else None
+    one = fk_aq.act_quant_launch(x, channel_mask(ch, K), ch, gs, True, True, True, deq_dtype=torch.bfloat16)
+    many = fk_aq.act_quant_launch(x, channel_mask(ch, K), ch, gs, True, True, True, deq_dtype=torch.bfloat16, cols=cols)
+    for a, b, what in zip(one, many, ("packed", "scale", "deq", "global scale", "X[:, S]")):
+        assert torch.equal(a, b), what
+    ref = quantize_activation(x, ch, global_scale=gs)
+    assert torch.equal(many[0], ref.packed) and torch.equal(many[1], ref.scale.view(torch.uint8))
+    assert torch.equal(many[3], ref.global_scale) and torch.equal(many[4], ref.x_bf16)
+
+
+def test_fullgraph_compile_calls_one_custom_op(layer):
+    """vLLM compiles with fullgraph and a dynamic batch: the linear traces as ``foursight::splice_linear``
+    and gives eager's output at every M (aot_eager: no C++ compiler needed)."""
+    qw, pw, g = layer
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: fk.splice_linear(x, pw), backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (3, 5):
+        x = _act(m, g)
+        assert torch.equal(fn(x), fk.splice_linear(x, pw))
+    assert fk.prepared.OP_HANDLES[pw.op_handle] is pw
+
+
+def test_timer_flush_modes_and_pdl_default(monkeypatch):
+    from foursight.kernels import tuning
+    from foursight.kernels.primitives import pdl_supported
+
+    assert tuning.DEFAULT_FLUSH == "read" and set(tuning.FLUSH_MODES) == {"read", "memset", "none"}
+    with pytest.raises(ValueError, match="flush"):
+        tuning.time_gpu(lambda: None, flush="l2")
+    monkeypatch.delenv("FOURSIGHT_PDL", raising=False)
+    assert pdl_supported() is False  # off by default (measured a loss on the H200)
+    monkeypatch.setenv("FOURSIGHT_PDL", "1")
+    import triton.language.extra.cuda as cuda
+
+    assert pdl_supported() is hasattr(cuda, "gdc_wait")
+
+
+def test_candidate_lists(monkeypatch):
+    from foursight.kernels import configs
+
+    monkeypatch.delenv("FOURSIGHT_WS", raising=False)
+    for path in ("decode", "mid", "prefill"):
+        cands = fk_api._candidates(path, 1, "linear")
+        assert cands and not any(isinstance(c, configs.WSConfig) for c in cands)  # Gluon WS: opt-in only
+        assert all(configs.config_from_str(str(c)) == c for c in cands)
+        # first-candidate rule: the first tile of every list is one the H200 grid measured (plain v3 form)
+        first = cands[0]
+        assert not getattr(first, "quant_in", False) and not getattr(first, "persistent", False)
+    assert "first" in configs.__doc__.lower() or "First-candidate rule" in open(configs.__file__).read()
+    with pytest.raises(ValueError, match="num_warps"):
+        FragmentConfig(16, 64, num_warps=2)
