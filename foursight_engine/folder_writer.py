@@ -207,7 +207,10 @@ def _mark(tmp: Path, verb: str) -> int:
     """Put the locked marker in ``tmp``; returns the descriptor that holds its lock until the run ends."""
     pending = tmp / _PENDING_MARKER
     fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # a filesystem without flock: the run is written, and its leftovers are never taken for a dead run's
+        pass
     os.write(fd, f"written by foursight {verb} (pid {os.getpid()}); removed when the folder is complete\n".encode())
     os.replace(pending, tmp / INCOMPLETE_MARKER)
     return fd
