@@ -57,7 +57,8 @@ class FourSightLinear(nn.Module):
         """Re-quantize from a new BF16 weight [N, K] in place (same channel set by default): the
         buffers keep their storage when the shapes match (a new channel count replaces them)."""
         ch = self.bf16_channels if channels is None else channels
-        qw = quantize_weight(weight.to(self.weight_packed.device), ch, name=self.name)
+        # the layer's own set was checked when the layer was built: no host sync for it per sync
+        qw = quantize_weight(weight.to(self.weight_packed.device), ch, name=self.name, channels_checked=channels is None)
         with torch.no_grad():
             for key, t in zip(schema.WEIGHT_SUFFIXES, qw.tensors()):
                 cur = getattr(self, key)

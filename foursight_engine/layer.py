@@ -110,6 +110,7 @@ def quantize_weight(
     channels: torch.Tensor,
     global_scale: torch.Tensor | None = None,
     name: str = "weight",
+    channels_checked: bool = False,
 ) -> QuantizedWeight:
     """Quantize a linear weight into a FourSight layer.
 
@@ -119,6 +120,9 @@ def quantize_weight(
         global_scale: optional float32 [1]; by default ``448*6/amax`` of the weight with the
             ``S`` columns zeroed.
         name: layer name for error messages.
+        channels_checked: ``channels`` is a layer's own set, already validated by :func:`check_channels`
+            (sorted int32, in range): skip that check, whose three reads to the host cost a GPU sync
+            each on every re-quantization of a weight sync.
     Returns:
         A :class:`QuantizedWeight` with ``weight_global_scale`` of shape [1].
     """
@@ -126,7 +130,7 @@ def quantize_weight(
         raise NVFP4Error(f"{name}: expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
     n, k_dim = weight.shape
     check_k(k_dim, name)
-    ch = check_channels(channels, k_dim, name).to(weight.device)
+    ch = (channels.to(device=weight.device, dtype=torch.int32) if channels_checked else check_channels(channels, k_dim, name).to(weight.device))
     idx = ch.long()
     w_bf16 = weight[:, idx].to(torch.bfloat16).contiguous()
     if idx.numel():

@@ -168,6 +168,78 @@ def test_rollout_logprobs_match_teacher_forcing(tiny):
     assert int(mask.sum()) == sum(len(s.token_ids) for s in samples)
 
 
+def test_sampler_logprobs_are_the_fp32_teacher_forced_ones(tiny):
+    """hf_generate takes each sampled token's raw log-prob inside the sampler (no output_logits kept):
+    on an fp32 model they equal an independent fp32 teacher-forced log-softmax of the same tokens."""
+    tok, model = tiny
+    model = model.eval()
+    ids = prompt_ids(tok, rl_tasks.train_problems("seq1", 0, 3), "plain", "Answer:")
+    samples = hf_generate(model, ids, 8, eos_ids=eos_ids(model, tok), seed=5)
+    with torch.no_grad():
+        for s in samples:
+            full = torch.tensor([s.prompt_ids + s.token_ids])
+            ref = torch.log_softmax(model(full).logits[0].float(), -1)
+            P = len(s.prompt_ids)
+            want = ref[P - 1 : P - 1 + len(s.token_ids)].gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(s.logprobs), want, atol=2e-5), (s.logprobs, want)
+
+
+@pytest.mark.parametrize("old", ["learner", "rollout"])
+def test_micro_batches_give_the_whole_batch_loss_and_gradient(tiny, old):
+    """policy_gradient over micro-batches (each loss divided by the whole batch's live tokens) gives the
+    same loss, statistics and parameter gradients as one forward/backward over the whole batch."""
+    import copy
+
+    from foursight.rl.loop import policy_gradient
+
+    tok, model = tiny
+    ids = prompt_ids(tok, rl_tasks.train_problems("seq1", 1, 3), "plain", "Answer:")
+    samples = hf_generate(model, [i for i in ids for _ in range(3)], 7, eos_ids=eos_ids(model, tok), seed=3)  # 9 sequences
+    g = torch.Generator().manual_seed(0)
+    T = max(len(s.token_ids) for s in samples)
+    valid = torch.tensor([[t < len(s.token_ids) for t in range(T)] for s in samples])
+    weights = (torch.rand(len(samples), T, generator=g) * 2) * valid  # TIS-like weights, 0 on padding
+    weights[4] = 0  # a dropped sequence
+    lp_roll = torch.zeros(len(samples), T)
+    for b, s in enumerate(samples):
+        lp_roll[b, : len(s.token_ids)] = torch.tensor(s.logprobs) + 0.3 * torch.randn(len(s.token_ids), generator=g)
+    adv = torch.randn(len(samples), generator=g)
+    results = []
+    for mb in (len(samples), 4, 1):
+        m = copy.deepcopy(model).train()
+        cfg = RLConfig(micro_batch=mb, old_logprobs=old, clip_eps=0.2)
+        st = policy_gradient(m, None, samples, weights, lp_roll, adv, cfg, torch.device("cpu"), amp_dtype=None)  # fp32: exact up to sum order
+        results.append((st, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (st0, g0) = results[0]
+    assert st0["loss_tokens"] == float((weights > 0).sum())
+    for st, grads in results[1:]:
+        assert st["loss"] == pytest.approx(st0["loss"], rel=1e-4, abs=1e-6)
+        for k in ("clip_fraction", "ratio_mean", "loss_tokens"):
+            assert st[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-6), k
+        assert grads.keys() == g0.keys()
+        for n in g0:
+            assert torch.allclose(grads[n], g0[n], rtol=1e-4, atol=1e-7), n
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, tiny_llama_dir):
+    """--resume loads the checkpoint with weights_only=True: a pickle that runs code on load (here it
+    would create a file) is refused by name, and its code never runs."""
+    marker = tmp_path / "pwned"
+    out = tmp_path / "run.jsonl"
+    out.write_text(json.dumps({"type": "config"}) + "\n")
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"step": 1, "learner": Payload()}, str(out) + ".ckpt")
+    cfg = RLConfig(model=str(tiny_llama_dir), rollout_precision="bf16", steps=2, prompts_per_step=1, group_size=2,
+                   max_new_tokens=2, eval_every=1, eval_size=2, out=str(out), device="cpu", resume=True)
+    with pytest.raises(RLError, match=r"run\.jsonl\.ckpt is not a foursight rl checkpoint"):
+        run_rl(cfg, log=lambda s: None)
+    assert not marker.exists()
+
+
 def test_state_dict_sha256_detects_changes(tmp_path, tiny_llama_dir):
     import shutil
 
@@ -224,6 +296,10 @@ def test_run_rl_hf_tiny_end_to_end(tmp_path, tiny_llama_dir, monkeypatch):
         assert r["time/step"] == pytest.approx(r["time/sync"] + r["time/generate"] + r["time/score"] + r["time/filter"]
                                                + r["time/learn"], rel=1e-6)
         assert r["tim/abs_log_ratio_mean"] > 0  # quantized rollouts differ from the BF16 learner
+        # memory per step: the GPU peak is None on the CPU; the process's peak RSS is a real reading
+        assert r["mem/peak_reserved_gib"] is None and r["mem/peak_allocated_gib"] is None
+        import resource
+        assert 0.1 < r["mem/max_rss_gib"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     assert list(temp.iterdir()) == []  # a run leaves no temporary folder (each run left an empty one)
 
 

@@ -57,10 +57,9 @@ def test_summary_numbers_against_hand_values(tmp_path):
     assert b["final_acc_mean"] == pytest.approx(0.7) and b["final_acc_spread"] == pytest.approx(0.1)
     assert n["reached"] == 1 and n["steps_to_target_mean"] == 15 and n["steps_to_target_spread"] == 0.0
     assert n["done"] == 2 and n["last_step"] == 15
-    # ratio vs NVFP4: NVFP4 did not reach in 2 seeds -> lower bound (15+15+15)/3 / mean
+    # ratio vs NVFP4: NVFP4 did not reach in 2 seeds -> no ratio (n/a), not a bound read off the last step
     assert f["steps_to_target_mean"] == pytest.approx(25 / 3)
-    assert f["ratio_vs_base"] == pytest.approx(15 / (25 / 3)) and f["ratio_is_lower_bound"]
-    assert n["ratio_vs_base"] == pytest.approx(1.0) and n["ratio_is_lower_bound"]
+    assert f["ratio_vs_base"] is None and n["ratio_vs_base"] is None
     # mean |r| per step: seeds 0.4, 0.5, 0.3 -> 0.4 ± 0.1; filtered 0.2 ± 0.1
     assert f["tim_abs_log_ratio_mean"] == pytest.approx(0.4) and f["tim_abs_log_ratio_spread"] == pytest.approx(0.1)
     assert f["filtered_fraction_mean"] == pytest.approx(0.2) and f["filtered_fraction_spread"] == pytest.approx(0.1)
@@ -68,14 +67,50 @@ def test_summary_numbers_against_hand_values(tmp_path):
     # times: warm-up steps (10 s) excluded -> sync 0.1, step 1.6
     assert f["t_sync"] == pytest.approx(0.1) and f["t_step"] == pytest.approx(1.6) and f["t_generate"] == pytest.approx(1.0)  # v1 name read
     md = rl_summary.to_markdown(s)
-    assert "≥ 1.80x" in md and "8.3 ± 2.9" in md and "**0.630**" in md
+    assert "≥" not in md and "| n/a |" in md and "8.3 ± 2.9" in md and "**0.630**" in md
     # every base seed reaching: an exact ratio
     _write(tmp_path, "nvfp4_s1", ev(0.1, 0.0, 0.0, 0.65), _steps(15, 0.8))
     _write(tmp_path, "nvfp4_s2", ev(0.1, 0.0, 0.7, 0.7), _steps(15, 0.7))
     s = rl_summary.summarise(rl_summary.load_runs(tmp_path))
     assert s["configs"]["nvfp4"]["steps_to_target_mean"] == pytest.approx(40 / 3)
     assert s["configs"]["bf16"]["ratio_vs_base"] == pytest.approx((40 / 3) / (25 / 3))
-    assert not s["configs"]["bf16"]["ratio_is_lower_bound"]
+    # finished runs only: a run whose log does not end in done is left out, by name
+    _write(tmp_path, "nvfp4_s2", ev(0.1, 0.0, 0.7, 0.7), _steps(15, 0.7), done=False)
+    left: list[str] = []
+    runs = rl_summary.load_runs(tmp_path, finished_only=True, unfinished=left)
+    assert left == ["nvfp4_s2"] and sorted(runs["nvfp4"]) == [0, 1] and sorted(runs["bf16"]) == [0, 1, 2]
+
+
+def test_sign_flip_test_by_enumeration():
+    """The exact paired sign-flip p against hand enumeration."""
+    p = rl_summary.sign_flip_p
+    assert p([]) is None
+    assert p([0.2, 0.1, 0.3]) == pytest.approx(2 / 8)  # all positive: only the all-+ and all-- assignments reach |0.6|
+    # (+.3, -.1, +.2): |sum| = 0.4; of the 8 assignments |sum| >= 0.4 for (.3,.1,.2)->.6, (.3,-.1,.2)->.4 and negatives: 4
+    assert p([0.3, -0.1, 0.2]) == pytest.approx(4 / 8)
+    assert p([0.1] * 6) == pytest.approx(2 / 64)
+    assert p([0.0, 0.0]) == 1.0
+
+
+def test_primary_contrasts_paired_auc(tmp_path):
+    """The pre-registered contrasts: per-seed AUC differences over steps 0..upto, only seeds where both
+    runs finished, with the sign-flip p; a missing arm gives n = 0, not an error."""
+    ev = lambda *a: dict(zip(range(0, 3 * len(a), 3), a))  # noqa: E731  evals at 0, 3, 6
+    st = [{"reward": 0.0, "time/step": 1.0}] * 6
+    for sd, (a_fs, a_nv) in enumerate([((0.5, 0.6, 0.7), (0.5, 0.4, 0.3)), ((0.5, 0.5, 0.5), (0.5, 0.5, 0.6)),
+                                       ((0.5, 0.7, 0.9), (0.5, 0.5, 0.5))]):
+        _write(tmp_path, f"fs_comp_s{sd}", ev(*a_fs), st)
+        _write(tmp_path, f"nvfp4_s{sd}", ev(*a_nv), st)
+    _write(tmp_path, "nvfp4_s3", ev(0.5, 0.5, 0.5), st)  # no fs_comp seed 3: not paired
+    pr = rl_summary.primary(rl_summary.load_runs(tmp_path), upto=6)
+    c = pr["contrasts"]["fs_comp - nvfp4"]
+    # AUC = (3*(a0+a1)/2 + 3*(a1+a2)/2) / 6 = (a0 + 2 a1 + a2) / 4
+    want = [(0.5 + 1.2 + 0.7) / 4 - (0.5 + 0.8 + 0.3) / 4, (0.5 + 1.0 + 0.5) / 4 - (0.5 + 1.0 + 0.6) / 4,
+            (0.5 + 1.4 + 0.9) / 4 - (0.5 + 1.0 + 0.5) / 4]
+    assert c["n"] == 3 and [c["per_seed"][k] for k in ("0", "1", "2")] == pytest.approx(want)
+    assert c["mean"] == pytest.approx(sum(want) / 3) and c["positive_seeds"] == 2
+    assert c["p"] == pytest.approx(rl_summary.sign_flip_p(want))
+    assert pr["contrasts"]["fs_filter - fs_comp"]["n"] == 0 and pr["contrasts"]["fs_filter - fs_comp"]["p"] is None
 
 
 def test_torn_line_and_resumed_evals(tmp_path):

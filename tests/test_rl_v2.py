@@ -274,9 +274,15 @@ def test_every_study_arm_runs_one_step(tmp_path, tiny_llama_dir, arm):
     assert r.exit_code == 0, r.output
     recs = [json.loads(line) for line in (tmp_path / f"{arm}_s0.jsonl").read_text().splitlines()]
     head = recs[0]
-    prec, extra = rl_study.ARMS[arm]
+    prec, extra = rl_study.arm_flags(arm)
     assert recs[-1] == {"type": "done", "step": 1} and head["rollout_precision"] == prec and head["task"] == rl_study.DRY["task"]
-    assert head["format_bonus"] == (0.0 if "nobonus" in arm else 0.1)
+    assert head["format_bonus"] == (0.1 if arm.endswith("_bonus") else 0.0)
+    assert head["micro_batch"] == rl_study.DRY["micro-batch"] and head["follow"] is False
+    if arm.endswith("_filter"):  # the length-normalised filter at the τ fitted for this engine
+        tau = json.loads(rl_study.FILTER_TAU_FILE.read_text())["engines"][prec]["tau"]
+        assert head["filter"] == "mean_abs" and head["filter_tau"] == pytest.approx(tau, rel=1e-5)
+    else:
+        assert head["filter"] == "none"
     share = {"bf16": 1.0, "fp8": 0.0, "nvfp4": 0.0}.get(prec)
     if arm == "nvfp4_carve":
         assert head["bf16_layers"] == [f"model.layers.0.self_attn.{p}_proj" for p in "koqv"] and head["bf16_layer_share"] > 0

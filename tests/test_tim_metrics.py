@@ -88,6 +88,8 @@ def np_keep(lt, lr, mask, cfg: FilterConfig) -> np.ndarray:
             keep[b] = not np.any(np.abs(r) > cfg.tau)
         elif cfg.policy == "tail_count":
             keep[b] = np.sum(np.abs(r) > cfg.tau) <= cfg.max_tail_tokens
+        elif cfg.policy == "mean_abs":
+            keep[b] = not np.mean(np.abs(r)) > cfg.tau
         elif cfg.policy == "geo_mean":
             k1 = -np.mean(r)
             keep[b] = math.log(cfg.geo_lo) <= k1 <= math.log(cfg.geo_hi)
@@ -132,6 +134,8 @@ def test_metrics_match_numpy(batch, tau, cap):
     st.sampled_from(
         [
             FilterConfig(policy="max_token", tau=0.5),
+            FilterConfig(policy="mean_abs", tau=0.3),
+            FilterConfig(policy="mean_abs", tau=1.0, tis_cap=2.0),
             FilterConfig(policy="tail_count", tau=0.2, max_tail_tokens=1),
             FilterConfig(policy="geo_mean"),
             FilterConfig(policy="geo_mean", geo_lo=0.5, geo_hi=2.0),
@@ -155,6 +159,28 @@ def test_filters_match_numpy(batch, cfg):
         assert res.is_weights is None
     dropped = int((~keep & mask.any(axis=1)).sum())
     assert res.metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(dropped / len(keep))  # verl: over every row
+
+
+def test_mean_abs_is_length_normalised_where_max_token_is_not():
+    """Hand values: a long answer with one bad token among many good ones keeps its place under
+    mean_abs (mean |r| 0.27) but not under max_token (max |r| 3); a short answer drifted everywhere
+    is dropped by mean_abs (0.6 > 0.5) and kept by max_token; negative r counts by its size; padding
+    (NaN here) is ignored; the tail metrics keep ln 3 as their threshold."""
+    T = 40
+    lr = torch.zeros(3, T)
+    lt = torch.full((3, T), float("nan"))
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    lt[0, :4] = torch.tensor([0.1, -0.1, 0.1, 3.0])  # short, one bad token: mean |r| 0.825
+    lt[1, :40] = 0.2
+    lt[1, 7] = -3.0  # long, one bad token: (39 * 0.2 + 3) / 40 = 0.27
+    lt[2, :4] = 0.6  # short, drifted everywhere: 0.6
+    mask[0, :4] = mask[1, :40] = mask[2, :4] = True
+    ma = apply_filter(lt, lr, mask, FilterConfig(policy="mean_abs", tau=0.5))
+    assert ma.keep.tolist() == [False, True, False]
+    assert ma.seq_stat.tolist() == pytest.approx([0.825, 0.27, 0.6])
+    assert ma.metrics["tim/tail_threshold"] == pytest.approx(math.log(3.0)) and ma.metrics["tim/tail_tokens"] == 2
+    mt = apply_filter(lt, lr, mask, FilterConfig(policy="max_token", tau=2.5))
+    assert mt.keep.tolist() == [False, False, True]
 
 
 def test_hand_computed_values():

@@ -3,6 +3,10 @@
 Four policies decide which sequences to keep, and ``none`` keeps all (inputs [B, T] as in :mod:`.metrics`):
 
 * ``max_token``  — drop a sequence if any valid token has |r| > τ.
+* ``mean_abs``   — drop a sequence whose mean |r| over its valid tokens exceeds τ: length-normalised
+  (``max_token``'s statistic grows with the answer's length, so at one τ it drops long, complete
+  answers first); τ is meant to be fitted on the user's own engine and answer lengths
+  (docs/tim.md; ``benchmarks/rl/rl_filter_tau.py`` fits it for the RL study).
 * ``tail_count`` — drop a sequence if more than ``n`` valid tokens have |r| > τ.
 * ``geo_mean``   — drop a sequence whose mean k1 (= −mean r) lies outside [ln lo, ln hi];
   exactly verl's ``rollout_rs="seq_mean_k1"`` with ``rollout_rs_threshold="lo_hi"``
@@ -40,7 +44,7 @@ from foursight.trainer_bridge.metrics import (
     tim_metrics,
 )
 
-Policy = Literal["none", "max_token", "tail_count", "geo_mean", "quantile"]
+Policy = Literal["none", "max_token", "mean_abs", "tail_count", "geo_mean", "quantile"]
 
 log = logging.getLogger("foursight.filters")
 
@@ -52,6 +56,8 @@ def _bounds_text(cfg: "FilterConfig") -> str:
         return f"kept: at most {cfg.max_tail_tokens} tokens with |r| > {cfg.tau:.4g}"
     if cfg.policy == "max_token":
         return f"kept: max |r| <= {cfg.tau:.4g}"
+    if cfg.policy == "mean_abs":
+        return f"kept: mean |r| <= {cfg.tau:.4g}"
     return f"policy {cfg.policy}"
 
 
@@ -61,7 +67,8 @@ class FilterConfig(BaseModel):
     Attributes:
         policy: which sequences to drop (see the module doc).
         tau: tail threshold τ on |r| for ``max_token``/``tail_count`` and for the tail metrics
-            (default ln 3: the token's ratio left [1/3, 3], TRL's default IS cap).
+            (default ln 3: the token's ratio left [1/3, 3], TRL's default IS cap); for ``mean_abs``
+            the bound on a sequence's mean |r| (no default fits every engine: fit it, docs/tim.md).
         max_tail_tokens: ``n`` of ``tail_count`` (drop when a sequence has more than n tail tokens).
         geo_lo, geo_hi: ratio bounds of ``geo_mean`` (verl's geometric preset 0.999_1.001).
         quantile: ``q`` of ``quantile`` in [0, 1) (fraction of sequences dropped per batch).
@@ -97,7 +104,7 @@ class FilterResult:
         loss_mask: float32 [B, T], ``mask & keep[:, None]``.
         is_weights: float32 [B, T] TIS weights (0 outside ``loss_mask``) or None when TIS is off.
         metrics: dict of floats: ``tim/*``, ``rollout_corr/*`` and ``filter/*``.
-        seq_stat: float64 [B], the statistic the policy thresholds (max|r|, tail count, mean k1).
+        seq_stat: float64 [B], the statistic the policy thresholds (max|r|, mean |r|, tail count, mean k1).
     """
 
     keep: torch.Tensor
@@ -128,6 +135,9 @@ def keep_from_stats(st: SequenceStats, config: FilterConfig) -> tuple[torch.Tens
         return torch.ones_like(st.valid), st.max_abs
     if p == "max_token":
         stat = st.max_abs
+        keep = ~(stat > config.tau)
+    elif p == "mean_abs":
+        stat = st.mean_abs
         keep = ~(stat > config.tau)
     elif p == "tail_count":
         stat = st.tail_count.to(torch.float64)
@@ -184,12 +194,13 @@ def apply_filter(
         raise TIMError(f"is_cap must be > 1, got {cfg.is_cap}")
     lt, lr, m = check_inputs(logp_train, logp_rollout, mask)  # validated once; r and the stats computed once
     lt, lr, r = masked_ratio(lt, lr, m)
-    st = ratio_stats(r, m, cfg.tau)
+    tail_tau = DEFAULT_TAIL_THRESHOLD if cfg.policy == "mean_abs" else cfg.tau  # mean_abs's τ bounds a mean, not a token
+    st = ratio_stats(r, m, tail_tau)
     keep, stat = keep_from_stats(st, cfg)
     loss_mask = (m & keep[:, None]).to(torch.float32)
     is_w = truncated_is_weights(r, loss_mask, cfg.tis_cap) if cfg.tis_cap is not None else None
 
-    metrics = tim_metrics(lt, lr, m, r, st, cfg.tau, cfg.is_cap)
+    metrics = tim_metrics(lt, lr, m, r, st, tail_tau, cfg.is_cap)
     valid = m.any(dim=1)
     n_valid = int(valid.sum())
     n_tok = int(m.sum())

@@ -122,8 +122,9 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
 
     ``generate()`` runs the model (batching, KV cache, padding); the token of each step is chosen
     by a logits processor that applies :func:`choose_tokens` to the batch, every row with that row's own
-    generator (row ``i`` seeded ``seed + i``) and hands ``generate()`` a score that only that
-    token can win (``generate()`` runs greedy). Each :class:`Rollout` holds the raw log-prob of
+    generator (row ``i`` seeded ``seed + i``), takes the raw log-prob of the chosen token there (no
+    ``output_logits``: the memory of a step's logits is released at once), and hands ``generate()``
+    a score that only that token can win (``generate()`` runs greedy). Each :class:`Rollout` holds the raw log-prob of
     every sampled token and ends as :func:`finish_reason` says (``eos_ids``, ``stop`` decoded with
     ``tokenizer``, ``max_new_tokens``). When ``cancel`` is set, generation stops after the current token.
     """
@@ -147,11 +148,15 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
     gens = [sample_generator(None if seed is None else seed + b, dev) for b in range(len(prompts))]
     decode = tokenizer.decode if stop else None
 
+    step_logprobs: list[torch.Tensor] = []  # [B] per step: the raw log-prob of the chosen token
+
     class _Choose(LogitsProcessor):
         def __call__(self, input_ids, scores):
+            # ``scores`` are the raw float32 logits: no processor of generate() runs before this one
             seen = ([list(p) + input_ids[b, L:].tolist() for b, p in enumerate(prompts)]
                     if params.repetition_penalty != 1.0 else [()] * len(prompts))
             tokens = choose_tokens(scores, params, seen, input_ids.shape[1] - L, eos_set, gens)
+            step_logprobs.append(raw_logprobs(scores, tokens))
             return torch.full_like(scores, -float("inf")).scatter_(1, tokens.view(-1, 1), 0.0)
 
     class _Stop(StoppingCriteria):
@@ -161,16 +166,17 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, tempe
                 else [cancelled] * input_ids.shape[0]
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
                           eos_token_id=eos or None, pad_token_id=pad)
     stopping = StoppingCriteriaList([_Stop()] if stop or cancel is not None else [])
     with torch.no_grad():
         out = model.generate(ids.to(dev), attention_mask=att.to(dev), generation_config=gc,
                              logits_processor=LogitsProcessorList([_Choose()]), stopping_criteria=stopping)
-    new = out.sequences[:, L:]
-    logits = torch.stack(out.logits, 1).float()  # [B, T, V] raw logits
-    lp = torch.log_softmax(logits, -1).gather(-1, new[:, : logits.shape[1], None])[..., 0].cpu()
-    new = new.cpu()
+    new = out.sequences[:, L:].cpu()
+    # [B, T]: taken step by step above, so no [B, T, V] logits are kept (64 x [128, 49152] float32
+    # is 1.5 GiB, and generate()'s output_logits held it twice); a finished row's later entries are
+    # for tokens generate() replaced by padding, and are cut below
+    lp = torch.stack(step_logprobs, 1).cpu() if step_logprobs else torch.zeros(len(prompts), 0)
     res = []
     for b, p in enumerate(prompts):
         toks = new[b].tolist()

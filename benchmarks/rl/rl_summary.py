@@ -25,6 +25,14 @@ are isolated timing runs) and writes into DIR:
   steps: ``rollout_corr/kl``, ``chi2_token``, ``chi2_seq``, the TIS effective sample size), the
   BF16 weight share, the rollout-follows-learner metrics (``follow/code_flip_fraction``,
   ``follow/cos``), and the reward of the kept and the dropped sequences;
+* ``primary`` (study v3's pre-registered analysis, docs/rl.md): for each contrast of
+  :data:`CONTRASTS` the per-seed paired difference of the AUC over steps 0-``--upto`` (30), its mean
+  with the bootstrap interval, the seeds with a positive difference, and the exact two-sided paired
+  sign-flip test (:func:`sign_flip_p`; with n seeds the smallest possible p is 2 / 2^n);
+  ``secondary``: steps to the target (n/a where a seed never reaches it), the seeds that end below
+  their own step-0 accuracy, the tail concentration of the mismatch, the kept and dropped reward and
+  answer length;
+* only finished runs (logs ending in ``done``) count; the others are listed as ``unfinished``;
 * ``timing`` (from ``_t`` logs): the median time per phase over steps after the first
   :data:`WARMUP`, and the sync's share of the step;
 * ``curves.png``: eval accuracy, reward (5-step mean), mean |r| and filtered fraction against step,
@@ -34,15 +42,20 @@ are isolated timing runs) and writes into DIR:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
 from pathlib import Path
 
-ORDER = ["bf16", "fp8", "nvfp4", "nvfp4_carve", "fs_comp", "fs_filter", "fs_budget", "w4a16", "bf16_nobonus", "nvfp4_nobonus"]
+ORDER = ["bf16", "fp8", "nvfp4", "nvfp4_carve", "nvfp4_filter", "fs_comp", "fs_filter", "fs_budget", "w4a16", "bf16_nobonus",
+         "nvfp4_nobonus", "bf16_bonus", "nvfp4_bonus"]
 LABELS = {"bf16": "BF16", "fp8": "FP8 rowwise W8A8", "nvfp4": "NVFP4 (k=0)", "nvfp4_carve": "NVFP4 + BF16 carve-out",
           "fs_comp": "FourSight (comp. only)", "fs_filter": "FourSight + filter", "fs_budget": "FourSight error budget",
-          "w4a16": "FourSight W4A16", "bf16_nobonus": "BF16, format bonus 0", "nvfp4_nobonus": "NVFP4, format bonus 0"}
+          "w4a16": "FourSight W4A16", "bf16_nobonus": "BF16, format bonus 0", "nvfp4_nobonus": "NVFP4, format bonus 0",
+          "nvfp4_filter": "NVFP4 + filter", "bf16_bonus": "BF16, format bonus 0.1", "nvfp4_bonus": "NVFP4, format bonus 0.1"}
+#: the pre-registered primary contrasts of study v3 (docs/rl.md): (arm, minus arm)
+CONTRASTS = (("fs_comp", "nvfp4"), ("fs_comp", "nvfp4_carve"), ("fs_filter", "fs_comp"), ("nvfp4_filter", "nvfp4"))
 #: the phases of a step (v2 names); older logs' names map onto them (:data:`PHASE_ALIASES`)
 PHASES = ["time/sync", "time/generate", "time/score", "time/filter", "time/learn", "time/step"]
 PHASE_ALIASES = {"time/generate": "time/rollout", "time/learn": "time/update"}
@@ -54,7 +67,10 @@ PAIR_WITH = ("bf16", "nvfp4", "nvfp4_carve")
 HEALTH = {"kl": "rollout_corr/kl", "chi2_token": "rollout_corr/chi2_token", "chi2_seq": "rollout_corr/chi2_seq",
           "ess": "rollout_corr/rollout_is_eff_sample_size", "code_flip_fraction": "follow/code_flip_fraction",
           "follow_cos": "follow/cos", "reward_kept": "reward_kept", "reward_dropped": "reward_dropped",
-          "response_len": "response_len", "adv_zero_groups": "adv_zero_groups"}
+          "response_len": "response_len", "adv_zero_groups": "adv_zero_groups",
+          "response_len_kept": "response_len_kept", "response_len_dropped": "response_len_dropped",
+          "tail_seq_fraction": "tim/tail_seq_fraction", "tail_share_worst_5pct": "tim/tail_share_worst_5pct",
+          "peak_reserved_gib": "mem/peak_reserved_gib"}
 _NAME = re.compile(r"^(?P<cfg>.+)_s(?P<seed>\d+)$")
 _TIMING = re.compile(r"^(?P<cfg>.+)_t(?P<seed>\d+)$")
 
@@ -80,14 +96,21 @@ def read_log(path: Path) -> dict:
             "done": bool(recs) and recs[-1].get("type") == "done"}
 
 
-def load_runs(folder: Path, pattern: re.Pattern = _NAME) -> dict[str, dict[int, dict]]:
-    """config -> seed -> run, from ``<config>_s<seed>.jsonl`` (``_TIMING``: ``<config>_t<seed>.jsonl``)."""
+def load_runs(folder: Path, pattern: re.Pattern = _NAME, finished_only: bool = False,
+              unfinished: list[str] | None = None) -> dict[str, dict[int, dict]]:
+    """config -> seed -> run, from ``<config>_s<seed>.jsonl`` (``_TIMING``: ``<config>_t<seed>.jsonl``).
+    ``finished_only``: only logs that end in ``done``; the names of the others go to ``unfinished``."""
     out: dict[str, dict[int, dict]] = {}
     for p in sorted(folder.glob("*.jsonl")):
         m = pattern.match(p.stem)
         if not m:
             continue
-        out.setdefault(m["cfg"], {})[int(m["seed"])] = read_log(p)
+        run = read_log(p)
+        if finished_only and not run["done"]:
+            if unfinished is not None:
+                unfinished.append(p.stem)
+            continue
+        out.setdefault(m["cfg"], {})[int(m["seed"])] = run
     return dict(sorted(out.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else 99))
 
 
@@ -144,16 +167,88 @@ def summarise(runs: dict[str, dict[int, dict]], ref: str = "bf16", base: str = "
         res["configs"][cfg] = row
     b = res["configs"].get(base)
     for cfg, row in res["configs"].items():
-        row["ratio_vs_base"], row["ratio_is_lower_bound"] = None, False
-        if b is None or not row["steps_to_target_mean"]:  # never reached, or reached at step 0 (no ratio)
+        # defined only where every seed of both reached the target after step 0; otherwise n/a (a seed
+        # that never reached it has no step count, and a bound read off the last step is not a ratio)
+        row["ratio_vs_base"] = None
+        if (b is None or not row["steps_to_target_mean"] or row["reached"] < len(row["seeds"])
+                or not b["steps_to_target_mean"] or b["reached"] < len(b["seeds"])):
             continue
-        if b["steps_to_target_mean"] is not None and b["reached"] == len(b["seeds"]):
-            row["ratio_vs_base"] = b["steps_to_target_mean"] / row["steps_to_target_mean"]
-        else:  # some or all base seeds never reached the target: their steps are > last_step
-            bs = [v if v is not None else b["last_step"] for v in b["steps_to_target_per_seed"].values()]
-            row["ratio_vs_base"] = (sum(bs) / len(bs)) / row["steps_to_target_mean"]
-            row["ratio_is_lower_bound"] = True
+        row["ratio_vs_base"] = b["steps_to_target_mean"] / row["steps_to_target_mean"]
     return res
+
+
+def sign_flip_p(diffs: list[float]) -> float | None:
+    """Exact two-sided paired sign-flip (permutation) test of "the mean difference is 0": the share of
+    the 2^n assignments of signs to the n per-seed differences whose |mean| is at least the observed
+    |mean|. With n seeds the smallest possible p is 2 / 2^n (0.25 for 3 seeds, 0.031 for 6). None
+    for no seeds."""
+    n = len(diffs)
+    if n == 0:
+        return None
+    obs = abs(sum(diffs))
+    hits = sum(abs(sum(s * d for s, d in zip(signs, diffs))) >= obs - 1e-12 for signs in itertools.product((1, -1), repeat=n))
+    return hits / 2**n
+
+
+def primary(runs: dict[str, dict[int, dict]], upto: int = 30, contrasts=CONTRASTS) -> dict:
+    """Study v3's primary analysis: per contrast (arm, minus arm), the per-seed paired difference of
+    the AUC over steps 0-``upto`` (seeds where both runs finished), mean, bootstrap interval,
+    positive seeds and :func:`sign_flip_p`."""
+    out: dict = {"upto": upto, "test": "exact two-sided paired sign-flip over seeds", "contrasts": {}}
+    for a, b in contrasts:
+        key = f"{a} - {b}"
+        if a not in runs or b not in runs:
+            out["contrasts"][key] = {"n": 0, "mean": None, "ci": (None, None), "p": None, "positive_seeds": 0, "per_seed": {}}
+            continue
+        d = {}
+        for sd in sorted(set(runs[a]) & set(runs[b])):
+            xa, xb = auc(runs[a][sd]["evals"], upto), auc(runs[b][sd]["evals"], upto)
+            if xa is not None and xb is not None:
+                d[sd] = xa - xb
+        vals = list(d.values())
+        m, _ = mean_spread(vals)
+        out["contrasts"][key] = {"n": len(vals), "mean": m, "ci": bootstrap_ci(vals), "p": sign_flip_p(vals),
+                                 "positive_seeds": sum(v > 0 for v in vals), "per_seed": {str(k): v for k, v in d.items()}}
+    return out
+
+
+def secondary(runs: dict[str, dict[int, dict]], s: dict) -> dict:
+    """Study v3's secondary statistics per arm: steps to the target per seed (None = not reached), the
+    seeds whose last eval is below their own step-0 eval, and the means over steps of the tail
+    concentration and of the kept / dropped reward and answer length."""
+    out = {}
+    for cfg, seeds in runs.items():
+        below = [sd for sd, r in seeds.items() if len(r["evals"]) > 1 and r["evals"][-1][1] < r["evals"][0][1] - 1e-12]
+        row = {"steps_to_target_per_seed": s["configs"][cfg]["steps_to_target_per_seed"], "seeds_below_step0": sorted(below)}
+        for name in ("tail_seq_fraction", "tail_share_worst_5pct", "reward_kept", "reward_dropped", "response_len_kept",
+                     "response_len_dropped"):
+            row[name], _ = mean_spread([_step_mean(r["steps"], HEALTH[name]) for r in seeds.values()])
+        out[cfg] = row
+    return out
+
+
+def primary_markdown(p: dict, sec: dict, target: float) -> str:
+    def f(x, fmt="{:.3f}"):
+        return "n/a" if x is None else fmt.format(x)
+
+    lines = [f"Primary (pre-registered, docs/rl.md): paired per-seed difference of the AUC of the held-out accuracy over steps "
+             f"0-{p['upto']} (area / steps); mean [95 % bootstrap interval], seeds with a positive difference, exact two-sided "
+             "paired sign-flip p.", "", "| contrast | seeds | mean ΔAUC | positive | p |", "|---|---:|---:|---:|---:|"]
+    for key, c in p["contrasts"].items():
+        ci = c["ci"] if c["ci"] else (None, None)
+        iv = f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci[0] is not None else ""
+        lines.append(f"| {key} | {c['n']} | {f(c['mean'], '{:+.3f}')}{iv} | {c['positive_seeds']}/{c['n']} | {f(c['p'], '{:.3f}')} |")
+    lines += ["", f"Secondary: steps to the target accuracy {target:.3f} per seed (n/a: not reached), seeds ending below their "
+              "step-0 accuracy, the share of sequences holding a token with |r| > ln 3 and the share of those tail tokens held by "
+              "the worst 5 % of sequences (means over steps), and the reward and answer length of the kept and dropped sequences.", "",
+              "| arm | steps to target | below step 0 | seqs with a tail token | tail share of worst 5 % | reward kept / dropped | "
+              "length kept / dropped |", "|---|---|---:|---:|---:|---:|---:|"]
+    for cfg, r in sec.items():
+        st = ", ".join("n/a" if v is None else str(v) for _, v in sorted(r["steps_to_target_per_seed"].items(), key=lambda kv: int(kv[0])))
+        lines.append(f"| {LABELS.get(cfg, cfg)} | {st} | {len(r['seeds_below_step0'])} | {f(r['tail_seq_fraction'])} | "
+                     f"{f(r['tail_share_worst_5pct'])} | {f(r['reward_kept'])} / {f(r['reward_dropped'])} | "
+                     f"{f(r['response_len_kept'], '{:.1f}')} / {f(r['response_len_dropped'], '{:.1f}')} |")
+    return "\n".join(lines) + "\n"
 
 
 def bootstrap_ci(xs: list[float], n_boot: int = BOOT, ci: float = CI, seed: int = 0) -> tuple[float | None, float | None]:
@@ -292,13 +387,12 @@ def _pm(m, s, fmt="{:.3f}") -> str:
 def to_markdown(s: dict) -> str:
     lines = [f"Target: {s['frac']:.0%} of {s['reference']}'s final held-out accuracy ({s['ref_final_acc']:.3f}, mean over seeds) "
              f"= **{s['target_acc']:.3f}**. ± is the {s['spread']}. Ratio = {s['base']} steps / configuration steps "
-             "(> 1: fewer steps than NVFP4; ≥ marks a lower bound because NVFP4 did not reach the target in some seeds, "
-             "whose steps are counted as the last step).", "",
+             "(> 1: fewer steps than NVFP4; n/a unless every seed of both reached the target).", "",
              "| configuration | seeds done | steps to target | reached | ratio vs NVFP4 | final acc | mean \\|r\\| per step | k3 | filtered | k/K | "
              "t sync | t generate | t score | t filter | t learn | t step |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for cfg, r in s["configs"].items():
-        ratio = "n/a" if r["ratio_vs_base"] is None else ("≥ " if r["ratio_is_lower_bound"] else "") + f"{r['ratio_vs_base']:.2f}x"
+        ratio = "n/a" if r["ratio_vs_base"] is None else f"{r['ratio_vs_base']:.2f}x"
         kf = "—" if not r["channels_k_fraction"] else f"{r['channels_k_fraction']:.1%}"
         t = " | ".join("n/a" if r[k] is None else f"{r[k]:.2f}" for k in ("t_sync", "t_generate", "t_score", "t_filter", "t_learn", "t_step"))
         lines.append(f"| {LABELS.get(cfg, cfg)} | {r['done']}/{len(r['seeds'])} | {_pm(r['steps_to_target_mean'], r['steps_to_target_spread'], '{:.1f}')} | "
@@ -371,17 +465,27 @@ def main() -> None:
     ap.add_argument("--base", default="nvfp4")
     ap.add_argument("--frac", type=float, default=0.9)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--upto", type=int, default=30, help="the primary analysis' AUC runs over steps 0..UPTO")
+    ap.add_argument("--all-runs", action="store_true", help="also count runs that did not finish (default: finished only)")
     a = ap.parse_args()
-    runs = load_runs(a.folder)
+    unfinished: list[str] = []
+    runs = load_runs(a.folder, finished_only=not a.all_runs, unfinished=unfinished)
     times = load_runs(a.folder, _TIMING)
     if not runs and not times:
-        raise SystemExit(f"no <config>_s<seed>.jsonl or <config>_t<seed>.jsonl in {a.folder}")
+        raise SystemExit(f"no finished <config>_s<seed>.jsonl or <config>_t<seed>.jsonl in {a.folder} (unfinished: {unfinished})")
     md = ""
     s: dict = {}
     if runs:
         s = summarise(runs, a.ref, a.base, a.frac)
+        s["unfinished"] = unfinished
+        s["primary"] = primary(runs, a.upto)
+        s["secondary"] = secondary(runs, s)
         s["stats"] = statistics(runs)
-        md = to_markdown(s) + "\n" + stats_markdown(s["stats"])
+        devices = sorted({str(r["config"].get("device_name")) for seeds in runs.values() for r in seeds.values()})
+        commits = sorted({str(r["config"].get("commit")) for seeds in runs.values() for r in seeds.values()})
+        md = (f"Runs: {sum(len(v) for v in runs.values())} finished ({', '.join(f'{k} x{len(v)}' for k, v in runs.items())}); "
+              f"unfinished, left out: {', '.join(unfinished) or 'none'}. Device: {', '.join(devices)}. Commit: {', '.join(commits)}.\n\n")
+        md += primary_markdown(s["primary"], s["secondary"], s["target_acc"]) + "\n" + to_markdown(s) + "\n" + stats_markdown(s["stats"])
     if times:
         s["timing"] = timing(times)
         md += "\n" + timing_markdown(s["timing"])

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 from foursight.cli_config import option
 from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption
 from foursight.rl import tasks as rl_tasks
+from foursight.trainer_bridge.filters import Policy
 
 #: rollout precisions: BF16 copy; FP8 rowwise W8A8 (the FlashRL anchor, foursight.fp8); NVFP4 W4A4
 #: k=0; FourSight W4A4 with k BF16 channels (--channels or --error-target); FourSight W4A16
@@ -15,7 +16,8 @@ from foursight.rl import tasks as rl_tasks
 PRECISIONS = ("bf16", "fp8", "nvfp4", "foursight", "w4a16")
 #: precisions whose layers carry a BF16 channel set chosen by calibration
 CHANNEL_PRECISIONS = ("foursight", "w4a16")
-FILTERS = ("none", "max_token", "tail_count", "geo_mean", "quantile")
+#: the filter policies: the one vocabulary is trainer_bridge.filters.Policy
+FILTERS = get_args(Policy)
 ENGINES = ("hf", "vllm")
 #: where π_old of the clipped surrogate comes from: the rollout engine's log-probs of the sampled
 #: tokens (ρ = π_θ / π_rollout, the study of 2026-12-03), or the learner's own detached log-probs
@@ -45,10 +47,12 @@ class RLConfig:
     task: str = option("add", help=f"one of {sorted(rl_tasks.TASKS)}")
     rollout_precision: str = option("foursight", help="bf16 | fp8 (rowwise W8A8, FlashRL) | nvfp4 (k=0) | foursight (W4A4 + k BF16 "
                                                       "channels) | w4a16 (FourSight weights, BF16 activations)")
-    filter: str = option("none", help="none | max_token | tail_count | geo_mean | quantile")
+    filter: str = option("none", help=" | ".join(get_args(Policy)) + " (trainer_bridge.filters; docs/tim.md)")
     engine: str = option("hf", help="hf (in-process; Triton kernels on CUDA) | vllm (CPU smoke)")
     steps: int = option(100, help="GRPO steps")
     prompts_per_step: int = option(8, help="problems sampled per step")
+    micro_batch: int = option(32, help="sequences per learner forward/backward (the loss is normalised by the whole batch's "
+                                       "kept tokens, so the update equals the whole batch's; lower it to save memory)")
     group_size: int = option(8, help="samples per problem (the group of the group-relative advantage)")
     max_new_tokens: int = option(12, help="completion length cap (rollouts and evaluation)")
     lr: float = option(2e-5, help="AdamW learning rate")
@@ -123,7 +127,7 @@ class RLConfig:
             raise RLError("--bf16-layers with --error-target is not supported (the per-group k of a carved group is undefined)")
         if self.task not in rl_tasks.TASKS:
             raise RLError(f"--task: unknown task {self.task!r}; choose one of {sorted(rl_tasks.TASKS)}")
-        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_every", "eval_size"):
+        for name in ("steps", "prompts_per_step", "micro_batch", "group_size", "max_new_tokens", "eval_every", "eval_size"):
             if getattr(self, name) < 1:
                 raise RLError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:

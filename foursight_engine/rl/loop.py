@@ -23,7 +23,7 @@ from torch import nn
 from foursight.channels import calibrate_channel_sets, channel_summary
 from foursight.rl import tasks as rl_tasks
 from foursight.rl.config import CHANNEL_PRECISIONS, RLConfig, RLError
-from foursight.rl.grpo import group_advantages, grpo_loss
+from foursight.rl.grpo import combine_loss_stats, group_advantages, grpo_loss
 from foursight.trainer_bridge.backends.hf import HFRollout
 from foursight.trainer_bridge.backends.vllm_inprocess import VLLMRollout
 from foursight.trainer_bridge.hf_sampling import eos_ids
@@ -43,6 +43,26 @@ def state_dict_sha256(model_dir: str | Path) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def code_commit() -> str | None:
+    """The commit the run's code is from: ``FOURSIGHT_COMMIT`` (set by the device scripts, whose copy
+    of the tree has no git history), else ``git rev-parse HEAD`` of the source tree (``+dirty`` when
+    it has uncommitted changes), else None."""
+    import subprocess
+
+    if os.environ.get("FOURSIGHT_COMMIT"):
+        return os.environ["FOURSIGHT_COMMIT"]
+    src = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src, capture_output=True, text=True,
+                               timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _sync_device(dev: torch.device) -> None:
@@ -104,6 +124,23 @@ def _save_checkpoint(path: Path, step: int, learner: nn.Module, opt, channels, w
     tmp.replace(path)
 
 
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A resume checkpoint written by :func:`_save_checkpoint`, read with ``weights_only=True``:
+    tensors and plain containers only, so a file that is not one (a pickle that would run code on
+    load) is refused with an :class:`RLError` naming it, before anything of it runs."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
+        raise RLError(f"--resume: {path} is not a foursight rl checkpoint (it holds more than tensors and plain data, or is "
+                      f"damaged: {str(e).splitlines()[0][:200]}); remove it to start over") from None
+    missing = [k for k in ("step", "learner", "opt", "channels", "wall_s", "rng") if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise RLError(f"--resume: {path} is not a foursight rl checkpoint (missing {missing}); remove it to start over")
+    return state
+
+
 @dataclass
 class RLRun:
     """What one run holds between steps: the models, optimizer, rollout engine and log."""
@@ -135,7 +172,12 @@ class Batch:
     samples: list[Any]  # Rollout records
     rewards: torch.Tensor | None = None
     correct: torch.Tensor | None = None
-    logp_new: torch.Tensor | None = None  # the learner's logprobs of the sampled tokens (with grad)
+    logp_learner: torch.Tensor | None = None  # float32 [B, T] the learner's logprobs of the sampled tokens (no grad)
+
+
+def micro_batches(n: int, size: int) -> list[range]:
+    """The index ranges of the learner's micro-batches over ``n`` sequences (in order)."""
+    return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
 def _set_reproducibility(cfg: RLConfig) -> None:
@@ -261,21 +303,34 @@ def sample(run: RLRun, step: int) -> Batch:
     return Batch(probs, samples)
 
 
-def score(run: RLRun, batch: Batch) -> None:
-    """Rewards and the learner's logprobs of the sampled tokens (one teacher-forced forward, with
-    grad, kept for the update)."""
+def learner_logprobs(model: nn.Module, samples: Sequence[Any], dev: torch.device,
+                     amp_dtype: torch.dtype | None = torch.bfloat16) -> torch.Tensor:
+    """Teacher-forced logprobs [len(samples), T] of a micro-batch's sampled tokens (autocast to
+    ``amp_dtype``, BF16 as the learner runs; None: the model's own dtype); with grad when grad is enabled."""
     from foursight.trainer_bridge.scoring import teacher_forced_logprobs
 
+    with torch.autocast(device_type=dev.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+        lp, _ = teacher_forced_logprobs(model, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
+    return lp
+
+
+def score(run: RLRun, batch: Batch) -> None:
+    """Rewards and the learner's logprobs of the sampled tokens: a teacher-forced forward without
+    grad, micro-batch by micro-batch (``cfg.micro_batch`` sequences), so only one micro-batch's
+    activations are alive; :func:`update` runs the forward with grad the same way."""
     cfg, samples = run.cfg, batch.samples
     texts = [cfg.prefill + run.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
     group_probs = [p for p in batch.probs for _ in range(cfg.group_size)]
     batch.rewards = torch.tensor([rl_tasks.reward(t, p, cfg.format_bonus) for t, p in zip(texts, group_probs)])
     batch.correct = torch.tensor([float(rl_tasks.is_correct(t, p)) for t, p in zip(texts, group_probs)])
     run.learner.train()
-    run.opt.zero_grad(set_to_none=True)
-    with torch.autocast(device_type=run.dev.type, dtype=torch.bfloat16):
-        batch.logp_new, _ = teacher_forced_logprobs(run.learner, [s.prompt_ids for s in samples], [s.token_ids for s in samples],
-                                                    device=run.dev)
+    T = max([len(s.token_ids) for s in samples] + [1])
+    out = torch.zeros(len(samples), T)
+    with torch.no_grad():
+        for idx in micro_batches(len(samples), cfg.micro_batch):
+            lp = learner_logprobs(run.learner, [samples[i] for i in idx], run.dev)
+            out[idx.start : idx.stop, : lp.shape[1]] = lp.float().cpu()
+    batch.logp_learner = out
 
 
 def filter_batch(run: RLRun, batch: Batch):
@@ -286,34 +341,51 @@ def filter_batch(run: RLRun, batch: Batch):
     from foursight.trainer_bridge.scoring import pad_rollouts
 
     lens = [len(s.token_ids) for s in batch.samples]
-    lt, lr_, m = pad_rollouts(batch.samples, [batch.logp_new[b, :n].detach().cpu() for b, n in enumerate(lens)])
+    lt, lr_, m = pad_rollouts(batch.samples, [batch.logp_learner[b, :n] for b, n in enumerate(lens)])
     fres = apply_filter(lt, lr_, m, run.fcfg)
     adv = group_advantages(batch.rewards, run.cfg.group_size)
     return fres, lr_, adv
 
 
+def policy_gradient(learner: nn.Module, ref: nn.Module | None, samples: Sequence[Any], weights: torch.Tensor,
+                    logp_rollout: torch.Tensor, adv: torch.Tensor, cfg: RLConfig, dev: torch.device,
+                    amp_dtype: torch.dtype | None = torch.bfloat16) -> dict[str, float]:
+    """Accumulate the gradient of the clipped policy loss over the kept tokens into ``learner``'s
+    ``.grad``, micro-batch by micro-batch: each micro-batch's forward (with grad), loss and backward,
+    its loss divided by the live tokens of the *whole* batch, so the sum equals the whole batch's
+    loss and gradient (``tests/test_rl.py::test_micro_batches_give_the_whole_batch_loss_and_gradient``).
+
+    ``weights`` [B, T] are the filter's per-token loss weights, ``logp_rollout`` [B, T] the engine's
+    logprobs (π_old with ``old_logprobs="rollout"``), ``adv`` [B]; ``amp_dtype`` as in
+    :func:`learner_logprobs`. Returns the loss stats."""
+    normalizer = float((weights > 0).sum())
+    parts = []
+    for idx in micro_batches(len(samples), cfg.micro_batch):
+        mb = [samples[i] for i in idx]
+        logp_new = learner_logprobs(learner, mb, dev, amp_dtype)
+        T = logp_new.shape[1]
+        w = weights[idx.start : idx.stop, :T].to(dev)
+        if cfg.old_logprobs == "learner":
+            old = logp_new.detach()  # ρ = 1; the rollout log-probs act only through the filter / TIS weights in w
+        else:
+            old = logp_rollout[idx.start : idx.stop, :T].to(dev)
+        logp_ref = None
+        if ref is not None:
+            with torch.no_grad():
+                logp_ref = learner_logprobs(ref, mb, dev, amp_dtype)
+        loss, st = grpo_loss(logp_new, old, adv[idx.start : idx.stop].to(dev), w, cfg.clip_eps, logp_ref, cfg.kl_coef,
+                             normalizer=normalizer)
+        loss.backward()
+        parts.append(st)
+    return combine_loss_stats(parts)
+
+
 def update(run: RLRun, batch: Batch, fres, logp_rollout: torch.Tensor, adv: torch.Tensor) -> tuple[dict[str, float], float]:
     """The clipped policy loss over the kept tokens (π_old: the rollout's or the learner's detached
-    logprobs; + the KL term), backward, gradient clipping, one AdamW step. Returns the loss stats and
-    the gradient norm."""
-    from foursight.trainer_bridge.scoring import teacher_forced_logprobs
-
-    cfg, dev, logp_new, samples = run.cfg, run.dev, batch.logp_new, batch.samples
-    T = logp_new.shape[1]
-    w = torch.zeros_like(logp_new)
-    lw = fres.loss_weights()
-    w[:, : lw.shape[1]] = lw.to(dev)[:, :T]
-    if cfg.old_logprobs == "learner":
-        old = logp_new.detach()  # ρ = 1; the rollout log-probs act only through the filter / TIS weights in w
-    else:
-        old = torch.zeros_like(logp_new)
-        old[:, : logp_rollout.shape[1]] = logp_rollout.to(dev)[:, :T]
-    logp_ref = None
-    if run.ref is not None:
-        with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
-            logp_ref, _ = teacher_forced_logprobs(run.ref, [s.prompt_ids for s in samples], [s.token_ids for s in samples], device=dev)
-    loss, lstats = grpo_loss(logp_new, old, adv.to(dev), w, cfg.clip_eps, logp_ref, cfg.kl_coef)
-    loss.backward()
+    logprobs; + the KL term), backward in micro-batches (:func:`policy_gradient`), gradient
+    clipping, one AdamW step. Returns the loss stats and the gradient norm."""
+    run.opt.zero_grad(set_to_none=True)
+    lstats = policy_gradient(run.learner, run.ref, batch.samples, fres.loss_weights(), logp_rollout, adv, run.cfg, run.dev)
     gnorm = float(torch.nn.utils.clip_grad_norm_(run.learner.parameters(), 1.0))
     run.opt.step()
     return lstats, gnorm
@@ -331,6 +403,8 @@ def step_record(run: RLRun, step: int, batch: Batch, fres, lstats: dict[str, flo
         "reward_kept": float(rewards[keep].mean()) if keep.any() else None,
         "reward_dropped": float(rewards[~keep].mean()) if (~keep).any() else None,
         "accuracy_dropped": float(correct[~keep].mean()) if (~keep).any() else None,
+        "response_len_kept": float(lens[keep].mean()) if keep.any() else None,
+        "response_len_dropped": float(lens[~keep].mean()) if (~keep).any() else None,
         "reward": float(rewards.mean()), "accuracy": float(correct.mean()),
         "response_len": float(lens.mean()), "truncated_fraction": float(sum(s.finish_reason == "length" for s in samples)) / len(samples),
         "adv_zero_groups": float((rewards.view(-1, run.cfg.group_size).std(1) == 0).float().mean()),
@@ -340,12 +414,27 @@ def step_record(run: RLRun, step: int, batch: Batch, fres, lstats: dict[str, flo
         "time/sync": times["sync"], "time/generate": times["generate"] - times["t1"], "time/score": times["score"] - times["generate"],
         "time/filter": times["filter"] - times["score"], "time/learn": times["learn"] - times["filter"],
         "time/step": times["learn"] - times["t0"] - times["follow"], "time/follow": times["follow"], **fol,
-        "wall_s": time.perf_counter() - run.t_start,
+        **memory_record(run.dev), "wall_s": time.perf_counter() - run.t_start,
     }
+
+
+def memory_record(dev: torch.device) -> dict[str, float | None]:
+    """The step's memory: ``mem/peak_reserved_gib`` and ``mem/peak_allocated_gib``, the GPU's peak
+    since the step started (None on the CPU), and ``mem/max_rss_gib``, the process's peak resident
+    memory so far (the CPU side; monotone)."""
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    if dev.type != "cuda":
+        return {"mem/peak_reserved_gib": None, "mem/peak_allocated_gib": None, "mem/max_rss_gib": rss}
+    return {"mem/peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30,
+            "mem/peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "mem/max_rss_gib": rss}
 
 
 def train_step(run: RLRun, step: int) -> dict[str, Any]:
     """One GRPO step: sync weights, sample, score, filter, update; returns its log record."""
+    if run.dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.dev)
     info, fol, times = sync_weights(run, step)
     batch = sample(run, step)
     times["generate"] = _now(run.dev)
@@ -411,7 +500,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
         if prev and prev[-1].get("type") == "done":
             log(f"rl: {out} is complete (done at step {prev[-1].get('step')}); nothing to do")
             return out
-    resume_state = torch.load(ckpt_path, map_location="cpu", weights_only=False) if cfg.resume and ckpt_path.exists() else None
+    resume_state = load_checkpoint(ckpt_path) if cfg.resume and ckpt_path.exists() else None
     dev = _device(cfg)
     run = build_run(cfg, dev, resume_state)
     fh = None
@@ -429,7 +518,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
         device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         if resume_state is None:
             emit({"type": "config", **asdict(cfg), "device": str(dev), "device_name": device_name, "model_dir": str(run.model_dir),
-                  **run.ch_info, "setup_s": run.setup_s, "torch": torch.__version__})
+                  **run.ch_info, "setup_s": run.setup_s, "torch": torch.__version__, "commit": code_commit()})
         else:
             emit({"type": "resume", "step": start_step, "setup_s": run.setup_s, "device_name": device_name})
             log(f"rl: resuming {out} after step {start_step}")
