@@ -51,17 +51,23 @@ if [ "$DRY" != 1 ]; then
            ls .devcarry/a/*.whl >/dev/null 2>&1 || { echo "rl_device.sh stage: no wheels in .devcarry/a: run rl_prepare_carry.py"; exit 2; } ;;
     run) need .devcarry/b gguf.part01 gguf.sha256 weights.sha256 commit hf/config.json ;;
   esac
-  export FOURSIGHT_COMMIT=$(cat .devcarry/*/commit 2>/dev/null | head -1)
+  export FOURSIGHT_COMMIT=$(cat .devcarry/code/commit 2>/dev/null || echo "$(cat .devcarry/*/commit 2>/dev/null | head -1)+tree")
 else
   export FOURSIGHT_COMMIT=${FOURSIGHT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 fi
 echo "rl_device.sh $MODE: code $FOURSIGHT_COMMIT, base $BASE"
 
-# the code the runs import: a copy of the four source folders laid out as the package (pyproject's
-# package-dir mapping), taken once per call, so an edit of the tree cannot change a running study
-rm -rf "$BASE/pp" && mkdir -p "$BASE/pp" && cp -r foursight_engine "$BASE/pp/foursight" && cp -r kernels "$BASE/pp/foursight/kernels" \
-  && cp -r quant_methods "$BASE/pp/foursight/quant_methods" && cp -r trainer_bridge "$BASE/pp/foursight/trainer_bridge" || exit 1
+# the code the runs import: HEAD's, from .devcarry/code (git archive by rl_prepare_carry.py) when it is
+# carried, else this tree; the four source folders copied once per call and laid out as the package
+# (pyproject's package-dir mapping), so an edit of the tree cannot change a running study
+SRC=.
+[ "$DRY" != 1 ] && [ -d .devcarry/code ] && SRC=.devcarry/code
+rm -rf "$BASE/pp" && mkdir -p "$BASE/pp" && cp -r "$SRC/foursight_engine" "$BASE/pp/foursight" && cp -r "$SRC/kernels" "$BASE/pp/foursight/kernels" \
+  && cp -r "$SRC/quant_methods" "$BASE/pp/foursight/quant_methods" && cp -r "$SRC/trainer_bridge" "$BASE/pp/foursight/trainer_bridge" \
+  && cp -r "$SRC/benchmarks" "$BASE/pp/benchmarks" || exit 1
+BENCH=$BASE/pp/benchmarks
 export PYTHONPATH=$BASE/pp:$BASE/site:$STAGE
+echo "code from $SRC"
 
 stage() {
   mkdir -p "$STAGE"
@@ -118,7 +124,7 @@ PY
   fi
   # the filter arms' τ (docs/rl.md "Study v3"): the committed benchmarks/results/rl/filter_tau.json, else fitted
   # here once per machine by the pre-registered rule (rl_filter_tau.py) and kept in $STATE for the next chunk
-  TAU=benchmarks/results/rl/filter_tau.json
+  TAU=$BENCH/results/rl/filter_tau.json
   if [ ! -f "$TAU" ]; then
     TAU=$STATE/filter_tau.json; mkdir -p "$STATE"
     if [ ! -f "$TAU" ]; then
@@ -128,14 +134,13 @@ PY
       else
         FIT=()
       fi
-      $PY benchmarks/rl/rl_filter_tau.py --model "$M" "${FIT[@]}" --out "$TAU" 2>&1 | grep -v "it/s\|Loading" | tail -n 60 \
+      $PY "$BENCH/rl/rl_filter_tau.py" --model "$M" "${FIT[@]}" --out "$TAU" 2>&1 | grep -v "it/s\|Loading" | tail -n 60 \
         | tee "$OUT/filter_tau.log"
       [ -f "$TAU" ] || { echo "rl_filter_tau.py wrote no $TAU: stopping"; exit 5; }
     fi
     cp "$TAU" "$OUT/filter_tau.json"
   fi
-  export RL_FILTER_TAU_FILE=$PWD/$TAU
-  [ "${TAU#/}" != "$TAU" ] && export RL_FILTER_TAU_FILE=$TAU
+  export RL_FILTER_TAU_FILE=$TAU
   # at most 8 files come back from a device call: the logs, their stdout and the manifest are published to
   # $PUB and packed into $OUT/rl_study.tgz every 30 s and at the end (so a killed call still returns them)
   PUB=$BASE/fsrl_pub; mkdir -p "$PUB"
@@ -145,16 +150,16 @@ PY
     # the study on the tiny model (seed 0 only by default): the first call pauses every run at a 1 s deadline,
     # the second resumes them, a third skips them
     S=(--state "$STATE" --out "$PUB" --slots 3 --seeds "${RL_DRY_SEEDS:-0}" ${RL_ARMS:+--arms $RL_ARMS})
-    RL_DRY=1 $PY benchmarks/rl/rl_study.py "${S[@]}" --deadline-s "${RL_DRY_DEADLINE_S:-1}" --latest-start-s 600 2>&1 | tee "$OUT/study_call1.log"
-    RL_DRY=1 $PY benchmarks/rl/rl_study.py "${S[@]}" --deadline-s 600 2>&1 | tee "$OUT/study_call2.log"
-    RL_DRY=1 $PY benchmarks/rl/rl_study.py "${S[@]}" --deadline-s 600 2>&1 | tee "$OUT/study_call3.log"
+    RL_DRY=1 $PY "$BENCH/rl/rl_study.py" "${S[@]}" --deadline-s "${RL_DRY_DEADLINE_S:-1}" --latest-start-s 600 2>&1 | tee "$OUT/study_call1.log"
+    RL_DRY=1 $PY "$BENCH/rl/rl_study.py" "${S[@]}" --deadline-s 600 2>&1 | tee "$OUT/study_call2.log"
+    RL_DRY=1 $PY "$BENCH/rl/rl_study.py" "${S[@]}" --deadline-s 600 2>&1 | tee "$OUT/study_call3.log"
   else
-    $PY benchmarks/rl/rl_study.py --model "$M" --state "$STATE" --out "$PUB" --deadline-s "${RL_DEADLINE_S:-520}" \
+    $PY "$BENCH/rl/rl_study.py" --model "$M" --state "$STATE" --out "$PUB" --deadline-s "${RL_DEADLINE_S:-520}" \
       --objective "${RL_OBJECTIVE:-learner-tis}" ${RL_ARMS:+--arms $RL_ARMS} ${RL_SEEDS:+--seeds $RL_SEEDS} \
       --slots "${RL_SLOTS:-auto}" ${RL_STEPS:+--steps $RL_STEPS} ${RL_ONLY:+--only $RL_ONLY} \
       $([ "${RL_TIMING:-0}" = 1 ] && echo --timing) 2>&1 | tee -a "$OUT/study.log"
   fi
-  $PY benchmarks/rl/rl_summary.py "$PUB" --no-plot $([ "$DRY" = 1 ] && echo "--upto 2") 2>&1 | tail -n 40 || true
+  $PY "$BENCH/rl/rl_summary.py" "$PUB" --no-plot $([ "$DRY" = 1 ] && echo "--upto 2") 2>&1 | tail -n 40 || true
   kill $PACKER 2>/dev/null; pack; ls -la "$OUT"
 }
 

