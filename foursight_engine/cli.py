@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from foursight.cli_config import typer_command
-from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption, fail, guarded
+from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption, fail, guarded, shown
 from foursight.compare.cli import compare_command
 from foursight.models import DEFAULT_MODEL
 from foursight.quantize_config import QuantizeConfig
@@ -47,7 +47,7 @@ def models_prepare(
     if name != DEFAULT_MODEL:
         fail(f"unknown model {name!r}; available: {DEFAULT_MODEL}")
     path = prepare_smollm2(out, force=force)
-    console.print(f"[green]ready:[/] {path}")
+    console.print(f"[green]ready:[/] {shown(path)}")
 
 
 @models_app.command("tiny")
@@ -61,7 +61,7 @@ def models_tiny(
     """Build a tiny random Llama/Qwen2 model with an offline tokenizer (for tests and demos)."""
     from foursight.models import build_tiny_model
 
-    console.print(f"[green]built:[/] {build_tiny_model(out, arch=arch, seed=seed, force=force)}")
+    console.print(f"[green]built:[/] {shown(build_tiny_model(out, arch=arch, seed=seed, force=force))}")
 
 
 def short_name(name: str) -> str:
@@ -109,7 +109,7 @@ def quantize(cfg: QuantizeConfig) -> None:
     res = quantize_model(src, cfg.out, **kwargs)
     print_layer_table(res.layers)
     n_fs = sum(1 for r in res.layers if r.err_foursight < r.err_nvfp4)
-    console.print(f"[green]wrote[/] {res.out_dir}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
+    console.print(f"[green]wrote[/] {shown(res.out_dir)}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
     if carve:
         from foursight.bf16_layers import checkpoint_bf16_share
 
@@ -157,7 +157,7 @@ def calibrate(
     prepare_channels_destination(out, force)  # before the model is resolved or loaded
     src = _bf16_source(model, "calibrate")
     path = calibrate_channels(src, out, channels=channels, calib=calib, ignore=tuple(ignore), force=force)
-    console.print(f"[green]wrote[/] {path}")
+    console.print(f"[green]wrote[/] {shown(path)}")
 
 
 @app.command()
@@ -237,7 +237,7 @@ def export(
 
     if format != "compressed-tensors":
         raise OptionError(f"--format must be 'compressed-tensors', got {format!r}")
-    console.print(f"[green]wrote[/] {export_compressed_tensors(ckpt, out, force=force)}")
+    console.print(f"[green]wrote[/] {shown(export_compressed_tensors(ckpt, out, force=force))}")
 
 
 @app.command("import")
@@ -258,7 +258,7 @@ def import_(
     """
     from foursight.interop import import_compressed_tensors
 
-    console.print(f"[green]wrote[/] {import_compressed_tensors(ckpt, out, channels=channels, calib=calib, force=force)}")
+    console.print(f"[green]wrote[/] {shown(import_compressed_tensors(ckpt, out, channels=channels, calib=calib, force=force))}")
 
 
 def main() -> None:

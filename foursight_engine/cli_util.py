@@ -31,6 +31,16 @@ def fail(msg: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def shown(path: str | Path) -> str:
+    """A path a verb wrote, as it prints it: relative to the working folder when it lies inside it (``wrote
+    out/smollm2-foursight``, also for ``--out out/x/../smollm2-foursight``), else absolute."""
+    p = Path(path).absolute()
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
 def guarded(fn: F) -> F:
     """Run a verb; turn a user error into :func:`fail`."""
 
