@@ -486,12 +486,24 @@ def _fragment_work(
             wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
             acc = mma(wb, tl.trans(xs), acc, INTERP)
 
+    split_k_epilogue(acc, pid, pid_k, offs_m, offs_n, rn, M, N, SPLITS, ws_ptr, cnt_ptr, bias_ptr, out_ptr, stride_om,
+                     SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N, INTERP)
+
+
+@triton.jit
+def split_k_epilogue(acc, pid, pid_k, offs_m, offs_n, rn, M, N, SPLITS, ws_ptr, cnt_ptr, bias_ptr, out_ptr, stride_om,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """The one split-K epilogue of the ``Yᵀ[BN, BM]`` tiles (this kernel and the plain-Triton twin of the
+    Gluon form, :mod:`.gluon_ws_twin`): with ``SPLIT``, split-K without a second launch or a memset: every
+    split stores its fp32 partial, the last to arrive (a per-tile counter) sums all partials in split
+    order (deterministic), adds the bias, writes the output and resets the counter to 0 for the next
+    call; without, bias and store. The Gluon kernel (:mod:`.gluon_ws`) spells the same steps in Gluon's
+    language (a ``@triton.jit`` helper cannot be called from a ``@gluon.jit`` kernel); :mod:`.swap` reduces
+    in a second launch (another scheme)."""
     omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
     if SPLIT:
-        # split-K without a second launch or a memset: every split stores its fp32 partial, the last
-        # to arrive (a per-tile counter) sums all partials in split order (deterministic), adds the
-        # bias, writes the output and resets the counter to 0 for the next call
         offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=omask)
         tl.debug_barrier()

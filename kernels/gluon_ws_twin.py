@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fragment import split_counters, fragment_tile, fragment_of, scale_view
+from .fragment import fragment_of, fragment_tile, scale_view, split_counters, split_k_epilogue
 from .gluon_ws import ws_plan
-from .primitives import bf16_rne, mma, interpreting
+from .primitives import interpreting, mma
 
 
 @triton.jit
@@ -88,29 +88,8 @@ def _ws_twin_kernel(
             wv = tl.load(wb_ptr + rn * stride_wbn + kc).to(tl.float32)
             acc += wv[:, None] * xv[None, :]
 
-    omask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
-    if SPLIT:
-        offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=omask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sp in range(0, SPLITS):
-                tot += tl.load(ws_ptr + sp * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-            if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-                tot = bf16_rne(tot, INTERP)
-            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-        if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-            acc = bf16_rne(acc, INTERP)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    split_k_epilogue(acc, pid, pid_k, offs_m, offs_n, rn, M, N, SPLITS, ws_ptr, cnt_ptr, bias_ptr, out_ptr, stride_om,
+                     SPLIT, HAS_BIAS, BLOCK_M, BLOCK_N, INTERP)
 
 
 def ws_twin_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):

@@ -6,7 +6,7 @@
 * On sm_100/sm_103/sm_120/sm_121 only: the same on the FP4 tensor cores, and the FlashInfer backend
   (where ``flashinfer`` imports) against the reference. These have never run: no Blackwell GPU is lent
   to this project. Passing them is what would let ``auto`` pick a native backend
-  (``foursight.kernels.blackwell.VERIFIED_NATIVE``).
+  (``foursight.kernels.backends.VERIFIED_NATIVE``).
 """
 
 from __future__ import annotations

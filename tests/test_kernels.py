@@ -517,13 +517,15 @@ def test_one_weight_form_resident():
     assert fk.resident_bytes(pw) == before + N * K // 2 + N * K // 16
 
 
-def test_device_v3_dry_run_writes_provenance(tmp_path):
-    """benchmarks/kernels/device_v3.sh (the H200 run of issue 26) on the CPU with DRY_RUN=1: the package is
+def test_device_v4_dry_run_writes_provenance(tmp_path):
+    """benchmarks/kernels/device_v4.sh (the device run of issue 36) on the CPU with DRY_RUN=1: the package is
     laid out as on the bare device (copies under PYTHONPATH, no install), each benchmark parses its
-    arguments and writes its JSON with the provenance the device results must carry."""
+    arguments and writes its JSON with the provenance the device results must carry, and $OUT holds at
+    most 7 files (the device tool returns 8; one is left for a script appended to the same call)."""
     import json
     import subprocess
     import sys
+    import tarfile
     from pathlib import Path
 
     import triton
@@ -531,21 +533,27 @@ def test_device_v3_dry_run_writes_provenance(tmp_path):
     from foursight.kernels import configs
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PY": sys.executable, "STEPS": "grid,breakdown,decode",
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "PY": sys.executable, "STEPS": "probe,grid,breakdown,decode",
            "FOURSIGHT_COMMIT": "0123abc"}
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run(["bash", str(root / "benchmarks/kernels/device_v3.sh")], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    r = subprocess.run(["bash", str(root / "benchmarks/kernels/device_v4.sh")], capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for name in ("grid", "breakdown", "decode"):
-        assert f"{name}: dry run ok" in r.stdout, r.stdout[-2000:]
-    grid = json.loads((tmp_path / "splice_gemm.json").read_text())
-    brk = json.loads((tmp_path / "breakdown.json").read_text())
-    for res in (grid, brk):
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 7 and {"v4_summary.md", "probe_v4.json", "splice_gemm.json", "bench_decode.json"} <= set(files), files
+    probe = json.loads((out / "probe_v4.json").read_text())
+    grid = json.loads((out / "splice_gemm.json").read_text())
+    with tarfile.open(out / "v4_rest.tar.gz") as t:
+        brk = json.load(t.extractfile("./breakdown.json"))
+    for res in (probe, grid, brk):
         p = res["provenance"]
         assert p["commit"] == "0123abc" and len(p["kernels_sha256"]) == 64 and p["triton"] == triton.__version__
         assert p["default_configs"]["DECODE_CONFIGS"] == [str(c) for c in configs.DECODE_CONFIGS]
         assert "/pp." in p["kernels_dir"]  # the copied package, not this checkout's editable install
-    assert grid["args"]["ks"] == "0,128" and "576x1536" in grid["args"]["shapes"]
-    dec = json.loads((tmp_path / "bench_decode.json").read_text())
-    assert dec["env"]["git_commit"] == "0123abc" and len(dec["env"]["kernels_sha256"]) == 16 and "pdl" in dec["env"]
+    assert probe["default_flush"] == "read" and "8192x8192" in probe["args"]["shapes"]
+    assert grid["args"]["ks"] == "0,128" and "4096x14336" in grid["args"]["shapes"]
+    dec = json.loads((out / "bench_decode.json").read_text())
+    assert dec["env"]["git_commit"] == "0123abc" and "foursight-w4a4-k0" in dec["args"]["modes"]
     assert grid["provenance"]["kernels_sha256"][:16] == dec["env"]["kernels_sha256"]
+    summary = (out / "v4_summary.md").read_text()
+    assert "commit 0123abc" in summary and grid["provenance"]["kernels_sha256"] in summary

@@ -174,3 +174,21 @@ def test_candidate_lists(monkeypatch):
     assert "first" in configs.__doc__.lower() or "First-candidate rule" in open(configs.__file__).read()
     with pytest.raises(ValueError, match="num_warps"):
         FragmentConfig(16, 64, num_warps=2)
+
+
+def test_one_backend_registry():
+    """Every backend answers ``is_supported(capability)`` itself; the choices, the experimental list and
+    the old import path (``foursight.kernels.blackwell``) all come from the one registry."""
+    from foursight.kernels import backends, blackwell
+
+    assert backends.CHOICES == ("auto", *backends.REGISTRY) and blackwell.CHOICES is backends.CHOICES
+    assert blackwell.choose_backend is backends.choose_backend
+    assert set(backends.NATIVE) == {n for n, b in backends.REGISTRY.items() if b.experimental} == {"dot_scaled", "flashinfer"}
+    for cap in (None, (8, 0), (9, 0), (10, 0), (12, 1)):
+        ok = {n: b.is_supported(cap) for n, b in backends.REGISTRY.items()}
+        assert ok["reference"] and ok["triton"] == (cap is not None)
+        assert ok["dot_scaled"] == (cap is not None and cap[0] in (10, 12))
+        name, _ = backends.choose_backend(cap, "auto")
+        assert not backends.REGISTRY[name].experimental  # experimental backends run only when asked for
+    gluon = backends.EXPERIMENTAL_FORMS["gluon_ws"][1]
+    assert gluon(None) and gluon((10, 0))  # a reason: not supported off sm_90

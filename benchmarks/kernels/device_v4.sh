@@ -94,11 +94,13 @@ if want ncu; then
     say "ncu: dry run: $(command -v ncu || echo 'ncu not on this machine'); target: $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --configs-from $W/probe_v4.json"
     $PY benchmarks/kernels/probe_v4.py --help >/dev/null && say "ncu: target parses its arguments"
   else
-    run_step ncu 75 ncu --profile-from-start off $NCU_SECTIONS --metrics "$NCU_METRICS" --csv --page raw --log-file "$W/ncu.csv" \
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -z "$NCU" ] && say "ncu: not found on this machine; step skipped"
+    [ -n "$NCU" ] && run_step ncu 75 "$NCU" --profile-from-start off $NCU_SECTIONS --metrics "$NCU_METRICS" --csv --page raw --log-file "$W/ncu.csv" \
       $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --k 128 --configs-from "$W/probe_v4.json"
-    if ! grep -q "stalled" "$W/ncu.csv" 2>/dev/null; then  # the metric list refused: sections only
+    if [ -n "$NCU" ] && ! grep -q "stalled" "$W/ncu.csv" 2>/dev/null; then  # the metric list refused: sections only
       say "ncu: no stall metrics in the output; again with the sections only"
-      run_step ncu_sections 50 ncu --profile-from-start off $NCU_SECTIONS --csv --page raw --log-file "$W/ncu.csv" \
+      run_step ncu_sections 50 "$NCU" --profile-from-start off $NCU_SECTIONS --csv --page raw --log-file "$W/ncu.csv" \
         $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --k 128 --configs-from "$W/probe_v4.json"
     fi
   fi

@@ -56,8 +56,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import git_commit, kernels_sha256  # noqa: E402  (benchmarks/common.py)
 from sass import compile_kernel, instructions, loops, sass_of  # noqa: E402  (benchmarks/kernels/sass.py)
 
-_INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "KW", "SEG_PER_SPLIT")
-_NOT_DIV16 = ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "SEG_PER_SPLIT")
+_INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "KW", "SEG_PER_SPLIT",
+         "TILES", "P0", "P1")
+_NOT_DIV16 = ("M", "N", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "SEG_PER_SPLIT", "TILES")
 
 
 def _kernel(module: str, name: str):
@@ -115,16 +116,19 @@ def hot_path(sass: str) -> int:
 def _fragment_ptrs(scale_bf16: bool) -> dict:
     return {"a_ptr": "*bf16", "x_ptr": "*bf16", "ch_ptr": "*i32", "wf_ptr": "*i32",
             "sf_ptr": "*i16", "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-            "cnt_ptr": "*i32", "xs_ptr": "*bf16", "xq_ptr": "*bf16"}
+            "cnt_ptr": "*i32", "xs_ptr": "*bf16", "xq_ptr": "*bf16", "smask_ptr": "*u8"}
 
 
 _ACT_PTRS = {"x_ptr": "*bf16", "smask_ptr": "*u8", "ch_ptr": "*i32", "packed_ptr": "*u8", "scale_ptr": "*u8",
              "deq_ptr": "*bf16", "xs_ptr": "*bf16"}
 
 
-def _act_case(block_k: int, nw: int, fq: bool):
-    return dict(stride_xk=1, BLOCK_K=block_k, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
-                WRITE_DEQ=True, WRITE_XS=True, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=fq, LAUNCH_DEPS=not fq), nw
+def _act_case(block_k: int, nw: int, fq: bool, cols: int = 1):
+    c = dict(stride_xk=1, BLOCK_K=block_k, ONE_PASS=True, HAS_CH=True, STATIC_GS=False, WRITE_PACKED=False,
+             WRITE_DEQ=True, WRITE_XS=not fq and cols == 1, BLOCK_KS=128, DIV6_RECIP=True, ROWS=1, FQ=fq, LAUNCH_DEPS=False)
+    if cols > 1:
+        c["COLS"] = cols
+    return c, nw
 
 
 def form_case(cfg, scale_bf16: bool):
@@ -136,9 +140,15 @@ def form_case(cfg, scale_bf16: bool):
         consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=scale_bf16, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False, XS_DENSE=True)
         frag = __import__("foursight.kernels.fragment", fromlist=["x"])
-        if hasattr(frag, "PDL_PREFETCH_CHUNKS"):  # the W4A4 default: launched with PDL after the quantizer
+        nw = getattr(cfg, "num_warps", 4)
+        if hasattr(frag, "a_rows_for"):  # v4: the tile as it runs at M = 1 (decode) or at its block_m (mid, prefill)
+            narrow = getattr(cfg, "narrow", False) or getattr(cfg, "quant_in", False)
+            consts.update(BLOCK_KS=32, A_ROWS=1 if narrow and cfg.block_m == 16 else 0,
+                          QUANT_IN=bool(getattr(cfg, "quant_in", False)) and cfg.block_m == 16, DIV6_RECIP=True,
+                          PERSISTENT=bool(getattr(cfg, "persistent", False)))
+        elif hasattr(frag, "PDL_PREFETCH_CHUNKS"):  # v3's W4A4 default: launched with PDL after the quantizer
             consts.update(GDC_WAIT=True, PREFETCH_CHUNKS=frag.PDL_PREFETCH_CHUNKS)
-        return fn, _fragment_ptrs(scale_bf16), consts, 4, cfg.num_stages, getattr(cfg, "max_regs", 0), cfg.block_n * cfg.block_k / 128
+        return fn, _fragment_ptrs(scale_bf16), consts, nw, cfg.num_stages, getattr(cfg, "max_regs", 0), cfg.block_n * cfg.block_k / (32 * nw)
     if form == "GemvConfig":
         fn = _kernel("gemv", "_splice_gemv1_kernel")
         ptrs = {"x_ptr": "*bf16", "a_ptr": "*fp16", "ch_ptr": "*i32", "wq_ptr": "*i32", "ws_ptr": "*u8",
@@ -220,11 +230,13 @@ def act_rows() -> list[dict]:
     rows = []
     # decode (M <= 128: 32 warps at K >= 4096) and prefill (16 warps at K = 8192) launches, the fp16/bf16
     # q*s output (fused GEMMs) and the bf16 fake-quantized one (prefill)
-    for name, (block_k, nw, fq) in {"decode K=8192 (q*s)": (8192, 32, False),
-                                     "prefill K=8192 (fake-quant)": (8192, 16, True)}.items():
-        consts, nw = _act_case(block_k, nw, fq)
+    cases = {"decode K=8192 (q*s)": (8192, 32, False, 1), "prefill K=8192 (fake-quant)": (8192, 16, True, 1)}
+    if "COLS" in inspect.signature(fn.fn).parameters:  # v4: the decode quantizer split over 8 programs per row (q_split)
+        cases["decode K=8192 (q*s), 8 programs per row, dynamic"] = (8192, 4, False, 8)
+    for name, (block_k, nw, fq, cols) in cases.items():
+        consts, nw = _act_case(block_k, nw, fq, cols)
         sass = sass_of(compile_sm90(fn, _ACT_PTRS, consts, nw, 1))
-        per_thread = block_k / (32 * nw)
+        per_thread = block_k / (32 * nw * cols)
         total, hot = len(instructions(sass)), hot_path(sass)
         rows.append({"case": name, "per_element_hot": round(hot / per_thread, 2), "per_element_total": round(total / per_thread, 2),
                      "hot_instructions": hot, "total_instructions": total, "elements_per_thread": per_thread})
