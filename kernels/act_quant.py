@@ -177,12 +177,18 @@ def _act_quant_row(
                     tl.store(deq_ptr + row * K + k0 + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
     tl.store(gs_out_ptr + row, gs)
     if WRITE_XS:
-        offs_c = tl.arange(0, BLOCK_KS)
-        for c0 in range(0, KS, BLOCK_KS):
-            cmask = (c0 + offs_c) < KS
-            ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
-            xv = tl.load(x_row + ch.to(tl.int64) * stride_xk, mask=cmask, other=0.0)
-            tl.store(xs_ptr + row * KS + c0 + offs_c, xv, mask=cmask)
+        _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, BLOCK_KS)
+
+
+@triton.jit
+def _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, BLOCK_KS: tl.constexpr):
+    """``X[row, S]`` gathered by channel index and stored contiguous (the SS form's operand)."""
+    offs_c = tl.arange(0, BLOCK_KS)
+    for c0 in range(0, KS, BLOCK_KS):
+        cmask = (c0 + offs_c) < KS
+        ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
+        xv = tl.load(x_row + ch.to(tl.int64) * stride_xk, mask=cmask, other=0.0)
+        tl.store(xs_ptr + row * KS + c0 + offs_c, xv, mask=cmask)
 
 
 @triton.jit
@@ -230,12 +236,7 @@ def _act_quant_row_part(
     if part == 0:
         tl.store(gs_out_ptr + row, gs)
         if WRITE_XS:
-            offs_c = tl.arange(0, BLOCK_KS)
-            for c0 in range(0, KS, BLOCK_KS):
-                cmask = (c0 + offs_c) < KS
-                ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
-                xv = tl.load(x_row + ch.to(tl.int64) * stride_xk, mask=cmask, other=0.0)
-                tl.store(xs_ptr + row * KS + c0 + offs_c, xv, mask=cmask)
+            _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, BLOCK_KS)
 
 
 @triton.jit

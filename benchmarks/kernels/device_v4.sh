@@ -14,7 +14,7 @@
 #   ncu        Nsight Compute on probe_v4.py --ncu-target: stall reasons, scheduler, occupancy, speed of light of
 #              the W4A4 call (quantizer + GEMM) and cuBLAS at M = 1/16/64, 8192², the probe's tiles
 #   graph      pytest tests/test_kernels_graph_gpu.py (torch.compile + CUDA graphs = eager, bit for bit)
-#   repeat     FOURSIGHT_REPEAT_REPS=50 pytest tests/test_kernels_repeat_gpu.py (every candidate, 50 calls)
+#   repeat     FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1 pytest tests/test_kernels_repeat_gpu.py (every candidate at M 1/16/64/1024, static scale too where quant_in; 50 calls)
 #   grid       benchmarks/kernels/bench_splice_gemm.py: the three 8B shapes, M 1/16/64/256, k 0/128, W4A4/W4A16,
 #              cuBLAS BF16 and FP8 rowwise, rotated weights, one process
 #   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64
@@ -116,7 +116,7 @@ if want repeat; then
   if [ "$DRY_RUN" = "1" ]; then
     $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider --collect-only 2>&1 | tail -1 | sed 's/^/[repeat dry] /' | tee -a "$LOG"
   else
-    export FOURSIGHT_REPEAT_REPS=50; run_step repeat 100 $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider -rf
+    export FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1; run_step repeat 110 $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider -rf
   fi
 fi
 if want grid; then

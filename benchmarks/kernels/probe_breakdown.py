@@ -49,7 +49,8 @@ def _us(fns) -> float:
     return ms_per_call(fns) * 1e3
 
 
-def _with_pdl(on: bool, fn):
+def with_pdl(on: bool, fn):
+    """``fn`` run with ``FOURSIGHT_PDL`` set to 1 (``on``) or 0, the environment restored after."""
     def run():
         old = os.environ.get("FOURSIGHT_PDL")
         os.environ["FOURSIGHT_PDL"] = "1" if on else "0"
@@ -90,7 +91,7 @@ def row_for(N: int, K: int, M: int, k: int, layers: dict) -> dict:
         row["gemm_k0_us"] = _us([lambda p=p: fragment_launch(cfg, deq, gs, x, p, None, out, True) for p in pws0])
         row["segment_us"] = row["gemm_us"] - row["gemm_k0_us"]
     for on in (True, False):
-        row[f"linear_{'pdl' if on else 'nopdl'}_us"] = _us([_with_pdl(on, lambda p=p: fk.splice_linear(x, p, config=cfg)) for p in pws])
+        row[f"linear_{'pdl' if on else 'nopdl'}_us"] = _us([with_pdl(on, lambda p=p: fk.splice_linear(x, p, config=cfg)) for p in pws])
     row["w4a16_us"] = _us([lambda p=p: fk.splice_linear(x, p, act_quant=False) for p in pws])
     row["bytes_fp4_k"] = N * K // 2 + N * K // 16 + N * k * 2
     return row

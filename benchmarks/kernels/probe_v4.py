@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ import triton.language as tl
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import bench_splice_gemm as bsg  # noqa: E402  (benchmarks/kernels/bench_splice_gemm.py)
+from probe_breakdown import with_pdl  # noqa: E402  (benchmarks/kernels/probe_breakdown.py)
 
 import foursight.kernels as fk  # noqa: E402
 import foursight.kernels.api as fk_api  # noqa: E402
@@ -107,20 +107,6 @@ def _rot_us(fns, flush="none") -> float:
     return fk_tuning.time_gpu(one_pass, flush=flush) / len(fns) * 1e3
 
 
-def _pdl(on: bool, fn):
-    def run():
-        old = os.environ.get("FOURSIGHT_PDL")
-        os.environ["FOURSIGHT_PDL"] = "1" if on else "0"
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop("FOURSIGHT_PDL", None)
-            else:
-                os.environ["FOURSIGHT_PDL"] = old
-    return run
-
-
 def row_for(N: int, K: int, M: int, k: int, qw, pws, sink) -> dict:
     row = {"N": N, "K": K, "M": M, "k": k}
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -142,8 +128,8 @@ def row_for(N: int, K: int, M: int, k: int, qw, pws, sink) -> dict:
     row["w4a4_rotate_us"] = _rot_us(lin)
     row["w4a4_rotate_read_us"] = _rot_us(lin, "read")
     if isinstance(cfg, fk.FragmentConfig) and not (cfg.quant_in and M <= 4):
-        row["w4a4_pdl_on_us"] = _rot_us([_pdl(True, f) for f in lin])
-        row["w4a4_pdl_off_us"] = _rot_us([_pdl(False, f) for f in lin])
+        row["w4a4_pdl_on_us"] = _rot_us([with_pdl(True, f) for f in lin])
+        row["w4a4_pdl_off_us"] = _rot_us([with_pdl(False, f) for f in lin])
         row["pdl_errors"] = list(fk_api.PDL_ERRORS)
     gs = torch.tensor([2.0], device="cuda")
     ys = fk.splice_linear(x, pw, input_global_scale=gs)
