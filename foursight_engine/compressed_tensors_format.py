@@ -195,8 +195,6 @@ def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[st
     (vLLM's FourSight loader gives each shard its own). Raises CheckpointError naming the field or
     tensor when the checkpoint is not a compressed-tensors NVFP4 one FourSight can read.
     """
-    from foursight.checkpoint import read_tensors
-
     ct_dir = Path(ct_dir)
     hf_cfg = read_config(ct_dir)
     qc = hf_cfg.get("quantization_config")
@@ -208,7 +206,7 @@ def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[st
         got = qc.get("quant_method") if isinstance(qc, dict) else None
         raise CheckpointError(f"{where}: quantization_config.quant_method is {got!r}, not {CT_METHOD!r}")
     act = nvfp4_activation_dtype(qc, where)
-    tensors = read_tensors(ct_dir)
+    tensors = dict(schema.iter_safetensors(ct_dir))  # every tensor checked finite; the error names it (or the file)
     prefixes = sorted({n[: -len(schema.WEIGHT_PACKED) - 1] for n in tensors if n.endswith("." + schema.WEIGHT_PACKED)})
     if not prefixes:
         raise CheckpointError(f"{ct_dir}: no {schema.WEIGHT_PACKED} tensors (is it compressed, quantization_status 'compressed'?)")
