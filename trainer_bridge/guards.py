@@ -7,7 +7,8 @@
   and a body size limit (413, from ``Content-Length`` or while a chunked body streams in); innermost,
   a write timeout (:class:`WriteTimeoutMiddleware`: a response whose client stops reading is
   dropped after ``write_timeout_s``, so a stalled stream cannot hold weight updates hostage); and a
-  body that cannot be decoded (invalid UTF-8) gets the documented 422 shape, not FastAPI's 400.
+  body that cannot be decoded (invalid UTF-8) gets the route's documented shape naming ``body``
+  (422 on the bridge's routes, 400 in OpenAI's shape on the OpenAI ones), not FastAPI's bare 400.
 * :class:`WeightsRoots`: an update ``path`` must resolve (symlinks and ``..`` followed) to a file or
   folder inside one of the operator's ``--weights-dir`` folders; anything else, existing or not,
   gets the same answer, so a caller learns nothing about the rest of the disk.
@@ -240,11 +241,14 @@ async def _unparsable_body(request, exc):
 
 
 def invalid_request(path: str, fields: list[dict[str, str]]) -> JSONResponse:
-    """The documented 422 of a request the route could not validate, in the route's shape: the
-    bridge's ``{"error": str, "fields"}`` or, on the OpenAI routes, ``{"error": {"message", "type", "fields"}}``."""
-    msg = "invalid request: " + "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    """The documented answer to a request the route could not validate, in the route's shape: the
+    bridge's 422 ``{"error": str, "fields"}`` or, on the OpenAI routes, vLLM's 400
+    ``{"error": {"message", "type", "param", "code", "fields"}}`` (:func:`.routes.openai.bad_request`)."""
     if path in _OPENAI_PATHS:
-        return JSONResponse(status_code=422, content={"error": {"message": msg, "type": "invalid_request_error", "fields": fields}})
+        from foursight.trainer_bridge.routes.openai import bad_request
+
+        return bad_request(fields)
+    msg = "invalid request: " + "; ".join(f"{f['field']}: {f['message']}" for f in fields)
     return JSONResponse(status_code=422, content={"error": msg, "fields": fields})
 
 

@@ -19,6 +19,11 @@ PROTOCOL_VERSION = 1
 INT64_MAX = (1 << 63) - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+#: most top alternatives per token a request may ask for (``logprobs``, ``prompt_logprobs``,
+#: ``top_logprobs``): vLLM's default ``--max-logprobs``
+MAX_LOGPROBS = 20
+#: per token, ``(token id, logprob)`` pairs: the token itself first, then the most likely ones
+TopLogprobs = list[tuple[int, float]]
 
 
 class _Strict(BaseModel):
@@ -78,6 +83,12 @@ class SamplingParams(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=INT64_MAX)
+    #: vLLM's ``logprobs``: also return each sampled token's ``logprobs`` most likely alternatives
+    #: (``Rollout.top_logprobs``); 0 returns the sampled token's logprob only
+    logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    #: vLLM's ``prompt_logprobs``: also return the prompt's logprobs with this many alternatives
+    #: (``Rollout.prompt_logprobs``); None returns none
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("min_tokens")
     @classmethod
@@ -126,6 +137,10 @@ class Rollout(_Strict):
     no top-p/top-k; ``processed_logprobs``: after temperature and truncation). The bridge fields
     (``request_id``, ``prompt_index``, ``sample_index``, ``engine``, ``weight_version``,
     ``timing``) are set by the bridge; a backend called directly leaves them at their defaults.
+    ``top_logprobs`` (asked for with ``SamplingParams.logprobs`` > 0) and ``prompt_logprobs``
+    (``SamplingParams.prompt_logprobs``) hold, per token, ``(token id, logprob)`` pairs in the
+    engine's order: the token itself first, then the most likely ones; ``prompt_logprobs[0]`` is
+    None (the first prompt token has no context).
     """
 
     prompt_ids: list[int]
@@ -142,6 +157,8 @@ class Rollout(_Strict):
     prompt_index: int = 0
     sample_index: int = 0
     timing: Timing | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[TopLogprobs | None] | None = None
 
 
 class SampleEvent(Rollout):

@@ -3,7 +3,10 @@
 An engine backend
 
 * **generates**: one (prompt token ids, sampling params) -> one :class:`~foursight.trainer_bridge.protocol.Rollout`
-  with the log-prob of every sampled token;
+  with the log-prob of every sampled token (and, when ``params.logprobs`` / ``params.prompt_logprobs``
+  ask for them, the top alternatives of each sampled token and the prompt's logprobs);
+* **streams** the same sample as :class:`Delta` pieces while the engine produces them
+  (:meth:`Engine.generate_stream`; an engine that cannot stream gives one piece at the end);
 * **scores**: teacher-forces given completion tokens after a prompt and returns their log-probs;
 * reports its health and what it serves, and applies a versioned BF16 weight update.
 
@@ -20,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 
@@ -33,6 +37,33 @@ class EngineError(RuntimeError):
 class UpdateRefused(EngineError):
     """The engine checked a weight update and refused it before applying any of it: the update is at
     fault, not the engine, and the engine still serves its previous weights (the bridge answers 422)."""
+
+
+@dataclass
+class Delta:
+    """A piece of one sample as the engine streams it: the tokens produced since the last piece,
+    their logprobs (the engine's ``logprobs_mode``), and, when asked for, each token's top
+    alternatives (``top_logprobs[t]``: ``(token id, logprob)`` pairs in the engine's order, the
+    sampled token first, then the ``params.logprobs`` most likely ones) and, in the first piece
+    only, the prompt's logprobs (``prompt_logprobs[0]`` is None, then one such list per prompt
+    token, its own token first). ``finish_reason`` is set on the last piece only."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    finish_reason: str | None = None
+
+
+def rollout_of(prompt_ids: list[int], pieces: list[Delta], params: SamplingParams, logprobs_mode: str) -> Rollout:
+    """The :class:`Rollout` of a sample streamed as ``pieces`` (all of them, the last one finished)."""
+    want_top = params.logprobs > 0
+    top = [x for d in pieces for x in (d.top_logprobs or [])] if want_top else None
+    prompt = next((d.prompt_logprobs for d in pieces if d.prompt_logprobs is not None), None)
+    return Rollout(prompt_ids=list(prompt_ids), token_ids=[t for d in pieces for t in d.token_ids],
+                   logprobs=[v for d in pieces for v in d.logprobs], finish_reason=pieces[-1].finish_reason or "unknown",
+                   logprobs_mode=logprobs_mode, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                   top_logprobs=top, prompt_logprobs=prompt)
 
 
 class LocalTokenizer:
@@ -68,6 +99,14 @@ class Engine(ABC):
     tokenizer: LocalTokenizer | None = None
     #: True when a failed ``update_weights`` leaves the previous weights untouched (checked before applied)
     atomic_updates: bool = False
+    #: the engine returns top alternatives (``params.logprobs`` > 0) and prompt logprobs
+    #: (``params.prompt_logprobs``); the bridge refuses them (400 naming the field) for one that does not
+    returns_top_logprobs: bool = False
+
+    def served_model(self) -> str:
+        """The model name the engine serves, as its clients name it (``model`` of OpenAI requests,
+        ``GET /v1/models``); the engine's ``name`` unless the backend knows better."""
+        return self.name
 
     @property
     def vocab_size(self) -> int | None:
@@ -100,6 +139,16 @@ class Engine(ABC):
         :class:`Rollout`'s bridge fields left at their defaults). ``request`` names the bridge
         request the sample belongs to: an engine that schedules in this process (the HF engine)
         shares its time between requests by it; engine servers schedule themselves and ignore it."""
+
+    async def generate_stream(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
+                              request: str | None = None) -> AsyncIterator[Delta]:
+        """The sample of :meth:`generate` as :class:`Delta` pieces while the engine produces them.
+        This default, for engines that cannot stream, gives the whole sample as one piece when it
+        is finished; the HTTP engines (:mod:`.http`) and the HF engine stream token by token.
+        Cancelling the iteration (closing it) cancels the sample in the engine."""
+        r = await self.generate(prompt_ids, params, max_tokens, seed, request=request)
+        yield Delta(token_ids=list(r.token_ids), logprobs=list(r.logprobs), top_logprobs=r.top_logprobs,
+                    prompt_logprobs=r.prompt_logprobs, finish_reason=r.finish_reason)
 
     async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         """Teacher-forced log-probs (raw: log-softmax of the logits) of ``token_ids`` after ``prompt_ids``."""

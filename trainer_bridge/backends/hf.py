@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from foursight.trainer_bridge import hf_sampling
-from foursight.trainer_bridge.backends.base import Engine, EngineError, LocalTokenizer, UpdateRefused
+from foursight.trainer_bridge.backends.base import Delta, Engine, EngineError, LocalTokenizer, UpdateRefused
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
 
 
@@ -50,8 +50,19 @@ class _HFSample:
         self.next_logits: Any = None
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        #: each token's top alternatives and the prompt's logprobs, when ``params`` asks for them (``Delta``)
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.logprobs else None
+        self.prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
         self.finish_reason: str | None = None
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        #: called by the scheduler thread after each turn (``HFEngine.generate_stream`` wakes its reader)
+        self.on_turn: Any = None
+
+
+def _alternatives(logprobs: torch.Tensor, token: int, k: int) -> list[tuple[int, float]]:
+    """``(id, logprob)`` of ``token`` and the ``k`` most likely tokens after it (once each), as vLLM orders them."""
+    vals, ids = torch.topk(logprobs, k) if k else (logprobs[:0], logprobs[:0].long())
+    return [(token, float(logprobs[token]))] + [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist()) if int(i) != token]
 
 
 def _settle(fut: Any, result: Any = None, exc: BaseException | None = None) -> None:
@@ -76,6 +87,10 @@ def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
         s.gen = hf_sampling.sample_generator(s.seed, dev)
         out = model(input_ids=torch.tensor([s.prompt_ids], device=dev), use_cache=True)
         s.cache, s.next_logits = out.past_key_values, out.logits[:, -1, :]
+        if s.params.prompt_logprobs is not None:  # raw logprobs of each prompt token after the ones before it
+            lp = torch.log_softmax(out.logits[0, :-1].float(), -1)
+            s.prompt_logprobs = [None] + [_alternatives(lp[p - 1], s.prompt_ids[p], s.params.prompt_logprobs)
+                                          for p in range(1, len(s.prompt_ids))]
     for _ in range(n_tokens):
         if s.cancel is not None and s.cancel.is_set():
             return
@@ -83,6 +98,8 @@ def _hf_sample_step(model: Any, s: _HFSample, n_tokens: int) -> None:
         tok = hf_sampling.choose_tokens(raw, s.params, [s.prompt_ids + s.token_ids], len(s.token_ids), s.eos, [s.gen])
         s.token_ids.append(int(tok[0]))
         s.logprobs.append(float(hf_sampling.raw_logprobs(raw, tok)[0]))
+        if s.top_logprobs is not None:
+            s.top_logprobs.append(_alternatives(torch.log_softmax(raw[0].float(), -1), int(tok[0]), s.params.logprobs))
         s.finish_reason = hf_sampling.finish_reason(s.token_ids, s.eos, s.max_tokens, s.params.stop, s.decode)
         if s.finish_reason is not None:
             return
@@ -107,6 +124,7 @@ class HFEngine(Engine):
 
     kind = "hf"
     atomic_updates = True
+    returns_top_logprobs = True
 
     def __init__(self, model_dir: str | Path | None = None, model: Any = None, tokenizer: str | Path | None = None, device: str = "cpu",
                  slice_tokens: int = 4):
@@ -152,6 +170,10 @@ class HFEngine(Engine):
         if self.model is None:
             await asyncio.to_thread(self._load)
 
+    def served_model(self) -> str:
+        """The model folder as given (``--model``), as vLLM names a model it serves; the engine's name for a model object."""
+        return str(self.model_dir) if self.model_dir is not None else self.name
+
     def _eos_ids(self) -> set[int]:
         return set(hf_sampling.eos_ids(self.model, self.tokenizer.tok if self.tokenizer else None))
 
@@ -169,12 +191,13 @@ class HFEngine(Engine):
         return s
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
-                cancel: threading.Event | None, request: str | None = None) -> _HFSample:
+                cancel: threading.Event | None, request: str | None = None, on_turn: Any = None) -> _HFSample:
         eos = self._eos_ids() | set(params.stop_token_ids) if not params.ignore_eos else set(params.stop_token_ids)
         if params.stop and self.tokenizer is None:
             raise EngineError(f"{self.name}: stop strings need a tokenizer (pass --tokenizer or --model)")
         decode = self.tokenizer.tok.decode if self.tokenizer is not None else None
         s = _HFSample(prompt_ids, params, max_tokens, seed, eos, cancel, decode, group=request)
+        s.on_turn = on_turn
         with self._cv:
             self._push(s)
             if self._worker is None or not self._worker.is_alive():
@@ -225,7 +248,8 @@ class HFEngine(Engine):
                     s.cache = s.next_logits = None
                     p = s.params
                     _settle(s.future, result=Rollout(prompt_ids=s.prompt_ids, token_ids=s.token_ids, logprobs=s.logprobs,
-                                                finish_reason=s.finish_reason, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k))
+                                                finish_reason=s.finish_reason, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                                top_logprobs=s.top_logprobs, prompt_logprobs=s.prompt_logprobs))
                 else:
                     with self._cv:  # back in the queue and no longer current in one step: never counted twice
                         self._push(s)
@@ -233,6 +257,8 @@ class HFEngine(Engine):
             finally:
                 with self._cv:
                     self._current = None
+                if s.on_turn is not None:
+                    s.on_turn()
 
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
                       cancel: threading.Event | None = None, request: str | None = None) -> Rollout:
@@ -253,6 +279,45 @@ class HFEngine(Engine):
         except asyncio.CancelledError:
             cancel.set()
             raise
+
+    async def generate_stream(self, prompt_ids, params, max_tokens, seed, request=None):
+        """The sample of :meth:`generate`, a :class:`~.base.Delta` after each scheduler turn that
+        produced tokens (up to ``slice_tokens`` of them); closing the iteration drops the sample
+        at its next token, as a cancelled :meth:`generate` does."""
+        loop = asyncio.get_running_loop()
+        woke = asyncio.Event()
+        cancel = threading.Event()
+
+        def wake() -> None:  # from the scheduler thread
+            try:
+                loop.call_soon_threadsafe(woke.set)
+            except RuntimeError:  # the loop is closed: nobody reads any more
+                cancel.set()
+
+        s = self._submit(prompt_ids, params, max_tokens, seed, cancel, request, on_turn=wake)
+        sent = 0
+        first = True
+        try:
+            while True:
+                await woke.wait()
+                woke.clear()
+                if s.future.done():
+                    r = s.future.result()  # raises the sample's error
+                    yield Delta(token_ids=r.token_ids[sent:], logprobs=r.logprobs[sent:],
+                                top_logprobs=r.top_logprobs[sent:] if r.top_logprobs is not None else None,
+                                prompt_logprobs=r.prompt_logprobs if first else None, finish_reason=r.finish_reason)
+                    return
+                # the scheduler thread appends a token's id, then its logprob, then its alternatives, and may be in
+                # its next turn already: the first n complete tokens are stable
+                n = min(len(s.token_ids), len(s.logprobs), len(s.top_logprobs) if s.top_logprobs is not None else len(s.logprobs))
+                if n > sent:
+                    yield Delta(token_ids=s.token_ids[sent:n], logprobs=s.logprobs[sent:n],
+                                top_logprobs=s.top_logprobs[sent:n] if s.top_logprobs is not None else None,
+                                prompt_logprobs=s.prompt_logprobs if first else None)
+                    sent, first = n, False
+        finally:
+            if not s.future.done():
+                cancel.set()
 
     def score_sync(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         from foursight.trainer_bridge.scoring import teacher_forced_logprobs

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from foursight.trainer_bridge.backends.base import EngineError, UpdateRefused
+from foursight.trainer_bridge.backends.base import Engine, EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
 
@@ -20,9 +20,15 @@ class SGLangHTTPEngine(HTTPEngine):
     version is read back from ``GET /get_model_info`` (:meth:`served_state`). Generation parsing is
     exercised against a recorded-format stand-in in the bridge tests, updates and the served version
     against a real SGLang CPU server in tests/sglang (docs/bridge.md).
+
+    Not streamed yet: :meth:`generate_stream` is the :class:`~.base.Engine` default (the whole
+    sample as one piece when it is finished), and top or prompt logprobs are not asked for (the
+    bridge refuses them for this engine); docs/openai.md.
     """
 
     kind = "sglang"
+    returns_top_logprobs = False
+    generate_stream = Engine.generate_stream
 
     def __init__(self, url: str, tokenizer: str | Path | None = None, api_key: str | None = None,
                  logprobs_mode: str = "processed_logprobs", max_connections: int = 512):

@@ -1,38 +1,53 @@
 """OpenAI-compatible routes of the rollout bridge: ``POST /v1/completions`` and
-``POST /v1/chat/completions`` (``stream`` too), for agent loops and trainers written against vLLM's
-OpenAI server (docs/bridge.md lists the accepted fields).
+``POST /v1/chat/completions`` (``stream`` too) and ``GET /v1/models``, for agent loops and trainers
+written against vLLM's OpenAI server (docs/openai.md: what matches vLLM 0.32, what differs, and the
+test that shows it).
 
 Each request is translated into a :class:`~foursight.trainer_bridge.protocol.RolloutRequest` and
 goes through the bridge's one admission and sampling path, the one ``/v1/rollouts`` uses: the
-served model's field checks (a bad field is a 422 naming it in the OpenAI spelling), refusal when
-no engine serves the current weights (503), the weight version held for the whole request (a
-weight update waits for it), the least-loaded engine under the concurrency limit, the per-sample
-timeout. Every choice carries, next to the OpenAI fields, the bridge's one rollout record
-(``choice["rollout"]``: :class:`~foursight.trainer_bridge.protocol.Rollout` with token ids,
-per-token logprobs in the engine's ``logprobs_mode``, engine and weight version). The response's
-``weight_version`` is that version too. Sampling fields are vLLM's: top-level ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop``,
-``stop_token_ids``, ``n``, ``seed``, ``min_tokens``, ``ignore_eos``, and vLLM's token-id extensions
-``return_token_ids`` / ``return_tokens_as_token_ids``; unknown fields are refused (422 naming the
-field), so that nothing is silently ignored. ``GET /v1/models`` lists the served model, and the
-bridge answers vLLM's ``GET /health`` too, so TRL's ``VLLMClient`` generates through the bridge.
+served model's field checks, refusal when no engine serves the current weights (503), the weight
+version held for the whole request (a weight update waits for it), the least-loaded engine under
+the concurrency limit, the per-sample timeout. Every choice carries, next to the OpenAI fields, the
+bridge's one rollout record (``choice["rollout"]``: :class:`~foursight.trainer_bridge.protocol.Rollout`
+with token ids, per-token logprobs in the engine's ``logprobs_mode``, engine and weight version);
+the response's ``weight_version`` is that version too.
+
+As vLLM's server answers:
+
+* ``stream: true`` sends a chunk as the engine produces tokens (the engines stream through
+  ``Engine.generate_stream``), text held back only while it may still become a stop string or an
+  incomplete character;
+* ``logprobs`` (completions) / ``top_logprobs`` (chat) up to :data:`~foursight.trainer_bridge.protocol.MAX_LOGPROBS`
+  alternatives, ``echo``, token strings decoded as vLLM decodes them (:func:`token_strings`);
+* a field the request cannot take is ``400`` in OpenAI's error shape (``{"error": {"message",
+  "type", "param", "code"}}``, plus ``fields`` naming every bad field); a ``model`` other than the
+  served one is ``404``; ``GET /v1/models`` lists the served model's name;
+* a client that leaves (streamed or not) cancels its samples in the engine at once.
+
+Unknown fields are refused (400 naming the field) where vLLM ignores them, so that nothing is
+silently dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, ClassVar, Literal
+from typing import Any, AsyncIterator, ClassVar
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from foursight.trainer_bridge.backends.base import Delta
 from foursight.trainer_bridge.guards import field_name
-from foursight.trainer_bridge.protocol import ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
-from foursight.trainer_bridge.routes.rollouts import admit, events
+from foursight.trainer_bridge.protocol import MAX_LOGPROBS, ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
+from foursight.trainer_bridge.routes.rollouts import RolloutStreamResponse, admit, events
 from foursight.trainer_bridge.routes.state import BridgeState, State
+
+#: vLLM clamps -inf logprobs to this in its answers (JSON has no infinity)
+MIN_LOGPROB = -9999.0
 
 
 class StreamOptions(BaseModel):
@@ -41,6 +56,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
@@ -83,25 +99,37 @@ class _Sampling(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def alternatives(self) -> int:
+        """How many top alternatives per token the answer shows (the engine's ``logprobs``)."""
+        return 0
+
+    def echoes(self) -> bool:
+        return False
+
     def sampling(self) -> SamplingParams:
+        k = self.alternatives()
         return SamplingParams(max_tokens=self.budget(), min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop=self.stops(),
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed)
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed, logprobs=k,
+                              prompt_logprobs=k if self.echoes() and self.wants_logprobs() else None)
+
+    def wants_logprobs(self) -> bool:
+        raise NotImplementedError
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of token-id lists.
 
-    ``logprobs``: null or 0 (the sampled token's logprob in ``choices[i].logprobs.token_logprobs``,
-    and, as vLLM does for 0, ``top_logprobs`` holding that token alone; alternatives are not
-    returned). ``echo`` is not supported."""
+    ``logprobs`` k (0 to :data:`MAX_LOGPROBS`): each token's logprob in ``token_logprobs`` and, in
+    ``top_logprobs``, the token itself and the k most likely ones, as vLLM returns them. ``echo``
+    puts the prompt before the completion (and, with ``logprobs``, the prompt's logprobs)."""
 
     prompt_field: ClassVar[str] = "prompt"
     kind: ClassVar[str] = "completion"
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=0)
-    echo: Literal[False] = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
     @model_validator(mode="after")
     def _nonempty(self) -> "CompletionRequest":
@@ -117,12 +145,25 @@ class CompletionRequest(_Sampling):
             return [Prompt(token_ids=list(p))]
         return [Prompt(text=x) if isinstance(x, str) else Prompt(token_ids=list(x)) for x in p]
 
+    def prompt_texts(self) -> list[str | None]:
+        """Each prompt's text as given (None for token ids: the echo decodes them)."""
+        return [x.text for x in self.prompts()]
+
+    def alternatives(self) -> int:
+        return self.logprobs or 0
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def echoes(self) -> bool:
+        return self.echo
+
 
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: one conversation (``messages``; the bridge applies the chat template).
 
-    ``logprobs: true`` returns the sampled tokens' logprobs in ``choices[i].logprobs.content``;
-    ``top_logprobs`` may only be 0."""
+    ``logprobs: true`` returns the sampled tokens' logprobs in ``choices[i].logprobs.content``,
+    with ``top_logprobs`` (0 to :data:`MAX_LOGPROBS`) alternatives each."""
 
     prompt_field: ClassVar[str] = "messages"
     kind: ClassVar[str] = "chat"
@@ -130,7 +171,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
     @field_validator("max_completion_tokens")
@@ -141,15 +182,33 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"max_tokens ({other}) and max_completion_tokens ({v}) differ")
         return v
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        return v
+
     def prompts(self) -> list[Prompt]:
         return [Prompt(messages=self.messages, add_generation_prompt=self.add_generation_prompt)]
 
     def budget(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
 
+    def alternatives(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+
+# ---- errors: OpenAI's shape, vLLM's status codes -------------------------------------------------
+
 
 def _openai_field(name: str, kind: str) -> str:
     """A bridge field name (``sampling.seed``, ``prompts[1].token_ids[3]``) as the OpenAI request spells it."""
+    if name in ("sampling.logprobs", "sampling.prompt_logprobs"):
+        return "top_logprobs" if kind == "chat" else "logprobs"
     if name.startswith("sampling."):
         return name[len("sampling."):]
     if name.startswith("prompts"):
@@ -157,10 +216,15 @@ def _openai_field(name: str, kind: str) -> str:
     return name
 
 
-def _error(status: int, fields: list[dict[str, str]], **extra) -> JSONResponse:
+def openai_error(status: int, message: str, type_: str, param: str | None = None, **extra) -> JSONResponse:
+    """An error answer in OpenAI's (and vLLM's) shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param, "code": status, **extra}})
+
+
+def bad_request(fields: list[dict[str, str]]) -> JSONResponse:
+    """``400`` naming every bad field (``param`` is the first, as vLLM names one; ``fields`` lists them all)."""
     msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
-    return JSONResponse(status_code=status, content={"error": {"message": f"invalid request: {msg}", "type": "invalid_request_error",
-                                                               "fields": fields}, **extra})
+    return openai_error(400, f"invalid request: {msg}", "BadRequestError", fields[0]["field"] if fields else None, fields=fields)
 
 
 def _invalid(exc: ValidationError | ValueError, field: str = "<body>", kind: str | None = None) -> JSONResponse:
@@ -170,17 +234,18 @@ def _invalid(exc: ValidationError | ValueError, field: str = "<body>", kind: str
         fields = [{"field": field, "message": str(exc)}]
     if kind is not None:
         fields = [{**f, "field": _openai_field(f["field"], kind)} for f in fields]
-    return _error(422, fields)
+    return bad_request(fields)
 
 
 def _from_bridge_error(resp: JSONResponse, kind: str) -> JSONResponse:
-    """An error answer of the bridge's admission (422 naming fields, 503 when no engine serves the
-    current weights) in the OpenAI error shape, field names translated."""
+    """An error answer of the bridge's admission (422 naming fields: 400 here, as vLLM answers; 503
+    when no engine serves the current weights) in the OpenAI error shape, field names translated."""
     body = json.loads(bytes(resp.body))
     if "fields" in body:
-        return _error(resp.status_code, [{**f, "field": _openai_field(f["field"], kind)} for f in body["fields"]])
+        return bad_request([{**f, "field": _openai_field(f["field"], kind)} for f in body["fields"]])
     extra = {k: v for k, v in body.items() if k != "error"}
-    return JSONResponse(status_code=resp.status_code, content={"error": {"message": body["error"], "type": "engine_unavailable"}, **extra})
+    return JSONResponse(status_code=resp.status_code, content={"error": {"message": body["error"], "type": "engine_unavailable", "param": None,
+                                                                         "code": resp.status_code}, **extra})
 
 
 router = APIRouter()
@@ -193,11 +258,18 @@ def _tokenizer(state: BridgeState):
     return tok
 
 
+def served_model(state: BridgeState) -> str:
+    """The model name the bridge serves: its (first) engine's (``Engine.served_model``)."""
+    return state.engines[0].served_model()
+
+
 async def _admit(state: BridgeState, req: _Sampling):
     """The request as a :class:`RolloutRequest` through the bridge's one admission path
     (:func:`.rollouts.admit`): the same field checks and stale-engine refusal as ``/v1/rollouts``.
     Returns ``(rreq, request id, prompt ids, usable engines)`` or the error response."""
     kind = req.kind
+    if req.model is not None and req.model != served_model(state):
+        return openai_error(404, f"The model `{req.model}` does not exist. The bridge serves `{served_model(state)}`.", "NotFoundError", "model")
     try:
         rreq = RolloutRequest(prompts=req.prompts(), n=req.n, sampling=req.sampling())
     except ValidationError as e:
@@ -210,12 +282,262 @@ async def _admit(state: BridgeState, req: _Sampling):
     return rreq, rid, prompt_ids, usable
 
 
-async def _sample(state: BridgeState, req: _Sampling) -> tuple[int, list[list[Rollout]]] | JSONResponse:
+# ---- token strings and logprobs, as vLLM writes them ---------------------------------------------
+
+
+def _space_marker(hf_tok) -> str | None:
+    """The Metaspace replacement character of a SentencePiece-style tokenizer (whose ``decode``
+    strips a token's leading space), None for byte-level ones; as vLLM's ``get_leading_space_marker``."""
+    cached = getattr(hf_tok, "_foursight_space_marker", "?")
+    if cached != "?":
+        return cached
+    marker = None
+    backend = getattr(hf_tok, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+        except Exception:  # noqa: BLE001 - no marker then
+            pre = {}
+        subs = [pre] if pre.get("type") == "Metaspace" else pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+        marker = next((x.get("replacement", "\u2581") for x in subs if x.get("type") == "Metaspace"), None)
+    try:
+        hf_tok._foursight_space_marker = marker
+    except AttributeError:
+        pass
+    return marker
+
+
+def token_strings(hf_tok, ids: list[int]) -> list[str]:
+    """Each token's own text, as vLLM names tokens in logprobs (``convert_ids_list_to_tokens``:
+    ``decode([id])``, with the leading spaces a SentencePiece ``decode`` strips put back)."""
+    if not ids:
+        return []
+    marker = _space_marker(hf_tok)
+    plain = [hf_tok.decode([t]) or "" for t in ids]
+    if marker is None:
+        return plain
+    out = []
+    for raw, text in zip(hf_tok.convert_ids_to_tokens(ids), plain):
+        n = len(raw) - len(raw.lstrip(marker)) if raw else 0
+        missing = n - (len(text) - len(text.lstrip(" ")))
+        out.append(" " * missing + text if missing > 0 else text)
+    return out
+
+
+def _completed(hf_tok, tid: int, context: list[int]) -> str:
+    """The text of a token whose own decoding ends in U+FFFD (a byte of a character split across
+    tokens), from the sampled tokens before it, as vLLM's logprobs processor corrects it
+    (``_correct_decoded_token``): "" while the character is incomplete."""
+    for n in range(1, min(len(context), 4) + 1):
+        ctx = context[-n:]
+        full = hf_tok.decode(ctx + [tid])
+        if full.endswith("\ufffd"):
+            continue
+        clean = len(ctx)
+        for j in range(len(ctx) - 1, -1, -1):
+            if hf_tok.decode([ctx[j]]).endswith("\ufffd"):
+                clean = j
+            else:
+                break
+        prefix = hf_tok.decode(ctx[:clean]) if clean > 0 else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for x, y in zip(prefix, full):
+            if x != y:
+                break
+            common += 1
+        return full[common:]
+    return ""
+
+
+class _Names:
+    """Token id -> the string an answer names it by: as vLLM names tokens in logprobs
+    (:func:`token_strings`, a split character's bytes completed from the ``context`` of sampled
+    tokens before the position, :func:`_completed`), or ``"token_id:<id>"`` with
+    ``return_tokens_as_token_ids``. Plain names are cached per request."""
+
+    def __init__(self, hf_tok, as_ids: bool):
+        self.tok, self.as_ids, self.cache = hf_tok, as_ids, {}
+
+    def __call__(self, ids: list[int], context: list[int] | None = None) -> list[str]:
+        if self.as_ids:
+            return [f"token_id:{t}" for t in ids]
+        todo = [t for t in dict.fromkeys(ids) if t not in self.cache]
+        self.cache.update(zip(todo, token_strings(self.tok, todo)))
+        out = [self.cache[t] for t in ids]
+        if context is not None:
+            out = [_completed(self.tok, t, context) if x.endswith("\ufffd") else x for t, x in zip(ids, out)]
+        return out
+
+
+def _clamp(v: float) -> float:
+    return max(float(v), MIN_LOGPROB)
+
+
+def completion_logprobs(names: _Names, ids: list[int], vals: list[float | None], tops: list[list[tuple[int, float]] | None] | None,
+                        k: int, offset: int, contexts: list[list[int] | None]) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` object for ``ids`` (vLLM's ``_create_completion_logprobs``):
+    ``top_logprobs[t]`` maps the first k + 1 alternatives (the token itself, then the most likely)
+    to their logprobs; ``text_offset`` counts from ``offset``; ``contexts[t]``: the sampled tokens
+    before position t (None where the position has no logprob: the token is decoded alone)."""
+    toks: list[str] = []
+    out_top: list[dict[str, float] | None] = []
+    for t, v in enumerate(vals):
+        if v is None:
+            toks.append(names.tok.decode(ids[t]) if not names.as_ids else names([ids[t]])[0])
+            out_top.append(None)
+            continue
+        toks.append(names([ids[t]], contexts[t])[0])
+        alts = (tops[t] if tops is not None and tops[t] is not None else [(ids[t], v)])[: k + 1]
+        d: dict[str, float] = {}
+        for s_, (_, lp) in zip(names([a for a, _ in alts], contexts[t]), alts):
+            d[s_] = _clamp(lp)
+        out_top.append(d)
+    offs = []
+    for x in toks:
+        offs.append(offset)
+        offset += len(x)
+    return {"text_offset": offs, "token_logprobs": [None if v is None else _clamp(v) for v in vals], "tokens": toks, "top_logprobs": out_top}
+
+
+def chat_logprobs(names: _Names, ids: list[int], vals: list[float], tops: list[list[tuple[int, float]]] | None, k: int,
+                  contexts: list[list[int] | None]) -> dict[str, Any]:
+    """A chat choice's ``logprobs.content`` for ``ids`` (vLLM's ``_create_chat_logprobs``): each
+    token with its first k alternatives (the token itself, then the most likely)."""
+    content = []
+    for t, (tok_id, v) in enumerate(zip(ids, vals)):
+        name = names([tok_id], contexts[t])[0]
+        alts = (tops[t] if tops is not None else [])[:k]
+        content.append({"token": name, "logprob": _clamp(v), "bytes": list(name.encode("utf-8", errors="replace")),
+                        "top_logprobs": [{"token": s_, "logprob": _clamp(lp), "bytes": list(s_.encode("utf-8", errors="replace"))}
+                                         for s_, (_, lp) in zip(names([a for a, _ in alts], contexts[t]), alts)]})
+    return {"content": content}
+
+
+# ---- one choice, whole or streamed ----------------------------------------------------------------
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return text[:cut] if cut >= 0 else text
+
+
+class _Choice:
+    """One sample as a choice of the answer: its text (special tokens skipped, cut before a stop
+    string that ended it), logprobs in the route's shape, and, streamed, the part not yet sent."""
+
+    def __init__(self, req: _Sampling, tok, names: _Names, index: int, prompt_ids: list[int], prompt_text: str | None):
+        self.req, self.tok, self.names, self.index = req, tok, names, index
+        self.prompt_ids = prompt_ids
+        self.ids: list[int] = []
+        self.sent_text = ""  # completion text sent so far (streamed)
+        self.sent_tokens = 0  # tokens whose logprobs were sent so far
+        self.offset = 0  # text_offset of the next logprob token
+        self.started = False
+        echo = req.echoes() and req.kind == "completion"
+        self.echo_text = ("" if req.return_token_ids else prompt_text if prompt_text is not None else tok.decode(prompt_ids)) if echo else None
+
+    def text(self, ids: list[int], final: bool, finish_reason: str | None) -> str:
+        """The completion's text so far: ``ids`` decoded as a whole (a character split across tokens
+        comes out whole), cut before the stop string that ended it; while streaming, the end that
+        may still become a stop string or complete a character is held back."""
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        stops = self.req.stops()
+        if final:  # a character still incomplete at the end is left out, as vLLM's detokenizer leaves it
+            text = text.rstrip("\ufffd")
+            return _cut_at_stop(text, stops) if finish_reason == "stop" and stops else text
+        hold = max((len(s) for s in stops), default=1) - 1  # may still become a stop string
+        if text.endswith("\ufffd"):  # an incomplete character: wait for its next bytes
+            hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
+        return text[: len(text) - hold] if hold else text
+
+    def _logprobs(self, ids, vals, tops, prompt_logprobs, echo: bool, start: int):
+        """The route's logprobs of the generated tokens ``ids`` (the sample's from index ``start``),
+        with the prompt's before them when ``echo``."""
+        req = self.req
+        if not req.wants_logprobs():
+            return None
+        k = req.alternatives()
+        gen = self.ids
+        contexts: list[list[int] | None] = [gen[max(0, start + i - 4): start + i] for i in range(len(ids))]
+        if req.kind == "chat":
+            return chat_logprobs(self.names, ids, vals, tops, k, contexts)
+        if echo:
+            pl = prompt_logprobs or [None] * len(self.prompt_ids)
+            p_vals = [None] + [next((lp for a, lp in (e or []) if a == t), None) for t, e in zip(self.prompt_ids[1:], pl[1:])]
+            p_ctx = [None] + [self.prompt_ids[max(1, p - 4):p] for p in range(1, len(self.prompt_ids))]
+            tops = list(pl) + (list(tops) if tops is not None else [None] * len(ids))
+            tops[0] = None
+            ids, vals, contexts = list(self.prompt_ids) + list(ids), p_vals + list(vals), p_ctx + contexts
+        out = completion_logprobs(self.names, ids, vals, tops, k, self.offset, contexts)
+        if out["tokens"]:
+            self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+    def _extra(self, r: Rollout | None, first: bool) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.req.return_token_ids:
+            if first:
+                extra["prompt_token_ids"] = list(self.prompt_ids)
+        if r is not None:
+            extra["rollout"] = r.model_dump(exclude_none=True)
+        return extra
+
+    def whole(self, r: Rollout) -> dict[str, Any]:
+        """The choice of a non-streamed answer."""
+        text = self.text(r.token_ids, True, r.finish_reason)
+        self.ids = list(r.token_ids)
+        lp = self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, r.prompt_logprobs, echo=self.echo_text is not None, start=0)
+        out: dict[str, Any] = {"index": self.index, "finish_reason": r.finish_reason, "stop_reason": None}
+        if self.req.kind == "chat":
+            out.update(message={"role": "assistant", "content": text}, logprobs=lp)
+        else:
+            out.update(text=(self.echo_text or "") + text, logprobs=lp)
+        if self.req.return_token_ids:
+            out.update(prompt_token_ids=list(self.prompt_ids), token_ids=list(r.token_ids))
+        out["rollout"] = r.model_dump(exclude_none=True)
+        return out
+
+    def piece(self, d: Delta, r: Rollout | None) -> dict[str, Any] | None:
+        """The stream chunk's choice for a piece ``d`` of this sample (``r``: the whole sample, with
+        its last piece), or None when there is nothing to send yet."""
+        first = not self.started
+        self.started = True
+        start = len(self.ids)
+        self.ids.extend(d.token_ids)
+        final = r is not None
+        text = self.text(self.ids, final, r.finish_reason if final else None)
+        new_text = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
+        if new_text:
+            self.sent_text = text
+        echo = first and self.echo_text is not None
+        lp = self._logprobs(list(d.token_ids), list(d.logprobs), d.top_logprobs, d.prompt_logprobs, echo=echo, start=start)
+        if not (new_text or d.token_ids or final or echo):
+            return None
+        out: dict[str, Any] = {"index": self.index}
+        if self.req.kind == "chat":
+            out["delta"] = {"content": new_text} if new_text or not final else {}
+        else:
+            out["text"] = (self.echo_text if echo else "") + new_text
+        out["logprobs"] = lp
+        out["finish_reason"] = r.finish_reason if final else None
+        out["stop_reason"] = None
+        if self.req.return_token_ids:
+            out["token_ids"] = list(d.token_ids)
+        out.update(self._extra(r, first))
+        return out
+
+    def rest(self, r: Rollout) -> Delta:
+        """The part of the finished sample ``r`` not yet streamed, as its last piece."""
+        n = len(self.ids)
+        return Delta(token_ids=r.token_ids[n:], logprobs=r.logprobs[n:], top_logprobs=r.top_logprobs[n:] if r.top_logprobs is not None else None,
+                     prompt_logprobs=None if self.started else r.prompt_logprobs, finish_reason=r.finish_reason)
+
+
+async def _sample(state: BridgeState, req: _Sampling, tok, got) -> dict[str, Any] | JSONResponse:
     """All samples of an admitted request through the bridge's one sampling path
-    (:func:`.rollouts.events`: version hold, timeouts, cancellation), grouped per prompt."""
-    got = await _admit(state, req)
-    if isinstance(got, JSONResponse):
-        return got
+    (:func:`.rollouts.events`: version hold, timeouts, cancellation), as one answer."""
     rreq, rid, prompt_ids, usable = got
     out: dict[tuple[int, int], Rollout] = {}
     version = None
@@ -224,96 +546,104 @@ async def _sample(state: BridgeState, req: _Sampling) -> tuple[int, list[list[Ro
         async for ev in gen:
             version = ev.weight_version
             if ev.type == "error":  # one failed sample fails the request; the others are cancelled
-                return JSONResponse(status_code=502, content={"error": {"message": f"engine {ev.engine}: {ev.error}", "type": "engine_error"},
-                                                              "weight_version": version})
+                return JSONResponse(status_code=502, content={"error": {"message": f"engine {ev.engine}: {ev.error}", "type": "engine_error",
+                                                                        "param": None, "code": 502}, "weight_version": version})
             if ev.type == "sample":
                 out[(ev.prompt_index, ev.sample_index)] = Rollout.model_validate(ev.model_dump(exclude={"type"}))
     finally:
         await gen.aclose()
-    grouped = [[out[(pi, j)] for j in range(req.n)] for pi in range(len(prompt_ids))]
-    return version, grouped
+    names = _Names(tok.tok, req.return_tokens_as_token_ids)
+    texts = req.prompt_texts() if isinstance(req, CompletionRequest) else [None]
+    choices = []
+    for pi, ids in enumerate(prompt_ids):
+        for j in range(req.n):
+            choices.append(_Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi]).whole(out[(pi, j)]))
+    p = sum(len(ids) for ids in prompt_ids)
+    c = sum(len(r.token_ids) for r in out.values())
+    return {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion", "created": int(time.time()),
+            "model": served_model(state), "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+            "weight_version": version}
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 async def _stream(state: BridgeState, req: _Sampling, tok, got) -> AsyncIterator[bytes]:
-    """OpenAI server-sent events: one chunk per sample as soon as it finishes (the engines return
-    whole samples, so a chunk holds the sample's full text, logprobs and finish reason), then the
-    usage chunk if asked, then ``data: [DONE]``. An engine failure ends the stream with an error
-    chunk, as vLLM's server does."""
+    """OpenAI server-sent events as vLLM sends them: a chunk for each piece an engine streams
+    (chat: first a ``role`` chunk per choice), the last one of a sample with its ``finish_reason``
+    and the bridge's rollout record, then the usage chunk if asked, then ``data: [DONE]``. An
+    engine failure ends the stream with an error chunk, as vLLM's server does."""
     rreq, rid, prompt_ids, usable = got
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     created = int(time.time())
-    model = req.model or state.engines[0].name
+    model = served_model(state)
+    names = _Names(tok.tok, req.return_tokens_as_token_ids)
+    texts = req.prompt_texts() if isinstance(req, CompletionRequest) else [None]
+    choices = {(pi, j): _Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi]) for pi, ids in enumerate(prompt_ids) for j in range(req.n)}
     n_prompt = sum(len(p) for p in prompt_ids)
     n_done = 0
-    version = None
-    gen = events(state, rreq, rid, prompt_ids, usable)
+    version = state.gate.version
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        return _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "weight_version": version})
+
+    gen = events(state, rreq, rid, prompt_ids, usable, pieces=True)
     try:
         async for ev in gen:
             version = ev.weight_version
             if ev.type == "error":
-                err = {"error": {"message": f"engine {ev.engine}: {ev.error}", "type": "engine_error"}, "weight_version": version}
-                yield f"data: {json.dumps(err)}\n\n".encode()
+                yield _sse({"error": {"message": f"engine {ev.engine}: {ev.error}", "type": "engine_error", "param": None, "code": 502},
+                            "weight_version": version})
                 break
-            if ev.type != "sample":
+            if ev.type == "end":
                 continue
-            r = Rollout.model_validate(ev.model_dump(exclude={"type"}))
-            n_done += len(r.token_ids)
-            choice = _choice_entry(tok, req, r, r.prompt_index * req.n + r.sample_index, stream=True)
-            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "weight_version": version}
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            ch = choices[(ev.prompt_index, ev.sample_index)]
+            if req.kind == "chat" and not ch.started:
+                yield chunk({"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            if ev.type == "piece":
+                c = ch.piece(ev.delta, None)
+            else:  # the sample is finished: what is left of it, with the whole sample's record
+                r = Rollout.model_validate(ev.model_dump(exclude={"type"}))
+                n_done += len(r.token_ids)
+                c = ch.piece(ch.rest(r), r)
+            if c is not None:
+                yield chunk(c)
         else:
             if req.stream_options is not None and req.stream_options.include_usage:
-                usage = {"prompt_tokens": n_prompt, "completion_tokens": n_done,
-                         "total_tokens": n_prompt + n_done}
-                yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage, 'weight_version': version})}\n\n".encode()
+                usage = {"prompt_tokens": n_prompt, "completion_tokens": n_done, "total_tokens": n_prompt + n_done}
+                yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage, "weight_version": version})
             yield b"data: [DONE]\n\n"
     finally:
         await gen.aclose()
 
 
-def _completion_logprobs(req: _Sampling, toks: list[str], r: Rollout):
-    if req.logprobs is None:
-        return None
-    offs = [sum(len(x) for x in toks[:i]) for i in range(len(toks))]
-    return {"tokens": toks, "token_logprobs": r.logprobs, "top_logprobs": [{x: v} for x, v in zip(toks, r.logprobs)], "text_offset": offs}
+async def _unless_disconnected(request: Request, work) -> Any:
+    """Run ``work`` (a non-streamed answer) while listening for the client's disconnect: when it
+    leaves first, ``work`` is cancelled, and with it the request's samples in the engine (the
+    engine clients close their connections; the HF engine drops them), so nothing keeps running
+    for an answer nobody reads, and a weight update is not held up by it."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            request.app.state.bridge.metrics.errors.labels(kind="client_disconnect").inc()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
 
 
-def _chat_logprobs(req: _Sampling, toks: list[str], r: Rollout):
-    if not req.logprobs:
-        return None
-    return {"content": [{"token": x, "logprob": v, "bytes": list(x.encode()), "top_logprobs": []} for x, v in zip(toks, r.logprobs)]}
-
-
-def _choice(tok, req: _Sampling, r: Rollout) -> tuple[str, list[str], dict[str, Any]]:
-    """One sample's completion text (special tokens skipped, cut before a stop string that
-    ended it), each token's text (``"token_id:<id>"`` with vLLM's ``return_tokens_as_token_ids``)
-    and the choice fields both routes share (``finish_reason``, vLLM's ``return_token_ids``
-    fields, the FourSight ``rollout``)."""
-    text = tok.tok.decode(r.token_ids, skip_special_tokens=True)
-    stops = req.stops()
-    if r.finish_reason == "stop" and stops:
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut >= 0:
-            text = text[:cut]
-    toks = [f"token_id:{t}" if req.return_tokens_as_token_ids else tok.tok.decode([t]) for t in r.token_ids]
-    extra: dict[str, Any] = {"finish_reason": r.finish_reason}
-    if req.return_token_ids:
-        extra.update(prompt_token_ids=list(r.prompt_ids), token_ids=list(r.token_ids))
-    extra["rollout"] = r.model_dump()
-    return text, toks, extra
-
-
-def _choice_entry(tok, req: _Sampling, r: Rollout, index: int, stream: bool = False) -> dict[str, Any]:
-    """One entry of ``choices``: ``text`` (completions) or the assistant ``message`` (chat; ``delta``
-    in a stream chunk), with its logprobs in the route's shape and the shared fields of :func:`_choice`."""
-    text, toks, extra = _choice(tok, req, r)
-    if req.kind == "chat":
-        return {"index": index, "delta" if stream else "message": {"role": "assistant", "content": text},
-                "logprobs": _chat_logprobs(req, toks, r), **extra}
-    return {"index": index, "text": text, "logprobs": _completion_logprobs(req, toks, r), **extra}
-
-
-async def _answer(state: BridgeState, body: dict[str, Any], model: type[_Sampling]):
+async def _answer(request: Request, state: BridgeState, body: dict[str, Any], model: type[_Sampling]):
     """Both routes: validate ``body`` as ``model``; a streaming request is admitted now (errors as
     JSON, before the stream starts), then streamed; otherwise every sample, then one response."""
     try:
@@ -323,38 +653,31 @@ async def _answer(state: BridgeState, body: dict[str, Any], model: type[_Samplin
         return _invalid(e)
     except ValueError as e:
         return _invalid(e, model.prompt_field)
-    if req.stream:
-        got = await _admit(state, req)
-        if isinstance(got, JSONResponse):
-            return got
-        return StreamingResponse(_stream(state, req, tok, got), media_type="text/event-stream", headers={"X-Request-Id": got[1]})
-    got = await _sample(state, req)
+    got = await _admit(state, req)
     if isinstance(got, JSONResponse):
         return got
-    version, groups = got
-    choices = [_choice_entry(tok, req, r, i) for i, r in enumerate(r for g in groups for r in g)]
-    p = sum(len(g[0].prompt_ids) for g in groups)
-    c = sum(len(r.token_ids) for g in groups for r in g)
-    return {"id": groups[0][0].request_id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": req.model or state.engines[0].name,
-            "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
-            "weight_version": version}
+    if req.stream:
+        return RolloutStreamResponse(_stream(state, req, tok, got), media_type="text/event-stream", headers={"X-Request-Id": got[1]})
+    return await _unless_disconnected(request, _sample(state, req, tok, got))
 
 
 @router.get("/v1/models")
 async def models(state: State):
     """The served model, as vLLM's OpenAI server lists it (clients such as TRL's ``VLLMClient``
-    read the id here and send it back as ``model``)."""
-    name = state.engines[0].name
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "foursight",
-                                        "root": name, "parent": None}]}
+    read the id here and send it back as ``model``), with its context length."""
+    name = served_model(state)
+    entry = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "foursight", "root": name, "parent": None}
+    ctx = await state.engines[0].context_length()
+    if ctx:
+        entry["max_model_len"] = ctx
+    return {"object": "list", "data": [entry]}
 
 
 @router.post("/v1/completions")
-async def completions(body: dict[str, Any], state: State):
-    return await _answer(state, body, CompletionRequest)
+async def completions(request: Request, body: dict[str, Any], state: State):
+    return await _answer(request, state, body, CompletionRequest)
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: dict[str, Any], state: State):
-    return await _answer(state, body, ChatCompletionRequest)
+async def chat_completions(request: Request, body: dict[str, Any], state: State):
+    return await _answer(request, state, body, ChatCompletionRequest)

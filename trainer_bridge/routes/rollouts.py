@@ -15,13 +15,14 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from foursight.trainer_bridge.backends.base import Engine
+from foursight.trainer_bridge.backends.base import Delta, Engine, rollout_of
 from foursight.trainer_bridge.guards import engine_field_errors, unprocessable
 from foursight.trainer_bridge.liveness import STALE, EngineStale
 from foursight.trainer_bridge.protocol import EndEvent, ErrorEvent, RolloutRequest, SampleEvent, Timing
@@ -33,6 +34,20 @@ log = logging.getLogger("foursight.bridge")
 MAX_SAMPLES_PER_REQUEST = 100_000
 
 router = APIRouter()
+
+
+@dataclass
+class PieceEvent:
+    """A piece of a sample still running (:func:`events` with ``pieces=True``; the OpenAI routes
+    stream it): the tokens the engine produced since the last piece. Not a wire event of
+    ``/v1/rollouts``, which sends whole samples."""
+
+    prompt_index: int
+    sample_index: int
+    delta: Delta
+    engine: str
+    weight_version: int
+    type: str = "piece"
 
 
 class RolloutStreamResponse(StreamingResponse):
@@ -62,7 +77,8 @@ class RolloutStreamResponse(StreamingResponse):
 
 
 def _encode(ev, fmt: str) -> bytes:
-    data = ev.model_dump_json()
+    # top and prompt logprobs appear only when asked for
+    data = ev.model_dump_json(exclude={k for k in ("top_logprobs", "prompt_logprobs") if getattr(ev, k, None) is None})
     if fmt == "sse":
         return f"event: {ev.type}\ndata: {data}\n\n".encode()
     return (data + "\n").encode()
@@ -82,6 +98,10 @@ async def admit(state: BridgeState, req: RolloutRequest) -> tuple[list[list[int]
         return _refuse_field("n", f"len(prompts) * n = {total} exceeds {MAX_SAMPLES_PER_REQUEST}", "too many samples")
     vocab = state.engines[0].vocab_size
     errs = engine_field_errors(req, None, vocab, state.max_tokens_cap, state.max_request_tokens)
+    no_top = [e.name for e in state.engines if not e.returns_top_logprobs]
+    for field, asked in (("sampling.logprobs", req.sampling.logprobs > 0), ("sampling.prompt_logprobs", req.sampling.prompt_logprobs is not None)):
+        if asked and no_top:
+            errs.append({"field": field, "message": f"engine {', '.join(no_top)} does not return top logprobs or prompt logprobs"})
     if errs:
         state.metrics.errors.labels(kind="bad_request").inc()
         return unprocessable(errs)
@@ -131,10 +151,15 @@ async def _stream(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids:
 
 
 async def events(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: list[list[int]],
-                 usable: list[Engine]) -> AsyncIterator[SampleEvent | ErrorEvent | EndEvent]:
+                 usable: list[Engine], pieces: bool = False) -> AsyncIterator[SampleEvent | ErrorEvent | EndEvent | PieceEvent]:
     """The samples of one admitted request as events, each as soon as it finishes, then the end
     event: the one sampling path of the bridge (version held, backpressure, timeouts, engine
-    failures as error events, cancellation when the consumer leaves)."""
+    failures as error events, cancellation when the consumer leaves).
+
+    With ``pieces`` the samples are streamed from the engines (``Engine.generate_stream``) and
+    every piece but a sample's last comes as a :class:`PieceEvent` while the sample runs; the
+    sample event follows as before. Samples that ask for top or prompt logprobs are streamed
+    too (the engines return those on their streaming road)."""
     m = state.metrics
     t_accept = time.monotonic()
     sp = req.sampling
@@ -162,7 +187,20 @@ async def events(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: 
 
                     async def call(engine=engine):
                         await state.liveness.ensure(engine)  # an engine that failed a call is re-checked first
-                        return await engine.generate(prompt_ids[pi], sp, max_tokens, seed, request=rid)
+                        if not (pieces or sp.logprobs or sp.prompt_logprobs is not None):
+                            return await engine.generate(prompt_ids[pi], sp, max_tokens, seed, request=rid)
+                        got: list[Delta] = []
+                        stream = engine.generate_stream(prompt_ids[pi], sp, max_tokens, seed, request=rid)
+                        try:
+                            async for d in stream:
+                                got.append(d)
+                                if pieces and d.finish_reason is None:
+                                    queue.put_nowait(PieceEvent(pi, j, d, engine.name, version))
+                        finally:
+                            await stream.aclose()  # a cancelled sample closes its engine stream: the engine aborts it
+                        if not got:
+                            raise RuntimeError("the engine's stream ended without a piece")
+                        return rollout_of(prompt_ids[pi], got, sp, engine.logprobs_mode)
 
                     try:
                         res = await asyncio.wait_for(call(), timeout)
@@ -174,6 +212,8 @@ async def events(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: 
                             engine=engine.name, weight_version=version, logprobs_mode=engine.logprobs_mode,
                             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                             timing=Timing(queued_s=t0 - t_accept, engine_s=t1 - t0, total_s=t1 - t_accept),
+                            top_logprobs=res.top_logprobs if sp.logprobs else None,
+                            prompt_logprobs=res.prompt_logprobs if sp.prompt_logprobs is not None else None,
                         )
                     except (asyncio.TimeoutError, TimeoutError):
                         ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
@@ -208,8 +248,13 @@ async def events(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: 
         n_ok = n_err = 0
         finished = False
         try:
-            for _ in range(total):
+            done = 0
+            while done < total:
                 ev = await queue.get()
+                if ev.type == "piece":
+                    yield ev
+                    continue
+                done += 1
                 m.queue_depth.dec()
                 window.release()
                 if ev.type == "sample":
