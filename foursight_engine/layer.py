@@ -20,6 +20,7 @@ import torch
 
 from foursight.nvfp4 import (
     NVFP4Error,
+    block_amax,
     check_finite,
     check_k,
     dequantize_nvfp4,
@@ -140,7 +141,7 @@ def quantize_weight(
     w0 = weight.float() if weight.dtype != torch.float32 else weight.clone()
     if idx.numel():
         w0.index_fill_(1, idx, 0.0)
-    gs = global_scale_from_amax(w0.abs().amax()).reshape(1) if global_scale is None else global_scale.float().reshape(1)
+    gs = global_scale_from_amax(block_amax(w0.reshape(-1))).reshape(1) if global_scale is None else global_scale.float().reshape(1)
     packed, scale = quantize_nvfp4(w0, gs.to(weight.device), name)
     return QuantizedWeight(
         weight_packed=packed,

@@ -73,9 +73,10 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from foursight.dispatch import PreparedLinear, prepare_linear
-from foursight.layer import QuantizedWeight, check_channels, quantize_weight
+from foursight.layer import QuantizedWeight, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
 from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings, weight_based_channels
+from foursight.quant_methods.requantize import quantize_shard
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_index, shard_names
 from foursight.schema import (
     BF16_CHANNELS,
@@ -372,7 +373,7 @@ class LayerPlan:
         channels = params[BF16_CHANNELS].data[idx].to(weight.device)
         # a fresh load casts a checkpoint's tensors to the engine's dtype before anything else; a float32
         # learner (TRL colocate hands its parameters over as they are) must be rounded the same way
-        qw = quantize_weight(weight.to(params[WEIGHT_BF16].dtype), channels, name=shard)
+        qw = quantize_shard(weight.to(params[WEIGHT_BF16].dtype), channels, name=shard)
         for key, t in encode_module(shard, qw).items():
             p = params[key.rpartition(".")[2]]
             if shard_id is None:
@@ -452,6 +453,11 @@ class LayerPlan:
             parts.append(decode_module(name, t, rows, self.input_size, self.k, local_in_features=kl))
             off += rows
         qw = concat_shards(parts, self.prefix)
+        if len(parts) > 1:
+            # the shards are consecutive row ranges of the layer's parameters: the execution state
+            # reads the parameters themselves rather than a concatenated copy of them (one copy of
+            # the checkpoint tensors in the engine, issue 36 item 6)
+            qw = QuantizedWeight(packed, scale, qw.weight_global_scale, qw.bf16_channels, wbf)
         channels = qw.bf16_channels.clone()
         if self.k_split:
             local, keep = localize_channels(qw.bf16_channels, self.k_start, kl)
@@ -504,13 +510,15 @@ class LayerPlan:
         off = 0
         for name, rows in zip(self.shard_names, self.shard_sizes):
             ws = w[off : off + rows]
-            a = ws.abs()  # in the weight's dtype (exact), S columns zeroed in place
-            if local.numel():
-                a.index_fill_(1, local.long(), 0)
-            amax = tp.reduce_max(a.amax().float().reshape(1).contiguous())  # shared per-tensor scale across ranks
-            gs = global_scale_from_amax(amax).reshape(1)
-            try:  # quantize_weight checks every value finite (no separate pass here)
-                parts.append(quantize_weight(ws, local, global_scale=gs, name=f"{name}.weight"))
+            gs = None  # at TP = 1 the quantizer takes the amax of the weight with S zeroed itself (same value)
+            if tp.size > 1:
+                a = ws.abs()  # in the weight's dtype (exact), S columns zeroed in place
+                if local.numel():
+                    a.index_fill_(1, local.long(), 0)
+                amax = tp.reduce_max(a.amax().float().reshape(1).contiguous())  # shared per-tensor scale across ranks
+                gs = global_scale_from_amax(amax).reshape(1)
+            try:  # on the CPU the quantizer checks every value finite (no separate pass here)
+                parts.append(quantize_shard(ws, local, global_scale=gs, name=f"{name}.weight"))
             except NVFP4Error as e:
                 raise CheckpointError(f"tensor {name}.weight: {e}") from None
             off += rows

@@ -146,3 +146,82 @@ def test_per_row_global_scale_is_row_local():
     p_all, s_all = n.quantize_nvfp4(x, gs)
     p_one, s_one = n.quantize_nvfp4(x[2:3], gs[2:3])
     assert torch.equal(p_all[2:3], p_one) and torch.equal(s_all[2:3].float(), s_one.float())
+
+
+# ---- the vectorized encoder (issue 37 item 1) against the encoder it replaced ----
+
+_OLD_BOUNDS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+_OLD_TIE_UP = [False, True, False, True, False, True, False]
+
+
+def _old_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """The encoder before issue 37 (float compare-adds, one temporary per boundary), kept as the oracle."""
+    xf = x.float()
+    mag = xf.abs()
+    idx = (mag > _OLD_BOUNDS[0]).to(torch.uint8)
+    for b, up in zip(_OLD_BOUNDS[1:], _OLD_TIE_UP[1:]):
+        idx += (mag >= b) if up else (mag > b)
+    return idx | (torch.signbit(xf).to(torch.uint8) << 3)
+
+
+def _old_pack(c: torch.Tensor) -> torch.Tensor:
+    c = c.to(torch.uint8)
+    return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def _old_scales(amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    s = gs.float() * (amax / n.FP4_MAX)
+    s = torch.clamp(s, min=-n.FP8_E4M3_MAX, max=n.FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    s = torch.where(s == 0, torch.full_like(s, n.ZERO_SCALE_REPLACEMENT), s)
+    return s.to(torch.float8_e4m3fn)
+
+
+def _old_quantize(x: torch.Tensor, gs: torch.Tensor):
+    r, k = x.shape
+    amax = x.float().abs().reshape(r, k // 16, 16).amax(-1)
+    scale = _old_scales(amax, gs.float())
+    eff = (scale.float() / gs.float()).repeat_interleave(16, dim=1)
+    return _old_pack(_old_e2m1_codes(torch.clamp(x.float() / eff, -6.0, 6.0))), scale
+
+
+def _edge_values() -> torch.Tensor:
+    """Every boundary and tie, the floats right beside them, the grid points, zeros of both signs,
+    float32 subnormals, the saturation edge and beyond, and infinities: both signs."""
+    b = torch.tensor(_OLD_BOUNDS + [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    up, down = torch.nextafter(b, torch.tensor(100.0)), torch.nextafter(b, torch.tensor(0.0))
+    extra = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 1e-30, 6.0001, 7.0, 1e6, 3.4e38, float("inf")])
+    v = torch.cat([b, up, down, extra])
+    return torch.cat([v, -v])
+
+
+def test_encoder_and_packer_equal_the_old_ones_on_every_edge_value():
+    v = _edge_values()
+    assert torch.equal(n.e2m1_codes(v), _old_e2m1_codes(v))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * 3
+    x.view(-1)[: v.numel()] = v
+    codes = n.e2m1_codes(x)
+    assert torch.equal(codes, _old_e2m1_codes(x))
+    assert torch.equal(n.pack_fp4(codes), _old_pack(codes))
+    assert torch.equal(n.pack_fp4(codes[:, 1:-1]), _old_pack(codes[:, 1:-1]))  # a strided view takes the old form
+    assert torch.equal(n.e2m1_codes(x.to(torch.bfloat16)), _old_e2m1_codes(x.to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_quantizer_equals_the_old_one_bit_for_bit(dtype):
+    """Random weights over 9 decades, blocks of zeros, of -0, of E4M3-subnormal scales, blocks
+    whose scale saturates (a global scale too large for them), exact ties after scaling, and
+    per-row global scales."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 512, generator=g) * torch.logspace(-6, 3, 512)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, :16] = 1e-7  # block scale a subnormal E4M3 value, or zero -> 0.125
+    x[3, :64] = torch.tensor(_OLD_BOUNDS * 9 + [6.0])[:64]  # ties under a global scale of 448*6/6
+    x = x.to(dtype)
+    amax = x.float().abs().amax()
+    for gs in (n.global_scale_from_amax(amax).reshape(1), torch.tensor([448.0]), torch.tensor([1e-3]),
+               n.global_scale_from_amax(x.float().abs().amax(1, keepdim=True))):
+        p, s = n.quantize_nvfp4(x, gs)
+        po, so = _old_quantize(x, gs)
+        assert torch.equal(p, po) and torch.equal(s.view(torch.uint8), so.view(torch.uint8)), f"gs {gs.flatten()[:2]}"

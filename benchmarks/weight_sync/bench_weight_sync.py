@@ -1,24 +1,34 @@
-"""Weight-sync time of a FourSight vLLM engine against a BF16 one, same model, in process.
+"""Weight-sync time of a FourSight vLLM engine against a BF16 one, same model, in process, on the CPU.
 
-What a colocated trainer pays per RL step to push its BF16 weights into the rollout engine:
-every tensor of the model (HF names), in memory, through
+What a colocated trainer pays per RL step to push its BF16 weights into the rollout engine: every
+tensor of the model (HF names), in memory, through the trainers' own loops:
 
-* ``apply_weight_update(model, named_tensors)`` (:mod:`foursight.quant_methods.vllm_weight_sync`,
-  the documented colocated path; the BF16 engine needs it too on vLLM's CPU build, whose
-  pre-packed linear weights a plain ``load_weights`` cannot write), and
-* TRL colocate's own loop, ``model.load_weights([(name, tensor)])`` once per tensor with no
-  post-load step (FourSight engines only: see above).
+* ``trl``: TRL colocate, ``model.load_weights([(name, tensor)])`` once per tensor, no post-load step;
+* ``verl``: verl, ``model.load_weights(bucket)`` per bucket (``--buckets``, cutting through fused
+  layers), then vLLM's ``process_weights_after_loading`` once;
+* ``apply_weight_update``: the documented in-memory route (:mod:`foursight.quant_methods.vllm_weight_sync`).
 
-Each engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``),
-one at a time; each sync is timed inside the worker (``llm.apply_model``) after one warm-up,
-as wall time and as this process's CPU time (less sensitive to other load on a shared machine;
-both are written). A rollout of a fixed small batch is timed too, to give the share of a step.
+The BF16 engine is measured the way it really syncs on vLLM's CPU build. Its linear layers'
+weights are pre-packed for oneDNN after loading (the parameter is emptied), so a plain
+``load_weights`` cannot write them; vLLM's own weight-transfer engines wrap the load in its
+layerwise reload (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``, which re-packs),
+and that is what the ``trl`` and ``verl`` rows of the BF16 engine do. The row
+``load_weights_only`` is the plain per-tensor copy without the reload (what a GPU engine does; on the
+CPU build it leaves the packed layers stale): the floor of any sync.
 
-    python benchmarks/weight_sync/bench_weight_sync.py --out benchmarks/results/weight_sync_cpu.json
+Every FourSight sync ends with every layer re-quantized (the TRL loop re-quantizes a layer when its
+last shard arrives; the verl loop in the post-load step): the time includes the quantization.
+
+Each engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``), one
+at a time; each sync is timed inside the worker (``llm.apply_model``) after one warm-up, ``--repeats``
+times; the file keeps every run and the median, as wall time and as this process's CPU time. Run it
+alone, holding the engine lock, and read ``host.loadavg_*`` (other jobs on a shared machine inflate
+wall time):
+
+    flock /tmp/fs-engine.lock python benchmarks/weight_sync/bench_weight_sync.py --out benchmarks/results/weight_sync_cpu.json
 
 Defaults: the packaged SmolLM2-135M-Instruct, FourSight checkpoint with 32 channels made by
-``foursight quantize`` (cached), online mode with that checkpoint's channels file. CPU figures
-only: the GPU sync is not measured here.
+``foursight quantize`` (cached), online mode with that checkpoint's channels file. CPU figures only.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -41,11 +52,21 @@ def _git_commit() -> str:
     try:
         root = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "quant_methods", "foursight_engine", "benchmarks/weight_sync/bench_weight_sync.py"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "quant_methods", "foursight_engine", "benchmarks/weight_sync"],
                                cwd=root, capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except Exception:
         return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _timed_in_worker(llm, fn) -> dict:
@@ -61,29 +82,55 @@ def _timed_in_worker(llm, fn) -> dict:
     return out
 
 
-def measure(model_path: str, quantization: str | None, weights: list, routes: list[str], repeats: int, prompts: list) -> dict:
-    from vllm import LLM, SamplingParams, TokensPrompt
+def _routes(llm, weights: list, buckets: int, bf16: bool) -> dict:
+    """route name -> fn(model), the trainers' loops (module docstring)."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from foursight.quant_methods.vllm_weight_sync import apply_weight_update
+
+    model_config = llm.llm_engine.vllm_config.model_config
+    step = -(-len(weights) // buckets)
+
+    def trl(model):
+        for item in weights:
+            model.load_weights([item])
+
+    def verl(model):
+        import torch
+
+        for i in range(0, len(weights), step):
+            model.load_weights(iter(weights[i : i + step]))
+        process_weights_after_loading(model, model_config, torch.device("cpu"))
+
+    if not bf16:
+        return {"trl": trl, "verl": verl, "apply_weight_update": lambda m: apply_weight_update(m, weights)}
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    def reloading(loop):
+        def fn(model):
+            initialize_layerwise_reload(model)
+            for i in range(0, len(weights), loop):
+                model.load_weights(iter(weights[i : i + loop]))
+            finalize_layerwise_reload(model, model_config)
+
+        return fn
+
+    return {"trl": reloading(1), "verl": reloading(step), "load_weights_only": trl,
+            "apply_weight_update": lambda m: apply_weight_update(m, weights)}
+
+
+def measure(model_path: str, quantization: str | None, weights: list, repeats: int, buckets: int) -> dict:
+    from vllm import LLM
 
     llm = LLM(model=model_path, quantization=quantization, enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
     out: dict = {}
     try:
-        def per_tensor(model):
-            for name, t in weights:
-                model.load_weights([(name, t)])
-
-        fns = {"apply_weight_update": lambda m: apply_weight_update(m, weights), "trl_per_tensor_load_weights": per_tensor}
-        for route in routes:
-            _timed_in_worker(llm, fns[route])  # warm-up
-            runs = [_timed_in_worker(llm, fns[route]) for _ in range(repeats)]
-            out[route] = {"runs": runs, "best_wall_s": min(r["wall_s"] for r in runs), "best_cpu_s": min(r["cpu_s"] for r in runs)}
-        sp = SamplingParams(max_tokens=32, temperature=1.0, seed=0, ignore_eos=True)
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        llm.generate(batch, sp, use_tqdm=False)  # warm-up
-        w0, c0 = time.perf_counter(), time.process_time()
-        llm.generate(batch, sp, use_tqdm=False)
-        out["rollout"] = {"prompts": len(prompts), "max_tokens": 32, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}
+        for route, fn in _routes(llm, weights, buckets, bf16=quantization is None).items():
+            _timed_in_worker(llm, fn)  # warm-up
+            runs = [_timed_in_worker(llm, fn) for _ in range(repeats)]
+            out[route] = {"runs": runs, "median_wall_s": statistics.median(r["wall_s"] for r in runs),
+                          "median_cpu_s": statistics.median(r["cpu_s"] for r in runs), "loadavg_after": list(os.getloadavg())}
+            print(f"{model_path} {quantization} {route}: median {out[route]['median_wall_s']:.3f} s wall", flush=True)
     finally:
         del llm
         import gc
@@ -96,15 +143,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="BF16 HF folder (default: the packaged SmolLM2-135M-Instruct)")
     ap.add_argument("--ckpt", default=None, help="FourSight checkpoint of that model (default: quantize with --channels 32, cached)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--buckets", type=int, default=4, help="verl's buckets per sync")
     ap.add_argument("--out", default="benchmarks/results/weight_sync_cpu.json")
     args = ap.parse_args()
 
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
-    from foursight.models import builtin_texts, cache_dir, prepare_smollm2
+    from foursight.models import cache_dir, prepare_smollm2
 
     model = Path(args.model) if args.model else prepare_smollm2()
     ckpt = Path(args.ckpt) if args.ckpt else cache_dir() / "bench" / "smollm2-fs32"
@@ -117,29 +164,31 @@ def main() -> None:
     for n, t in load_file(str(model / "model.safetensors")).items():  # a learner step: every tensor moved
         f = t.float()
         weights.append((n, (f + 0.01 * f.std() * torch.randn(t.shape, generator=g)).to(t.dtype).contiguous()))
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok(t)["input_ids"][:48] for t in builtin_texts()[:8]]
 
     commit = _git_commit()  # the code measured: read before the run, not after
-    results = {"bf16": measure(str(model), None, weights, ["apply_weight_update"], args.repeats, prompts)}
-    results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, ["apply_weight_update", "trl_per_tensor_load_weights"], args.repeats, prompts)
+    load_start = list(os.getloadavg())
+    results = {"bf16": measure(str(model), None, weights, args.repeats, args.buckets)}
+    results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, args.repeats, args.buckets)
     os.environ["FOURSIGHT_CHANNELS_FILE"] = str(ckpt / "foursight_channels.json")
-    results["foursight_online"] = measure(str(model), "foursight", weights, ["apply_weight_update", "trl_per_tensor_load_weights"], args.repeats, prompts)
+    results["foursight_online"] = measure(str(model), "foursight", weights, args.repeats, args.buckets)
 
-    base = results["bf16"]["apply_weight_update"]
     ratios = {}
     for eng in ("foursight_checkpoint", "foursight_online"):
         for route, r in results[eng].items():
-            if route == "rollout":
-                continue
-            ratios[f"{eng}/{route}"] = {"wall_vs_bf16": r["best_wall_s"] / base["best_wall_s"], "cpu_vs_bf16": r["best_cpu_s"] / base["best_cpu_s"],
-                                        "share_of_sync_plus_rollout": r["best_wall_s"] / (r["best_wall_s"] + results[eng]["rollout"]["wall_s"])}
+            base = results["bf16"][route]
+            ratios[f"{eng}/{route}"] = {"wall_vs_bf16": r["median_wall_s"] / base["median_wall_s"],
+                                        "cpu_vs_bf16": r["median_cpu_s"] / base["median_cpu_s"],
+                                        "wall_vs_bf16_copy_only": r["median_wall_s"] / results["bf16"]["load_weights_only"]["median_wall_s"]}
     doc = {
-        "what": "full in-memory weight sync (every tensor, HF names) into an in-process vLLM CPU engine; best of repeats after a warm-up",
+        "what": "full in-memory weight sync (every tensor, HF names) into an in-process vLLM CPU engine, through TRL's per-tensor "
+                "loop, verl's bucketed loop and apply_weight_update; median of repeats after a warm-up; FourSight rows include "
+                "the re-quantization of every layer; the BF16 trl/verl rows run inside vLLM's layerwise reload (module docstring)",
         "commit": commit,
         "model": str(model.name), "tensors": len(weights), "params": sum(t.numel() for _, t in weights),
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                 "loadavg_at_end": list(os.getloadavg()), "python": sys.version.split()[0]},
+        "repeats": args.repeats, "buckets": args.buckets,
+        "host": {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                 "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "python": sys.version.split()[0],
+                 "note": "a CPU machine shared with other jobs: loadavg says how loaded it was"},
         "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
         "results": results, "ratios": ratios,
     }

@@ -56,7 +56,16 @@ def _bad_tensor_cases(b: dict[str, torch.Tensor]):
         ("wrong shape", (f"{DOWN1}.weight", torch.zeros(down.shape[0], down.shape[1] + 1, dtype=down.dtype)),
          (f"{DOWN1}.weight", "shape")),
         ("wrong norm shape", ("model.norm.weight", torch.ones(norm.shape[0] + 1, dtype=norm.dtype)), ("model.norm.weight", "shape")),
+        ("Inf embedding row", ("model.embed_tokens.weight", _with(b["model.embed_tokens.weight"], (5,), float("inf"))),
+         ("model.embed_tokens.weight", "non-finite")),
+        ("NaN q_proj", (Q0, _with(b[Q0], (2, 3), float("nan"))), (Q0, "non-finite")),
     ]
+
+
+def _with(t: torch.Tensor, index, value) -> torch.Tensor:
+    out = t.clone()
+    out[index] = value
+    return out
 
 
 @pytest.mark.timeout(900)

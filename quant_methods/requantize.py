@@ -1,0 +1,65 @@
+"""Quantizing a learner's BF16 shard into a FourSight layer during a weight sync, on the device it lives on.
+
+An RL weight sync re-quantizes every FourSight linear of the engine (``plan.LayerPlan``: online
+mode from the layer's BF16 ``weight``, checkpoint mode from the BF16 shard the trainer hands over).
+:func:`quantize_shard` is that one step:
+
+* on CUDA (with Triton), the fused Triton quantizer of :mod:`foursight.kernels.act_quant` with the
+  layer's per-tensor global scale given as its static scale: one kernel reads the weight once and
+  writes the packed codes, the E4M3 block scales and ``W[:, S]``; the global scale is computed on the
+  device. Nothing waits for the host (no ``.item()``, no ``bool(tensor)``): the channel set is the
+  layer's own, validated when it was loaded, and the tensors were checked finite before the load
+  (``update_check.guard_load_weights`` and the update routes), so the kernel's input is not
+  re-checked here. It is bit-identical to :func:`foursight.layer.quantize_weight` run on the same
+  device (the kernel's contract with :func:`foursight.layer.quantize_activation`, whose static-scale
+  form is the weight quantizer; tests/test_requantize.py checks it in the Triton interpreter and,
+  marked ``gpu``, on the device);
+* elsewhere, :func:`foursight.layer.quantize_weight` (the vectorized PyTorch encoder of
+  :mod:`foursight.nvfp4`), which also checks every value finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from foursight.layer import QuantizedWeight, channel_mask, quantize_weight
+from foursight.nvfp4 import NVFP4Error, check_k, global_scale_from_amax
+
+
+def uses_device_kernel(weight: torch.Tensor) -> bool:
+    """Whether :func:`quantize_shard` takes the Triton path for ``weight`` (a CUDA tensor, Triton importable)."""
+    if not weight.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def quantize_shard(weight: torch.Tensor, channels: torch.Tensor, global_scale: torch.Tensor | None = None,
+                   name: str = "weight", device_kernel: bool | None = None) -> QuantizedWeight:
+    """The FourSight form of one BF16 shard ``weight`` [N, K] with the channel set ``channels`` (int [k],
+    sorted, the layer's own) and a per-tensor ``global_scale`` (float32 [1]; None: ``448*6/amax`` of the
+    weight with the S columns zeroed). ``device_kernel``: force (True) or forbid (False) the Triton path;
+    None chooses it for CUDA tensors (module docstring). Returns a :class:`QuantizedWeight` on
+    ``weight``'s device."""
+    if not (uses_device_kernel(weight) if device_kernel is None else device_kernel):
+        return quantize_weight(weight, channels, global_scale=global_scale, name=name)
+    from foursight.kernels.act_quant import act_quant_launch
+
+    if weight.dim() != 2:
+        raise NVFP4Error(f"{name}: expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
+    k_dim = weight.shape[1]
+    check_k(k_dim, name)
+    w = weight if weight.dtype in (torch.bfloat16, torch.float16, torch.float32) else weight.float()
+    ch = channels.to(device=w.device, dtype=torch.int32)
+    if global_scale is None:
+        a = w.abs()
+        if ch.numel():
+            a.index_fill_(1, ch.long(), 0)
+        global_scale = global_scale_from_amax(a.amax().float())
+    gs = global_scale.float().reshape(1).to(w.device)
+    packed, scale, _, _, xs = act_quant_launch(w, channel_mask(ch, k_dim), ch, gs, True, False, True)
+    w_bf16 = xs.to(torch.bfloat16) if xs is not None else torch.empty((w.shape[0], 0), dtype=torch.bfloat16, device=w.device)
+    return QuantizedWeight(packed, scale.view(torch.float8_e4m3fn), gs, ch, w_bf16.contiguous())
