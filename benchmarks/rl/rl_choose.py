@@ -38,7 +38,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from foursight.channels import channel_summary
-    from foursight.models import builtin_texts, resolve_model
+    from foursight.calibration import builtin_texts
+    from foursight.models import resolve_model
     from foursight.rl import prompt_ids
     from foursight.rl import tasks as rl_tasks
     from foursight.trainer_bridge.backends.hf import HFRollout

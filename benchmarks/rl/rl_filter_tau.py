@@ -70,7 +70,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from foursight.channels import calibrate_channel_sets
-    from foursight.models import builtin_texts, resolve_model
+    from foursight.calibration import builtin_texts
+    from foursight.models import resolve_model
     from foursight.rl import tasks as rl_tasks
     from foursight.rl.loop import code_commit, learner_logprobs, prompt_ids
     from foursight.trainer_bridge.backends.hf import HFRollout

@@ -7,15 +7,10 @@ from typing import Any, Optional, get_args
 
 from foursight.cli_config import option
 from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption
+from foursight.precisions import CHANNEL_PRECISIONS, PRECISIONS
 from foursight.rl import tasks as rl_tasks
 from foursight.trainer_bridge.filters import Policy
 
-#: rollout precisions: BF16 copy; FP8 rowwise W8A8 (the FlashRL anchor, foursight.fp8); NVFP4 W4A4
-#: k=0; FourSight W4A4 with k BF16 channels (--channels or --error-target); FourSight W4A16
-#: (4-bit weights with k BF16 channels, BF16 activations)
-PRECISIONS = ("bf16", "fp8", "nvfp4", "foursight", "w4a16")
-#: precisions whose layers carry a BF16 channel set chosen by calibration
-CHANNEL_PRECISIONS = ("foursight", "w4a16")
 #: the filter policies: the one vocabulary is trainer_bridge.filters.Policy
 FILTERS = get_args(Policy)
 ENGINES = ("hf", "vllm")

@@ -202,7 +202,8 @@ def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from foursight.bf16_layers import bf16_layer_patterns, model_bf16_share, num_blocks_of
-    from foursight.models import builtin_texts, resolve_model
+    from foursight.calibration import builtin_texts
+    from foursight.models import resolve_model
 
     model_dir = resolve_model(cfg.model)
     torch.manual_seed(cfg.seed)
