@@ -76,7 +76,7 @@ from foursight.dispatch import PreparedLinear, prepare_linear
 from foursight.layer import QuantizedWeight, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
 from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings, weight_based_channels
-from foursight.quant_methods.requantize import quantize_shard
+from foursight.quant_methods.requantize import quantize_fused, quantize_shard
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_index, shard_names
 from foursight.schema import (
     BF16_CHANNELS,
@@ -506,23 +506,28 @@ class LayerPlan:
             local, keep = localize_channels(channels, self.k_start, kl)
         else:
             local = channels
-        parts: list[QuantizedWeight] = []
-        off = 0
-        for name, rows in zip(self.shard_names, self.shard_sizes):
-            ws = w[off : off + rows]
-            gs = None  # at TP = 1 the quantizer takes the amax of the weight with S zeroed itself (same value)
-            if tp.size > 1:
+        names = [f"{n}.weight" for n in self.shard_names]
+        if tp.size == 1:  # each shard's per-tensor scale is its own amax: one quantizer call for the fused layer
+            try:
+                qw = quantize_fused(w, local, self.shard_sizes, names)
+            except NVFP4Error as e:
+                raise CheckpointError(f"tensor {e}") from None
+        else:
+            parts: list[QuantizedWeight] = []
+            off = 0
+            for name, rows in zip(names, self.shard_sizes):
+                ws = w[off : off + rows]
                 a = ws.abs()  # in the weight's dtype (exact), S columns zeroed in place
                 if local.numel():
                     a.index_fill_(1, local.long(), 0)
                 amax = tp.reduce_max(a.amax().float().reshape(1).contiguous())  # shared per-tensor scale across ranks
                 gs = global_scale_from_amax(amax).reshape(1)
-            try:  # on the CPU the quantizer checks every value finite (no separate pass here)
-                parts.append(quantize_shard(ws, local, global_scale=gs, name=f"{name}.weight"))
-            except NVFP4Error as e:
-                raise CheckpointError(f"tensor {name}.weight: {e}") from None
-            off += rows
-        qw = concat_shards(parts, self.prefix)
+                try:  # on the CPU the quantizer checks every value finite (no separate pass here)
+                    parts.append(quantize_shard(ws, local, global_scale=gs, name=name))
+                except NVFP4Error as e:
+                    raise CheckpointError(f"tensor {e}") from None
+                off += rows
+            qw = concat_shards(parts, self.prefix)
         igs = None
         if self.static_act_scale:
             cf = self.online.channels_file if self.online else None

@@ -63,3 +63,46 @@ def quantize_shard(weight: torch.Tensor, channels: torch.Tensor, global_scale: t
     packed, scale, _, _, xs = act_quant_launch(w, channel_mask(ch, k_dim), ch, gs, True, False, True)
     w_bf16 = xs.to(torch.bfloat16) if xs is not None else torch.empty((w.shape[0], 0), dtype=torch.bfloat16, device=w.device)
     return QuantizedWeight(packed, scale.view(torch.float8_e4m3fn), gs, ch, w_bf16.contiguous())
+
+
+def quantize_fused(weight: torch.Tensor, channels: torch.Tensor, shard_rows: list[int], names: list[str]) -> QuantizedWeight:
+    """All shards of a fused layer (q/k/v, gate/up; ``shard_rows`` rows each, stacked in ``weight``) at
+    once, each with its own per-tensor global scale: the concatenation of :func:`quantize_shard` of
+    every shard, bit for bit (``weight_global_scale`` is then per output row, float32 [N], as
+    :func:`foursight.quant_methods.sharding.concat_shards` makes it).
+
+    On the CPU one quantizer call over the whole layer replaces one per shard (the per-shard scales
+    become a per-row scale [N, 1], which the quantizer's arithmetic treats row by row exactly as a
+    scalar): the quantizer's cost is mostly a fixed number of tensor operations, so a fused layer
+    costs one shard's count of them. On CUDA each shard runs the Triton kernel (its static scale is
+    a scalar). A non-finite value is named by its shard."""
+    if len(shard_rows) == 1 or uses_device_kernel(weight):
+        from foursight.quant_methods.sharding import concat_shards
+
+        parts, off = [], 0
+        for rows, name in zip(shard_rows, names):
+            parts.append(quantize_shard(weight[off : off + rows], channels, name=name))
+            off += rows
+        return concat_shards(parts, names[0])
+    from foursight.layer import check_channels
+    from foursight.nvfp4 import block_amax, check_finite, quantize_nvfp4
+
+    k_dim = weight.shape[1]
+    ch = check_channels(channels, k_dim, names[0]).to(weight.device)
+    idx = ch.long()
+    w0 = weight.float() if weight.dtype != torch.float32 else weight.clone()
+    if idx.numel():
+        w0.index_fill_(1, idx, 0.0)
+    row_amax = block_amax(w0)  # [N]: per row, then per shard (the S columns are zero in w0)
+    gs = torch.cat([global_scale_from_amax(a.max()).reshape(1).expand(len(a)) for a in torch.split(row_amax, shard_rows)])
+    try:
+        if idx.numel():
+            check_finite(weight[:, idx], names[0])
+        packed, scale = quantize_nvfp4(w0, gs.reshape(-1, 1), names[0])
+    except NVFP4Error:
+        off = 0
+        for rows, name in zip(shard_rows, names):  # name the shard that holds the bad value
+            quantize_shard(weight[off : off + rows], channels, name=name)
+            off += rows
+        raise
+    return QuantizedWeight(packed, scale, gs.contiguous(), ch, weight[:, idx].to(torch.bfloat16).contiguous())

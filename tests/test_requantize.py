@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from foursight.layer import quantize_weight
-from foursight.quant_methods.requantize import quantize_shard
+from foursight.quant_methods.requantize import quantize_fused, quantize_shard
+from foursight.quant_methods.sharding import concat_shards
 
 
 def _weights(n: int, k: int, seed: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +39,23 @@ def _same(a, b) -> bool:
 def test_cpu_path_is_the_library_quantizer():
     w, ch = _weights(64, 256, 0)
     assert _same(quantize_shard(w, ch, name="w"), quantize_weight(w, ch, name="w"))
+
+
+def test_a_fused_layer_in_one_call_equals_its_shards_one_by_one():
+    """q/k/v with different amaxes (so different per-tensor scales) quantized in one call: the
+    concatenation of the shards quantized one by one, bit for bit; a NaN is named by its shard."""
+    from foursight.nvfp4 import NVFP4Error
+
+    w, ch = _weights(96, 256, 4)
+    w[32:48] *= 40  # k_proj's scale differs from q_proj's
+    rows, names = [48, 16, 32], ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
+    parts = [quantize_shard(t, ch, name=n) for t, n in zip(torch.split(w, rows), names)]
+    assert _same(quantize_fused(w, ch, rows, names), concat_shards(parts, "qkv"))
+    assert _same(quantize_fused(w, ch[:0], rows, names), concat_shards([quantize_shard(t, ch[:0]) for t in torch.split(w, rows)], "qkv"))
+    bad = w.clone()
+    bad[70, 5] = float("nan")
+    with pytest.raises(NVFP4Error, match="v_proj.weight"):
+        quantize_fused(bad, ch, rows, names)
 
 
 def test_triton_path_equals_the_library_quantizer_in_the_interpreter(tmp_path):
