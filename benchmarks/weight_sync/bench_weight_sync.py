@@ -48,15 +48,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-def _git_commit() -> str:
+def _git_commit() -> tuple[str, list[str]]:
+    """HEAD (with ``-dirty`` when the measured folders differ from it) and the differing paths."""
     try:
         root = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "quant_methods", "foursight_engine", "benchmarks/weight_sync"],
-                               cwd=root, capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+                               cwd=root, capture_output=True, text=True).stdout.split("\n")
+        dirty = [d.strip() for d in dirty if d.strip()]
+        return sha + ("-dirty" if dirty else ""), dirty
     except Exception:
-        return "unknown"
+        return "unknown", []
 
 
 def _cpu_model() -> str:
@@ -165,7 +167,7 @@ def main() -> None:
         f = t.float()
         weights.append((n, (f + 0.01 * f.std() * torch.randn(t.shape, generator=g)).to(t.dtype).contiguous()))
 
-    commit = _git_commit()  # the code measured: read before the run, not after
+    commit, dirty = _git_commit()  # the code measured: read before the run, not after
     load_start = list(os.getloadavg())
     results = {"bf16": measure(str(model), None, weights, args.repeats, args.buckets)}
     results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, args.repeats, args.buckets)
@@ -183,7 +185,7 @@ def main() -> None:
         "what": "full in-memory weight sync (every tensor, HF names) into an in-process vLLM CPU engine, through TRL's per-tensor "
                 "loop, verl's bucketed loop and apply_weight_update; median of repeats after a warm-up; FourSight rows include "
                 "the re-quantization of every layer; the BF16 trl/verl rows run inside vLLM's layerwise reload (module docstring)",
-        "commit": commit,
+        "commit": commit, "uncommitted_paths": dirty,
         "model": str(model.name), "tensors": len(weights), "params": sum(t.numel() for _, t in weights),
         "repeats": args.repeats, "buckets": args.buckets,
         "host": {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
