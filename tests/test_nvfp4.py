@@ -225,3 +225,14 @@ def test_quantizer_equals_the_old_one_bit_for_bit(dtype):
         p, s = n.quantize_nvfp4(x, gs)
         po, so = _old_quantize(x, gs)
         assert torch.equal(p, po) and torch.equal(s.view(torch.uint8), so.view(torch.uint8)), f"gs {gs.flatten()[:2]}"
+
+
+def test_dequantizer_equals_the_old_one_bit_for_bit():
+    g = torch.Generator().manual_seed(2)
+    packed = torch.randint(0, 256, (40, 64), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(40, 8, generator=g) * 400).to(torch.float8_e4m3fn)
+    for gs in (torch.tensor([3.5]), torch.rand(40, generator=g) + 0.1):
+        old_eff = (scale.float() / (gs.unsqueeze(1) if gs.dim() == 1 and gs.numel() > 1 else gs)).repeat_interleave(16, dim=1)
+        old = n.e2m1_values(n.unpack_fp4(packed)) * old_eff
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(n.dequantize_nvfp4(packed, scale, gs, dtype), old.to(dtype))
