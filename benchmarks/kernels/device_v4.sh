@@ -17,9 +17,12 @@
 #   repeat     FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1 pytest tests/test_kernels_repeat_gpu.py (every candidate at M 1/16/64/1024, static scale too where quant_in; 50 calls)
 #   grid       benchmarks/kernels/bench_splice_gemm.py: the three 8B shapes, M 1/16/64/256, k 0/128, W4A4/W4A16,
 #              cuBLAS BF16 and FP8 rowwise, rotated weights, one process
-#   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64
 #   decode     benchmarks/kernels/bench_decode.py: 8B-shaped decoder, BF16, FourSight W4A4 k=128 and k=0, FP8
 #              rowwise; batch 1/16/64 (no prefill)
+#   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64 (last: the
+#              probe already has PDL and the whole call; this splits the call into its parts)
+# The caps add up to ~485 s; steps usually end before their caps, and a step left with < 20 s is skipped
+# with a note in v4_summary.md (the last ones first).
 # $OUT gets 7 files (the device tool returns 8; one is left for the appended script):
 #   v4_summary.md  card, commit, kernels sha256, step log, every markdown table
 #   probe_v4.json  ncu_stalls.csv  splice_gemm.json  bench_decode.json  tests.log (graph + repeat)
@@ -30,7 +33,7 @@ T0=$(date +%s)
 OUT=${OUT:-/tmp/out_v4}
 TOTAL_S=${TOTAL_S:-465}
 RESERVE_S=${RESERVE_S:-10}
-STEPS=${STEPS:-probe,ncu,graph,repeat,grid,breakdown,decode}
+STEPS=${STEPS:-probe,ncu,graph,repeat,grid,decode,breakdown}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -84,8 +87,8 @@ budget() { local c; c=$(cap "$1"); echo $(( c > $2 + 15 ? c - $2 : 10 )); }  # b
 DRY=""; [ "$DRY_RUN" = "1" ] && DRY="--dry-run"
 
 if want probe; then
-  run_step probe 105 $PY benchmarks/kernels/probe_v4.py --out "$W" --shapes 8192x8192,14336x4096 --ms 1,16,64 --k 128 \
-    --budget-s "$(budget 105 40)" $DRY
+  run_step probe 90 $PY benchmarks/kernels/probe_v4.py --out "$W" --shapes 8192x8192,14336x4096 --ms 1,16,64 --k 128 \
+    --budget-s "$(budget 90 35)" $DRY
 fi
 if want ncu; then
   NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats"
@@ -96,11 +99,11 @@ if want ncu; then
   else
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -z "$NCU" ] && say "ncu: not found on this machine; step skipped"
-    [ -n "$NCU" ] && run_step ncu 75 "$NCU" --profile-from-start off $NCU_SECTIONS --metrics "$NCU_METRICS" --csv --page raw --log-file "$W/ncu.csv" \
+    [ -n "$NCU" ] && run_step ncu 60 "$NCU" --profile-from-start off $NCU_SECTIONS --metrics "$NCU_METRICS" --csv --page raw --log-file "$W/ncu.csv" \
       $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --k 128 --configs-from "$W/probe_v4.json"
     if [ -n "$NCU" ] && ! grep -q "stalled" "$W/ncu.csv" 2>/dev/null; then  # the metric list refused: sections only
       say "ncu: no stall metrics in the output; again with the sections only"
-      run_step ncu_sections 50 "$NCU" --profile-from-start off $NCU_SECTIONS --csv --page raw --log-file "$W/ncu.csv" \
+      run_step ncu_sections 40 "$NCU" --profile-from-start off $NCU_SECTIONS --csv --page raw --log-file "$W/ncu.csv" \
         $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --k 128 --configs-from "$W/probe_v4.json"
     fi
   fi
@@ -116,19 +119,19 @@ if want repeat; then
   if [ "$DRY_RUN" = "1" ]; then
     $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider --collect-only 2>&1 | tail -1 | sed 's/^/[repeat dry] /' | tee -a "$LOG"
   else
-    export FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1; run_step repeat 110 $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider -rf
+    export FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1; run_step repeat 75 $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider -rf
   fi
 fi
 if want grid; then
-  run_step grid 105 $PY benchmarks/kernels/bench_splice_gemm.py --out "$W" --shapes 8192x8192,14336x4096,4096x14336 \
-    --ms 1,16,64,256 --ks 0,128 --skip-config-check --budget-s "$(budget 105 35)" $DRY
-fi
-if want breakdown; then
-  run_step breakdown 40 $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes 8192x8192 --ms 1,64 --budget-s "$(budget 40 20)" $DRY
+  run_step grid 85 $PY benchmarks/kernels/bench_splice_gemm.py --out "$W" --shapes 8192x8192,14336x4096,4096x14336 \
+    --ms 1,16,64,256 --ks 0,128 --skip-config-check --budget-s "$(budget 85 30)" $DRY
 fi
 if want decode; then
-  run_step decode 110 $PY benchmarks/kernels/bench_decode.py --out "$W" --modes bf16,foursight-w4a4,foursight-w4a4-k0,fp8 \
-    --batches 1,16,64 --prefill-tokens 0 --budget-s "$(budget 110 35)" $DRY
+  run_step decode 100 $PY benchmarks/kernels/bench_decode.py --out "$W" --modes bf16,foursight-w4a4,foursight-w4a4-k0,fp8 \
+    --batches 1,16,64 --prefill-tokens 0 --budget-s "$(budget 100 30)" $DRY
+fi
+if want breakdown; then
+  run_step breakdown 35 $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes 8192x8192 --ms 1,64 --budget-s "$(budget 35 15)" $DRY
 fi
 
 # pack: 7 files into $OUT

@@ -161,7 +161,7 @@ def markdown(res: dict) -> str:
         w4 = " / ".join(f(r, f"w4a4_{m}_us") for m in (*MODES, "rotate", "rotate_read"))
         lines.append(f"| {r['N']}×{r['K']} | {r['M']} | {cb} | {w4} | {f(r, 'w4a4_pdl_on_us')} / {f(r, 'w4a4_pdl_off_us')} | "
                      f"{f(r, 'w4a4_static_rotate_us')} | {f(r, 'stream_us')} ({r.get('stream_TBps', 0):.2f}) | {r.get('w4a4_TBps', 0):.2f} | "
-                     f"{r.get('cublas_TBps', 0):.2f} | {r.get('config', '')} | {r.get('static_config', '')} |")
+                     f"{r.get('cublas_TBps', 0):.2f} | {r.get('config', r.get('error', ''))} | {r.get('static_config', '')} |")
     if res.get("not_run"):
         lines += ["", f"Not run (time budget): {', '.join(res['not_run'])}."]
     return "\n".join(lines) + "\n"
