@@ -325,7 +325,7 @@ def splice_linear(
         accumulation order (the dequantize-then-cuBLAS form: up to the bf16 rounding of its
         operands, see :mod:`foursight.kernels.dequant`).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not COMPILE_OP_ERRORS:
         # under torch.compile (vLLM compiles the model with fullgraph=True) the call is one opaque
         # custom op: the autotuner, the launches and their Python control flow stay out of the trace
         return torch.ops.foursight.splice_linear(x, prepared.op_handle, bias, input_global_scale, act_quant)
@@ -356,12 +356,20 @@ def splice_linear(
 # torch.compile: the linear as one custom op
 # --------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("foursight::splice_linear", mutates_args=())
-def _splice_linear_op(x: torch.Tensor, handle: int, bias: torch.Tensor | None, input_global_scale: torch.Tensor | None,
-                      act_quant: bool) -> torch.Tensor:
+def _splice_linear_op(x, handle, bias, input_global_scale, act_quant):
     return splice_linear(x, OP_HANDLES[handle], bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
 
 
-@_splice_linear_op.register_fake
-def _(x, handle, bias, input_global_scale, act_quant):
+def _splice_linear_fake(x, handle, bias, input_global_scale, act_quant):
     return x.new_empty((*x.shape[:-1], OP_HANDLES[handle].out_features))
+
+
+#: why ``foursight::splice_linear`` could not be registered (then torch.compile traces into
+#: :func:`splice_linear` itself, with graph breaks); empty when it is registered
+COMPILE_OP_ERRORS: list = []
+try:  # the schema is written out: nothing depends on this torch's annotation inference
+    _op = torch.library.custom_op("foursight::splice_linear", _splice_linear_op, mutates_args=(),
+                                  schema="(Tensor x, int handle, Tensor? bias, Tensor? input_global_scale, bool act_quant) -> Tensor")
+    _op.register_fake(_splice_linear_fake)
+except Exception as e:  # noqa: BLE001 - an older torch: the kernels work without the op
+    COMPILE_OP_ERRORS.append(f"{type(e).__name__}: {e}")

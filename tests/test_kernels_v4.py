@@ -137,6 +137,7 @@ def test_fullgraph_compile_calls_one_custom_op(layer):
     """vLLM compiles with fullgraph and a dynamic batch: the linear traces as ``foursight::splice_linear``
     and gives eager's output at every M (aot_eager: no C++ compiler needed)."""
     qw, pw, g = layer
+    assert not fk_api.COMPILE_OP_ERRORS
     torch._dynamo.reset()
     fn = torch.compile(lambda x: fk.splice_linear(x, pw), backend="aot_eager", fullgraph=True, dynamic=True)
     for m in (3, 5):
