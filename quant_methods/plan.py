@@ -22,7 +22,8 @@ calls this module for everything else:
 
 Two load modes (``LayerPlan.mode``):
 
-* ``"checkpoint"``: a FourSight checkpoint. Parameters per fused layer (N = sum of the local
+* ``"checkpoint"``: a FourSight checkpoint. Parameters per fused layer, derived from the
+  checkpoint format's table (``schema.expected_shapes``; N = sum of the local
   output shards, K_loc = the local input size, k = BF16 channels, S = number of shards, e.g.
   3 for q/k/v):
 
@@ -88,6 +89,7 @@ from foursight.schema import (
     CheckpointError,
     FourSightConfig,
     decode_module,
+    expected_shapes,
     parse_channel_budget,
 )
 
@@ -99,6 +101,18 @@ _warned_fallback: set[str] = set()
 WEIGHT = "weight"
 
 LoadMode = Literal["checkpoint", "online"]
+
+
+#: engine weight attributes of the checkpoint tensors with one row per output row (the others are per shard)
+_ENGINE_ATTRS: dict[str, dict[str, int]] = {
+    WEIGHT_PACKED: {"input_dim": 1, "output_dim": 0, "packed_dim": 1, "packed_factor": 2},
+    WEIGHT_SCALE: {"input_dim": 1, "output_dim": 0},
+    WEIGHT_BF16: {"output_dim": 0},  # never split along K: kept whole (module docstring, TP)
+}
+#: the checkpoint's per-tensor [1] scales: one value per shard, a [S] parameter
+_PER_TENSOR_SCALARS = (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE)
+#: the order the parameters are registered in (and missing tensors named in)
+_CHECKPOINT_ORDER = (WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_BF16, WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE, BF16_CHANNELS)
 
 
 @dataclass
@@ -267,15 +281,18 @@ class LayerPlan:
         n, kl, s = self.out_local, self.input_size_per_partition, self.num_shards
         if self.mode == "online":
             return [ParamSpec(WEIGHT, (n, kl), params_dtype, {"input_dim": 1, "output_dim": 0})]
-        return [
-            ParamSpec(WEIGHT, (0,), params_dtype, {}, update_only=True),
-            ParamSpec(WEIGHT_PACKED, (n, kl // 2), torch.uint8, {"input_dim": 1, "output_dim": 0, "packed_dim": 1, "packed_factor": 2}),
-            ParamSpec(WEIGHT_SCALE, (n, kl // BLOCK_SIZE), torch.float8_e4m3fn, {"input_dim": 1, "output_dim": 0}),
-            ParamSpec(WEIGHT_BF16, (n, self.k), torch.bfloat16, {"output_dim": 0}),
-            ParamSpec(WEIGHT_GLOBAL_SCALE, (s,), torch.float32, {}, per_shard=True),
-            ParamSpec(INPUT_GLOBAL_SCALE, (s,), torch.float32, {}, per_shard=True),
-            ParamSpec(BF16_CHANNELS, (s, self.k), torch.int32, {}, per_shard=True),
-        ]
+        # the checkpoint format's own table (schema.expected_shapes) for the fused local rows: a tensor
+        # with a row per output row is loaded by the engine's loader (the attributes say how it is
+        # split); the others ([1] scales, [k] channels) hold one row per fused shard
+        shapes = expected_shapes(n, self.input_size, self.k, self.prefix, local_in_features=kl)
+        specs = [ParamSpec(WEIGHT, (0,), params_dtype, {}, update_only=True)]
+        for name in _CHECKPOINT_ORDER:
+            shape, dtype = shapes[name]
+            if name in _ENGINE_ATTRS:
+                specs.append(ParamSpec(name, shape, dtype, dict(_ENGINE_ATTRS[name])))
+            else:
+                specs.append(ParamSpec(name, (s,) + (() if name in _PER_TENSOR_SCALARS else shape), dtype, {}, per_shard=True))
+        return specs
 
     def init_value(self, spec: ParamSpec) -> float:
         """Fill value for a fresh parameter (scales 1.0 so an unloaded layer is still finite)."""
