@@ -84,6 +84,25 @@ def _timed_in_worker(llm, fn) -> dict:
     return out
 
 
+def _profile_in_worker(llm, fn, top: int = 12) -> dict:
+    """One more sync under ``torch.profiler``: the number of tensor operations it ran and the
+    operations that took the most CPU time (where a sync's time goes)."""
+    def run(model):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(model)
+        ev = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in ev)
+        return {"aten_calls": sum(e.count for e in ev if e.key.startswith("aten::")),
+                "self_cpu_s_total": total / 1e6,
+                "top": [{"op": e.key, "calls": e.count, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4)} for e in ev[:top]]}
+
+    (out,) = llm.apply_model(run)
+    return out
+
+
 def _routes(llm, weights: list, buckets: int, bf16: bool) -> dict:
     """route name -> fn(model), the trainers' loops (module docstring)."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -135,6 +154,8 @@ def measure(model_path: str, quantization: str | None, weights: list, repeats: i
                 print(f"{model_path} {quantization} {route}: {out[route]['error']}", flush=True)
                 continue
             runs = [_timed_in_worker(llm, fn) for _ in range(repeats)]
+            if route == "trl":
+                out["profile_trl"] = _profile_in_worker(llm, fn)
             out[route] = {"runs": runs, "median_wall_s": statistics.median(r["wall_s"] for r in runs),
                           "median_cpu_s": statistics.median(r["cpu_s"] for r in runs), "loadavg_after": list(os.getloadavg())}
             print(f"{model_path} {quantization} {route}: median {out[route]['median_wall_s']:.3f} s wall", flush=True)
