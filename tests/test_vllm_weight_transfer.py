@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -90,39 +91,122 @@ def test_native_update_equals_the_collective_rpc_route(tiny_llama_dir, tmp_path)
 
 
 @pytest.mark.slow
-def test_bridge_updates_a_vllm_server_through_the_native_api(tiny_llama_dir, tmp_path):
+def test_bridge_updates_a_vllm_server_through_the_native_api(tiny_llama_dir, tiny_ckpt, tmp_path):
     """The bridge with ``--weight-sync native`` updates a vLLM server started with
     --weight-transfer-config foursight_file (no worker extension): the server reports the new
     version (``/weight_info``) and the rollouts' logprobs are the new weights' (vLLM's own
-    /v1/completions before and after agree with the bridge's stream)."""
-    from foursight.trainer_bridge.client import RolloutClient
+    /v1/completions before and after agree with the bridge's stream). Issue 38: an update the
+    engine refuses (int32 norm, checked by the worker) is 422 naming engine and tensor, and the engine
+    stays in service (before: 502, then 503 on health and rollouts); ``/update_weights`` without the
+    engine's token, or for a file outside its weights folder, is refused naming no path."""
+    from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient
     from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread, VLLMServer
     from foursight.trainer_bridge.server import create_app
 
-    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ck", channels="16", progress=False).out_dir
+    ckpt = tiny_ckpt
     _, _, whole = _files(tiny_llama_dir, tmp_path)
-    srv = VLLMServer(ckpt, max_model_len=256, log_path=tmp_path / "vllm.log",
+    srv = VLLMServer(ckpt, max_model_len=256, log_path=tmp_path / "vllm.log", weights_dir=tmp_path,
                      extra_args=["--quantization", "foursight", "--weight-transfer-config", json.dumps({"backend": "foursight_file"})]).start(300)
     bridge = None
     try:
-        bridge = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=ckpt, weight_sync="native")])).start()
+        bridge = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=ckpt, weight_sync="native", weights_token=srv.weights_token)],
+                                         weights_dirs=[tmp_path])).start()
         with RolloutClient(bridge.url) as c:
             before = c.generate([[5, 9, 13, 17]], {"max_tokens": 8, "temperature": 0.0})[0]
             ack = c.update_weights(version=3, path=str(whole))
             assert ack["version"] == 3 and ack["engines"][0]["route"] == "native", ack
             after = c.generate([[5, 9, 13, 17]], {"max_tokens": 8, "temperature": 0.0})[0]
+            # refused by the worker before anything loads: 422, engine in sync and serving version 3
+            sd = load_file(str(whole))
+            sd["model.norm.weight"] = torch.ones(load_file(str(Path(tiny_llama_dir) / "model.safetensors"))["model.norm.weight"].shape,
+                                                 dtype=torch.int32)
+            save_file(sd, str(tmp_path / "int32.safetensors"))
+            with pytest.raises(BridgeHTTPError) as ei:
+                c.update_weights(version=4, path=str(tmp_path / "int32.safetensors"))
+            assert ei.value.status == 422 and "vllm@" in str(ei.value) and "model.norm.weight" in str(ei.value), str(ei.value)
+            h = httpx.get(bridge.url + "/v1/health", timeout=120)
+            assert h.status_code == 200 and h.json()["engines"][0]["sync"] == "in_sync", h.text
+            again = c.generate([[5, 9, 13, 17]], {"max_tokens": 8, "temperature": 0.0})[0]
+            assert again.weight_version == 3 and again.logprobs == after.logprobs
         assert after.weight_version == 3 and before.weight_version == 0
-        assert httpx.get(srv.url + "/weight_info").json()["weight_version"] == "3"
+        assert httpx.get(srv.url + "/weight_info").json()["weight_version"].startswith("3-")
         model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
         own = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": [5, 9, 13, 17], "max_tokens": 8, "temperature": 0.0,
                                                             "logprobs": 0, "return_tokens_as_token_ids": True}, timeout=120).json()
         assert after.logprobs == own["choices"][0]["logprobs"]["token_logprobs"]
         assert after.logprobs != before.logprobs
+        # vLLM's own routes, called directly: no token, a wrong one, a file outside the folder
+        outside = tmp_path.parent / f"{tmp_path.name}-outside.safetensors"
+        save_file(load_file(str(whole)), str(outside))
+        try:
+            for info in ({"path": str(whole)}, {"path": str(whole), "token": "wrong"}, {"path": str(outside), "token": srv.weights_token},
+                         {"path": "/etc/hostname", "token": srv.weights_token}):
+                httpx.post(srv.url + "/start_weight_update", timeout=60)
+                r = httpx.post(srv.url + "/update_weights", json={"update_info": info}, timeout=120)
+                assert r.status_code != 200 and "FourSight refused the weight update, nothing loaded" in r.text, (info, r.text[:300])
+                assert str(outside) not in r.text and "/etc" not in r.text, r.text[:300]
+        finally:
+            outside.unlink()
+        assert httpx.get(srv.url + "/weight_info").json()["weight_version"].startswith("3-")
     finally:
         if bridge is not None:
             bridge.stop()
         srv.stop()
+
+
+def test_native_route_loads_the_tensors_it_checked(tiny_llama_dir, tiny_ckpt, tmp_path):
+    """Issue 38 item 2: ``update_weights`` keeps the tensors it checked, not the path. A file rewritten
+    with a NaN norm before ``finish_weight_update`` (before: served), and one path reused for two
+    buckets (before: the last bucket loaded twice, the first bucket's layers kept their old weights),
+    both end bit-identical to the same weights pushed whole through ``/collective_rpc``."""
+    from transformers import AutoTokenizer
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    new = perturbed_state(tiny_llama_dir, seed=4)
+    orig = str(Path(tiny_llama_dir) / "model.safetensors")
+    save_file(new, str(tmp_path / "whole.safetensors"))
+    seqs = fixed_sequences(AutoTokenizer.from_pretrained(tiny_ckpt), builtin_texts()[:3], 32)
+    llm = LLM(model=str(tiny_ckpt), enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, worker_extension_cls=EXT,
+              weight_transfer_config={"backend": "foursight_file"})
+    path = tmp_path / "bucket.safetensors"
+
+    def native(buckets: list[dict], after_each=None) -> list[torch.Tensor]:
+        llm.start_weight_update()
+        for i, b in enumerate(buckets):
+            save_file(b, str(path))
+            llm.update_weights(WeightTransferUpdateRequest(update_info={"path": str(path)}))
+            if after_each is not None:
+                after_each(i)
+        llm.finish_weight_update()
+        llm.reset_prefix_cache()
+        return engine_prompt_logprobs(llm, seqs)
+
+    def rpc(file: str, version: int) -> list[torch.Tensor]:
+        llm.collective_rpc("foursight_update_weights", args=(file, version))
+        llm.reset_prefix_cache()
+        return engine_prompt_logprobs(llm, seqs)
+
+    def poison(_):
+        bad = {**new, "model.norm.weight": torch.full_like(load_file(orig)["model.norm.weight"], float("nan"))}
+        save_file(bad, str(path))
+
+    try:
+        llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        ref = rpc(str(tmp_path / "whole.safetensors"), 1)
+        base = rpc(orig, 2)
+        assert not all(torch.equal(a, b) for a, b in zip(ref, base))
+        rewritten = native([new], after_each=poison)
+        assert all(torch.isfinite(x).all() for x in rewritten), "the NaN written after the check was served"
+        assert all(torch.equal(a, b) for a, b in zip(rewritten, ref))
+        rpc(orig, 3)
+        names = sorted(new)
+        reused = native([{n: new[n] for n in names[: len(names) // 2]}, {n: new[n] for n in names[len(names) // 2:]}])
+        assert all(torch.equal(a, b) for a, b in zip(reused, ref)), "a bucket of a reused path was not loaded"
+    finally:
+        del llm
+        gc.collect()
 
 
 def test_fused_shard_gate_holds_shards_until_the_fused_layer_is_complete():

@@ -143,6 +143,9 @@ def serve(
         wait_for_engines(engine_url, wait, engine_api_key)
     if not weights_dir:
         typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
+    if engine == "vllm" and not os.environ.get("FOURSIGHT_WEIGHTS_TOKEN"):
+        typer.echo("warning: no FOURSIGHT_WEIGHTS_TOKEN in the environment: a vLLM engine served with VLLM_SERVER_DEV_MODE=1 "
+                   "refuses every weight update without it (docs/bridge.md, 'Who can reach the engine')", err=True)
     from foursight.trainer_bridge.server import serve as _serve
 
     typer.echo(f"FourSight bridge on http://{host}:{port} -> {', '.join(e.name for e in engines)}"

@@ -103,26 +103,39 @@ class ServerProcess:
 
 
 class VLLMServer(ServerProcess):
-    """``python -m vllm.entrypoints.openai.api_server`` as a child process (own process group).
+    """``python -m vllm.entrypoints.openai.api_server`` as a child process (own process group), on 127.0.0.1.
 
     Args:
         model: model folder.
         extra_args: more CLI args (e.g. ``["--quantization", "foursight"]``).
         env: extra environment (``VLLM_CPU_KVCACHE_SPACE=1`` and ``VLLM_SERVER_DEV_MODE=1`` are set by default).
         log_path: where stdout/stderr go (default: DEVNULL).
+        weights_token: the engine's ``FOURSIGHT_WEIGHTS_TOKEN`` (default: a new random one, ``self.weights_token``;
+            give it to the bridge's engine: ``VLLMHTTPEngine(url, weights_token=...)``).
+        weights_dir: the folder(s) the engine loads weight updates from (``FOURSIGHT_WEIGHTS_DIR``; default: the
+            shared-memory folder).
     """
 
     what = "vLLM server"
 
     def __init__(self, model: str | Path, port: int | None = None, max_model_len: int = 512, extra_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, log_path: str | Path | None = None, python: str = sys.executable):
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None, python: str = sys.executable,
+                 weights_token: str | None = None, weights_dir: str | Path | Sequence[str | Path] | None = None):
+        import secrets
+
+        from foursight.quant_methods.weight_authority import DIRS_ENV, TOKEN_ENV
+
         self.model = str(model)
+        self.weights_token = weights_token or secrets.token_hex(16)
         port = port or free_port()
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
                "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
                *extra_args]
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", TOKEN_ENV: self.weights_token, **(env or {})}
+        if weights_dir is not None:
+            dirs = [weights_dir] if isinstance(weights_dir, (str, Path)) else list(weights_dir)
+            full_env[DIRS_ENV] = os.pathsep.join(str(Path(d).resolve()) for d in dirs)
         super().__init__(cmd, full_env, port, log_path)
 
 

@@ -3,10 +3,12 @@
 The bridge tags every sample with a weight version, so it must know that the engine still serves
 the weights it pushed. An engine that can report its state (:meth:`Engine.served_state`: the
 FourSight vLLM worker extension, the in-process HF engine) gives a boot id and the version of its
-last update. The bridge records them at start and after every update it pushes, and compares:
+last update, and, where it can, the weights id the bridge sent with that update (a nonce per push:
+the vLLM routes). The bridge records them at start and after every update it pushes, and compares:
 
-* **in sync**: the engine reports the version the bridge last pushed to it;
-* **stale**: it reports another one (a restarted engine is back on its checkpoint, version 0), or
+* **in sync**: the engine reports the version (and weights id) the bridge last pushed to it;
+* **stale**: it reports another one (a restarted engine is back on its checkpoint, version 0; a
+  weights id the bridge did not send: someone else loaded weights into it), or
   the last update failed on it (its weights are unknown). A stale engine gets no samples; when no
   engine is in sync ``/v1/rollouts`` answers 503 naming the engine and what it serves. A weight
   update with a new version brings it back (it must carry every tensor the trainer changed);
@@ -48,6 +50,8 @@ class EngineSync:
         self.status = UNTRACKED
         self.reason: str | None = None
         self.engine_version: int | None = None
+        #: the weights id the engine reported after the last push (None: the engine has none)
+        self.weights_id: str | None = None
         self.restarted = False
         self._lock = asyncio.Lock()
         self._checked_at = -math.inf
@@ -96,6 +100,11 @@ class EngineSync:
                            f"push a weight update with a version greater than {self.bridge_version}")
         elif version != self.expected:
             self.status, self.reason = STALE, self._stale_reason(version, boot != self.boot_id)
+        elif st.get("weights_id") != self.weights_id:
+            self.status = STALE
+            self.reason = (f"engine {self.engine.name} serves weights the bridge did not push (weights id {st.get('weights_id')!r}, "
+                           f"the bridge's last push set {self.weights_id!r}): something else loaded weights into it, so it gets "
+                           f"no samples until a weight update (POST /v1/weights with a greater version) brings it back")
         else:
             # same version: a restart without any update since (same checkpoint) serves the same weights
             self.status, self.reason, self.boot_id = IN_SYNC, None, boot
@@ -109,6 +118,7 @@ class EngineSync:
                 self.tracked, self.status = False, UNTRACKED
                 return
             self.tracked, self.boot_id, self.expected = True, str(st["boot_id"]), int(st["version"])
+            self.weights_id = st.get("weights_id")
             self.engine_version, self.status, self.reason, self.restarted = self.expected, IN_SYNC, None, False
             self._checked_at = time.monotonic()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -29,6 +30,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from foursight.trainer_bridge.filters import FilterConfig, apply_filter
+
+#: TRL 1.16 warns "TRL currently supports vLLM versions from 0.22.0 to 0.31.0" from each of its modules
+#: that checks vLLM (7 times in the docs/trl.md example, on vLLM 0.32, which everything here ran on)
+TRL_VLLM_VERSION_WARNING = r"TRL currently supports vLLM versions"
+
+
+def trl_version_warning_once() -> None:
+    """Let TRL's vLLM-version warning print once, here, and silence its repeats (a ``"once"`` filter
+    did not hold across TRL's lazy imports). Called before FourSight imports TRL's trainer or client."""
+    from trl.import_utils import is_vllm_available
+
+    is_vllm_available()  # the warning, when vLLM is outside TRL's tested range
+    warnings.filterwarnings("ignore", message=TRL_VLLM_VERSION_WARNING, category=UserWarning)
 
 
 def apply_filter_to_trl_batch(batch: dict[str, Any], config: FilterConfig | dict | None = None) -> tuple[dict[str, Any], dict[str, float]]:
@@ -87,7 +101,10 @@ class FourSightRollout(BaseModel):
         llm_kwargs: further ``vllm.LLM`` keyword arguments (they win over TRL's).
         api_key: the bridge's API key (server mode).
         weights_dir: folder for the weight files the client hands the bridge (server mode; default
-            ``/dev/shm``, passed as ``shm_name``); it must be one of the bridge's ``--weights-dir``.
+            ``/dev/shm``, passed as ``shm_name``); it must be one of the bridge's ``--weights-dir``
+            (with ``upload``: where the file is written before it is sent).
+        upload: send each sync's file to the bridge over HTTP (server mode, the trainer on another host
+            than the bridge: docs/scale-out.md).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -101,6 +118,7 @@ class FourSightRollout(BaseModel):
     llm_kwargs: dict[str, Any] = Field(default_factory=dict)
     api_key: str | None = None
     weights_dir: str | None = None
+    upload: bool = False
 
     def engine_env(self) -> dict[str, str]:
         """The ``FOURSIGHT_*`` variables the engine reads at load (online mode)."""
@@ -168,7 +186,8 @@ def foursight_vllm(rollout: FourSightRollout, mode: str) -> Iterator[None]:
         elif mode == "server":
             from foursight.trainer_bridge.trl_client import FourSightVLLMClient
 
-            vg.VLLMClient = functools.partial(FourSightVLLMClient, api_key=rollout.api_key, weights_dir=rollout.weights_dir)
+            vg.VLLMClient = functools.partial(FourSightVLLMClient, api_key=rollout.api_key, weights_dir=rollout.weights_dir,
+                                              upload=rollout.upload)
         else:
             raise ValueError(f"GRPOConfig.vllm_mode must be 'colocate' or 'server', got {mode!r}")
         yield
@@ -197,6 +216,7 @@ def check_foursight_engine(trainer: Any) -> None:
 
 
 def _make_trainer_class():
+    trl_version_warning_once()
     from trl import GRPOTrainer
 
     class FourSightGRPOTrainer(GRPOTrainer):

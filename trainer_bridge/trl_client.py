@@ -7,7 +7,9 @@ generation and changes the sync: ``init_communicator`` checks that the server is
 ``update_named_params`` writes the tensors it is given to one safetensors file and posts its name
 to the bridge's ``/update_weights``, which applies it as ``POST /v1/weights`` does (each engine
 re-quantizes; one new weight version). Inside ``weight_update()`` the tensors are gathered and sent
-once, at the end. ``FourSightGRPOTrainer(..., rollout="foursight")`` in server mode builds this
+once, at the end. With ``upload=True`` (a trainer on another host than the bridge) the file is sent
+to the bridge over HTTP in chunks (``PUT /v1/weights/uploads/{name}``) and applied by name
+(docs/scale-out.md). ``FourSightGRPOTrainer(..., rollout="foursight")`` in server mode builds this
 client in place of TRL's.
 """
 
@@ -19,9 +21,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from trl.generation.vllm_client import VLLMClient
 
 from foursight.trainer_bridge.routes.trl import BACKEND
+from foursight.trainer_bridge.trl import trl_version_warning_once
+
+trl_version_warning_once()
+from trl.generation.vllm_client import VLLMClient  # noqa: E402 (after the warning filter)
 
 
 class FourSightVLLMClient(VLLMClient):
@@ -31,11 +36,17 @@ class FourSightVLLMClient(VLLMClient):
         api_key: the bridge's API key (sent as ``Authorization: Bearer``), if it has one.
         weights_dir: where the weight files are written; it must be one of the bridge's
             ``--weights-dir`` folders. Default: ``/dev/shm`` (``$FOURSIGHT_SHM_DIR``), named by ``shm_name``.
+            With ``upload``: where the file is written before it is sent (default: the system's temporary folder).
+        upload: send each update's file to the bridge over HTTP (the trainer and the bridge on different
+            hosts; the bridge needs a ``--weights-dir``), in chunks of ``upload_chunk_bytes`` (below the
+            bridge's ``--max-body-bytes``, 32 MiB by default).
     """
 
-    def __init__(self, *args, api_key: str | None = None, weights_dir: str | os.PathLike | None = None, **kwargs):
+    def __init__(self, *args, api_key: str | None = None, weights_dir: str | os.PathLike | None = None, upload: bool = False,
+                 upload_chunk_bytes: int = 16 << 20, **kwargs):
         self.api_key = api_key
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.upload, self.upload_chunk_bytes = upload, int(upload_chunk_bytes)
         self._pending: dict[str, torch.Tensor] = {}
         self.last_update: dict | None = None
         super().__init__(*args, **kwargs)
@@ -85,6 +96,8 @@ class FourSightVLLMClient(VLLMClient):
         from foursight.trainer_bridge.protocol import shm_path
 
         name = f"foursight-trl-{uuid.uuid4().hex}.safetensors"
+        if self.upload:
+            return self._push_upload(tensors, name)
         if self.weights_dir is not None:
             path = self.weights_dir / name
             info = {"path": str(path)}
@@ -97,6 +110,33 @@ class FourSightVLLMClient(VLLMClient):
             self.last_update = self._post(f"{self.base_url}/update_weights", json={"update_info": info})
         finally:
             path.unlink(missing_ok=True)
+        return self.last_update
+
+    def _push_upload(self, tensors: dict[str, torch.Tensor], name: str) -> dict:
+        """Write the file locally, send it to the bridge in chunks, and apply it by its upload name."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(dir=self.weights_dir) as tmp:
+            path = Path(tmp) / name
+            save_file(tensors, str(path))
+            url = f"{self.base_url}/v1/weights/uploads/{name}"
+            try:
+                with open(path, "rb") as f:
+                    offset = 0
+                    while True:  # chunks within the bridge's body limit; the first starts the upload, a short one ends it
+                        chunk = f.read(self.upload_chunk_bytes)
+                        r = self.session.put(url, params={"offset": offset}, data=chunk)
+                        if r.status_code != 200:
+                            raise RuntimeError(f"upload of {name} to {self.base_url}: {r.status_code} {r.text[:300]}")
+                        offset += len(chunk)
+                        if len(chunk) < self.upload_chunk_bytes:
+                            break
+                self.last_update = self._post(f"{self.base_url}/update_weights", json={"update_info": {"upload": name, "names": list(tensors)}})
+            except BaseException:
+                self.session.delete(url)
+                raise
         return self.last_update
 
     def close_communicator(self):

@@ -2,17 +2,25 @@
 
 Samples are ``POST /v1/completions`` with token-id prompts, scores ``prompt_logprobs``; weight
 updates go through the FourSight worker extension (``/collective_rpc``) or vLLM's native
-weight-transfer API (docs/vllm.md). vLLM in this process (``foursight rl``) is
+weight-transfer API (docs/vllm.md). Every update carries the engine's ``FOURSIGHT_WEIGHTS_TOKEN``
+and a new weights id, which the engine reports back (:mod:`foursight.quant_methods.weight_authority`);
+an update the engine refuses before loading any of it is :class:`~.base.UpdateRefused` (the bridge
+answers 422 and the engine stays in sync). vLLM in this process (``foursight rl``) is
 :mod:`foursight.trainer_bridge.backends.vllm_inprocess`.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from foursight.trainer_bridge.backends.base import EngineError
+import httpx
+
+from foursight.quant_methods.weight_authority import REFUSED, TOKEN_ENV
+from foursight.trainer_bridge.backends.base import EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 
@@ -28,15 +36,17 @@ class VLLMHTTPEngine(HTTPEngine):
     ``return_tokens_as_token_ids`` makes vLLM name each sampled token ``"token_id:<id>"``, so ids
     are exact (no detokenize/retokenize round trip). Weight updates go through vLLM's
     ``POST /collective_rpc`` (server started with ``VLLM_SERVER_DEV_MODE=1`` and the FourSight
-    worker extension, see docs/vllm.md), then ``POST /reset_prefix_cache``.
+    worker extension, see docs/vllm.md), then ``POST /reset_prefix_cache``. ``weights_token`` is the
+    engine's ``FOURSIGHT_WEIGHTS_TOKEN`` (default: this process's).
     """
 
     kind = "vllm"
 
     def __init__(self, url: str, model: str | None = None, tokenizer: str | Path | None = None,
                  api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512,
-                 weight_sync: str = "collective_rpc"):
+                 weight_sync: str = "collective_rpc", weights_token: str | None = None):
         super().__init__(url, "vllm", tokenizer, api_key, logprobs_mode, max_connections)
+        self.weights_token = weights_token if weights_token is not None else os.environ.get(TOKEN_ENV)
         if weight_sync not in WEIGHT_SYNC_ROUTES:
             raise EngineError(f"weight_sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
         self.model = model
@@ -103,28 +113,43 @@ class VLLMHTTPEngine(HTTPEngine):
             raise EngineError(f"{self.name}: malformed prompt_logprobs response ({type(e).__name__}: {e})") from None
         return vals
 
+    def _refusal(self, r: httpx.Response, what: str) -> EngineError:
+        """The error of a failed weight-update call: :class:`UpdateRefused` when the engine says it
+        refused the update before loading any of it (its answer carries ``weight_authority.REFUSED``)."""
+        return (UpdateRefused if REFUSED in r.text else EngineError)(f"{self.name}: {what} -> {r.status_code} {r.text[:400]}")
+
+    async def _update_call(self, route: str, body: dict[str, Any], what: str | None = None) -> httpx.Response:
+        r = await self.client.post(route, json=body)
+        if r.status_code != 200:
+            raise self._refusal(r, what or route)
+        return r
+
     async def _update_native(self, path: str, version: int) -> dict[str, Any]:
-        """vLLM's native weight-transfer API with the ``foursight_file`` backend (vLLM >= 0.32)."""
+        """vLLM's native weight-transfer API with the ``foursight_file`` backend (vLLM >= 0.32). The
+        weights id rides in vLLM's weight version (``"<version>-<id>"``, read back from ``/weight_info``)."""
         t0 = time.monotonic()
         if not self._transfer_ready:
             await self.post_ok("/init_weight_transfer_engine", {"init_info": {}})
             self._transfer_ready = True
+        tag = f"{version}-{uuid.uuid4().hex}"
         await self.post_ok("/start_weight_update")
-        await self.post_ok("/update_weights", {"update_info": {"path": path}})
-        await self.post_ok("/finish_weight_update", {"weight_version": str(version)})
+        await self._update_call("/update_weights", {"update_info": {"path": path, "token": self.weights_token}})
+        await self._update_call("/finish_weight_update", {"weight_version": tag})
         await self.post_ok("/reset_prefix_cache")
         r = await self.client.get("/weight_info")
         got = r.json().get("weight_version") if r.status_code == 200 else None
-        if got != str(version):
-            raise EngineError(f"{self.name}: after the update /weight_info reports version {got!r}, expected {str(version)!r}")
+        if got != tag:
+            raise EngineError(f"{self.name}: after the update /weight_info reports version {got!r}, expected {tag!r}")
         return {"engine": self.name, "version": version, "route": "native", "seconds": time.monotonic() - t0}
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
         if self.weight_sync == "native":
             return await self._update_native(path, version)
         t0 = time.monotonic()
-        r = await self.post_ok("/collective_rpc", {"method": "foursight_update_weights", "args": [path, str(version)]},
-                               "/collective_rpc foursight_update_weights")
+        weights_id = uuid.uuid4().hex
+        r = await self._update_call("/collective_rpc", {"method": "foursight_update_weights", "args": [path, str(version)],
+                                                        "kwargs": {"token": self.weights_token or "", "weights_id": weights_id}},
+                                    "/collective_rpc foursight_update_weights")
         results = r.json().get("results", [])
         await self.post_ok("/reset_prefix_cache")
         r3 = await self.client.post("/collective_rpc", json={"method": "foursight_weight_version"})
@@ -135,14 +160,19 @@ class VLLMHTTPEngine(HTTPEngine):
 
     async def _native_state(self) -> dict[str, Any]:
         """What an engine synced through vLLM's native weight-transfer API serves, from its ``GET /weight_info``:
-        the version the bridge gave ``/finish_weight_update`` (vLLM starts at ``"default"``, read as 0, and comes
-        back to it after a restart, which is how a restart is seen on this route: vLLM exposes no boot id)."""
+        the ``"<version>-<weights id>"`` the bridge gave ``/finish_weight_update`` (vLLM starts at ``"default"``,
+        read as version 0, and comes back to it after a restart, which is how a restart is seen on this route:
+        vLLM exposes no boot id). Anything else (a version set by another caller) is version -1: stale."""
         r = await self.client.get("/weight_info", timeout=10.0)
         if r.status_code != 200:
             raise EngineError(f"{self.name}: GET /weight_info -> {r.status_code} {r.text[:200]}")
         got = r.json().get("weight_version")
-        version = int(got) if isinstance(got, str) and got.isdigit() else 0
-        return {"boot_id": "vllm-weight-info", "version": version}
+        if got in (None, "default"):
+            return {"boot_id": "vllm-weight-info", "version": 0, "weights_id": None}
+        head, _, wid = str(got).partition("-")
+        if not head.isdigit() or not wid:
+            return {"boot_id": "vllm-weight-info", "version": -1, "weights_id": str(got)}
+        return {"boot_id": "vllm-weight-info", "version": int(head), "weights_id": wid}
 
     async def served_state(self) -> dict[str, Any] | None:
         """``foursight_engine_state`` of every worker (the FourSight worker extension): one boot id
@@ -166,4 +196,5 @@ class VLLMHTTPEngine(HTTPEngine):
             return None
         if len(versions) != 1:
             raise EngineError(f"{self.name}: the workers report different weight versions {versions}")
-        return {"boot_id": ",".join(boots), "version": versions[0]}
+        ids = sorted({str(w.get("weights_id")) for w in workers})
+        return {"boot_id": ",".join(boots), "version": versions[0], "weights_id": None if ids == ["None"] else ",".join(ids)}

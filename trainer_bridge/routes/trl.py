@@ -14,7 +14,8 @@ routes (:mod:`.openai`) and ``/health``:
 TRL moves the tensors over an NCCL group (CUDA only). The bridge's weight-transfer backend is
 ``foursight_bridge`` instead: :class:`foursight.trainer_bridge.trl_client.FourSightVLLMClient`
 writes the learner's tensors to one safetensors file (``/dev/shm`` by default) and names it in
-``update_info`` (``shm_name`` or ``path``); ``/update_weights`` applies it exactly as
+``update_info`` (``shm_name`` or ``path``), or, from another host, uploads it to the bridge
+(``PUT /v1/weights/uploads/{name}``, :mod:`.weights`) and names the upload (``upload``); ``/update_weights`` applies it exactly as
 ``POST /v1/weights`` does (the same handler: checked before any engine sees it, streams drained,
 every engine re-quantizes, the version goes up by one). An ``update_info`` without a file (TRL's
 own NCCL client) is refused with a 422 that names the client to use. The routes sit behind the
@@ -31,7 +32,7 @@ from pydantic import ValidationError
 
 from foursight.trainer_bridge.protocol import WeightUpdateRequest
 from foursight.trainer_bridge.routes.state import State
-from foursight.trainer_bridge.routes.weights import push_weights
+from foursight.trainer_bridge.routes.weights import consume_upload, push_weights, upload_path
 
 #: the weight-transfer backend the bridge reports in ``/server_info`` and accepts in ``init_info``
 BACKEND = "foursight_bridge"
@@ -84,14 +85,25 @@ async def no_op(state: State, body: dict[str, Any] | None = None):
 @router.post("/update_weights")
 async def update_weights(body: dict[str, Any], state: State):
     info = body.get("update_info")
-    if not isinstance(info, dict) or ("path" not in info and "shm_name" not in info):
-        return _refuse("update_info", f"no 'path' or 'shm_name': the bridge takes weights as a safetensors file, "
+    if not isinstance(info, dict) or not any(k in info for k in ("path", "shm_name", "upload")):
+        return _refuse("update_info", f"no 'path', 'shm_name' or 'upload': the bridge takes weights as a safetensors file, "
                                       f"not over NCCL; use {CLIENT}")
+    uploaded = None
+    if "upload" in info:
+        uploaded = upload_path(state, str(info["upload"]))
+        if uploaded is None or not uploaded.is_file() or "path" in info or "shm_name" in info:
+            return _refuse("update_info.upload", "not an upload of this bridge (PUT /v1/weights/uploads/{name} first), "
+                                                 "or given with 'path'/'shm_name'")
     try:
-        req = WeightUpdateRequest(path=info.get("path"), shm_name=info.get("shm_name"), version=state.gate.version + 1)
+        req = WeightUpdateRequest(path=str(uploaded) if uploaded else info.get("path"), shm_name=info.get("shm_name"),
+                                  version=state.gate.version + 1)
     except ValidationError as e:
         return _refuse("update_info", "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
-    return await push_weights(state, req)
+    try:
+        return await push_weights(state, req)
+    finally:
+        if uploaded is not None:
+            consume_upload(uploaded)
 
 
 @router.post("/reset_prefix_cache")

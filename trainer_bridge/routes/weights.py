@@ -5,15 +5,22 @@ file (``shm_name``). Every tensor is read and checked before any engine sees it,
 update changes nothing; the update then waits until the streams started under the old version
 have finished (:class:`~.state.VersionGate`), so no stream mixes versions. :func:`push_weights` is
 also what TRL's ``/update_weights`` (:mod:`.trl`) applies.
+
+``PUT /v1/weights/uploads/{name}?offset=N`` takes an update file over HTTP, in chunks (each within
+the body limit), into ``.foursight-uploads/`` of the first ``--weights-dir``: the road of a trainer on
+another host (docs/scale-out.md). The upload is then applied by its name (TRL's ``/update_weights``
+``{"upload": name}``, or ``POST /v1/weights`` with the ``path`` the upload answered) and removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import time
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from foursight.trainer_bridge.backends.base import UpdateRefused
@@ -89,3 +96,56 @@ async def weights(req: WeightUpdateRequest, state: State):
 @router.get("/v1/weights")
 async def weight_version(state: State):
     return {"version": state.gate.version, "update_in_progress": state.gate.writer, "streams_open": state.gate.readers}
+
+
+#: the folder, inside the first ``--weights-dir``, that uploads are written to
+UPLOADS = ".foursight-uploads"
+_UPLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
+
+
+def upload_path(state: BridgeState, name: str) -> Path | None:
+    """Where upload ``name`` lives (None: no ``--weights-dir``, or a name that is not a plain ``*.safetensors``)."""
+    if state.roots.roots is None or not _UPLOAD_NAME.fullmatch(name) or ".." in name:
+        return None
+    return state.roots.roots[0] / UPLOADS / name
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> int:
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    with open(path, "r+b" if offset else "wb") as f:
+        f.seek(offset)
+        f.write(data)
+        return f.tell()
+
+
+@router.put("/v1/weights/uploads/{name}")
+async def upload_chunk(name: str, request: Request, state: State, offset: int = 0):
+    """Append one chunk (the request body) at ``offset`` of upload ``name``: ``offset`` 0 starts (or restarts)
+    the file, any other must equal its current size. Answers ``{"name", "path", "size"}``."""
+    path = upload_path(state, name)
+    if path is None:
+        return unprocessable([{"field": "name", "message": "uploads need a --weights-dir, and a name of letters, digits, '.', '_' "
+                                                            "and '-' ending in .safetensors"}], version=state.gate.version)
+    size = path.stat().st_size if path.is_file() else 0
+    if offset < 0 or (offset and offset != size):
+        return unprocessable([{"field": "offset", "message": f"must be 0 (a new upload) or the uploaded size {size}"}],
+                             version=state.gate.version)
+    data = await request.body()
+    size = await asyncio.to_thread(_write_at, path, offset, data)
+    return {"name": name, "path": str(path), "size": size}
+
+
+@router.delete("/v1/weights/uploads/{name}")
+async def delete_upload(name: str, state: State):
+    path = upload_path(state, name)
+    if path is not None:
+        path.unlink(missing_ok=True)
+    return {"name": name, "deleted": True}
+
+
+def consume_upload(path: Path) -> None:
+    """Remove an upload once applied (or refused): an upload is one update."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,88 @@
+"""Who may load weights into a serving vLLM engine, and from where (issue 38 item 1).
+
+vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc`` and the weight-transfer
+routes) take no API key, not even vLLM's own ``--api-key``. FourSight's two update routes inside
+the engine, the worker extension's ``foursight_update_weights`` (:mod:`.vllm_weight_sync`) and the
+native ``foursight_file`` backend (:mod:`.vllm_weight_transfer`), therefore call
+:func:`authorize_update` before they open any file:
+
+* **The token.** ``FOURSIGHT_WEIGHTS_TOKEN`` in the engine's environment (every vLLM process
+  inherits it); each update must carry the same string (the bridge reads the same variable and
+  sends it: ``token`` in the RPC's kwargs or in ``update_info``). An engine that serves its routes
+  over HTTP (``VLLM_SERVER_DEV_MODE=1``) and has no token refuses every update. An engine in the
+  caller's own process (``vllm.LLM``: TRL colocate, verl, ``foursight rl``) needs none: only that
+  process can call it.
+* **The folder.** Wherever a token is configured or the routes are served over HTTP, the file must
+  resolve (symlinks, ``..``) inside one of ``FOURSIGHT_WEIGHTS_DIR`` (``os.pathsep``-separated;
+  default: the shared-memory folder ``$FOURSIGHT_SHM_DIR`` or ``/dev/shm``, where the TRL client
+  writes). The bridge's ``--weights-dir`` is the same folder.
+* **One answer.** A refusal names no path outside the weights folders and says the same for "outside",
+  "missing" and "unreadable", so the route tells a caller nothing about the engine's files.
+
+The update also carries the bridge's **weights id** (a nonce per push) which the engine reports
+back (``foursight_engine_state``; ``/weight_info`` on the native route): the bridge compares it
+before it tags samples, so weights it did not push make the engine stale (``trainer_bridge/liveness``).
+
+Limit: vLLM's own dev-mode RPCs (``reload_weights``, ``reset_weights``, ``/update_weight_version``)
+are reachable by anyone who reaches the engine's port, and nothing FourSight loads can stop them.
+That is why every documented engine command binds ``127.0.0.1`` (docs/bridge.md, "Who can reach
+the engine").
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+
+TOKEN_ENV = "FOURSIGHT_WEIGHTS_TOKEN"
+DIRS_ENV = "FOURSIGHT_WEIGHTS_DIR"
+#: the prefix of every refusal (the bridge maps it to a 422: nothing was loaded)
+REFUSED = "FourSight refused the weight update, nothing loaded: "
+
+
+class RefusedUpdate(RuntimeError):
+    """An engine route refused a weight update before loading any of it (the message starts with
+    :data:`REFUSED`, which the bridge reads as "the update is at fault": 422, the engine in sync)."""
+
+
+class WeightsRefused(RefusedUpdate):
+    """An update without the engine's token, or from outside its weights folders: nothing was opened."""
+
+
+def served_over_http(env: dict | None = None) -> bool:
+    """True when vLLM mounts its development routes (``/collective_rpc``, the weight-transfer routes)."""
+    env = os.environ if env is None else env
+    return env.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def weights_dirs(env: dict | None = None) -> list[Path]:
+    """The folders an update may be read from: ``FOURSIGHT_WEIGHTS_DIR`` or the shared-memory folder."""
+    env = os.environ if env is None else env
+    raw = env.get(DIRS_ENV) or env.get("FOURSIGHT_SHM_DIR", "/dev/shm")
+    return [Path(d).resolve() for d in raw.split(os.pathsep) if d]
+
+
+def authorize_update(path: str | os.PathLike, token: str | None, env: dict | None = None) -> str:
+    """The resolved path of an update file the caller may load, or :class:`WeightsRefused`.
+
+    No check in an engine that is neither served over HTTP nor given a token (in-process use)."""
+    env = os.environ if env is None else env
+    want = env.get(TOKEN_ENV) or None
+    if want is None and not served_over_http(env):
+        return str(path)
+    if want is None:
+        raise WeightsRefused(f"{REFUSED}this engine serves its weight routes over HTTP (VLLM_SERVER_DEV_MODE=1) but has no "
+                             f"{TOKEN_ENV}; start it with one and give the bridge the same (docs/bridge.md)")
+    if not isinstance(token, str) or not hmac.compare_digest(token.encode(), want.encode()):
+        raise WeightsRefused(f"{REFUSED}the call does not carry this engine's {TOKEN_ENV}")
+    roots = weights_dirs(env)
+    try:
+        p = Path(path).resolve(strict=True)
+        ok = any(p == r or p.is_relative_to(r) for r in roots) and p.is_file() and os.access(p, os.R_OK)
+    except (OSError, RuntimeError, ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise WeightsRefused(f"{REFUSED}not a readable file inside this engine's weights folders "
+                             f"({DIRS_ENV}: {os.pathsep.join(map(str, roots))})")
+    return str(p)
