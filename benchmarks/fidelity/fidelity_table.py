@@ -10,7 +10,8 @@ teacher-forced by every rollout configuration, against the HF BF16 learner.
    distribution, so no exact KL for it).
 2. **Every configuration** is built in this process on the same BF16 weights from one calibration
    (:func:`foursight.calibration.collect_stats` on the default calibration texts, exactly what
-   ``foursight quantize`` uses): plain NVFP4 (k = 0); FourSight W4A4 with k in ``--ks``;
+   ``foursight quantize`` uses): plain NVFP4 (k = 0); FourSight W4A4 with k in ``--ks`` (a count,
+   or a percentage of K as ``--channels 2%`` reads it: rounded up to 16-channel blocks per layer);
    FourSight with ``--error-target`` at ``--targets`` (per-group k as ``foursight quantize
    --error-target`` chooses it; the table reports the mean k / K); W4A16 FourSight
    (``--w4a16-k``); FP8 rowwise W8A8 (:mod:`foursight.fp8`); with ``--bf16-layers`` (repeatable),
@@ -28,7 +29,9 @@ teacher-forced by every rollout configuration, against the HF BF16 learner.
    :mod:`foursight.trainer_bridge.filters` would keep (defaults: max_token τ = ln 3, tail_count n = 2,
    geo_mean [0.999, 1.001], quantile q = 0.02; and max_token at τ = 2.5, the RL study's setting).
 
-Writes ``OUT.json`` and ``OUT.md``.
+A smaller table: ``--ks ''``, ``--targets ''``, ``--w4a16-k 0`` and ``--no-fp8`` leave those rows out.
+Writes ``OUT.json`` and ``OUT.md``; both name the commit measured on and the machine (host, CPU,
+threads, load average at the start and the end).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ import argparse
 import asyncio
 import copy
 import json
+import os
+import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,7 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import add_sampling_args, channels_by_layer  # noqa: E402  (benchmarks/common.py)
+from common import REPO, add_sampling_args, channels_by_layer, git_commit  # noqa: E402  (benchmarks/common.py)
 
 FILTERS = [("max_token", {}), ("max_token", {"tau": 2.5}), ("tail_count", {}), ("geo_mean", {}), ("quantile", {})]
 
@@ -99,20 +105,55 @@ def choose_k_levels(groups, model, targets: list[float]) -> dict[str, dict[float
     return {g.key: levels(g, [model.get_submodule(n).weight.detach() for n in g.members], targets) for g in groups.values()}
 
 
+def k_rows(ks: str) -> list[str]:
+    """The ``--ks`` entries: counts (``"16"``) and percentages of K (``"2%"``); ``""`` gives none."""
+    from foursight import schema
+
+    out = [x.strip() for x in ks.split(",") if x.strip()]
+    for x in out:
+        schema.check_channel_spec(x)
+    return out
+
+
+def k_row_name(spec: str) -> str:
+    """``foursight k=16`` for a count, ``foursight 2%`` for a percentage of K (per-layer k)."""
+    return f"foursight {spec}" if spec.endswith("%") else f"foursight k={int(spec)}"
+
+
+def machine() -> dict:
+    """Where the measurement ran: host, CPU model, cores, torch threads and the 1/5/15-minute load."""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(), "loadavg_start": list(os.getloadavg())}
+
+
+def uncommitted() -> list[str]:
+    """Tracked files of the code the table runs (the package folders and benchmarks/) that differ from
+    the commit at run time (``git status --porcelain``), so a result says whether it was measured on
+    exactly that commit."""
+    paths = ["foursight_engine", "kernels", "quant_methods", "trainer_bridge", "benchmarks/common.py", "benchmarks/fidelity"]
+    try:
+        return subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *paths], capture_output=True, text=True,
+                              check=True, cwd=REPO, timeout=10).stdout.splitlines()
+    except Exception:  # noqa: BLE001 - no git (a device copy): nothing to say
+        return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_sampling_args(ap, n=32, max_tokens=96)
-    ap.add_argument("--ks", default="16,32,64,128")
-    ap.add_argument("--targets", default="0.1,0.2,0.3")
-    ap.add_argument("--w4a16-k", type=int, default=32)
+    ap.add_argument("--ks", default="16,32,64,128", help="FourSight rows: k per layer, a count or a percentage of K (2%%); '' = none")
+    ap.add_argument("--targets", default="0.1,0.2,0.3", help="FourSight --error-target rows; '' = none")
+    ap.add_argument("--w4a16-k", type=int, default=32, help="the W4A16 FourSight row's k; 0 = no W4A16 row")
+    ap.add_argument("--no-fp8", action="store_true", help="no FP8 rowwise row")
     ap.add_argument("--no-vllm", action="store_true", help="HF BF16 samples the rollouts; no floor row, no cross-check")
     ap.add_argument("--no-cross-check", action="store_true", help="skip the vLLM CPU FourSight k=32 cross-check (saves a quantize + server start)")
     ap.add_argument("--bf16-layers", action="append", default=[],
                     help="add a row: NVFP4 with these layers in BF16 (attention, first:N, last:N, & ...; repeatable)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fidelity"))
     a = ap.parse_args()
-    import os
-
+    ks = k_rows(a.ks)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,6 +171,8 @@ def main() -> None:
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
 
     t0 = time.time()
+    where = machine()
+    commit, dirty = git_commit(), uncommitted()
     torch.manual_seed(0)
     md = resolve_model(a.model)
     tok = AutoTokenizer.from_pretrained(md)
@@ -162,16 +205,19 @@ def main() -> None:
         return channels_by_layer(groups, k_of_group)
 
     configs: list[tuple[str, dict]] = [("nvfp4", {"channels": {}})]
-    for k in [int(x) for x in a.ks.split(",")]:
-        configs.append((f"foursight k={k}", {"channels": chans(lambda g, k=k: k)}))
-    targets = [float(x) for x in a.targets.split(",")]
-    t1 = time.time()
-    kt = choose_k_levels(groups, base, targets)
-    timings["error_target_k"] = time.time() - t1
+    for spec in ks:
+        configs.append((k_row_name(spec), {"channels": chans(lambda g, spec=spec: schema.parse_channel_budget(spec, g.in_features, g.members[0]))}))
+    targets = [float(x) for x in a.targets.split(",") if x.strip()]
+    if targets:
+        t1 = time.time()
+        kt = choose_k_levels(groups, base, targets)
+        timings["error_target_k"] = time.time() - t1
     for t in targets:
         configs.append((f"foursight error-target {t}", {"channels": chans(lambda g, t=t: kt[g.key][t])}))
-    configs.append((f"w4a16 foursight k={a.w4a16_k}", {"channels": chans(lambda g: a.w4a16_k), "act_quant": False}))
-    configs.append(("fp8 rowwise", {"fp8": True}))
+    if a.w4a16_k:
+        configs.append((f"w4a16 foursight k={a.w4a16_k}", {"channels": chans(lambda g: a.w4a16_k), "act_quant": False}))
+    if not a.no_fp8:
+        configs.append(("fp8 rowwise", {"fp8": True}))
     from foursight.bf16_layers import bf16_layer_patterns, model_bf16_share, num_blocks_of
 
     carve = bf16_layer_patterns(a.bf16_layers, num_blocks_of(base)) if a.bf16_layers else []
@@ -213,7 +259,7 @@ def main() -> None:
             "exact_kl": None, "k3": met["tim/k3_mean"], "tail_token_fraction": met["tim/tail_token_fraction"],
             "tail_seq_fraction": met["tim/tail_seq_fraction"], "filters_keep": filter_keeps(learner, floor),
             "k_mean": None, "k_fraction": None}, **rows}
-    if floor is not None and not a.no_cross_check:
+    if floor is not None and not a.no_cross_check and "foursight k=32" in scores:
         # 3. the vLLM CPU engine on the FourSight k=32 checkpoint, same tokens
         t1 = time.time()
         dirs = ensure_checkpoints(md, {"foursight"}, "32", work / "checkpoints", None, None)
@@ -228,12 +274,14 @@ def main() -> None:
                  "vllm_vs_hf_max_abs": float(d.max()), "vllm_mean_abs_dlogp": mv["tim/abs_log_ratio_mean"],
                  "hf_mean_abs_dlogp": rows["foursight k=32"]["mean_abs_dlogp"], "seconds": time.time() - t1}
         print(f"cross-check: {cross}", flush=True)
-    res = {"command": "python benchmarks/fidelity/fidelity_table.py " + (f"--model {a.model} " if a.model else "") + f"--n {a.n} --max-tokens {a.max_tokens} --seed {a.seed} --ks {a.ks} "
-                      f"--targets {a.targets} --w4a16-k {a.w4a16_k}" + (" --no-vllm" if a.no_vllm else "")
+    res = {"command": "python benchmarks/fidelity/fidelity_table.py " + (f"--model {a.model} " if a.model else "") + f"--n {a.n} --max-tokens {a.max_tokens} --seed {a.seed} --ks '{a.ks}' "
+                      f"--targets '{a.targets}' --w4a16-k {a.w4a16_k}" + (" --no-fp8" if a.no_fp8 else "") + (" --no-vllm" if a.no_vllm else "")
                       + (" --no-cross-check" if a.no_cross_check else "") + "".join(f" --bf16-layers '{x}'" for x in a.bf16_layers),
            "model": str(md), "generator": generator, "n": len(rollouts), "tokens": sum(len(r.token_ids) for r in rollouts),
            "max_tokens": a.max_tokens, "tail_threshold": DEFAULT_TAIL_THRESHOLD, "rows": rows, "vllm_cross_check": cross,
-           "seconds": time.time() - t0, "torch": torch.__version__, "threads": torch.get_num_threads()}
+           "seconds": time.time() - t0, "timings": timings, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "commit": commit, "uncommitted_at_run": dirty, "machine": {**where, "loadavg_end": list(os.getloadavg())},
+           "finished_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(res, indent=2))
     a.out.with_suffix(".md").write_text(to_markdown(res))
@@ -246,10 +294,16 @@ def to_markdown(res: dict) -> str:
     lines = [f"{res['n']} completions ({res['tokens']} tokens, ≤ {res['max_tokens']} each) of the built-in prompts, sampled once by "
              f"**{res['generator']}** and teacher-forced by every configuration; reference: the HF BF16 learner. "
              f"Tail: |Δlogp| > τ = ln 3. Filters: share of sequences kept.", "",
-             f"Command: `{res['command']}` ({res['seconds'] / 60:.1f} min, {res['threads']} CPU threads).", "",
-             "| configuration | source | mean k / K | BF16 weight share | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | exact KL | tail tokens | tail seqs | "
-             + " | ".join(f"keep {x}" for x in fl) + " |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(fl)]
+             f"Command: `{res['command']}` ({res['seconds'] / 60:.1f} min, {res['threads']} CPU threads).", ""]
+    if res.get("commit"):
+        m = res["machine"]
+        lines += [f"Measured on commit `{res['commit']}`" + (f" (plus uncommitted changes: {', '.join(x.split()[-1] for x in res['uncommitted_at_run'])})"
+                                                            if res.get("uncommitted_at_run") else "")
+                  + f", {res['finished_utc']}, host `{m['host']}` ({m['cpu']}, {m['cores']} cores), load average "
+                  f"{m['loadavg_start'][0]:.1f} at the start and {m['loadavg_end'][0]:.1f} at the end.", ""]
+    lines += ["| configuration | source | mean k / K | BF16 weight share | mean \\|Δlogp\\| | p99 \\|Δlogp\\| | exact KL | tail tokens | tail seqs | "
+              + " | ".join(f"keep {x}" for x in fl) + " |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(fl)]
     for name, r in res["rows"].items():
         kf = "—" if r["k_fraction"] is None else f"{r['k_fraction']:.1%}"
         sh = "—" if r.get("bf16_weight_share") is None else f"{r['bf16_weight_share']:.2%}"
