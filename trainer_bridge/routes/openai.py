@@ -56,7 +56,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
