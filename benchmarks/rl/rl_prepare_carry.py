@@ -44,8 +44,10 @@ def main() -> None:
     (b / "gguf.xz.part01").write_bytes(packed[half:])
     (b / "gguf.sha256").write_text(hashlib.sha256(gguf).hexdigest() + "\n")
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    tau = "benchmarks/results/rl/filter_tau.json"  # the committed filter τ, when there is one (else the device fits it)
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", tau], capture_output=True).returncode == 0
     arc = subprocess.run(["git", "archive", "--format=tar", "HEAD", "foursight_engine", "kernels", "quant_methods", "trainer_bridge",
-                          "benchmarks/rl", "benchmarks/common.py"], capture_output=True, check=True).stdout
+                          "benchmarks/rl", "benchmarks/common.py", *([tau] if tracked else [])], capture_output=True, check=True).stdout
     (a / "code.tar").write_bytes(arc)
     shutil.rmtree(root / "code", ignore_errors=True)
     for d in (a, b):
