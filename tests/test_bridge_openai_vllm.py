@@ -205,7 +205,8 @@ def _running(vllm_server) -> float:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_cancels_its_engine_requests(clients, bridge, vllm_server, stream):
     """issue 38: a non-streamed ``/v1/completions`` with n = 4 long samples whose client leaves
-    after 1 s: vLLM's running-request count falls to 0 within 2 s of the client leaving and the
+    after 1 s: vLLM's running-request count falls to 0 within 4 s of the client leaving (0.2 s
+    measured, up to 1.4 s on the loaded 2-core box) and the
     bridge holds no stream (a weight update is not held up; before: the 4 requests kept running to
     their end, the stream open and an update refused 409). The streamed form too."""
     ours, theirs, name = clients
@@ -231,7 +232,7 @@ def test_a_client_that_leaves_cancels_its_engine_requests(clients, bridge, vllm_
         time.sleep(0.05)
     assert left.wait(30)
     t_left = time.monotonic()
-    while time.monotonic() - t_left < 2.0:
+    while time.monotonic() - t_left < 4.0:
         running = _running(vllm_server)
         streams = httpx.get(bridge.url + "/v1/weights").json()["streams_open"]
         if running == 0 and streams == 0:
