@@ -81,3 +81,16 @@ def test_write_timeout_flag_reaches_the_servers_write_timeout(monkeypatch, args,
     assert mw.kwargs["timeout_s"] == (DEFAULT_WRITE_TIMEOUT_S if want == "default" else want)
     r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--wait", "0", "--write-timeout", "0"])
     assert r.exit_code == 2 and "--write-timeout" in r.output
+
+
+def test_foursight_serve_binds_loopback_and_warns_about_dev_routes_off_it():
+    """`foursight serve` gives vLLM --host 127.0.0.1 unless told otherwise (vLLM's own default is every
+    interface); with VLLM_SERVER_DEV_MODE=1 a non-loopback --host gets a warning naming the unauthenticated routes."""
+    from foursight.serve import dev_routes_warning, vllm_command
+
+    argv, env = vllm_command("m", "127.0.0.1", 8000, [], env={"VLLM_SERVER_DEV_MODE": "1"}, cpu=True)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and dev_routes_warning(argv, env) is None
+    argv, env = vllm_command("m", "0.0.0.0", 8000, [], env={"VLLM_SERVER_DEV_MODE": "1"}, cpu=True)
+    assert "/collective_rpc" in dev_routes_warning(argv, env)
+    argv, env = vllm_command("m", "0.0.0.0", 8000, [], env={}, cpu=True)
+    assert dev_routes_warning(argv, env) is None
