@@ -12,7 +12,7 @@ native ``foursight_file`` backend (:mod:`.vllm_weight_transfer`), therefore call
   over HTTP (``VLLM_SERVER_DEV_MODE=1``) and has no token refuses every update. An engine in the
   caller's own process (``vllm.LLM``: TRL colocate, verl, ``foursight rl``) needs none: only that
   process can call it.
-* **The folder.** Wherever a token is configured or the routes are served over HTTP, the file must
+* **The folder.** Wherever the routes are served over HTTP, the file must
   resolve (symlinks, ``..``) inside one of ``FOURSIGHT_WEIGHTS_DIR`` (``os.pathsep``-separated;
   default: the shared-memory folder ``$FOURSIGHT_SHM_DIR`` or ``/dev/shm``, where the TRL client
   writes). The bridge's ``--weights-dir`` is the same folder.
@@ -66,11 +66,13 @@ def weights_dirs(env: dict | None = None) -> list[Path]:
 def authorize_update(path: str | os.PathLike, token: str | None, env: dict | None = None) -> str:
     """The resolved path of an update file the caller may load, or :class:`WeightsRefused`.
 
-    No check in an engine that is neither served over HTTP nor given a token (in-process use)."""
+    No check in an engine that does not serve its routes over HTTP (in-process ``vllm.LLM``: only the
+    caller's process can reach it), whatever its environment holds: a shell that exported the token for
+    a served engine must not break TRL colocate or ``foursight rl`` started from it."""
     env = os.environ if env is None else env
-    want = env.get(TOKEN_ENV) or None
-    if want is None and not served_over_http(env):
+    if not served_over_http(env):
         return str(path)
+    want = env.get(TOKEN_ENV) or None
     if want is None:
         raise WeightsRefused(f"{REFUSED}this engine serves its weight routes over HTTP (VLLM_SERVER_DEV_MODE=1) but has no "
                              f"{TOKEN_ENV}; start it with one and give the bridge the same (docs/bridge.md)")
