@@ -71,3 +71,29 @@ def test_fidelity_table_tiny_end_to_end(tiny_llama_dir, tmp_path):
     assert rows["nvfp4"]["k_fraction"] == 0 and rows["foursight k=16"]["k_fraction"] > 0
     assert rows["fp8 rowwise"]["exact_kl"] < rows["nvfp4"]["exact_kl"]
     assert "| fp8 rowwise |" in out.with_suffix(".md").read_text()
+
+
+def test_fidelity_table_small_table_and_percent_rows(tiny_llama_dir, tmp_path):
+    """The options of a small table (issue 35 item 5's carve-out row): ``--ks`` with a percentage of K
+    gives per-layer k as ``--channels`` reads it (here 10 %: k = 16 for K = 128, 32 for K = 256, as 2 %
+    does for SmolLM2's 576 and 1536), and ``--targets ''``, ``--w4a16-k 0``, ``--no-fp8`` leave those rows
+    out; the result names its commit and machine."""
+    from transformers import AutoModelForCausalLM
+
+    from foursight import schema
+    from foursight.checkpoint import find_linears
+
+    out = tmp_path / "fid"
+    r = subprocess.run([sys.executable, str(benchmark_path("fidelity_table")), "--model", str(tiny_llama_dir), "--n", "2",
+                        "--max-tokens", "4", "--ks", "10%", "--targets", "", "--w4a16-k", "0", "--no-fp8", "--no-vllm", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert list(res["rows"]) == ["nvfp4", "foursight 10%"]
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    in_f = [m.get_submodule(n).in_features for n in find_linears(m, schema.FourSightConfig())]
+    ks = [schema.parse_channel_budget("10%", k) for k in in_f]
+    assert len(set(ks)) > 1  # the percentage gives different k for different K
+    assert res["rows"]["foursight 10%"]["k_mean"] == pytest.approx(sum(ks) / len(ks))
+    assert len(res["commit"]) == 40 and res["machine"]["cores"] >= 1 and len(res["machine"]["loadavg_end"]) == 3
+    assert res["commit"] in out.with_suffix(".md").read_text()
