@@ -328,24 +328,35 @@ class FourSightWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
-    def foursight_update_weights(self, path: str, version: int | str) -> dict:
+    def foursight_update_weights(self, path: str, version: int | str, token: str | None = None, weights_id: str | None = None) -> dict:
         """Re-quantize the engine in place from BF16 tensors (HF names) in the safetensors file
-        ``path`` (every tensor checked finite first) and set the weight version to ``version`` (an int or its string, as the HTTP
-        endpoint sends strings). Returns ``{"version", "updated_tensors", "requantized_layers",
-        "seconds"}``."""
+        ``path`` (every tensor checked first) and set the weight version to ``version`` (an int or its string, as the HTTP
+        endpoint sends strings) and the weights id to ``weights_id`` (the bridge's nonce, reported by
+        :meth:`foursight_engine_state`). An engine served over HTTP loads only with its
+        ``FOURSIGHT_WEIGHTS_TOKEN`` (``token``) and only from its weights folders
+        (:func:`foursight.quant_methods.weight_authority.authorize_update`). A refusal before anything
+        loads starts with ``weight_authority.REFUSED`` (the bridge answers 422). Returns ``{"version",
+        "updated_tensors", "requantized_layers", "seconds"}``."""
+        from foursight.quant_methods.weight_authority import REFUSED, RefusedUpdate, authorize_update
         from foursight.schema import check_safetensors
 
         t0 = time.perf_counter()
         v = int(version)
-        # every tensor is read and checked finite before any is loaded: a rejected update leaves
-        # the previous weights serving and the version unchanged (CheckpointError names the tensor)
-        check_safetensors(path)
+        path = authorize_update(path, token)  # before any file is opened: no token, or outside the folders, is refused
         model = self._foursight_model()
-        check_fused_complete(model, _safetensors_names(path))
-        check_update(model, read_update_file(path))  # names, dtypes, shapes: before anything is loaded
+        # every tensor is read once and checked before any is loaded (what is checked is what is loaded):
+        # a rejected update leaves the previous weights serving and the version unchanged
+        try:
+            check_safetensors(path)
+            weights = list(read_update_file(path))
+            check_fused_complete(model, [n for n, _ in weights])
+            check_update(model, weights)  # names, dtypes, shapes, finiteness
+        except Exception as e:
+            raise RefusedUpdate(f"{REFUSED}{e}") from e  # the bridge answers 422: nothing was loaded
         with torch.no_grad():
-            info = apply_weight_update(model, read_update_file(path))
+            info = apply_weight_update(model, weights)
         self._foursight_version = v
+        self._foursight_weights_id = weights_id
         info.update(version=v, seconds=round(time.perf_counter() - t0, 3))
         return info
 
@@ -354,6 +365,6 @@ class FourSightWorkerExtension:
         return int(getattr(self, "_foursight_version", 0))
 
     def foursight_engine_state(self) -> dict:
-        """``{"boot_id", "version"}``: the id of this worker process (new after a restart) and the
-        version of its last update; the bridge compares them with what it pushed (docs/bridge.md)."""
-        return {"boot_id": BOOT_ID, "version": self.foursight_weight_version()}
+        """``{"boot_id", "version", "weights_id"}``: the id of this worker process (new after a restart),
+        the version and weights id of its last update; the bridge compares them with what it pushed (docs/bridge.md)."""
+        return {"boot_id": BOOT_ID, "version": self.foursight_weight_version(), "weights_id": getattr(self, "_foursight_weights_id", None)}

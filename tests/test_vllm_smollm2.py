@@ -90,6 +90,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: the engine's FOURSIGHT_WEIGHTS_TOKEN (quant_methods/weight_authority.py)
+WEIGHTS_TOKEN = "test-weights-token-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
 def server(smol_ckpt, tmp_path_factory):
     """``vllm serve CKPT --quantization foursight`` (through python -m, see docs/vllm.md) on 127.0.0.1."""
@@ -97,7 +101,11 @@ def server(smol_ckpt, tmp_path_factory):
 
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1")
+    import tempfile
+
+    # dev mode: the worker extension loads only with the engine's token, from its weights folder (the tests' tmp_path lies in it)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1", HF_HUB_OFFLINE="1",
+               FOURSIGHT_WEIGHTS_TOKEN=WEIGHTS_TOKEN, FOURSIGHT_WEIGHTS_DIR=str(Path(tempfile.gettempdir()).resolve()))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -162,7 +170,8 @@ def test_server_weight_update_over_http(server, smol_seqs, smollm2_dir, tmp_path
     from safetensors.torch import load_file, save_file
 
     def rpc(method, *args):
-        r = httpx.post(server + "/collective_rpc", json={"method": method, "args": [str(a) for a in args]}, timeout=300)
+        kwargs = {"token": WEIGHTS_TOKEN} if method == "foursight_update_weights" else {}
+        r = httpx.post(server + "/collective_rpc", json={"method": method, "args": [str(a) for a in args], "kwargs": kwargs}, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()["results"]
 
