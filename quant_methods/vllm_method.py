@@ -53,7 +53,7 @@ from foursight.quant_methods.sharding import TPContext
 from foursight.schema import QUANT_METHOD, FourSightConfig
 
 
-def _tp_context(layer: torch.nn.Module) -> TPContext:
+def vllm_tp_context(layer: torch.nn.Module) -> TPContext:
     """The layer's TP position and vLLM's TP-group collectives (only used when size > 1)."""
     rank, size = int(getattr(layer, "tp_rank", 0)), int(getattr(layer, "tp_size", 1))
     if size == 1:
@@ -71,6 +71,22 @@ def _tp_context(layer: torch.nn.Module) -> TPContext:
         return group.all_gather(t.contiguous(), dim=0)
 
     return TPContext(rank, size, all_reduce_max, all_gather_cat)
+
+
+def vllm_name_map(model: torch.nn.Module):
+    """Checkpoint (HF) name -> vLLM parameter name: the model's ``hf_to_vllm_mapper`` (None: a name
+    vLLM skips), then the fused-layer map (``q_proj`` -> ``qkv_proj``; a FourSight layer's shards are
+    checked by their own rules before the map is consulted)."""
+    from foursight.quant_methods.config import packed_name_map
+
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    packed = packed_name_map(model)
+
+    def map_name(name: str) -> str | None:
+        mapped = mapper.map_name(name) if mapper is not None else name
+        return None if mapped is None else packed(mapped)
+
+    return map_name
 
 
 def install_load_check() -> None:
@@ -114,7 +130,6 @@ def install_load_check() -> None:
             model = original(self, vllm_config, model_config, *args, **kwargs)
             if getattr(model_config, "quantization", None) == QUANT_METHOD:
                 from foursight.quant_methods.update_check import guard_load_weights
-                from foursight.quant_methods.vllm_weight_sync import vllm_name_map
 
                 guard_load_weights(model, vllm_name_map(model))  # a trainer's own load_weights: checked whole
             return model
@@ -200,7 +215,7 @@ class FourSightLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`)."""
 
     def tp_context(self, layer: torch.nn.Module) -> TPContext:
-        return _tp_context(layer)
+        return vllm_tp_context(layer)
 
     def set_attrs(self, param: torch.nn.Parameter, attrs: dict[str, Any]) -> None:
         set_weight_attrs(param, attrs)

@@ -78,22 +78,6 @@ def _safetensors_names(path: str | Path) -> list[str]:
         return list(f.keys())
 
 
-def vllm_name_map(model: torch.nn.Module):
-    """Checkpoint (HF) name -> vLLM parameter name: the model's ``hf_to_vllm_mapper`` (None: a name
-    vLLM skips), then the fused-layer map (``q_proj`` -> ``qkv_proj``; a FourSight layer's shards are
-    checked by their own rules before the map is consulted)."""
-    from foursight.quant_methods.config import packed_name_map
-
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    packed = packed_name_map(model)
-
-    def map_name(name: str) -> str | None:
-        mapped = mapper.map_name(name) if mapper is not None else name
-        return None if mapped is None else packed(mapped)
-
-    return map_name
-
-
 def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Validate a WHOLE update before anything of it is loaded (issue 28: atomic updates):
     :func:`foursight.quant_methods.update_check.check_update` with vLLM's name mapping
@@ -102,6 +86,8 @@ def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     therefore leaves the engine as it was.
     """
     from foursight.quant_methods.update_check import check_update as check
+
+    from foursight.quant_methods.vllm_method import vllm_name_map
 
     return check(model, weights, map_name=vllm_name_map(model))
 
@@ -265,9 +251,9 @@ def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
 def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dict:
     """Re-run the idempotent post-load processing of every layer that received a tensor in the
     session, and the CPU embedding re-pack (step 4). Returns ``{"updated_tensors", "requantized_layers"}``."""
-    from foursight.quant_methods.vllm_method import _tp_context
+    from foursight.quant_methods.vllm_method import vllm_tp_context
 
-    tp_context = tp_context or _tp_context
+    tp_context = tp_context or vllm_tp_context
     partial = session["gate"].incomplete() + _close_packed_reload(session.get("packed", {}))
     layers, before = session["layers"], session["before"]
     touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]

@@ -249,7 +249,7 @@ def test_body_with_invalid_utf8_gets_the_documented_422(edge, path, shape):
     FastAPI's 400 {"detail": "There was an error parsing the body"})."""
     b, eng = edge
     r = httpx.post(b.url + path, content=b'{"prompts": [{"text": "\xff\xfe"}]}', headers={**H, "Content-Type": "application/json"})
-    assert r.status_code == 422, r.text
+    assert r.status_code == (422 if shape == "bridge" else 400), r.text  # the OpenAI routes answer as vLLM does
     err = r.json()["error"]
     body = err if shape == "bridge" else err["message"]
     fields = r.json()["fields"] if shape == "bridge" else err["fields"]
@@ -289,8 +289,8 @@ def test_prompt_beyond_the_hf_models_context_is_422_naming_the_field(hf_edge, pr
 
 
 def test_openai_route_checks_the_context_too(hf_edge):
-    r = httpx.post(hf_edge.url + "/v1/completions", json={"model": "m", "prompt": [5] * 1020, "max_tokens": 10}, headers=H, timeout=60)
-    assert r.status_code == 422 and "max_tokens" in r.json()["error"]["message"] and "context of 1024" in r.json()["error"]["message"], r.text
+    r = httpx.post(hf_edge.url + "/v1/completions", json={"prompt": [5] * 1020, "max_tokens": 10}, headers=H, timeout=60)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"] and "context of 1024" in r.json()["error"]["message"], r.text
 
 
 def _stalled_stream(url: str, n: int = 256, max_tokens: int = 4096):
@@ -338,7 +338,7 @@ def test_a_body_that_is_not_json_is_named_body(edge, path, shape):
     """A body that is not JSON: 422 naming ``body`` (before: ``[1]``, FastAPI's byte offset read as a list index)."""
     b, eng = edge
     r = httpx.post(b.url + path, content=b"{not json", headers={**H, "Content-Type": "application/json"})
-    assert r.status_code == 422, r.text
+    assert r.status_code == (422 if shape == "bridge" else 400), r.text  # the OpenAI routes answer as vLLM does
     err = r.json()["error"]
     fields = r.json()["fields"] if shape == "bridge" else err["fields"]
     assert [f["field"] for f in fields] == ["body"], r.text

@@ -240,13 +240,23 @@ async def _unparsable_body(request, exc):
     return invalid_request(request.url.path, [{"field": "body", "message": why}])
 
 
+def openai_error(status: int, message: str, type_: str, param: str | None = None, **extra) -> JSONResponse:
+    """An error answer in OpenAI's (and vLLM's) shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param, "code": status, **extra}})
+
+
+def bad_request(fields: list[dict[str, str]]) -> JSONResponse:
+    """The OpenAI routes' ``400`` naming every bad field (``param`` is the first, as vLLM names one;
+    ``fields`` lists them all)."""
+    msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+    return openai_error(400, f"invalid request: {msg}", "BadRequestError", fields[0]["field"] if fields else None, fields=fields)
+
+
 def invalid_request(path: str, fields: list[dict[str, str]]) -> JSONResponse:
     """The documented answer to a request the route could not validate, in the route's shape: the
     bridge's 422 ``{"error": str, "fields"}`` or, on the OpenAI routes, vLLM's 400
-    ``{"error": {"message", "type", "param", "code", "fields"}}`` (:func:`.routes.openai.bad_request`)."""
+    ``{"error": {"message", "type", "param", "code", "fields"}}`` (:func:`bad_request`)."""
     if path in _OPENAI_PATHS:
-        from foursight.trainer_bridge.routes.openai import bad_request
-
         return bad_request(fields)
     msg = "invalid request: " + "; ".join(f"{f['field']}: {f['message']}" for f in fields)
     return JSONResponse(status_code=422, content={"error": msg, "fields": fields})

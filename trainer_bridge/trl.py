@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -30,21 +29,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from foursight.trainer_bridge.filters import FilterConfig, apply_filter
+from foursight.trainer_bridge.trl_warning import trl_version_warning_once
 
 #: TRL 1.16 warns "TRL currently supports vLLM versions from 0.22.0 to 0.31.0" from each of its modules
 #: that checks vLLM (7 times in the docs/trl.md example, on vLLM 0.32, which everything here ran on)
-TRL_VLLM_VERSION_WARNING = r"TRL currently supports vLLM versions"
-
-
-def trl_version_warning_once() -> None:
-    """Let TRL's vLLM-version warning print once, here, and silence its repeats (a ``"once"`` filter
-    did not hold across TRL's lazy imports). Called before FourSight imports TRL's trainer or client."""
-    from trl.import_utils import is_vllm_available
-
-    is_vllm_available()  # the warning, when vLLM is outside TRL's tested range
-    warnings.filterwarnings("ignore", message=TRL_VLLM_VERSION_WARNING, category=UserWarning)
-
-
 def apply_filter_to_trl_batch(batch: dict[str, Any], config: FilterConfig | dict | None = None) -> tuple[dict[str, Any], dict[str, float]]:
     """Filter one TRL GRPO batch in place.
 

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from foursight.trainer_bridge.routes.trl import BACKEND
-from foursight.trainer_bridge.trl import trl_version_warning_once
+from foursight.trainer_bridge.trl_warning import trl_version_warning_once
 
 trl_version_warning_once()
 from trl.generation.vllm_client import VLLMClient  # noqa: E402 (after the warning filter)

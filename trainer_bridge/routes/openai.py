@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from foursight.trainer_bridge.backends.base import Delta
-from foursight.trainer_bridge.guards import field_name
+from foursight.trainer_bridge.guards import bad_request, field_name, openai_error
 from foursight.trainer_bridge.protocol import MAX_LOGPROBS, ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
 from foursight.trainer_bridge.routes.rollouts import RolloutStreamResponse, admit, events
 from foursight.trainer_bridge.routes.state import BridgeState, State
@@ -213,17 +213,6 @@ def _openai_field(name: str, kind: str) -> str:
     if name.startswith("prompts"):
         return "messages" if kind == "chat" else "prompt" + name[len("prompts"):]
     return name
-
-
-def openai_error(status: int, message: str, type_: str, param: str | None = None, **extra) -> JSONResponse:
-    """An error answer in OpenAI's (and vLLM's) shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param, "code": status, **extra}})
-
-
-def bad_request(fields: list[dict[str, str]]) -> JSONResponse:
-    """``400`` naming every bad field (``param`` is the first, as vLLM names one; ``fields`` lists them all)."""
-    msg = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
-    return openai_error(400, f"invalid request: {msg}", "BadRequestError", fields[0]["field"] if fields else None, fields=fields)
 
 
 def _invalid(exc: ValidationError | ValueError, field: str = "<body>", kind: str | None = None) -> JSONResponse:
