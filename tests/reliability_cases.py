@@ -1,4 +1,4 @@
-"""The cases of issues 14 and 28 (hardening, rounds one and two) and the tests that show each one's status.
+"""The cases of issues 14, 28 and 38 (hardening, rounds one to three) and the tests that show each one's status.
 
 ``scripts/reliability_table.py`` turns this list into the table of docs/reliability.md; it
 fails when a named test does not exist (``pytest --collect-only``), and with ``--run`` it runs
@@ -28,7 +28,67 @@ CP, FW, SC, SS = ("tests/test_completeness.py", "tests/test_folder_writer.py", "
                   "tests/sglang/test_server.py")
 PR = "tests/test_cli_probes.py"
 
+A, WT = "tests/test_bridge_vllm_authority.py", "tests/test_vllm_weight_transfer.py"
+OV = "tests/test_bridge_openai_vllm.py"
+
 CASES: list[Case] = [
+    # ---- issue 38 (round three) ----
+    Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
+         "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "
+         "whether a file existed", "fixed",
+         (f"{A}::test_documented_engine_binds_loopback_and_refuses_updates_without_the_token", f"{A}::test_bridge_goes_stale_on_weights_it_did_not_push",
+          "tests/test_weight_authority.py::test_only_the_token_and_only_the_weights_folder_on_a_served_engine",
+          "tests/test_bridge_cli.py::test_foursight_serve_binds_loopback_and_warns_about_dev_routes_off_it"),
+         "every documented engine line binds 127.0.0.1 (foursight serve; run as printed); served engines load only with "
+         "FOURSIGHT_WEIGHTS_TOKEN from FOURSIGHT_WEIGHTS_DIR, one answer naming no outside path; each push carries a weights id the "
+         "engine reports, another id makes it stale; vLLM's own dev-mode methods stay unguarded (documented)", "38"),
+    Case("high", "vLLM's native route loaded, at finish_weight_update, whatever the file held then (a NaN norm written after the "
+         "check was served); a path reused for two buckets loaded the last one twice", "fixed",
+         (f"{WT}::test_native_route_loads_the_tensors_it_checked",),
+         "update_weights keeps the tensors it checked and finish loads those, bucket by bucket; /collective_rpc reads its file once too", "38"),
+    Case("high", "a diverged learner step poisoned or wedged a colocated engine through vLLM's own model.load_weights (a NaN norm, "
+         "an Inf embedding row, an online-mode NaN q_proj, an int32 norm)", "fixed",
+         (f"{LW}::test_a_diverged_step_is_refused_on_the_trainers_road",),
+         "a FourSight model's own load_weights checks each call whole (dtype, shape, finiteness of every tensor, norms and embeddings "
+         "included) before writing anything (update_check.guard_load_weights): a TRL tensor or a verl bucket is refused naming the "
+         "tensor, logprobs unchanged, the engine answers; SGLang's tensor route likewise (tests/sglang/test_atomic_updates.py)", "38"),
+    Case("medium", "a vLLM update the worker refused before loading (wrong shape, int32, unknown name) got 502 and marked the engine "
+         "stale: 503 on health and every rollout", "fixed",
+         (f"{A}::test_a_refused_vllm_update_is_422_and_the_engine_stays_in_service", f"{WT}::test_bridge_updates_a_vllm_server_through_the_native_api"),
+         "the worker's refusal carries 'FourSight refused the weight update, nothing loaded'; the bridge answers 422 naming engine and "
+         "tensor, the engine stays in sync and its logprobs are bit-identical, on both vLLM routes", "38"),
+    Case("medium", "an abandoned non-streamed OpenAI request kept running in the engine (n = 4, 900 tokens: 4 requests still running "
+         "6 s after the client left, and an update got 409)", "fixed",
+         (f"{OV}::test_a_client_that_leaves_cancels_its_engine_requests",),
+         "the OpenAI routes cancel their engine requests when the client disconnects, streamed or not: vLLM's running count reaches 0 "
+         "and the bridge holds no stream within 4 s", "38"),
+    Case("medium", "`foursight rl --resume` unpickled whatever checkpoint it was given (torch.load(weights_only=False))", "fixed",
+         ("tests/test_rl.py::test_resume_refuses_a_checkpoint_that_would_run_code",),
+         "checkpoints load with weights_only=True; a file that is not one is refused by name before any of it runs", "38"),
+    Case("medium", "`--force --out FOLDER/sub/..` emptied FOLDER and wrote nothing (the temporary folder went into the unresolved "
+         "parent, inside the folder being replaced)", "fixed",
+         (f"{FW}::test_out_through_dotdot_replaces_the_folder_it_names",),
+         "`--out` is resolved before anything else (`folder_writer.resolve_out`); the temporary folder `<out>.tmp-XXXXXXXX` goes "
+         "beside the resolved target", "38"),
+    Case("low", "`--force` on a folder FourSight made deleted files the user had added to it", "fixed",
+         (f"{FW}::test_force_refuses_a_folder_of_ours_holding_the_users_files_naming_them", f"{CK}::test_force_replaces_only_a_foursight_checkpoint"),
+         "`.foursight-written` lists the files the writer wrote; `--force` refuses a folder holding anything else, naming it, and "
+         "deletes nothing", "38"),
+    Case("low", "a stray `.foursight-incomplete` marker made a user's folder removable without `--force`", "fixed",
+         (f"{FW}::test_a_stray_marker_does_not_make_a_folder_ours",),
+         "the marker plays no part in ownership: a marked destination is removed only if `.foursight-written` makes it ours and it "
+         "holds nothing else", "38"),
+    Case("low", "a second run to the same `--out` deleted a live run's temporary folder", "fixed",
+         (f"{FW}::test_a_second_run_leaves_a_live_runs_temporary_folder_alone",),
+         "a live run holds an flock on its marker until it ends; a later run removes only temporary folders whose lock is free "
+         "(their run died)", "38"),
+    Case("low", "`--out` with glob characters was used as a glob (it removed the temporary folder of another destination)", "fixed",
+         (f"{FW}::test_out_with_glob_characters_is_a_plain_name",),
+         "temporary folders are matched by literal name prefix plus mkdtemp's 8-character suffix, never a pattern", "38"),
+    Case("low", "`calibrate --out` overwrote any existing file", "fixed",
+         (f"{PR}::test_calibrate_refuses_an_existing_file_without_force", f"{PR}::test_calibrate_force_replaces_a_channels_file"),
+         "an existing file is refused without `--force`; with it only a file `ChannelsFile.read` accepts is replaced "
+         "(`channels_file.prepare_channels_destination`)", "38"),
     # ---- issue 28 (round two) ----
     Case("high", "vLLM and SGLang serve a FourSight checkpoint without a norm tensor and report healthy (without "
          "`model.norm.weight` vLLM answers `'ikipedia\\n\\n,,,,…'`); a compressed-tensors folder missing a norm passes "
@@ -38,7 +98,7 @@ CASES: list[Case] = [
           f"{CP}::test_incomplete_compressed_tensors_folder_is_refused_by_inspect_and_import",
           f"{CP}::test_incomplete_foursight_folder_is_refused_by_inspect"),
          "every reader compares the tensors with the model: inspect/import with the model config.json describes "
-         "(`interop.check_complete_tensors`), vLLM and SGLang with the model's parameters after the fused-layer mapping "
+         "(`compressed_tensors_format.check_complete_tensors`), vLLM and SGLang with the model's parameters after the fused-layer mapping "
          "(`quant_methods/config.checked_complete`), transformers with the instantiated state dict; tied weights may be "
          "absent; a missing or stray tensor is named", "28"),
     Case("high", "a global scale of 1e-40 is \"valid\" at `inspect`, then kills vLLM at its first request; zero and "
@@ -92,7 +152,7 @@ CASES: list[Case] = [
           f"{SS}::test_bridge_refuses_a_prompt_beyond_the_sglang_context_naming_the_field"),
          "prompt tokens + max_tokens must fit the served context (HF: `max_position_embeddings`; vLLM/SGLang: "
          "`max_model_len` of their `GET /v1/models`): 422 naming `prompts[i]`, `prompts[i].max_tokens` or "
-         "`sampling.max_tokens`, before any generation", "28"),
+         "`sampling.max_tokens`, before any generation (the OpenAI routes: 400 in OpenAI's error shape, as vLLM answers)", "28"),
     Case("medium", "a client that opens a large stream and never reads blocks every weight update (409) for as long "
          "as it holds the connection", "fixed",
          (f"{BE}::test_a_stream_whose_client_stops_reading_is_dropped_and_cannot_block_updates",),
