@@ -29,7 +29,6 @@ import torch
 
 from foursight import schema
 from foursight.compressed_tensors_format import CT_METHOD, CT_NVFP4_FORMAT, CT_SUFFIXES, linear_names, read_compressed_tensors
-from foursight.compressed_tensors_format import as_foursight_weights, foursight_config_from_ct  # noqa: F401  (transition: quant_methods/config.py imports them from here)
 from foursight.schema import CheckpointError, read_config
 
 def write_checkpoint_folder(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool, verb: str,

@@ -35,16 +35,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FOURSIGHT_CACHE", Path.home() / ".cache" / "foursight"))
 
 
-def __getattr__(name: str):
-    """Transition (issue 39): ``builtin_texts`` lives in :mod:`foursight.calibration`; this keeps
-    ``from foursight.models import builtin_texts`` working until the last such import is changed. Remove then."""
-    if name == "builtin_texts":
-        from foursight.calibration import builtin_texts
-
-        return builtin_texts
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _atomic_dir(final: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from foursight.interop import CT_METHOD  # the compressed-tensors checkpoints --quantization foursight also serves
+from foursight.compressed_tensors_format import CT_METHOD  # the compressed-tensors checkpoints --quantization foursight also serves
 from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.plan import WEIGHT, LayerPlan, apply_linear, layer_params, refresh_layer
 from foursight.quant_methods.sharding import TPContext, shard_names
@@ -41,11 +41,11 @@ def parse_quantization_config(config: dict[str, Any]) -> FourSightConfig:
     A FourSight one goes through the strict schema. A compressed-tensors NVFP4 one (the format
     llm-compressor writes) is read as the plain-NVFP4 (k = 0) FourSight checkpoint it is, so
     ``--quantization foursight`` serves it with FourSight's kernels without a conversion
-    (:func:`foursight.interop.foursight_config_from_ct`; the engine's weight iterator adds the empty
-    k = 0 tensors, :func:`foursight.interop.as_foursight_weights`). Raises CheckpointError naming the field.
+    (:func:`foursight.compressed_tensors_format.foursight_config_from_ct`; the engine's weight iterator adds the empty
+    k = 0 tensors, :func:`foursight.compressed_tensors_format.as_foursight_weights`). Raises CheckpointError naming the field.
     """
     if config.get("quant_method") == CT_METHOD:
-        from foursight.interop import foursight_config_from_ct
+        from foursight.compressed_tensors_format import foursight_config_from_ct
 
         return foursight_config_from_ct(config)
     return FourSightConfig.parse(dict(config))
@@ -115,12 +115,12 @@ def served_weights(weights, hf_quant_cfg: Any, where: str = "", model: torch.nn.
     """The ``(name, tensor)`` stream an engine adapter loads for a ``foursight`` model: every tensor
     checked finite (:func:`foursight.schema.checked_finite`), a compressed-tensors NVFP4
     folder's tensors read as the k = 0 FourSight checkpoint they are
-    (:func:`foursight.interop.as_foursight_weights`), and with ``model`` the names compared with
+    (:func:`foursight.compressed_tensors_format.as_foursight_weights`), and with ``model`` the names compared with
     the model's parameters (:func:`checked_complete`). The vLLM and SGLang loaders both wrap this."""
     from foursight.schema import checked_finite
 
     if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == CT_METHOD:
-        from foursight.interop import as_foursight_weights
+        from foursight.compressed_tensors_format import as_foursight_weights
 
         weights = as_foursight_weights(weights, parse_quantization_config(hf_quant_cfg).activation_dtype)
     weights = checked_finite(weights, where)

@@ -12,7 +12,7 @@ What is SGLang-specific here:
   ``hf_config`` keys, stripped before the strict schema parse). A compressed-tensors NVFP4
   checkpoint (llm-compressor's ``nvfp4-pack-quantized``) served with ``--quantization foursight``
   is taken over by ``override_quantization_method`` and read as FourSight k = 0; the plugin's
-  weight iterator adds the empty k = 0 tensors (:func:`foursight.interop.as_foursight_weights`),
+  weight iterator adds the empty k = 0 tensors (:func:`foursight.compressed_tensors_format.as_foursight_weights`),
   as the vLLM adapter does. With no quantization config in
   the model (a BF16 model served with ``--quantization foursight``) SGLang calls the class with
   no arguments: that is online quantization, configured by ``FOURSIGHT_*`` environment variables

@@ -14,7 +14,7 @@ the method is added there too (it runs the PyTorch reference on CPU).
 
 ``--quantization foursight`` also serves a compressed-tensors NVFP4 folder unconverted (k = 0):
 the config's ``override_quantization_method`` takes it over and the weight iterator below adds
-the empty k = 0 tensors (:func:`foursight.interop.as_foursight_weights`).
+the empty k = 0 tensors (:func:`foursight.compressed_tensors_format.as_foursight_weights`).
 
 Registering also makes SGLang's weight iterator check every tensor of a ``foursight`` model finite
 (a NaN norm or an Inf embedding row stops the load with an error naming the tensor instead of

@@ -24,7 +24,7 @@ Three ways in:
 * a compressed-tensors NVFP4 checkpoint (llm-compressor's ``nvfp4-pack-quantized``) with
   ``--quantization foursight``: ``override_quantization_method`` takes it over, ``from_config``
   reads its config as FourSight k = 0, and the weight iterator adds the empty k = 0 tensors
-  (:func:`foursight.interop.as_foursight_weights`), so FourSight's kernels serve it unconverted;
+  (:func:`foursight.compressed_tensors_format.as_foursight_weights`), so FourSight's kernels serve it unconverted;
 * a BF16 checkpoint with ``--quantization foursight``: vLLM finds no config file for this
   method (``get_config_filenames`` is empty) and calls ``FourSightVllmConfig()``, which reads
   the online settings from ``FOURSIGHT_*`` environment variables (channels file, budget,

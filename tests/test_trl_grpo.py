@@ -30,7 +30,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("trl")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from foursight.models import builtin_texts  # noqa: E402
+from foursight.calibration import builtin_texts  # noqa: E402
 from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences, server_prompt_logprobs  # noqa: E402
 from helpers.vllm_engine import fresh_logprobs  # noqa: E402
 

@@ -171,7 +171,7 @@ def test_verl_bucketed_sync_into_foursight_engine_equals_fresh_load(tiny_llama_d
     from vllm import LLM
 
     from foursight.checkpoint import quantize_model
-    from foursight.models import builtin_texts
+    from foursight.calibration import builtin_texts
     from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
     from helpers.weights import perturbed_state
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from foursight.models import builtin_texts  # noqa: E402
+from foursight.calibration import builtin_texts  # noqa: E402
 from helpers.checkpoints import folder_with  # noqa: E402
 from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from helpers.vllm_engine import engine_model, fresh_logprobs, make_llm  # noqa: E402

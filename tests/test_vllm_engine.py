@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from foursight.checkpoint import quantize_model  # noqa: E402
 from foursight.hf import load_reference_model  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
-from foursight.models import builtin_texts  # noqa: E402
+from foursight.calibration import builtin_texts  # noqa: E402
 from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs  # noqa: E402
 from helpers.checkpoints import edited_copy  # noqa: E402
 from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402

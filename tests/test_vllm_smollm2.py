@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from foursight.models import builtin_texts  # noqa: E402
+from foursight.calibration import builtin_texts  # noqa: E402
 from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from helpers.vllm_engine import EXT  # noqa: E402
 from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs  # noqa: E402

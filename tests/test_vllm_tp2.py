@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
         from vllm import LLM
         from transformers import AutoTokenizer
         from foursight.hf import load_reference_model
-        from foursight.models import builtin_texts
+        from foursight.calibration import builtin_texts
         from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
         from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs
         ck, out = sys.argv[1], sys.argv[2]

@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.checkpoint import quantize_model  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
-from foursight.models import builtin_texts  # noqa: E402
+from foursight.calibration import builtin_texts  # noqa: E402
 from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from helpers.vllm_engine import EXT, engine_model  # noqa: E402
 from helpers.weights import perturbed_state  # noqa: E402

@@ -42,7 +42,7 @@ def main(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from foursight.models import builtin_texts
+    from foursight.calibration import builtin_texts
     from foursight.trainer_bridge.client import RolloutClient
     from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
     from foursight.trainer_bridge.filters import FilterConfig, apply_filter

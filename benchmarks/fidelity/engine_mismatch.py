@@ -3,7 +3,7 @@
 1. Builds (or reuses) two checkpoints of the model with ``foursight.checkpoint.quantize_model``:
    FourSight with ``--channels`` BF16 channels, and plain NVFP4 (``channels=0``), cached in
    ``~/.cache/foursight/vllm_mismatch`` for both engines (the very same checkpoints).
-2. Makes fixed sequences: chat-formatted prompts from ``foursight.models.builtin_texts()`` plus a
+2. Makes fixed sequences: chat-formatted prompts from ``foursight.calibration.builtin_texts()`` plus a
    sampled continuation (temperature 1, per-request seed) from the engine's BF16 model.
 3. Teacher-forces the three in-process engines (one after the other) on exactly those tokens and
    prints mean / p99 / max |Δ logprob| of FourSight and NVFP4 against the BF16 engine, plus the
@@ -169,7 +169,8 @@ def main() -> None:
 
     from foursight.checkpoint import quantize_model
     from foursight.hf import load_reference_model
-    from foursight.models import builtin_texts, cache_dir, prepare_smollm2
+    from foursight.calibration import builtin_texts
+    from foursight.models import cache_dir, prepare_smollm2
     from foursight.trainer_bridge.scoring import sequence_logprobs
 
     Engine = ENGINES[args.engine]

@@ -69,7 +69,8 @@ def main() -> None:
     from foursight.compare.prompts import load_prompts
     from foursight.compare.report import engine_metrics
     from foursight.hf import load_reference_model
-    from foursight.interop import _save, compensate_import, import_compressed_tensors, read_compressed_tensors
+    from foursight.compressed_tensors_format import read_compressed_tensors
+    from foursight.interop import compensate_import, import_compressed_tensors, write_checkpoint_folder
     from foursight.models import resolve_model
     from foursight.trainer_bridge.backends.hf import HFEngine
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
@@ -101,7 +102,7 @@ def main() -> None:
 
     def recal0(out):
         cfg, tensors, cf = compensate_import(ct, *read_compressed_tensors(ct), "0", progress=False)
-        return _save(out, ct, cfg, tensors, False, channels_file=cf)
+        return write_checkpoint_folder(out, ct, cfg, tensors, False, "import", channels_file=cf)
 
     def fsq(spec, scale):
         return lambda out: quantize_model(md, out, channels=spec, activation_scale=scale, progress=False).out_dir

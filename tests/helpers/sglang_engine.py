@@ -64,7 +64,7 @@ def prompt_ids(model_dir: str | Path, n: int = 4, max_len: int = 48) -> list[lis
     """Token ids of ``n`` built-in texts (BOS first), truncated to ``max_len`` tokens."""
     from transformers import AutoTokenizer
 
-    from foursight.models import builtin_texts
+    from foursight.calibration import builtin_texts
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     out = []

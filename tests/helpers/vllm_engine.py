@@ -62,7 +62,7 @@ def subprocess_prompt_logprobs(ckpt: Path, workdir: Path, n_texts: int = 4, max_
         if __name__ == "__main__":
             from vllm import LLM
             from transformers import AutoTokenizer
-            from foursight.models import builtin_texts
+            from foursight.calibration import builtin_texts
             from helpers.logprobs import engine_prompt_logprobs, fixed_sequences
             llm = LLM(model={str(ckpt)!r}, quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16")
             seqs = fixed_sequences(AutoTokenizer.from_pretrained({str(ckpt)!r}), builtin_texts()[:{n_texts}], {max_len})
