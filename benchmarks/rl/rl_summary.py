@@ -11,8 +11,7 @@ are isolated timing runs) and writes into DIR:
     reference configuration's final accuracy (the mean over its seeds of each seed's last eval);
     seeds that never reach it are counted in ``reached`` and left out of the mean;
   - ``ratio_vs_base``: mean steps of ``base`` (plain NVFP4) / mean steps of this configuration
-    (> 1: fewer steps than NVFP4); when ``base`` never reached the target, a lower bound
-    (its last step / this configuration's mean), flagged ``ratio_is_lower_bound``;
+    (> 1: fewer steps than NVFP4); None (n/a) unless every seed of both reached the target;
   - ``final_acc``, ``tim_abs_log_ratio`` (mean |r| per step, averaged over steps), ``k3``,
     ``filtered_fraction``, ``channels_k_fraction``, and the mean time per phase (steps 4 onward);
 * the statistics of study v2 (``stats`` in summary.json, the second table of summary.md), per
