@@ -131,3 +131,29 @@ def test_numerics_sit_below_everything():
     for m in (m for m in g if m.startswith("foursight.kernels")):
         assert {t for t in ours(m) if not t.startswith("foursight.kernels")} <= {"foursight", "foursight.nvfp4", "foursight.layer"}, m
     assert "foursight.kernels" in ours("foursight.dispatch")  # the Triton backend (a deferred import)
+
+
+def test_cli_and_rl_import_without_the_serving_stack():
+    """``foursight rl`` runs where only torch and transformers are (the device of the RL study): the
+    CLI's top-level imports must not pull in the bridge's server stack or an engine. Regression: the
+    bridge CLI imported a constant from ``guards``, which imports starlette, and every run of the
+    study's first device chunk died at import (2026-12-06)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import importlib.abc, sys
+        BLOCK = {"starlette", "fastapi", "uvicorn", "httpx", "vllm", "sglang", "openai", "trl"}
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in BLOCK:
+                    raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        sys.meta_path.insert(0, Block())
+        sys.argv = ["foursight", "rl", "--help"]
+        from foursight.cli import main
+        main()
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "--rollout-precision" in p.stdout, p.stdout[-2000:]

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from foursight.cli_util import OptionError, guarded
-from foursight.trainer_bridge.guards import DEFAULT_WRITE_TIMEOUT_S
+from foursight.trainer_bridge.protocol import DEFAULT_WRITE_TIMEOUT_S
 
 app = typer.Typer(help="The FourSight rollout bridge (streaming rollouts with per-token logprobs, weight sync).", no_args_is_help=True)
 

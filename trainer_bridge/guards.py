@@ -30,14 +30,11 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from foursight.trainer_bridge.protocol import INT64_MAX, RolloutRequest
+from foursight.trainer_bridge.protocol import DEFAULT_WRITE_TIMEOUT_S, INT64_MAX, RolloutRequest
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: default request body limit (a rollout request of 65536 token-id prompts fits)
 DEFAULT_MAX_BODY_BYTES = 32 << 20
-#: seconds one write of a response may wait for the client to read (``--write-timeout``): a
-#: stream whose client stops reading is dropped after it, which releases its hold on weight updates
-DEFAULT_WRITE_TIMEOUT_S = 30.0
 #: (method, path) that need no API key: health, metrics and the current version (read-only)
 OPEN_ROUTES = {("GET", "/v1/health"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/weights"), ("HEAD", "/v1/health"),
                ("HEAD", "/health")}

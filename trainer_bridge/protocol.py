@@ -22,6 +22,10 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 #: most top alternatives per token a request may ask for (``logprobs``, ``prompt_logprobs``,
 #: ``top_logprobs``): vLLM's default ``--max-logprobs``
 MAX_LOGPROBS = 20
+#: seconds one write of a response may wait for the client to read (``--write-timeout``): a
+#: stream whose client stops reading is dropped after it, which releases its hold on weight updates.
+#: Here, not in guards, so that the CLI (and ``foursight rl``) imports without the server stack.
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 #: per token, ``(token id, logprob)`` pairs: the token itself first, then the most likely ones
 TopLogprobs = list[tuple[int, float]]
 

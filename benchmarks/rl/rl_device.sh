@@ -91,6 +91,7 @@ stage() {
 import json, os, time, torch
 from foursight.models import build_tiny_model
 from foursight.rl import RLConfig, run_rl
+import foursight.cli  # the study's runs start through the CLI (rl_study.py): its imports must hold here too
 dev = os.environ["DEV"]
 d = build_tiny_model(os.environ["FOURSIGHT_CACHE"] + "/rl_tiny")
 kw = dict(steps=1, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_every=1, eval_size=4, micro_batch=3, format_bonus=0.0)

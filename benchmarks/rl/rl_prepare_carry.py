@@ -38,7 +38,7 @@ def main() -> None:
     gguf = (smollm2_gguf_dir() / SMOLLM2_GGUF).read_bytes()
     packed = lzma.compress(gguf, preset=6)  # 98 MB -> ~90 MB: the halves then leave room for the tree in each call
     half = len(packed) // 2
-    for old in list(a.glob("gguf*")) + list(b.glob("gguf*")):
+    for old in list(a.glob("gguf.*")) + list(b.glob("gguf.*")):
         old.unlink()
     (a / "gguf.xz.part00").write_bytes(packed[:half])
     (b / "gguf.xz.part01").write_bytes(packed[half:])
