@@ -46,6 +46,8 @@ _TIE_UP_LIST: list[bool] = _TIE_UP.tolist()
 
 #: E2M1 values of both codes of each packed byte: row b is (value of b & 15, value of b >> 4).
 _BYTE_VALUES: torch.Tensor = torch.stack([E2M1_VALUES[torch.arange(256) & 15], E2M1_VALUES[torch.arange(256) >> 4]], dim=1)
+#: :data:`_BYTE_VALUES` with each row's two float32 read as one int64 (a lookup moves both at once).
+_BYTE_PAIRS: torch.Tensor = _BYTE_VALUES.contiguous().view(torch.int64).reshape(256)
 
 
 class NVFP4Error(ValueError):
@@ -114,6 +116,37 @@ def _e2m1_codes_f32(xf: torch.Tensor) -> torch.Tensor:
     return acc.bitwise_or_(sign).view(shape)
 
 
+def _code_table() -> torch.Tensor:
+    """uint8 [65536]: the E2M1 code (after clamping to ±6) of every float32 whose 16-bit key
+    (:func:`_e2m1_codes_lut`) is the index, computed once by :func:`_e2m1_codes_f32` on one
+    representative float per key (upper half = key, lower half 0); NaN keys map to 7 | sign."""
+    rep = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    codes = _e2m1_codes_f32(torch.clamp(rep, -FP4_MAX, FP4_MAX).contiguous())
+    nan = torch.isnan(rep)
+    codes[nan] = 7 | (torch.signbit(rep[nan]).to(torch.uint8) << 3)
+    return codes
+
+
+#: E2M1 code of each 16-bit key ``upper16(x) | sticky(lower16(x))`` (see :func:`_e2m1_codes_lut`).
+_CODE_TABLE: torch.Tensor = _code_table()
+
+
+def _e2m1_codes_lut(xf: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of ``clamp(xf, -6, 6)`` for a contiguous float32 tensor ``xf``, by one table lookup.
+
+    The key of a float32 is its upper 16 bits (sign, exponent, 7 mantissa bits) with bit 0 set when
+    the lower 16 bits are not zero (the sticky bit of :func:`_e2m1_codes_f32`). Every decision
+    boundary, and the clamp edge 6, is exact in its upper half with bit 0 clear, so all floats of one
+    key round to the same code, and :data:`_CODE_TABLE` holds it. The key is four int32 passes:
+    ``((u & 0xFFFF) + 0xFFFF)`` has bit 16 set iff the lower half is not zero; OR-ed into ``u`` and
+    shifted down it is the key (masked to 16 bits: the shift keeps the sign). Bit-identical to
+    ``_e2m1_codes_f32(clamp(xf, -6, 6))`` for every float32 (tests/test_nvfp4.py checks all 2**16
+    keys with both lower halves); no clamp pass and no compare chain."""
+    u = xf.view(torch.int32)
+    key = (u & 0xFFFF).add_(0xFFFF).bitwise_or_(u).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    return _CODE_TABLE.to(xf.device).index_select(0, key.reshape(-1)).view(xf.shape)
+
+
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """Map 4-bit codes (uint8, any shape) to their float32 E2M1 values."""
     return E2M1_VALUES.to(codes.device)[codes.long()]
@@ -130,11 +163,17 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
         raise NVFP4Error(f"pack_fp4: last dim {codes.shape[-1]} is odd")
     c = codes.to(torch.uint8)
     if c.is_contiguous() and sys.byteorder == "little" and c.numel():
-        # each (even, odd) pair read as one little-endian int16 ``even | odd << 8``: ``v | v >> 4``
-        # puts ``even | odd << 4`` in its low byte (one pass over half as many elements, no strided views)
-        v = (c & 0xF).view(torch.int16)
-        return (v | (v >> 4)).bitwise_and_(0xFF).to(torch.uint8)
+        return _pack_nibbles(c & 0xF)
     return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def _pack_nibbles(c: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_fp4` of contiguous uint8 codes already below 16, on a little-endian host: each
+    (even, odd) pair read as one int16 ``even | odd << 8``; ``v | v >> 4`` puts ``even | odd << 4`` in
+    its low byte, and the cast to uint8 keeps that byte (integer casts wrap): two passes over half
+    as many elements, no strided views."""
+    v = c.view(torch.int16)
+    return (v | (v >> 4)).to(torch.uint8)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -201,21 +240,31 @@ def quantize_nvfp4(
     r, k = x.shape
     check_k(k, name)
     gs = global_scale.float().to(x.device)
-    xb = x.reshape(r, k // BLOCK_SIZE, BLOCK_SIZE)
+    # float32 once (a no-op for a contiguous float32 input): every pass below reads float32
+    xb = x.float().contiguous().reshape(r, k // BLOCK_SIZE, BLOCK_SIZE)
     amax = block_amax(xb)
     if r and not bool(torch.isfinite(amax).all()):  # amax propagates NaN/Inf: one pass checks both
         check_finite(x, name)
     scale = scales_from_block_amax(amax, gs)
     # x * gs / s computed as x / (s / gs), the order compressed-tensors uses; one division per element
-    # against the block's divisor broadcast (no [R, K] copy of it), clamped in place
+    # against the block's divisor broadcast (no [R, K] copy of it); the clamp to ±6 is in the code table
     eff = (scale.float() / gs).unsqueeze(-1)
-    scaled = torch.div(xb, eff).clamp_(-FP4_MAX, FP4_MAX).reshape(r, k)
-    return pack_fp4(_e2m1_codes_f32(scaled)), scale
+    scaled = torch.div(xb, eff).reshape(r, k)
+    codes = _e2m1_codes_lut(scaled)
+    return (_pack_nibbles(codes) if sys.byteorder == "little" else pack_fp4(codes)), scale
 
 
 def block_amax(xb: torch.Tensor) -> torch.Tensor:
-    """float32 ``max |x|`` over the last dim of ``xb`` (e.g. [R, K/16, 16] blocks), in one pass with no
-    copy of ``xb``: ``max(max x, -min x)`` (exact; NaN and Inf propagate as with ``abs().amax()``)."""
+    """float32 ``max |x|`` over the last dim of ``xb`` (e.g. [R, K/16, 16] blocks); NaN and Inf
+    propagate as with ``abs().amax()`` (exact: a maximum rounds nothing).
+
+    16-wide blocks: ``abs`` and a max-pool of width 16 over the rows (a reduction over a 16-wide last
+    dim is the CPU's slowest form, about twice as long); a long last dim (a row, a whole tensor):
+    one ``aminmax`` pass with no copy, ``max(max x, -min x)``."""
+    if xb.shape[-1] == BLOCK_SIZE and xb.numel():
+        lead = xb.shape[:-1]
+        a = xb.float().abs().reshape(-1, 1, lead[-1] * BLOCK_SIZE if len(lead) else BLOCK_SIZE)
+        return torch.nn.functional.max_pool1d(a, BLOCK_SIZE, BLOCK_SIZE).reshape(lead)
     lo, hi = torch.aminmax(xb, dim=-1)
     return torch.maximum(hi.float(), lo.float().neg_())
 
@@ -237,11 +286,13 @@ def dequantize_nvfp4(
         [R, K] tensor of ``dtype`` (computed in float32).
     """
     r, kh = packed.shape
-    # both values of a byte from one 256-entry table (one gather over half as many elements as
-    # codes), times the block's divisor broadcast over its 16 values: no [R, K] index or scale copy
-    q = _BYTE_VALUES.to(packed.device)[packed.long()].reshape(r, kh * 2 // BLOCK_SIZE, BLOCK_SIZE)
+    # both values of a byte from one 256-entry table, read as one int64 per byte (an index_select
+    # over half as many elements as codes, int32 indices), times the block's divisor broadcast over
+    # its 16 values in place: no [R, K] index or scale copy
+    pairs = _BYTE_PAIRS.to(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+    q = pairs.view(torch.float32).reshape(r, kh * 2 // BLOCK_SIZE, BLOCK_SIZE)
     gs = global_scale.float().to(packed.device)
     if gs.dim() == 1:
         gs = gs.unsqueeze(1)
     eff = (scale.float() / gs).unsqueeze(-1)
-    return (q * eff).reshape(r, kh * 2).to(dtype)
+    return q.mul_(eff).reshape(r, kh * 2).to(dtype)

@@ -236,3 +236,49 @@ def test_dequantizer_equals_the_old_one_bit_for_bit():
         old = n.e2m1_values(n.unpack_fp4(packed)) * old_eff
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(n.dequantize_nvfp4(packed, scale, gs, dtype), old.to(dtype))
+
+
+# ---- the table encoder of the weight sync (issue 37 item 1, round two) against the plain one ----
+
+def test_code_table_equals_the_plain_encoder_on_every_float32_key():
+    """Every 16-bit key (sign, exponent, 7 mantissa bits) with each kind of lower half: zero (exact
+    boundaries and ties), the smallest and the largest nonzero one (just above a boundary, just below
+    the next key): the table encoder equals the compare encoder after the clamp to ±6, and the
+    float-compare oracle of the old quantizer; NaN keys excepted (the quantizer refuses them before)."""
+    hi = torch.arange(1 << 16, dtype=torch.int32) << 16
+    for lo in (0, 1, 0x8000, 0xFFFF):
+        x = (hi | lo).view(torch.float32)
+        x = x[~torch.isnan(x)]
+        clamped = torch.clamp(x, -6.0, 6.0)
+        got = n._e2m1_codes_lut(x.contiguous())
+        assert torch.equal(got, n._e2m1_codes_f32(clamped.contiguous())), f"lower half {lo:#x}"
+        assert torch.equal(got, _old_e2m1_codes(clamped)), f"lower half {lo:#x}"
+
+
+def test_block_amax_propagates_non_finite_values():
+    x = torch.randn(4, 64)
+    x[1, 3], x[2, 40] = float("nan"), float("-inf")
+    a = n.block_amax(x.reshape(4, 4, 16))
+    assert torch.isnan(a[1, 0]) and a[2, 2] == float("inf")
+    ok = torch.isfinite(x).reshape(4, 4, 16).all(-1)
+    assert torch.equal(a[ok], x.abs().reshape(4, 4, 16).amax(-1)[ok])
+
+
+def test_quantizer_equals_the_old_one_on_the_real_models_weights(smollm2_dir):
+    """Every linear weight of three of SmolLM2-135M's 30 layers (first, middle, last: 21 BF16 tensors,
+    10.6 M values; all 210 take 40 s), with a per-tensor scale and with per-row scales: packed codes
+    and E4M3 scales equal the old quantizer's, byte for byte; and the dequantizer equals the old one."""
+    from safetensors import safe_open
+
+    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as f:
+        names = [k for k in f.keys() if k.endswith("proj.weight") and k.split(".")[2] in ("0", "15", "29")]
+        assert len(names) == 21
+        for name in names:
+            w = f.get_tensor(name)
+            for gs in (n.global_scale_from_amax(w.float().abs().amax()).reshape(1),
+                       n.global_scale_from_amax(w.float().abs().amax(1, keepdim=True))):
+                p, s = n.quantize_nvfp4(w, gs, name)
+                po, so = _old_quantize(w, gs)
+                assert torch.equal(p, po) and torch.equal(s.view(torch.uint8), so.view(torch.uint8)), name
+            old_eff = (so.float() / gs.reshape(-1, 1)).repeat_interleave(16, dim=1)
+            assert torch.equal(n.dequantize_nvfp4(p, s, gs.reshape(-1)), n.e2m1_values(n.unpack_fp4(p)) * old_eff), name
