@@ -10,14 +10,15 @@ numerics and the layer
     dispatch       which backend (PyTorch reference, Triton kernels) runs a layer, chosen once
     kernels        (package) the Triton kernels of the layer
 the format
-    schema         tensor names, config schema, the codec, the marker, the channels file
+    schema         tensor names, config schema, the codec, the marker, the names bridge and engines share
+    tensor_io      the one safetensors reader and the one writer
+    channels_file  the channels file ``foursight_channels.json`` (format, reader, writer)
     compressed_tensors_format  compressed-tensors NVFP4 checkpoints read as FourSight k = 0 ones
 making checkpoints
     calibration    calibration texts (the built-in ones too) and per-channel activation statistics
     channels       channel selection: which input channels stay BF16 (k and S)
     bf16_layers    whole layers kept in BF16 (``--bf16-layers``) and the BF16 byte share
-    checkpoint     writing (``quantize``) and reading FourSight checkpoints
-    channels_file  ``foursight calibrate``: a channels file without quantizing
+    checkpoint     writing (``quantize``) and reading FourSight checkpoints; ``calibrate`` (a channels file only)
     interop        ``foursight export`` / ``import``: to and from compressed-tensors NVFP4
     folder_writer  the one folder writer (temporary folder, incomplete-run marker, ``--force`` rule)
     models         the packaged SmolLM2 model and tiny random test models

@@ -150,19 +150,14 @@ def checkpoint_bf16_share(ckpt_dir, carve_patterns: Iterable[str]) -> dict:
     ``carve_patterns`` (whole in BF16)."""
     from pathlib import Path
 
-    from safetensors import safe_open
-
     from foursight import schema
     from foursight.checkpoint import read_quant_config
+    from foursight.tensor_io import read_headers
 
     ckpt_dir = Path(ckpt_dir)
     cfg = read_quant_config(ckpt_dir)
     carve = schema.FourSightConfig(ignore=list(carve_patterns))
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(ckpt_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for name in fh.keys():
-                shapes[name] = list(fh.get_slice(name).get_shape())
+    shapes = read_headers(ckpt_dir)  # the files the index lists (or every *.safetensors), headers only
     rows, carved = [], []
     for name, shp in shapes.items():
         if name.endswith("." + schema.WEIGHT_PACKED):

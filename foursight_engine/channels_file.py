@@ -1,66 +1,148 @@
-"""``foursight calibrate``: calibrate a BF16 model and write a channels file (no quantization).
+"""The channels file ``foursight_channels.json``: its format, its one reader and its one writer
+(:class:`ChannelsFile`).
 
-The file format and its rules belong to :class:`foursight.schema.ChannelsFile`; this module only
-fills one from calibration statistics, with the same channel selection and the same FP4-part
-amax as ``foursight quantize`` writes beside a checkpoint. ``--out`` is resolved first, as the
-folder writer resolves it (:func:`foursight.folder_writer.resolve_out`); an existing file is
-replaced only with ``force``, and only when it is a channels file (:func:`prepare_channels_destination`).
+It holds, for each quantized module, the BF16 channel set and the calibrated FP4-part input amax.
+``foursight quantize`` and ``import`` write one beside a checkpoint, ``foursight calibrate``
+(:func:`foursight.checkpoint.calibrate_channels`) writes one alone, and online (load-time)
+quantization in vLLM and SGLang reads it (:mod:`foursight.quant_methods.online`). The static
+activation scale made from the amax is :func:`foursight.schema.static_input_scale`.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from foursight import schema
+from foursight.schema import CheckpointError
+
+#: Version of ``foursight_channels.json``. Version 2: ``input_amax`` is the amax of the FP4 part
+#: of the layer's input (the BF16 channels zeroed), the quantity a static ``input_global_scale``
+#: is made from. Version 1 stored the amax over all channels; its channel sets are still read,
+#: its ``input_amax`` is not (it gives a different scale than the checkpoint).
+CHANNELS_FORMAT_VERSION = 2
+_CHANNELS_KEYS = {"format_version", "channels", "input_amax"}
 
 
-def prepare_channels_destination(out: str | Path, force: bool = False) -> Path:
-    """The resolved ``out`` of a channels file, checked before any slow work: a folder there is refused; an
-    existing file only with ``force``, and then only a channels file (:meth:`foursight.schema.ChannelsFile.read`
-    accepts it); every refusal is a :class:`FileExistsError` naming it, and nothing is changed."""
-    from foursight.folder_writer import resolve_out
+def check_channels_destination(path: str | os.PathLike) -> None:
+    """A channels file is written to a file path: a folder there is refused (FileExistsError naming it)."""
+    p = Path(path)
+    if p.is_dir():
+        raise FileExistsError(f"{p} is a folder; a channels file is written to a file path (e.g. {p / schema.CHANNELS_FILE}); nothing was written")
 
-    p = resolve_out(out)
-    schema.check_channels_destination(p)
-    if p.exists() or p.is_symlink():
-        if not force:
-            raise FileExistsError(f"{p} exists; pass --force to replace it")
-        if p.is_symlink() or not p.is_file():
-            raise FileExistsError(f"refusing to replace {p} with --force: it is not a regular file; nothing was changed")
+
+@dataclass
+class ChannelsFile:
+    """``foursight_channels.json``: the BF16 channel set and the calibrated FP4-part input amax
+    of each quantized module, for online (load-time) quantization.
+
+    Format: ``{"format_version": 2, "channels": {module: [indices]}, "input_amax": {module: float}}``.
+    Rules (reading): a JSON object with no other keys; ``channels`` maps each module to a list of
+    distinct non-negative integers (stored sorted); ``input_amax`` maps modules listed in
+    ``channels`` to finite numbers ≥ 0. Every violation raises :class:`CheckpointError` naming
+    the file and the field.
+
+    Attributes:
+        channels: module name -> sorted input-channel indices.
+        input_amax: module name -> max |x| of the layer input with the BF16 channels zeroed.
+        path: where it was read from or written to.
+    """
+
+    channels: dict[str, list[int]] = field(default_factory=dict)
+    input_amax: dict[str, float] = field(default_factory=dict)
+    path: str = ""
+    format_version: int = CHANNELS_FORMAT_VERSION
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "ChannelsFile":
+        """Read and validate a channels file (a folder means its ``foursight_channels.json``)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / schema.CHANNELS_FILE
         try:
-            schema.ChannelsFile.read(p)
-        except schema.CheckpointError as e:
-            raise FileExistsError(f"refusing to replace {p} with --force: it is not a channels file ({e}); nothing was changed, "
-                                  "choose another --out") from None
-    return p
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"channels file {p} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"channels file {p}: cannot read ({e})") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"channels file {p}: invalid JSON ({e})") from None
+        return cls.from_dict(data, str(p))
 
+    @classmethod
+    def from_dict(cls, data: object, path: str = "<channels file>") -> "ChannelsFile":
+        """Validate a decoded channels file (see the class docstring for the rules)."""
+        where = f"channels file {path}"
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: expected a JSON object")
+        version = data.get("format_version")
+        if version not in (1, CHANNELS_FORMAT_VERSION) or isinstance(version, bool):
+            raise CheckpointError(f"{where}: format_version {version!r}, expected {CHANNELS_FORMAT_VERSION}")
+        unknown = set(data) - _CHANNELS_KEYS
+        if unknown:
+            raise CheckpointError(f"{where}: unknown key(s) {sorted(unknown)}")
+        chans = data.get("channels")
+        if not isinstance(chans, dict):
+            raise CheckpointError(f"{where}: field 'channels' must be an object module -> [indices]")
+        out: dict[str, list[int]] = {}
+        for name, idx in chans.items():
+            if not isinstance(idx, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in idx):
+                raise CheckpointError(f"{where}: channels[{name!r}] must be a list of non-negative ints")
+            if len(set(idx)) != len(idx):
+                raise CheckpointError(f"{where}: channels[{name!r}] has repeated indices")
+            out[name] = sorted(idx)
+        amax = data.get("input_amax", {})
+        if not isinstance(amax, dict):
+            raise CheckpointError(f"{where}: field 'input_amax' must be an object module -> float")
+        amax_out: dict[str, float] = {}
+        for name, v in amax.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise CheckpointError(f"{where}: input_amax[{name!r}] must be a finite number >= 0, got {v!r}")
+            if name not in out:
+                raise CheckpointError(f"{where}: input_amax[{name!r}] names a module missing from 'channels'")
+            amax_out[name] = float(v)
+        if version == 1:
+            amax_out = {}  # version 1 amax is over all channels: not the scale the checkpoint uses
+        return cls(out, amax_out, path, version)
 
-def calibrate_channels(model_dir, out, channels="32", calib=None, ignore=("lm_head",), batch_size=8, max_length=256,
-                       force: bool = False) -> Path:
-    """Calibrate the BF16 model in ``model_dir`` and write the channels file ``out``
-    (:func:`prepare_channels_destination`: an existing file only with ``force``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def to_dict(self) -> dict:
+        return {"format_version": CHANNELS_FORMAT_VERSION, "channels": {n: [int(i) for i in v] for n, v in self.channels.items()},
+                "input_amax": {n: float(v) for n, v in self.input_amax.items()}}
 
-    from foursight.calibration import check_calibration_batches, collect_stats, load_calibration_texts
-    from foursight.channels import choose_channels
-    from foursight.checkpoint import check_model_quantizable, find_linears
+    def write(self, path: str | os.PathLike) -> Path:
+        """Validate and write atomically (a temporary file beside ``path``, then renamed)."""
+        data = self.to_dict()
+        ChannelsFile.from_dict(data, str(path))
+        p = Path(path)
+        check_channels_destination(p)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)  # unique: concurrent writers never share it
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps(data))
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.path = str(p)
+        return p
 
-    out = prepare_channels_destination(out, force)  # before the slow part
-    schema.check_channel_spec(channels)
-    check_calibration_batches(batch_size, max_length)
-    cfg = schema.FourSightConfig(ignore=list(ignore))
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    names = find_linears(model, cfg)
-    check_model_quantizable(model, names)
-    groups = collect_stats(model, tok, load_calibration_texts(calib), names, batch_size=batch_size, max_length=max_length)
-    cf = schema.ChannelsFile()
-    for g in groups.values():
-        choice = choose_channels(g, [], channels)
-        for n in g.members:
-            cf.channels[n] = [int(c) for c in choice.channels]
-            cf.input_amax[n] = choice.fp4_amax
-    prepare_channels_destination(out, force)  # again: another run may have written it meanwhile
-    return cf.write(out)
+    def channel_tensor(self, name: str) -> torch.Tensor | None:
+        """int32 [k] channel set of module ``name`` (None when the file does not list it)."""
+        idx = self.channels.get(name)
+        return None if idx is None else torch.tensor(idx, dtype=torch.int32)
+
+    def input_scale(self, names: "list[str]", layer: str = "layer") -> torch.Tensor:
+        """:func:`static_input_scale` of the modules ``names`` (a fused layer's shards)."""
+        missing = [n for n in names if n not in self.input_amax]
+        if missing:
+            hint = " (its format_version 1 amax is over all channels and is not used: re-run `foursight calibrate`)" if self.format_version == 1 else ""
+            raise CheckpointError(f"{layer}: static activation scale requested but channels file {self.path} has no input_amax for {missing}{hint}")
+        return schema.static_input_scale([self.input_amax[n] for n in names])

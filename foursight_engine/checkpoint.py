@@ -1,10 +1,12 @@
-"""Writing and reading FourSight checkpoints (``foursight quantize``).
+"""Writing and reading FourSight checkpoints (``foursight quantize``), and ``foursight calibrate``
+(the same calibration and channel choice, written as a channels file only).
 
 A checkpoint is an HF folder: ``config.json`` with ``quantization_config`` (see
 :class:`foursight.schema.FourSightConfig`), safetensors with the tensors named in
 :mod:`foursight.schema`, the tokenizer, ``foursight_layers.json`` (the per-layer error table)
-and ``foursight_channels.json`` (channel sets + calibrated input amax, reusable for online
-quantization). It is written through the one folder writer,
+and ``foursight_channels.json`` (:class:`foursight.channels_file.ChannelsFile`: channel sets +
+calibrated input amax, reusable for online quantization). The tensors are written and read by
+:mod:`foursight.tensor_io`. It is written through the one folder writer,
 :func:`foursight.folder_writer.folder_writer` (a temporary folder under an incomplete-run marker,
 renamed at the end; ``--force`` replaces only what is ours), as ``import`` and ``export`` are.
 """
@@ -23,12 +25,12 @@ from torch import nn
 from foursight import schema
 from foursight.calibration import check_calibration_batches, collect_stats, load_calibration_texts
 from foursight.channels import choose_channels, find_linears, layer_error
-from foursight.folder_writer import folder_writer, prepare_destination
+from foursight.channels_file import ChannelsFile, check_channels_destination
+from foursight.folder_writer import folder_writer, prepare_destination, resolve_out
 from foursight.layer import dequantized_activation, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE
 from foursight.schema import CheckpointError, FourSightConfig
-
-SHARD_BYTES = 2 * 1024**3
+from foursight.tensor_io import read_tensors, write_safetensors
 
 
 @dataclass
@@ -143,7 +145,7 @@ def quantize_model(
 
     tensors: dict[str, torch.Tensor] = {}
     reports: list[LayerReport] = []
-    channels_file = schema.ChannelsFile()
+    channels_file = ChannelsFile()
     for g in tqdm(list(groups.values()), desc="quantizing", unit="group", disable=not progress):
         weights = [mods[n].weight.detach() for n in g.members]
         choice = choose_channels(g, weights, str(channels), error_target, max_k)
@@ -177,27 +179,6 @@ def quantize_model(
     return QuantizeResult(out_dir, cfg, reports)
 
 
-def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None,
-                      metadata: dict[str, str] | None = None) -> list[str]:
-    """Write ``tensors`` into ``folder`` as ``model.safetensors``, or as
-    ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` when they
-    exceed ``max_shard_bytes`` (default :data:`SHARD_BYTES`): huggingface_hub's splitter, the
-    layout transformers, vLLM and SGLang read. Every file carries ``metadata`` (default: the
-    FourSight metadata; a compressed-tensors export passes its own). Returns the file names."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_bytes or SHARD_BYTES)
-    meta = metadata or {"format": "pt", "quant_method": schema.QUANT_METHOD, "format_version": str(schema.FORMAT_VERSION)}
-    for fname, names in split.filename_to_tensors.items():
-        save_file({n: tensors[n].contiguous() for n in names}, str(folder / fname), metadata=meta)
-    if split.is_sharded:
-        (folder / schema.SAFETENSORS_INDEX).write_text(
-            json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
-    return list(split.filename_to_tensors)
-
-
 def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force) -> None:
     with folder_writer(out_dir, force, "quantize") as tmp:
         write_safetensors(tmp, tensors)
@@ -220,6 +201,51 @@ def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file,
         channels_file.write(tmp / schema.CHANNELS_FILE)
 
 
+def prepare_channels_destination(out: str | Path, force: bool = False) -> Path:
+    """The resolved ``out`` of a channels file, checked before any slow work: a folder there is refused; an
+    existing file only with ``force``, and then only a channels file (:meth:`foursight.channels_file.ChannelsFile.read`
+    accepts it); every refusal is a :class:`FileExistsError` naming it, and nothing is changed."""
+    p = resolve_out(out)
+    check_channels_destination(p)
+    if p.exists() or p.is_symlink():
+        if not force:
+            raise FileExistsError(f"{p} exists; pass --force to replace it")
+        if p.is_symlink() or not p.is_file():
+            raise FileExistsError(f"refusing to replace {p} with --force: it is not a regular file; nothing was changed")
+        try:
+            ChannelsFile.read(p)
+        except CheckpointError as e:
+            raise FileExistsError(f"refusing to replace {p} with --force: it is not a channels file ({e}); nothing was changed, "
+                                  "choose another --out") from None
+    return p
+
+
+def calibrate_channels(model_dir, out, channels="32", calib=None, ignore=("lm_head",), batch_size=8, max_length=256,
+                       force: bool = False) -> Path:
+    """``foursight calibrate``: calibrate the BF16 model in ``model_dir`` and write the channels file ``out``
+    (no quantization), with the channel selection and the FP4-part amax ``quantize`` writes beside a checkpoint
+    (:func:`prepare_channels_destination`: an existing file only with ``force``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = prepare_channels_destination(out, force)  # before the slow part
+    schema.check_channel_spec(channels)
+    check_calibration_batches(batch_size, max_length)
+    cfg = schema.FourSightConfig(ignore=list(ignore))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    names = find_linears(model, cfg)
+    check_model_quantizable(model, names)
+    groups = collect_stats(model, tok, load_calibration_texts(calib), names, batch_size=batch_size, max_length=max_length)
+    cf = ChannelsFile()
+    for g in groups.values():
+        choice = choose_channels(g, [], channels)
+        for n in g.members:
+            cf.channels[n] = [int(c) for c in choice.channels]
+            cf.input_amax[n] = choice.fp4_amax
+    prepare_channels_destination(out, force)  # again: another run may have written it meanwhile
+    return cf.write(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # reading
 
@@ -236,13 +262,6 @@ def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
     if raw.get("quant_method") != schema.QUANT_METHOD:
         raise CheckpointError(f"{path}: quantization_config.quant_method is {raw.get('quant_method')!r}, not 'foursight'")
     return FourSightConfig.parse(raw)
-
-
-def read_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (single file or sharded with an index), each checked
-    finite (:func:`foursight.schema.iter_safetensors`: the error names the tensor, or the file
-    when it is truncated or unreadable)."""
-    return dict(schema.iter_safetensors(ckpt_dir))
 
 
 def split_modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:

@@ -152,7 +152,7 @@ def calibrate(
     force: bool = typer.Option(False, "--force", help="Replace --out if it is a channels file (anything else is refused)."),
 ):
     """Collect activation statistics and write a channels file for online (load-time) quantization."""
-    from foursight.channels_file import calibrate_channels, prepare_channels_destination
+    from foursight.checkpoint import calibrate_channels, prepare_channels_destination
 
     prepare_channels_destination(out, force)  # before the model is resolved or loaded
     src = _bf16_source(model, "calibrate")

@@ -27,6 +27,7 @@ import torch
 
 from foursight import schema
 from foursight.schema import CheckpointError, read_config
+from foursight.tensor_io import iter_safetensors
 
 CT_METHOD = "compressed-tensors"
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
@@ -206,7 +207,7 @@ def read_compressed_tensors(ct_dir: str | Path) -> tuple[dict[str, Any], dict[st
         got = qc.get("quant_method") if isinstance(qc, dict) else None
         raise CheckpointError(f"{where}: quantization_config.quant_method is {got!r}, not {CT_METHOD!r}")
     act = nvfp4_activation_dtype(qc, where)
-    tensors = dict(schema.iter_safetensors(ct_dir))  # every tensor checked finite; the error names it (or the file)
+    tensors = dict(iter_safetensors(ct_dir))  # every tensor checked finite; the error names it (or the file)
     prefixes = sorted({n[: -len(schema.WEIGHT_PACKED) - 1] for n in tensors if n.endswith("." + schema.WEIGHT_PACKED)})
     if not prefixes:
         raise CheckpointError(f"{ct_dir}: no {schema.WEIGHT_PACKED} tensors (is it compressed, quantization_status 'compressed'?)")

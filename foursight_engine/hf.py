@@ -9,12 +9,14 @@ its layers run the Triton SpliceGEMM kernels (:mod:`foursight.dispatch`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from foursight import schema
-from foursight.checkpoint import find_linears, load_quantized_tensors
+from foursight.channels import find_linears
+from foursight.checkpoint import load_quantized_tensors
 from foursight.dispatch import prepare_linear
 from foursight.layer import QuantizedWeight, quantize_weight
 from foursight.schema import CheckpointError, FourSightConfig
@@ -116,38 +118,52 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """Build the HF model of a FourSight checkpoint with :class:`FourSightLinear` layers.
+def model_from_tensors(hf_cfg: dict[str, Any], mods: dict[str, dict[str, torch.Tensor]], rest: dict[str, torch.Tensor],
+                       make_layer: Callable[[str, dict[str, torch.Tensor], nn.Linear, FourSightConfig], nn.Module] | None = None) -> nn.Module:
+    """The one builder of an HF model from a FourSight checkpoint's ``config.json`` (a dict) and its tensors
+    (:func:`foursight.checkpoint.split_modules`: the FourSight modules and the rest), in BF16 on the CPU.
 
-    Every FourSight tensor is checked by the shared validator (a missing or mis-shaped tensor
-    raises :class:`CheckpointError` naming it); every other parameter must be present too.
+    Every quantized linear of the model (not in the config's ``ignore``) must have its FourSight module and
+    becomes ``make_layer(name, tensors, linear, config)`` (default: the :class:`FourSightLinear` of
+    :func:`linear_from_tensors`; :func:`foursight.interop.dequantized_model` passes a dequantizing one);
+    every other parameter is loaded as stored and tied embeddings are tied. A missing or unexpected
+    tensor or module raises :class:`CheckpointError` naming it.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    ckpt_dir = Path(ckpt_dir)
-    cfg, mods, rest = load_quantized_tensors(ckpt_dir)
-    raw = schema.read_config(ckpt_dir)
-    raw.pop("quantization_config", None)
-    hf_cfg = AutoConfig.for_model(**raw)
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    cfg = FourSightConfig.parse(hf_cfg["quantization_config"])
+    config = AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    make_layer = make_layer or (lambda n, t, lin, c: linear_from_tensors(n, t, lin.out_features, lin.in_features, lin.bias is not None, c))
+    mods = dict(mods)
     names = find_linears(model, cfg)
     for n in names:
-        lin = model.get_submodule(n)
         if n not in mods:
             raise CheckpointError(f"missing tensor {n}.{schema.WEIGHT_PACKED} (layer {n} is not in ignore)")
-        _set_module(model, n, linear_from_tensors(n, mods.pop(n), lin.out_features, lin.in_features, lin.bias is not None, cfg))
+        _set_module(model, n, make_layer(n, mods.pop(n), model.get_submodule(n), cfg))
     if mods:
         raise CheckpointError(f"unexpected FourSight tensors for modules {sorted(mods)[:5]} (not linear layers of this model)")
     missing, unexpected = model.load_state_dict(rest, strict=False)
-    fs_buffers = {f"{n}.{s}" for n in names for s in (*schema.TENSOR_SUFFIXES, schema.BIAS)}
-    missing = [m for m in missing if m not in fs_buffers and not (m == "lm_head.weight" and hf_cfg.tie_word_embeddings)]
+    quantized = set(names)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [m for m in missing if m.rpartition(".")[0] not in quantized and not (tied and m == "lm_head.weight")]
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]} in checkpoint")
-    if hf_cfg.tie_word_embeddings:
+    if tied:
         model.tie_weights()
-    return model.to(device).eval()
+    return model.eval()
+
+
+def load_reference_model(ckpt_dir: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Build the HF model of a FourSight checkpoint with :class:`FourSightLinear` layers
+    (:func:`model_from_tensors`). Every FourSight tensor is checked by the shared validator (a missing
+    or mis-shaped tensor raises :class:`CheckpointError` naming it); every other parameter must be present too.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    _, mods, rest = load_quantized_tensors(ckpt_dir)
+    return model_from_tensors(schema.read_config(ckpt_dir), mods, rest).to(device)
 
 
 def quantize_hf_model(model: nn.Module, channels: dict[str, torch.Tensor], ignore=("lm_head",), act_quant: bool = True) -> nn.Module:
@@ -180,9 +196,14 @@ def quantize_hf_model_fp8(model: nn.Module, ignore=("lm_head",)) -> nn.Module:
 
 def restore_bf16(model: nn.Module, name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """Put a plain BF16 ``nn.Linear`` back at ``name`` (used by per-layer attribution); returns the removed module."""
+    return _set_module(model, name, bf16_linear(weight, bias))
+
+
+def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """A plain ``nn.Linear`` holding ``weight`` [N, K] (and ``bias``), in their dtype and on their device."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         lin.weight.copy_(weight)
         if bias is not None:
             lin.bias.copy_(bias)
-    return _set_module(model, name, lin)
+    return lin

@@ -32,7 +32,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from foursight import schema
-from foursight.checkpoint import find_linears
+from foursight.channels import find_linears
 from foursight.hf import FourSightLinearSlots
 from foursight.schema import CheckpointError, FourSightConfig
 
@@ -57,7 +57,7 @@ class FourSightQuantizationConfig(QuantizationConfigMixin):
 
 def _checkpoint_keys(checkpoint_files: list[str] | None) -> set[str]:
     """Tensor names in the checkpoint's safetensors files (headers only)."""
-    from safetensors import safe_open
+    from foursight.tensor_io import read_headers
 
     if not checkpoint_files:
         raise CheckpointError("a FourSight checkpoint loads from .safetensors files; from_pretrained found none")
@@ -67,12 +67,7 @@ def _checkpoint_keys(checkpoint_files: list[str] | None) -> set[str]:
     for f in checkpoint_files:
         if not str(f).endswith(".safetensors"):
             raise CheckpointError(f"{f}: a FourSight checkpoint is read from .safetensors files only")
-        try:
-            fh = safe_open(str(f), framework="pt")
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
-            raise CheckpointError(f"safetensors file {f} is truncated or unreadable ({type(e).__name__}: {e})") from None
-        with fh:
-            keys.update(fh.keys())
+        keys.update(read_headers(f))  # the one reader: a truncated file is named
     return keys
 
 

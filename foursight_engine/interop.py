@@ -28,18 +28,19 @@ from typing import Any
 import torch
 
 from foursight import schema
+from foursight.channels_file import ChannelsFile
 from foursight.compressed_tensors_format import CT_METHOD, CT_NVFP4_FORMAT, CT_SUFFIXES, linear_names, read_compressed_tensors
 from foursight.schema import CheckpointError, read_config
 
 def write_checkpoint_folder(out_dir: Path, src_dir: Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], force: bool, verb: str,
-          channels_file: "schema.ChannelsFile | None" = None, metadata: dict[str, str] | None = None) -> Path:
-    """Write ``config.json``, the tensors (:func:`foursight.checkpoint.write_safetensors`: one
+          channels_file: "ChannelsFile | None" = None, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``config.json``, the tensors (:func:`foursight.tensor_io.write_safetensors`: one
     ``model.safetensors`` or index + shards, with ``metadata``, default FourSight's) and the
     tokenizer/generation files of ``src_dir`` (and ``channels_file`` as ``foursight_channels.json``
     when given) to ``out_dir`` through the one folder writer (:func:`foursight.folder_writer.folder_writer`:
     the incomplete-run marker, the ``--force`` rule, a temporary folder renamed at the end)."""
-    from foursight.checkpoint import write_safetensors
     from foursight.folder_writer import folder_writer
+    from foursight.tensor_io import write_safetensors
 
     with folder_writer(out_dir, force, verb) as tmp:
         write_safetensors(tmp, tensors, metadata=metadata)
@@ -141,40 +142,24 @@ def _budget_per_layer(tensors: dict[str, torch.Tensor], channels: str | int) -> 
 def dequantized_model(hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor]):
     """The BF16 HF model of a FourSight checkpoint's ``(config, tensors)`` with every FourSight
     module as a plain ``nn.Linear`` holding its dequantized weight (``dequantize_weight`` in BF16,
-    BF16 channels included) and every other parameter as stored. CheckpointError names a missing
-    or unexpected tensor."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    BF16 channels included) and every other parameter as stored (:func:`foursight.hf.model_from_tensors`,
+    which names a missing or unexpected tensor)."""
     from foursight.checkpoint import split_modules
+    from foursight.hf import bf16_linear, model_from_tensors
     from foursight.layer import dequantize_weight
 
-    qc = schema.FourSightConfig.parse(hf_cfg["quantization_config"])
-    raw = {k: v for k, v in hf_cfg.items() if k != "quantization_config"}
-    config = AutoConfig.for_model(**raw)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    mods, rest = split_modules(tensors)
-    sd = dict(rest)
-    for name, t in mods.items():
-        n_out, k_half = t[schema.WEIGHT_PACKED].shape
-        qw = schema.decode_module(name, t, n_out, 2 * k_half, qc.channels_for(name))
-        sd[f"{name}.weight"] = dequantize_weight(qw, torch.bfloat16)
-        if schema.BIAS in t:
-            sd[f"{name}.bias"] = t[schema.BIAS]
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
-    if missing:
-        raise CheckpointError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} in checkpoint")
-    if tied:
-        model.tie_weights()
-    return model.eval()
+    def dequantized(name, t, lin, qc):
+        qw = schema.decode_module(name, t, lin.out_features, lin.in_features, qc.channels_for(name))
+        if (lin.bias is not None) != (schema.BIAS in t):
+            raise CheckpointError(f"layer {name}: bias {'missing' if lin.bias is not None else 'unexpected'} ({name}.bias)")
+        return bf16_linear(dequantize_weight(qw, torch.bfloat16), t.get(schema.BIAS))
+
+    return model_from_tensors(hf_cfg, *split_modules(tensors), make_layer=dequantized)
 
 
 def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor], channels: str | int,
                       calib: str | Path | None = None, batch_size: int = 8, max_length: int = 256,
-                      progress: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor], "schema.ChannelsFile"]:
+                      progress: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor], "ChannelsFile"]:
     """Add activation-side compensation to the FourSight k = 0 form ``(hf_cfg, tensors)`` of an
     imported W4A4 checkpoint (:func:`read_compressed_tensors` of ``ct_dir``, whose tokenizer is used).
 
@@ -231,7 +216,7 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
     if never:
         raise CheckpointError(f"layers never called during calibration: {never[:5]}")
     out = dict(rest)
-    cf = schema.ChannelsFile()
+    cf = ChannelsFile()
     ks: dict[str, int] = {}
     for g in groups.values():
         choice = choose_channels(g, [model.get_submodule(n).weight.detach() for n in g.members], str(channels))

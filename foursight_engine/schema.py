@@ -1,17 +1,19 @@
 """The FourSight format: checkpoint tensor names, the config schema, the codec and the channels file.
 
-This module owns every rule of the on-disk format:
+This module owns every rule of the on-disk format (reading and writing the tensors themselves is
+:mod:`foursight.tensor_io`'s):
 
 * the tensor names of a quantized module and the ``quantization_config`` schema
   (:class:`FourSightConfig`);
 * the codec between a :class:`~foursight.layer.QuantizedWeight` and its tensors
   (:func:`encode_module` / :func:`decode_module`, which validates every tensor);
-* the channels file ``foursight_channels.json`` (:class:`ChannelsFile`: one reader, one
-  writer, one set of rules) and the static activation scale derived from it
-  (:func:`static_input_scale`).
+* the static activation scale of a layer from its calibrated amax (:func:`static_input_scale`;
+  the channels file that stores the amax is :mod:`foursight.channels_file`'s);
+* the names the trainer bridge and the engine adapters share: the ``FOURSIGHT_*`` environment
+  variables and the prefix of a refused weight update (:data:`REFUSED_PREFIX`).
 
 The checkpoint writer and reader, the RL weight sync, the vLLM and SGLang loaders and the HF
-reference model all go through it, so a checkpoint or channels file that one of them accepts,
+reference model all go through it, so a checkpoint that one of them accepts,
 all of them accept, and a bad one fails with the same message everywhere.
 """
 
@@ -20,9 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -49,6 +50,27 @@ WEIGHT_SUFFIXES = (WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_GLOBAL_SCALE, BF16_CHANNE
 #: Files next to a checkpoint.
 LAYER_REPORT_FILE = "foursight_layers.json"
 CHANNELS_FILE = "foursight_channels.json"
+
+# ---- names the trainer bridge and the engine adapters share ----------------------------------
+# The bridge sets these in an engine's environment and reads the engines' answers; the engine
+# adapters (``foursight.quant_methods``) read them. They live here so that neither side reaches
+# into the other for a name.
+
+#: the token an engine serving its weight routes over HTTP requires of every weight update
+ENV_WEIGHTS_TOKEN = "FOURSIGHT_WEIGHTS_TOKEN"
+#: the folders (``os.pathsep``-separated) such an engine loads weight-update files from
+ENV_WEIGHTS_DIR = "FOURSIGHT_WEIGHTS_DIR"
+#: the shared-memory folder weight-update files are written to (default ``/dev/shm``)
+ENV_SHM_DIR = "FOURSIGHT_SHM_DIR"
+#: online (load-time) quantization of a BF16 model in vLLM and SGLang (:mod:`foursight.quant_methods.online`)
+ENV_CHANNELS_FILE = "FOURSIGHT_CHANNELS_FILE"
+ENV_CHANNEL_BUDGET = "FOURSIGHT_CHANNEL_BUDGET"
+ENV_ACTIVATION_DTYPE = "FOURSIGHT_ACTIVATION_DTYPE"
+ENV_ACTIVATION_SCALE = "FOURSIGHT_ACTIVATION_SCALE"
+ENV_IGNORE = "FOURSIGHT_IGNORE"
+#: the start of every message with which an engine refuses a weight update before loading any of it
+#: (vLLM's worker and native route, SGLang's plugin): the bridge answers 422, the engine stays in sync
+REFUSED_PREFIX = "FourSight refused the weight update, nothing loaded: "
 
 
 class CheckpointError(ValueError):
@@ -266,7 +288,7 @@ def decode_module(
     )
 
 
-# ---- value ranges, finiteness and the one safetensors reader ---------------------------------
+# ---- value ranges, finiteness, the incomplete-run marker and config.json ----------------------
 
 #: The range of a global scale ``gs`` (weight or input): the largest magnitude the layer's FP4 grid
 #: encodes, ``448·6 / gs``, must be a finite BF16 number (else the dequantized weight or the
@@ -321,10 +343,6 @@ def checked_finite(weights, where: str = ""):
         yield name, t
 
 
-#: the index of a sharded safetensors checkpoint (tensor name -> file), as transformers writes it
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
 def read_config(model_dir: str | Path) -> dict:
     """``config.json`` of an HF folder as a dict (CheckpointError naming the folder or the file when
     it is missing or unreadable): the one reader of ``config.json``."""
@@ -346,237 +364,10 @@ def read_config(model_dir: str | Path) -> dict:
     return cfg
 
 
-def _read_index(folder: Path) -> dict[str, list[str]] | None:
-    """File -> tensor names of ``folder``'s safetensors index, or None without one. Raises
-    :class:`CheckpointError` naming the index or the file it lists that is missing."""
-    p = folder / SAFETENSORS_INDEX
-    if not p.is_file():
-        return None
-    try:
-        wm = json.loads(p.read_text())["weight_map"]
-        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
-            raise TypeError("weight_map is not an object of tensor name -> file name")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{p}: unreadable safetensors index ({type(e).__name__}: {e})") from None
-    out: dict[str, list[str]] = {}
-    for name, fname in wm.items():
-        if Path(fname).name != fname:
-            raise CheckpointError(f"{p}: tensor {name} maps to {fname!r}, not a file of this folder")
-        out.setdefault(fname, []).append(name)
-    for fname in out:
-        if not (folder / fname).is_file():
-            raise CheckpointError(f"{p} lists {fname} (tensor {out[fname][0]}), which does not exist")
-    return out
-
-
-def safetensors_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors file ``path``, or the files of the folder ``path``: those its
-    ``model.safetensors.index.json`` lists when it has one (other files are not read, as in
-    transformers), else every ``*.safetensors`` (sorted). Raises :class:`CheckpointError` naming the path when there is none."""
-    p = Path(path)
-    if p.is_dir():
-        check_complete(p)
-        index = _read_index(p)
-        if index is not None:
-            return [p / f for f in sorted(index)]
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{p}: no .safetensors files")
-        return files
-    if not p.is_file():
-        raise CheckpointError(f"safetensors file {p} does not exist")
-    return [p]
-
-
-def iter_safetensors(path: str | os.PathLike, check: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of a safetensors file or folder (:func:`safetensors_files`), one tensor
-    at a time (memory-mapped, never a whole file), in file order.
-
-    The one reader of checkpoints and weight updates: a truncated or unreadable file raises
-    :class:`CheckpointError` naming the file; in a sharded folder every tensor the index lists
-    must be in its file and every tensor of a listed file in the index (a stale or mixed-up shard
-    is named); with ``check`` every tensor goes through :func:`check_finite` (the error names the
-    tensor and the file).
-    """
-    from safetensors import safe_open
-
-    p = Path(path)
-    files = safetensors_files(path)  # refuses a folder a writer left incomplete
-    index = _read_index(p) if p.is_dir() else None
-    for f in files:
-        try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
-            raise CheckpointError(f"safetensors file {f} is truncated or unreadable ({type(e).__name__}: {e})") from None
-        with handle:
-            keys = list(handle.keys())
-            if index is not None:
-                listed = index[f.name]
-                missing = sorted(set(listed) - set(keys))
-                if missing:
-                    raise CheckpointError(f"tensor {missing[0]}: {SAFETENSORS_INDEX} puts it in {f}, which does not hold it")
-                extra = sorted(set(keys) - set(listed))
-                if extra:
-                    raise CheckpointError(f"tensor {extra[0]} in {f} is not in {SAFETENSORS_INDEX} (a stale or mixed-up shard?)")
-            for name in keys:
-                try:
-                    t = handle.get_tensor(name)
-                except Exception as e:  # noqa: BLE001
-                    raise CheckpointError(f"safetensors file {f}: tensor {name} is unreadable ({type(e).__name__}: {e})") from None
-                if check:
-                    check_finite(name, t, f" in {f}")
-                yield name, t
-
-
-def check_headers(path: str | os.PathLike) -> int:
-    """Open every safetensors file of ``path`` (:func:`safetensors_files`; headers only, nothing is
-    read) so that a truncated or unreadable one raises :class:`CheckpointError` naming the file
-    before an engine reads it; returns the number of tensors."""
-    from safetensors import safe_open
-
-    n = 0
-    for f in safetensors_files(path):
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                n += len(list(handle.keys()))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own and OS errors
-            raise CheckpointError(f"safetensors file {f} is truncated or unreadable ({type(e).__name__}: {e})") from None
-    return n
-
-
-def check_safetensors(path: str | os.PathLike) -> int:
-    """Read every tensor of a safetensors file or folder and check it is finite
-    (:func:`iter_safetensors`); returns the number of tensors."""
-    return sum(1 for _ in iter_safetensors(path))
-
-
-# ---- the channels file ----------------------------------------------------------------------
-
-#: Version of ``foursight_channels.json``. Version 2: ``input_amax`` is the amax of the FP4 part
-#: of the layer's input (the BF16 channels zeroed), the quantity a static ``input_global_scale``
-#: is made from. Version 1 stored the amax over all channels; its channel sets are still read,
-#: its ``input_amax`` is not (it gives a different scale than the checkpoint).
-CHANNELS_FORMAT_VERSION = 2
-_CHANNELS_KEYS = {"format_version", "channels", "input_amax"}
+# ---- the static activation scale ------------------------------------------------------------
 
 
 def static_input_scale(amaxes: "list[float] | tuple[float, ...]") -> torch.Tensor:
     """Static activation global scale float32 [1] of a layer (or a fused group) from the
     calibrated FP4-part amax of each member: ``448*6 / max(amax)`` (no member's input clips)."""
     return global_scale_from_amax(torch.tensor(max(float(a) for a in amaxes), dtype=torch.float32)).reshape(1)
-
-
-def check_channels_destination(path: str | os.PathLike) -> None:
-    """A channels file is written to a file path: a folder there is refused (FileExistsError naming it)."""
-    p = Path(path)
-    if p.is_dir():
-        raise FileExistsError(f"{p} is a folder; a channels file is written to a file path (e.g. {p / CHANNELS_FILE}); nothing was written")
-
-
-@dataclass
-class ChannelsFile:
-    """``foursight_channels.json``: the BF16 channel set and the calibrated FP4-part input amax
-    of each quantized module, for online (load-time) quantization.
-
-    Format: ``{"format_version": 2, "channels": {module: [indices]}, "input_amax": {module: float}}``.
-    Rules (reading): a JSON object with no other keys; ``channels`` maps each module to a list of
-    distinct non-negative integers (stored sorted); ``input_amax`` maps modules listed in
-    ``channels`` to finite numbers ≥ 0. Every violation raises :class:`CheckpointError` naming
-    the file and the field.
-
-    Attributes:
-        channels: module name -> sorted input-channel indices.
-        input_amax: module name -> max |x| of the layer input with the BF16 channels zeroed.
-        path: where it was read from or written to.
-    """
-
-    channels: dict[str, list[int]] = field(default_factory=dict)
-    input_amax: dict[str, float] = field(default_factory=dict)
-    path: str = ""
-    format_version: int = CHANNELS_FORMAT_VERSION
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> "ChannelsFile":
-        """Read and validate a channels file (a folder means its ``foursight_channels.json``)."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / CHANNELS_FILE
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"channels file {p} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"channels file {p}: cannot read ({e})") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"channels file {p}: invalid JSON ({e})") from None
-        return cls.from_dict(data, str(p))
-
-    @classmethod
-    def from_dict(cls, data: object, path: str = "<channels file>") -> "ChannelsFile":
-        """Validate a decoded channels file (see the class docstring for the rules)."""
-        where = f"channels file {path}"
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{where}: expected a JSON object")
-        version = data.get("format_version")
-        if version not in (1, CHANNELS_FORMAT_VERSION) or isinstance(version, bool):
-            raise CheckpointError(f"{where}: format_version {version!r}, expected {CHANNELS_FORMAT_VERSION}")
-        unknown = set(data) - _CHANNELS_KEYS
-        if unknown:
-            raise CheckpointError(f"{where}: unknown key(s) {sorted(unknown)}")
-        chans = data.get("channels")
-        if not isinstance(chans, dict):
-            raise CheckpointError(f"{where}: field 'channels' must be an object module -> [indices]")
-        out: dict[str, list[int]] = {}
-        for name, idx in chans.items():
-            if not isinstance(idx, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in idx):
-                raise CheckpointError(f"{where}: channels[{name!r}] must be a list of non-negative ints")
-            if len(set(idx)) != len(idx):
-                raise CheckpointError(f"{where}: channels[{name!r}] has repeated indices")
-            out[name] = sorted(idx)
-        amax = data.get("input_amax", {})
-        if not isinstance(amax, dict):
-            raise CheckpointError(f"{where}: field 'input_amax' must be an object module -> float")
-        amax_out: dict[str, float] = {}
-        for name, v in amax.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise CheckpointError(f"{where}: input_amax[{name!r}] must be a finite number >= 0, got {v!r}")
-            if name not in out:
-                raise CheckpointError(f"{where}: input_amax[{name!r}] names a module missing from 'channels'")
-            amax_out[name] = float(v)
-        if version == 1:
-            amax_out = {}  # version 1 amax is over all channels: not the scale the checkpoint uses
-        return cls(out, amax_out, path, version)
-
-    def to_dict(self) -> dict:
-        return {"format_version": CHANNELS_FORMAT_VERSION, "channels": {n: [int(i) for i in v] for n, v in self.channels.items()},
-                "input_amax": {n: float(v) for n, v in self.input_amax.items()}}
-
-    def write(self, path: str | os.PathLike) -> Path:
-        """Validate and write atomically (a temporary file beside ``path``, then renamed)."""
-        data = self.to_dict()
-        ChannelsFile.from_dict(data, str(path))
-        p = Path(path)
-        check_channels_destination(p)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps(data))
-            tmp.replace(p)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self.path = str(p)
-        return p
-
-    def channel_tensor(self, name: str) -> torch.Tensor | None:
-        """int32 [k] channel set of module ``name`` (None when the file does not list it)."""
-        idx = self.channels.get(name)
-        return None if idx is None else torch.tensor(idx, dtype=torch.int32)
-
-    def input_scale(self, names: "list[str]", layer: str = "layer") -> torch.Tensor:
-        """:func:`static_input_scale` of the modules ``names`` (a fused layer's shards)."""
-        missing = [n for n in names if n not in self.input_amax]
-        if missing:
-            hint = " (its format_version 1 amax is over all channels and is not used: re-run `foursight calibrate`)" if self.format_version == 1 else ""
-            raise CheckpointError(f"{layer}: static activation scale requested but channels file {self.path} has no input_amax for {missing}{hint}")
-        return static_input_scale([self.input_amax[n] for n in names])

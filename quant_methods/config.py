@@ -60,11 +60,12 @@ def serves_user_choice(hf_quant_cfg: dict[str, Any], user_quant: str | None) -> 
 def check_folder(path: Any) -> None:
     """Before an engine reads a checkpoint folder: refuse one a writer left incomplete
     (:func:`foursight.schema.check_complete`, naming the marker) and name a truncated or unreadable
-    safetensors file (headers only: :func:`foursight.schema.check_headers`). A Hub id or a file is
+    safetensors file (headers only: :func:`foursight.tensor_io.check_headers`). A Hub id or a file is
     left to the engine."""
     import os
 
-    from foursight.schema import check_complete, check_headers
+    from foursight.schema import check_complete
+    from foursight.tensor_io import check_headers
 
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
         check_complete(path)
@@ -193,6 +194,12 @@ class FourSightMethodConfig:
         """The plan of engine layer ``prefix`` (called from the engine's ``create_weights``)."""
         return LayerPlan.for_layer(prefix, output_partition_sizes, input_size, input_size_per_partition, self.fs_config,
                                    self.packed_mapping(), tp_rank=tp_rank, tp_size=tp_size, mode=self.mode, online=self.online)
+
+
+def foursight_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Engine module name -> module, for every layer with a FourSight plan (the layers
+    :meth:`FourSightLinearMethodBase.create_weights` made, in vLLM and SGLang alike)."""
+    return {n: m for n, m in model.named_modules() if getattr(m, "foursight_plan", None) is not None}
 
 
 class FourSightLinearMethodBase:

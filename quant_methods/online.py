@@ -1,6 +1,6 @@
 """Online (load-time) quantization settings: a BF16 model served with ``--quantization foursight``.
 
-The channels file (:class:`foursight.schema.ChannelsFile`), the ``FOURSIGHT_*`` environment
+The channels file (:class:`foursight.channels_file.ChannelsFile`), the ``FOURSIGHT_*`` environment
 variables every engine process inherits, and the weight-based channel fallback.
 """
 
@@ -13,17 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from foursight.channels import select_channels
+from foursight.channels_file import ChannelsFile
 from foursight.quant_methods.sharding import TPContext
-from foursight.schema import ChannelsFile, CheckpointError, FourSightConfig
+from foursight.schema import (ENV_ACTIVATION_DTYPE, ENV_ACTIVATION_SCALE, ENV_CHANNEL_BUDGET, ENV_CHANNELS_FILE, ENV_IGNORE,
+                              CheckpointError, FourSightConfig)
 
 logger = logging.getLogger("foursight.quant_methods")
 
-#: Environment variables read by the online path (every engine process inherits them).
-ENV_CHANNELS_FILE = "FOURSIGHT_CHANNELS_FILE"
-ENV_CHANNEL_BUDGET = "FOURSIGHT_CHANNEL_BUDGET"
-ENV_ACTIVATION_DTYPE = "FOURSIGHT_ACTIVATION_DTYPE"
-ENV_ACTIVATION_SCALE = "FOURSIGHT_ACTIVATION_SCALE"
-ENV_IGNORE = "FOURSIGHT_IGNORE"
+#: The online path reads :mod:`foursight.schema`'s ``ENV_*`` variables (every engine process inherits them).
 #: Budget used when neither a channels file nor ``FOURSIGHT_CHANNEL_BUDGET`` is given.
 DEFAULT_ONLINE_BUDGET = "2%"
 

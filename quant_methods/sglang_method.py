@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from sglang.srt.layers.linear import LinearBase
@@ -48,11 +48,12 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase, Quantiz
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
-from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig, parse_quantization_config, serves_user_choice
-from foursight.quant_methods.online import ENV_CHANNELS_FILE, OnlineSettings
+from foursight.quant_methods.config import (FourSightLinearMethodBase, FourSightMethodConfig, foursight_layers, parse_quantization_config,
+                                            serves_user_choice)
+from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.plan import refresh_layer
 from foursight.quant_methods.sharding import TPContext
-from foursight.schema import CHANNELS_FILE, QUANT_METHOD, FourSightConfig
+from foursight.schema import CHANNELS_FILE, ENV_CHANNELS_FILE, QUANT_METHOD, FourSightConfig
 
 logger = logging.getLogger("foursight.quant_methods.sglang")
 
@@ -155,17 +156,10 @@ class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
         layer.foursight_plan.stale = True
 
 
-def foursight_layers(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
-    """``(name, module)`` of every FourSight layer of an SGLang model."""
-    for name, m in model.named_modules():
-        if isinstance(getattr(m, "quant_method", None), FourSightSGLangLinearMethod):
-            yield name, m
-
-
 def refresh_foursight_layers(model: torch.nn.Module, only_stale: bool = True) -> int:
     """Rebuild the execution state of (stale) FourSight layers now; returns how many were rebuilt."""
     n = 0
-    for _, m in foursight_layers(model):
+    for m in foursight_layers(model).values():
         if m.foursight_plan.stale or not only_stale:
             refresh_layer(m, m.quant_method.tp_context(m))
             n += 1
@@ -175,6 +169,5 @@ def refresh_foursight_layers(model: torch.nn.Module, only_stale: bool = True) ->
 __all__ = [
     "FourSightSGLangConfig",
     "FourSightSGLangLinearMethod",
-    "foursight_layers",
     "refresh_foursight_layers",
 ]

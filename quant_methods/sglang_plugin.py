@@ -90,7 +90,7 @@ def _serves_foursight(updater) -> bool:
 
 
 def _refused(e: Exception) -> tuple[bool, str]:
-    from foursight.quant_methods.update_check import REFUSED_PREFIX
+    from foursight.schema import REFUSED_PREFIX
 
     return False, f"{REFUSED_PREFIX}{e}"
 
@@ -103,7 +103,8 @@ def check_folder_update(model, path: str, model_config) -> int:
     tensor or the file; returns the number of tensors."""
     from foursight.quant_methods.config import served_weights
     from foursight.quant_methods.update_check import check_update
-    from foursight.schema import check_complete, iter_safetensors
+    from foursight.schema import check_complete
+    from foursight.tensor_io import iter_safetensors
 
     check_complete(path)
     qc = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)

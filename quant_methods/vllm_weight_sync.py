@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
+from foursight.quant_methods.config import foursight_layers
 from foursight.quant_methods.plan import refresh_layer
 from foursight.quant_methods.update_check import unchecked_load_weights
 from foursight.schema import CheckpointError
@@ -52,30 +52,6 @@ from foursight.schema import CheckpointError
 
 #: one id per engine process: a restarted engine has a new one (see ``foursight_engine_state``)
 BOOT_ID = uuid.uuid4().hex
-
-
-def foursight_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Engine module name -> module, for every layer with a FourSight plan."""
-    return {n: m for n, m in model.named_modules() if getattr(m, "foursight_plan", None) is not None}
-
-
-def read_update_file(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors of a safetensors file, lazily, in file order. Raises FileNotFoundError naming the path."""
-    from safetensors import safe_open
-
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"weight update file {p} does not exist")
-    with safe_open(str(p), framework="pt", device="cpu") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
-
-
-def _safetensors_names(path: str | Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return list(f.keys())
 
 
 def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -321,10 +297,11 @@ class FourSightWorkerExtension:
         :meth:`foursight_engine_state`). An engine served over HTTP loads only with its
         ``FOURSIGHT_WEIGHTS_TOKEN`` (``token``) and only from its weights folders
         (:func:`foursight.quant_methods.weight_authority.authorize_update`). A refusal before anything
-        loads starts with ``weight_authority.REFUSED`` (the bridge answers 422). Returns ``{"version",
+        loads starts with :data:`foursight.schema.REFUSED_PREFIX` (the bridge answers 422). Returns ``{"version",
         "updated_tensors", "requantized_layers", "seconds"}``."""
-        from foursight.quant_methods.weight_authority import REFUSED, RefusedUpdate, authorize_update
-        from foursight.schema import check_safetensors
+        from foursight.quant_methods.weight_authority import RefusedUpdate, authorize_update
+        from foursight.schema import REFUSED_PREFIX
+        from foursight.tensor_io import iter_safetensors
 
         t0 = time.perf_counter()
         v = int(version)
@@ -333,12 +310,11 @@ class FourSightWorkerExtension:
         # every tensor is read once and checked before any is loaded (what is checked is what is loaded):
         # a rejected update leaves the previous weights serving and the version unchanged
         try:
-            check_safetensors(path)
-            weights = list(read_update_file(path))
+            weights = list(iter_safetensors(path))  # the one reader: a truncated file or a NaN names the tensor
             check_fused_complete(model, [n for n, _ in weights])
             check_update(model, weights)  # names, dtypes, shapes, finiteness
         except Exception as e:
-            raise RefusedUpdate(f"{REFUSED}{e}") from e  # the bridge answers 422: nothing was loaded
+            raise RefusedUpdate(f"{REFUSED_PREFIX}{e}") from e  # the bridge answers 422: nothing was loaded
         with torch.no_grad():
             info = apply_weight_update(model, weights)
         self._foursight_version = v

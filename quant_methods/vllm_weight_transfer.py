@@ -80,22 +80,22 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         it whole once, check the tensors read (every tensor finite, names, dtypes and shapes:
         :func:`~foursight.quant_methods.vllm_weight_sync.check_update`) and keep them for
         ``finish_weight_update``; nothing is loaded yet. A refused file refuses the whole update."""
-        from foursight.quant_methods.vllm_weight_sync import check_update, read_update_file
-        from foursight.quant_methods.weight_authority import REFUSED, RefusedUpdate, authorize_update
-        from foursight.schema import check_safetensors
+        from foursight.quant_methods.vllm_weight_sync import check_update
+        from foursight.quant_methods.weight_authority import RefusedUpdate, authorize_update
+        from foursight.schema import REFUSED_PREFIX
+        from foursight.tensor_io import iter_safetensors
 
         if self._session is None:
             raise RuntimeError("foursight_file: update_weights before start_weight_update")
         try:
             path = authorize_update(update_info.path, update_info.token)
-            check_safetensors(path)
-            tensors = list(read_update_file(path))  # the tensors checked are the tensors loaded
+            tensors = list(iter_safetensors(path))  # read once, each checked finite: the tensors checked are the tensors loaded
             check_update(self.model, tensors)
         except Exception as e:
             self._session["refused"] = str(e)
             if isinstance(e, RefusedUpdate):
                 raise
-            raise RefusedUpdate(f"{REFUSED}{e}") from e  # nothing of the update is loaded: the update is at fault
+            raise RefusedUpdate(f"{REFUSED_PREFIX}{e}") from e  # nothing of the update is loaded: the update is at fault
         self._session["buckets"].append(tensors)
 
     def finish_weight_update(self) -> None:

@@ -35,15 +35,12 @@ import hmac
 import os
 from pathlib import Path
 
-TOKEN_ENV = "FOURSIGHT_WEIGHTS_TOKEN"
-DIRS_ENV = "FOURSIGHT_WEIGHTS_DIR"
-#: the prefix of every refusal (the bridge maps it to a 422: nothing was loaded)
-REFUSED = "FourSight refused the weight update, nothing loaded: "
+from foursight.schema import ENV_SHM_DIR, ENV_WEIGHTS_DIR, ENV_WEIGHTS_TOKEN, REFUSED_PREFIX
 
 
 class RefusedUpdate(RuntimeError):
     """An engine route refused a weight update before loading any of it (the message starts with
-    :data:`REFUSED`, which the bridge reads as "the update is at fault": 422, the engine in sync)."""
+    :data:`foursight.schema.REFUSED_PREFIX`, which the bridge reads as "the update is at fault": 422, the engine in sync)."""
 
 
 class WeightsRefused(RefusedUpdate):
@@ -59,7 +56,7 @@ def served_over_http(env: dict | None = None) -> bool:
 def weights_dirs(env: dict | None = None) -> list[Path]:
     """The folders an update may be read from: ``FOURSIGHT_WEIGHTS_DIR`` or the shared-memory folder."""
     env = os.environ if env is None else env
-    raw = env.get(DIRS_ENV) or env.get("FOURSIGHT_SHM_DIR", "/dev/shm")
+    raw = env.get(ENV_WEIGHTS_DIR) or env.get(ENV_SHM_DIR, "/dev/shm")
     return [Path(d).resolve() for d in raw.split(os.pathsep) if d]
 
 
@@ -72,12 +69,12 @@ def authorize_update(path: str | os.PathLike, token: str | None, env: dict | Non
     env = os.environ if env is None else env
     if not served_over_http(env):
         return str(path)
-    want = env.get(TOKEN_ENV) or None
+    want = env.get(ENV_WEIGHTS_TOKEN) or None
     if want is None:
-        raise WeightsRefused(f"{REFUSED}this engine serves its weight routes over HTTP (VLLM_SERVER_DEV_MODE=1) but has no "
-                             f"{TOKEN_ENV}; start it with one and give the bridge the same (docs/bridge.md)")
+        raise WeightsRefused(f"{REFUSED_PREFIX}this engine serves its weight routes over HTTP (VLLM_SERVER_DEV_MODE=1) but has no "
+                             f"{ENV_WEIGHTS_TOKEN}; start it with one and give the bridge the same (docs/bridge.md)")
     if not isinstance(token, str) or not hmac.compare_digest(token.encode(), want.encode()):
-        raise WeightsRefused(f"{REFUSED}the call does not carry this engine's {TOKEN_ENV}")
+        raise WeightsRefused(f"{REFUSED_PREFIX}the call does not carry this engine's {ENV_WEIGHTS_TOKEN}")
     roots = weights_dirs(env)
     try:
         p = Path(path).resolve(strict=True)
@@ -85,6 +82,6 @@ def authorize_update(path: str | os.PathLike, token: str | None, env: dict | Non
     except (OSError, RuntimeError, ValueError, TypeError):
         ok = False
     if not ok:
-        raise WeightsRefused(f"{REFUSED}not a readable file inside this engine's weights folders "
-                             f"({DIRS_ENV}: {os.pathsep.join(map(str, roots))})")
+        raise WeightsRefused(f"{REFUSED_PREFIX}not a readable file inside this engine's weights folders "
+                             f"({ENV_WEIGHTS_DIR}: {os.pathsep.join(map(str, roots))})")
     return str(p)

@@ -265,7 +265,7 @@ def test_killed_quantize_leaves_a_folder_every_reader_refuses_and_the_next_run_r
     from foursight.schema import INCOMPLETE_MARKER
 
     out = tmp_path / "ckpt"
-    script = ("import os, foursight.schema as s\n"
+    script = ("import os, foursight.channels_file as s\n"
               "s.ChannelsFile.write = lambda self, path: os._exit(9)\n"
               "from foursight.checkpoint import quantize_model\n"
               f"quantize_model({str(tiny_llama_dir)!r}, {str(out)!r}, channels='16', progress=False)\n")

@@ -1,5 +1,5 @@
 """Sharded checkpoints: written by huggingface_hub's splitter with the index transformers reads,
-and read back through the index only (one strict reader, schema.iter_safetensors).
+and read back through the index only (one strict reader, tensor_io.iter_safetensors).
 
 Oracles: the same checkpoint written as one file, and transformers' own sharded loading."""
 
@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from foursight import checkpoint
-from foursight.checkpoint import quantize_model, read_tensors
-from foursight.schema import SAFETENSORS_INDEX, CheckpointError, iter_safetensors
+from foursight import tensor_io
+from foursight.checkpoint import quantize_model
+from foursight.schema import CheckpointError
+from foursight.tensor_io import SAFETENSORS_INDEX, iter_safetensors, read_tensors
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def single_and_sharded(tiny_llama_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("shards")
     one = quantize_model(tiny_llama_dir, base / "one", channels="16", progress=False).out_dir
     mp = pytest.MonkeyPatch()
-    mp.setattr(checkpoint, "SHARD_BYTES", 200_000)
+    mp.setattr(tensor_io, "SHARD_BYTES", 200_000)
     try:
         many = quantize_model(tiny_llama_dir, base / "many", channels="16", progress=False).out_dir
     finally:

@@ -186,7 +186,7 @@ def test_calibrate_refuses_an_existing_file_without_force(tiny_llama_dir, tmp_pa
 
 
 def test_calibrate_force_replaces_a_channels_file(tiny_llama_dir, tmp_path):
-    from foursight.schema import ChannelsFile
+    from foursight.channels_file import ChannelsFile
 
     f = ChannelsFile(channels={"model.layers.0.mlp.down_proj": [3]}, input_amax={"model.layers.0.mlp.down_proj": 1.0}).write(tmp_path / "ch.json")
     _refused(_run("calibrate", "--model", tiny_llama_dir, "--out", f, "--channels", "32"), "exists; pass --force")

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from foursight import schema
 from foursight.layer import quantize_activation, quantize_weight, reference_linear
 from foursight.nvfp4 import global_scale_from_amax
-from foursight.schema import ChannelsFile, CheckpointError
+from foursight.channels_file import CHANNELS_FORMAT_VERSION, ChannelsFile
+from foursight.schema import CheckpointError
 
 Q, K_, V = (f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
 
@@ -49,7 +50,7 @@ def test_channels_file_round_trip(tmp_path):
     p = cf.write(tmp_path / "c.json")
     back = ChannelsFile.read(p)
     assert back.channels == {Q: [3, 9], K_: [3, 9]} and back.input_amax == {Q: 4.25, K_: 4.25}
-    assert json.loads(p.read_text())["format_version"] == schema.CHANNELS_FORMAT_VERSION
+    assert json.loads(p.read_text())["format_version"] == CHANNELS_FORMAT_VERSION
     assert ChannelsFile.read(tmp_path / "c.json").channel_tensor(Q).dtype == torch.int32
     assert ChannelsFile.read(tmp_path / "c.json").channel_tensor("nope") is None
 
@@ -113,7 +114,7 @@ def test_one_calibration_gives_one_static_scale_both_ways(tiny_llama_dir, tmp_pa
     """A checkpoint with static activation scales and the online static mode fed with the channels
     file written beside it (or by ``foursight calibrate``) load the same ``input_global_scale``
     and compute the same layer output."""
-    from foursight.channels_file import calibrate_channels
+    from foursight.checkpoint import calibrate_channels
     from foursight.checkpoint import quantize_model
     from foursight.hf import load_reference_model
     from foursight.quant_methods.online import OnlineSettings

@@ -26,7 +26,7 @@ from foursight.interop import export_compressed_tensors, import_compressed_tenso
 from foursight.layer import dequantize_weight
 from foursight.schema import CheckpointError
 from helpers.checkpoints import library_ct_checkpoint
-from helpers.logprobs import abs_diff_stats
+from foursight.trainer_bridge.metrics import abs_diff_summary
 from helpers.vllm_engine import subprocess_prompt_logprobs
 
 ct = pytest.importorskip("compressed_tensors")
@@ -199,6 +199,6 @@ def test_vllm_serves_an_imported_library_checkpoint(tiny_llama_dir, tmp_path):
     seqs, lps = subprocess_prompt_logprobs(fs, tmp_path)
     from foursight.trainer_bridge.scoring import sequence_logprobs
 
-    gap = abs_diff_stats(lps, sequence_logprobs(load_reference_model(fs), seqs))
+    gap = abs_diff_summary(lps, sequence_logprobs(load_reference_model(fs), seqs))
     print(f"\nimported NVFP4A16 in vLLM --quantization foursight vs reference: mean {gap['mean']:.4f} max {gap['max']:.4f}")
     assert gap["mean"] < 0.05 and gap["max"] < 0.3

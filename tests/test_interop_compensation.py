@@ -17,13 +17,15 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from foursight import schema
+from foursight.channels_file import ChannelsFile
 from foursight.cli import app
 from foursight.compressed_tensors_format import read_compressed_tensors
 from foursight.hf import load_reference_model
 from foursight.interop import compensate_import, import_compressed_tensors, write_checkpoint_folder
 from foursight.schema import CheckpointError
 from helpers.checkpoints import library_ct_checkpoint
-from helpers.logprobs import abs_diff_stats, fixed_sequences
+from foursight.trainer_bridge.metrics import abs_diff_summary
+from helpers.logprobs import fixed_sequences
 from helpers.vllm_engine import subprocess_prompt_logprobs
 
 ct = pytest.importorskip("compressed_tensors")
@@ -92,7 +94,7 @@ def test_weight_bf16_is_the_dequantized_columns_and_fused_inputs_share_s(ct_dir,
 
     lib = load_file(str(ct_dir / "model.safetensors"))
     fs = load_file(str(k16 / "model.safetensors"))
-    cf = schema.ChannelsFile.read(k16)
+    cf = ChannelsFile.read(k16)
     scheme = preset_name_to_scheme("NVFP4", ["Linear"])
     for n in _modules(lib):
         ch = fs[f"{n}.bf16_channels"]
@@ -237,10 +239,10 @@ def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, k16_zeroed, tmp
     seqs, eng = subprocess_prompt_logprobs(k16, tmp_path / "a")
     seqs_z, eng_z = subprocess_prompt_logprobs(k16_zeroed, tmp_path / "b")
     assert seqs_z == seqs
-    assert abs_diff_stats(eng, eng_z)["max"] == 0.0
+    assert abs_diff_summary(eng, eng_z)["max"] == 0.0
     ref = sequence_logprobs(load_reference_model(k16), seqs)
     bf = sequence_logprobs(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval(), seqs)
-    gap, effect = abs_diff_stats(eng, ref), abs_diff_stats(ref, bf)
+    gap, effect = abs_diff_summary(eng, ref), abs_diff_summary(ref, bf)
     print(f"\ncompensated import (k=16, W4A4 static) in vLLM vs reference: mean {gap['mean']:.4f} max {gap['max']:.4f} "
           f"({gap['tokens']} tokens); reference vs BF16: mean {effect['mean']:.4f}")
     assert gap["mean"] < 0.6 * effect["mean"]
@@ -258,7 +260,7 @@ def test_vllm_serves_the_compressed_tensors_folder_directly(ct_dir, tmp_path):
     seqs, direct = subprocess_prompt_logprobs(ct_dir, tmp_path / "a")
     seqs_i, imported = subprocess_prompt_logprobs(k0, tmp_path / "b")
     assert seqs_i == seqs
-    assert abs_diff_stats(direct, imported)["max"] == 0.0
+    assert abs_diff_summary(direct, imported)["max"] == 0.0
 
 
 @pytest.mark.vllm

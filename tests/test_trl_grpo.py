@@ -31,7 +31,8 @@ pytest.importorskip("trl")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.calibration import builtin_texts  # noqa: E402
-from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences, server_prompt_logprobs  # noqa: E402
+from foursight.trainer_bridge.metrics import abs_diff_summary  # noqa: E402
+from helpers.logprobs import engine_prompt_logprobs, fixed_sequences, server_prompt_logprobs  # noqa: E402
 from helpers.vllm_engine import fresh_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -88,11 +89,11 @@ def _check_run(probes, log_history, model_dir, channels, seqs, tmp, floor: float
     diffs = []
     for i, (state, got) in enumerate(probes):
         ref = _fresh_logprobs(model_dir, state, channels, seqs, tmp)
-        d = abs_diff_stats(got, ref)
+        d = abs_diff_summary(got, ref)
         diffs.append(d)
         print(f"sync {i}: engine vs fresh load of the learner's weights: max |d| {d['max']:.3g} over {d['tokens']} tokens")
     changes = [max(float((probes[i + 1][0][k].float() - probes[i][0][k].float()).abs().max()) for k in probes[0][0]) for i in range(STEPS - 1)]
-    moved = [abs_diff_stats(probes[i + 1][1], probes[i][1])["mean"] for i in range(STEPS - 1)]
+    moved = [abs_diff_summary(probes[i + 1][1], probes[i][1])["mean"] for i in range(STEPS - 1)]
     steps = [h for h in log_history if "sampling/sampling_logp_difference/mean" in h]
     mism = [h["sampling/sampling_logp_difference/mean"] for h in steps]
     print(f"learner max |dw| per step {changes}; engine logprob mean |d| per sync {moved}; TRL sampling_logp_difference/mean {mism}")
@@ -218,6 +219,6 @@ def test_colocate_checkpoint_mode_takes_a_float32_learners_tensors(tiny_llama_di
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     ref = _fresh_logprobs(tiny_llama_dir, _snapshot(learner), tiny_ckpt / "foursight_channels.json", seqs, fresh)
-    d = abs_diff_stats(got, ref)
+    d = abs_diff_summary(got, ref)
     print(f"checkpoint mode, float32 learner: max |d| {d['max']:.3g} vs a fresh load")
     assert d["max"] == 0.0

@@ -172,7 +172,8 @@ def test_verl_bucketed_sync_into_foursight_engine_equals_fresh_load(tiny_llama_d
 
     from foursight.checkpoint import quantize_model
     from foursight.calibration import builtin_texts
-    from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
+    from foursight.trainer_bridge.metrics import abs_diff_summary
+    from helpers.logprobs import engine_prompt_logprobs, fixed_sequences
     from helpers.weights import perturbed_state
 
     # verl's vllm_rollout package checks the version of the distribution named "vllm"; vLLM's CPU
@@ -208,8 +209,8 @@ def test_verl_bucketed_sync_into_foursight_engine_equals_fresh_load(tiny_llama_d
             assert n > 3  # several buckets, so layers are loaded across calls before the post-load step
             llm.reset_prefix_cache()
             got = engine_prompt_logprobs(llm, seqs)
-            moved = abs_diff_stats(got, before)["mean"]
-            d = abs_diff_stats(got, fresh[i])
+            moved = abs_diff_summary(got, before)["mean"]
+            d = abs_diff_summary(got, fresh[i])
             print(f"verl sync {i}: vs fresh load max |d| {d['max']:.3g} over {d['tokens']} tokens; moved {moved:.3g} from before")
             assert moved > 1e-3, "the engine did not change"
             assert d["max"] == 0.0, f"sync {i}: the engine does not serve the synced weights (max |d| {d['max']})"

@@ -19,7 +19,7 @@ from foursight.quant_methods import plan as plan_mod
 from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_quantized_weight
-from foursight.schema import ChannelsFile
+from foursight.channels_file import ChannelsFile
 from foursight.schema import CheckpointError, FourSightConfig
 
 pytestmark = pytest.mark.vllm

@@ -24,7 +24,8 @@ from foursight.layer import quantize_weight  # noqa: E402
 from foursight.calibration import builtin_texts  # noqa: E402
 from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs  # noqa: E402
 from helpers.checkpoints import edited_copy  # noqa: E402
-from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from foursight.trainer_bridge.metrics import abs_diff_summary  # noqa: E402
+from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from helpers.vllm_engine import close, engine_model, make_llm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -113,8 +114,8 @@ def test_teacher_forced_logprobs_close_to_reference(llm_fs, tiny_ckpt, seqs, tin
     eng = engine_prompt_logprobs(llm_fs, seqs)
     ref = hf_prompt_logprobs(load_reference_model(tiny_ckpt), seqs)
     bf = hf_prompt_logprobs(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16), seqs)
-    gap = abs_diff_stats(eng, ref)
-    effect = abs_diff_stats(ref, bf)
+    gap = abs_diff_summary(eng, ref)
+    effect = abs_diff_summary(ref, bf)
     print(f"\ntiny llama k=16: engine vs reference |Δ| mean {gap['mean']:.4f} max {gap['max']:.4f}; reference FourSight vs BF16 mean {effect['mean']:.4f}")
     assert gap["mean"] < 0.6 * effect["mean"]
 
@@ -133,7 +134,7 @@ def test_post_load_processing_is_idempotent(llm_fs, seqs):
             assert torch.equal(p, params_before[n]), n
     llm_fs.reset_prefix_cache()
     b = engine_prompt_logprobs(llm_fs, seqs[:2])
-    assert abs_diff_stats(a, b)["max"] == 0.0
+    assert abs_diff_summary(a, b)["max"] == 0.0
 
 
 def test_weight_update_in_checkpoint_mode(llm_fs, tiny_llama_dir, tmp_path):
@@ -169,18 +170,18 @@ def test_online_quantization_update_matches_fresh_load(tiny_llama_dir, tiny_ckpt
     llm = make_llm(tiny_llama_dir, quantization="foursight")
     a = engine_prompt_logprobs(llm, seqs)
     ck = make_llm(tiny_ckpt)  # same process: a second engine
-    assert abs_diff_stats(a, engine_prompt_logprobs(ck, seqs))["max"] == 0.0
+    assert abs_diff_summary(a, engine_prompt_logprobs(ck, seqs))["max"] == 0.0
     close(ck)
     res = llm.collective_rpc("foursight_update_weights", args=(str(pert / "model.safetensors"), "2"))
     assert res[0]["version"] == 2
     llm.reset_prefix_cache()
     b = engine_prompt_logprobs(llm, seqs)
-    assert abs_diff_stats(a, b)["mean"] > 1e-3  # the outputs changed
+    assert abs_diff_summary(a, b)["mean"] > 1e-3  # the outputs changed
     close(llm)
     fresh = make_llm(pert, quantization="foursight")
     c = engine_prompt_logprobs(fresh, seqs)
     close(fresh)
-    assert abs_diff_stats(b, c)["max"] == 0.0
+    assert abs_diff_summary(b, c)["max"] == 0.0
 
 
 def test_online_fallback_without_channels_file(tiny_llama_dir, seqs, monkeypatch, tmp_path):
@@ -259,7 +260,7 @@ def test_qwen2_biases_w4a16(tiny_qwen2_dir, tmp_path):
             y_ref = torch.cat([ref.get_submodule(n)(x) for n in mod.foursight_plan.shard_names], dim=-1)
         assert float((y.float() - y_ref.float()).abs().max()) <= 2**-7 * float(y_ref.float().abs().max()), name
         assert not mod.foursight_state.act_quant
-    gap = abs_diff_stats(engine_prompt_logprobs(llm, seqs), hf_prompt_logprobs(ref, seqs))
+    gap = abs_diff_summary(engine_prompt_logprobs(llm, seqs), hf_prompt_logprobs(ref, seqs))
     close(llm)
     print(f"\ntiny qwen2 W4A16 k=16: engine vs reference |Δ| mean {gap['mean']:.4f} max {gap['max']:.4f}")
     # BF16 engine vs HF BF16 on the tiny models: ~0.01 mean, ~0.08 max (docs/vllm.md)

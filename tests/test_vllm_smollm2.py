@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.calibration import builtin_texts  # noqa: E402
-from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences  # noqa: E402
+from foursight.trainer_bridge.metrics import abs_diff_summary  # noqa: E402
+from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from helpers.vllm_engine import EXT  # noqa: E402
 from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs  # noqa: E402
 
@@ -79,7 +80,7 @@ def test_offline_llm_generates_and_matches_reference(smol_ckpt, smol_seqs, smoll
     gc.collect()
     ref = hf_prompt_logprobs(ref_model, smol_seqs)
     bf = hf_prompt_logprobs(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16), smol_seqs)
-    gap, effect = abs_diff_stats(eng, ref), abs_diff_stats(ref, bf)
+    gap, effect = abs_diff_summary(eng, ref), abs_diff_summary(ref, bf)
     print(f"\nSmolLM2 k=32 greedy: {text!r}\nengine vs reference |Δ| mean {gap['mean']:.4f} max {gap['max']:.4f} over {gap['tokens']} tokens; reference FourSight vs BF16 mean {effect['mean']:.4f} max {effect['max']:.4f}")
     assert gap["mean"] < effect["mean"]
 

@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent(
         from transformers import AutoTokenizer
         from foursight.hf import load_reference_model
         from foursight.calibration import builtin_texts
-        from helpers.logprobs import abs_diff_stats, engine_prompt_logprobs, fixed_sequences
+        from foursight.trainer_bridge.metrics import abs_diff_summary
+        from helpers.logprobs import engine_prompt_logprobs, fixed_sequences
         from foursight.trainer_bridge.scoring import sequence_logprobs as hf_prompt_logprobs
         ck, out = sys.argv[1], sys.argv[2]
         tok = AutoTokenizer.from_pretrained(ck)
@@ -49,7 +50,7 @@ SCRIPT = textwrap.dedent(
         stage("engine shut down")
         ref = hf_prompt_logprobs(load_reference_model(ck), seqs)
         with open(out, "w") as f:
-            json.dump(abs_diff_stats(eng, ref), f)
+            json.dump(abs_diff_summary(eng, ref), f)
         stage("result written")
         sys.stdout.flush()
         os._exit(0)  # the result is on disk; nothing left in this process needs a clean teardown

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from foursight.quant_methods.weight_authority import REFUSED, WeightsRefused, authorize_update
+from foursight.quant_methods.weight_authority import WeightsRefused, authorize_update
+from foursight.schema import REFUSED_PREFIX
 
 
 def test_only_the_token_and_only_the_weights_folder_on_a_served_engine(tmp_path):
@@ -31,7 +32,7 @@ def test_only_the_token_and_only_the_weights_folder_on_a_served_engine(tmp_path)
     }.items():
         with pytest.raises(WeightsRefused) as ei:
             authorize_update(path, token, env)
-        assert str(ei.value).startswith(REFUSED) and str(outside) not in str(ei.value), what
+        assert str(ei.value).startswith(REFUSED_PREFIX) and str(outside) not in str(ei.value), what
         answers[what] = str(ei.value)
     # one answer for every file the caller may not load: nothing is learnt about the engine's files
     assert len({answers[w] for w in ("outside", "missing", "symlink out", "dotdot", "a folder")}) == 1

@@ -123,7 +123,7 @@ class VLLMServer(ServerProcess):
                  weights_token: str | None = None, weights_dir: str | Path | Sequence[str | Path] | None = None):
         import secrets
 
-        from foursight.quant_methods.weight_authority import DIRS_ENV, TOKEN_ENV
+        from foursight.schema import ENV_WEIGHTS_DIR, ENV_WEIGHTS_TOKEN
 
         self.model = str(model)
         self.weights_token = weights_token or secrets.token_hex(16)
@@ -132,10 +132,10 @@ class VLLMServer(ServerProcess):
                "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
                *extra_args]
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", TOKEN_ENV: self.weights_token, **(env or {})}
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", ENV_WEIGHTS_TOKEN: self.weights_token, **(env or {})}
         if weights_dir is not None:
             dirs = [weights_dir] if isinstance(weights_dir, (str, Path)) else list(weights_dir)
-            full_env[DIRS_ENV] = os.pathsep.join(str(Path(d).resolve()) for d in dirs)
+            full_env[ENV_WEIGHTS_DIR] = os.pathsep.join(str(Path(d).resolve()) for d in dirs)
         super().__init__(cmd, full_env, port, log_path)
 
 

@@ -299,3 +299,25 @@ def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
     w = weights.to(torch.float64)[m]
     s2 = float((w * w).sum())
     return float(w.sum()) ** 2 / (w.numel() * s2) if s2 > 0 else 1.0
+
+
+def abs_diff_summary(a: "list[torch.Tensor] | tuple[torch.Tensor, ...]", b: "list[torch.Tensor] | tuple[torch.Tensor, ...]",
+                     quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float]:
+    """The one |Δlogp| summary of two engines' per-sequence logprobs of the same tokens (``a[i]`` and
+    ``b[i]`` of equal length), over all tokens, in float64: ``mean``, ``max``, ``p50``/``p90``/``p99``
+    (``quantiles``) and ``tokens``. Compare's engine table and pairwise means, its generator
+    self-check, the fidelity benchmarks and the tests' engine comparisons all use it. Raises
+    :class:`TIMError` naming the sequence whose lengths differ; no tokens give zeros."""
+    if len(a) != len(b):
+        raise TIMError(f"abs_diff_summary: {len(a)} sequences against {len(b)}")
+    parts = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        x, y = torch.as_tensor(x, dtype=torch.float64).reshape(-1), torch.as_tensor(y, dtype=torch.float64).reshape(-1)
+        if x.numel() != y.numel():
+            raise TIMError(f"abs_diff_summary: sequence {i} has {x.numel()} tokens against {y.numel()}")
+        parts.append((x - y).abs())
+    d = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    out = {"mean": float(d.mean()) if d.numel() else 0.0, "max": float(d.max()) if d.numel() else 0.0, "tokens": int(d.numel())}
+    for q in quantiles:
+        out[f"p{round(q * 100)}"] = float(torch.quantile(d, q)) if d.numel() else 0.0
+    return out

@@ -110,7 +110,7 @@ class FourSightRollout(BaseModel):
 
     def engine_env(self) -> dict[str, str]:
         """The ``FOURSIGHT_*`` variables the engine reads at load (online mode)."""
-        from foursight.quant_methods.online import ENV_ACTIVATION_DTYPE, ENV_CHANNEL_BUDGET, ENV_CHANNELS_FILE, ENV_IGNORE
+        from foursight.schema import ENV_ACTIVATION_DTYPE, ENV_CHANNEL_BUDGET, ENV_CHANNELS_FILE, ENV_IGNORE
 
         env = {}
         if self.channels_file:

@@ -34,7 +34,7 @@ def state_dict_sha256(model_dir: str | Path) -> str:
     independent of the safetensors file layout: to check that two conversions are bit-identical."""
     import hashlib
 
-    from foursight.schema import iter_safetensors
+    from foursight.tensor_io import iter_safetensors
 
     sd = dict(iter_safetensors(model_dir, check=False))
     h = hashlib.sha256()

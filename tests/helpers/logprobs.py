@@ -54,9 +54,3 @@ def server_prompt_logprobs(url: str, seqs: Sequence[Sequence[int]]) -> list[torc
         plp = r.json()["choices"][0]["prompt_logprobs"]
         out.append(torch.tensor([plp[t][str(s[t])]["logprob"] for t in range(1, len(s))], dtype=torch.float64))
     return out
-
-
-def abs_diff_stats(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> dict[str, float]:
-    """Mean and max |a - b| over all tokens of paired per-sequence logprob tensors."""
-    d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
-    return {"mean": float(d.mean()), "max": float(d.max()), "tokens": int(d.numel())}

@@ -82,7 +82,7 @@ class SGLangHTTPEngine(HTTPEngine):
             model_path = folder
         r = await self.client.post("/update_weights_from_disk", json={"model_path": str(model_path), "weight_version": str(version)})
         if r.status_code != 200 or not r.json().get("success", False):
-            from foursight.quant_methods.update_check import REFUSED_PREFIX
+            from foursight.schema import REFUSED_PREFIX
 
             refused = r.status_code == 200 and str(r.json().get("message", "")).startswith(REFUSED_PREFIX)
             raise (UpdateRefused if refused else EngineError)(f"{self.name}: /update_weights_from_disk -> {r.status_code} {r.text[:300]}")

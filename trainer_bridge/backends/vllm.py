@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from foursight.quant_methods.weight_authority import REFUSED, TOKEN_ENV
+from foursight.schema import ENV_WEIGHTS_TOKEN as TOKEN_ENV, REFUSED_PREFIX as REFUSED  # noqa: N811 (names shared with the engine adapters)
 from foursight.trainer_bridge.backends.base import EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams

@@ -43,7 +43,8 @@ async def push_weights(state: BridgeState, req: WeightUpdateRequest):
         return unprocessable([{"field": field, "message": WeightsRoots.NOT_ALLOWED}], version=state.gate.version)
     path = str(resolved)
     # every tensor is read and checked before any engine sees the update: a rejected update changes nothing
-    from foursight.schema import CheckpointError, check_safetensors
+    from foursight.schema import CheckpointError
+    from foursight.tensor_io import check_safetensors
 
     try:
         await asyncio.to_thread(check_safetensors, path)
