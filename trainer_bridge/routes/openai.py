@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from foursight.trainer_bridge.backends.base import Delta
+from foursight.trainer_bridge.detokenizer import IncrementalDetokenizer
 from foursight.trainer_bridge.guards import bad_request, field_name, openai_error
 from foursight.trainer_bridge.protocol import MAX_LOGPROBS, ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
 from foursight.trainer_bridge.routes.rollouts import RolloutStreamResponse, admit, events
@@ -419,26 +420,37 @@ class _Choice:
         self.req, self.tok, self.names, self.index = req, tok, names, index
         self.prompt_ids = prompt_ids
         self.ids: list[int] = []
-        self.sent_text = ""  # completion text sent so far (streamed)
+        self.detok = IncrementalDetokenizer(tok)  # streamed: the text of each piece's tokens, decoded incrementally
+        self.held = ""  # streamed: decoded text not sent yet, as it may still become a stop string
         self.sent_tokens = 0  # tokens whose logprobs were sent so far
         self.offset = 0  # text_offset of the next logprob token
         self.started = False
         echo = req.echoes() and req.kind == "completion"
         self.echo_text = ("" if req.return_token_ids else prompt_text if prompt_text is not None else tok.decode(prompt_ids)) if echo else None
 
-    def text(self, ids: list[int], final: bool, finish_reason: str | None) -> str:
-        """The completion's text so far: ``ids`` decoded as a whole (a character split across tokens
-        comes out whole), cut before the stop string that ended it; while streaming, the end that
-        may still become a stop string or complete a character is held back."""
-        text = self.tok.decode(ids, skip_special_tokens=True)
+    def text(self, ids: list[int], finish_reason: str | None) -> str:
+        """The finished completion's text: ``ids`` decoded as a whole (a character split across tokens
+        comes out whole, one still incomplete at the end is left out, as vLLM's detokenizer leaves
+        it), cut before the stop string that ended it."""
+        return self._cut(self.tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd"), finish_reason)
+
+    def _cut(self, text: str, finish_reason: str | None) -> str:
         stops = self.req.stops()
-        if final:  # a character still incomplete at the end is left out, as vLLM's detokenizer leaves it
-            text = text.rstrip("\ufffd")
-            return _cut_at_stop(text, stops) if finish_reason == "stop" and stops else text
-        hold = max((len(s) for s in stops), default=1) - 1  # may still become a stop string
-        if text.endswith("\ufffd"):  # an incomplete character: wait for its next bytes
-            hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
-        return text[: len(text) - hold] if hold else text
+        return _cut_at_stop(text, stops) if finish_reason == "stop" and stops else text
+
+    def _stream_text(self, token_ids: list[int], finish_reason: str | None, final: bool) -> str:
+        """The text a streamed piece adds: its tokens decoded incrementally (:class:`IncrementalDetokenizer`;
+        joined, the pieces' texts are :meth:`text` of the whole sample). While streaming, the end
+        that may still become a stop string is held back; with the last piece it is cut before the
+        stop string that ended the sample (which cannot begin in text already sent, being held)."""
+        new = self.held + self.detok.push(list(token_ids))
+        if final:
+            self.held = ""
+            return self._cut(new + self.detok.finish(), finish_reason)
+        hold = max((len(s) for s in self.req.stops()), default=1) - 1
+        cut = max(0, len(new) - hold)
+        self.held = new[cut:]
+        return new[:cut]
 
     def _logprobs(self, ids, vals, tops, prompt_logprobs, echo: bool, start: int):
         """The route's logprobs of the generated tokens ``ids`` (the sample's from index ``start``),
@@ -474,7 +486,7 @@ class _Choice:
 
     def whole(self, r: Rollout) -> dict[str, Any]:
         """The choice of a non-streamed answer."""
-        text = self.text(r.token_ids, True, r.finish_reason)
+        text = self.text(r.token_ids, r.finish_reason)
         self.ids = list(r.token_ids)
         lp = self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, r.prompt_logprobs, echo=self.echo_text is not None, start=0)
         out: dict[str, Any] = {"index": self.index, "finish_reason": r.finish_reason, "stop_reason": None}
@@ -495,10 +507,7 @@ class _Choice:
         start = len(self.ids)
         self.ids.extend(d.token_ids)
         final = r is not None
-        text = self.text(self.ids, final, r.finish_reason if final else None)
-        new_text = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
-        if new_text:
-            self.sent_text = text
+        new_text = self._stream_text(d.token_ids, r.finish_reason if final else None, final)
         echo = first and self.echo_text is not None
         lp = self._logprobs(list(d.token_ids), list(d.logprobs), d.top_logprobs, d.prompt_logprobs, echo=echo, start=start)
         if not (new_text or d.token_ids or final or echo):
@@ -653,9 +662,9 @@ async def _answer(request: Request, state: BridgeState, body: dict[str, Any], mo
 async def models(state: State):
     """The served model, as vLLM's OpenAI server lists it (clients such as TRL's ``VLLMClient``
     read the id here and send it back as ``model``), with its context length."""
+    ctx = await state.engines[0].context_length()  # first: an engine server's probe also reads the name it serves
     name = served_model(state)
     entry = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "foursight", "root": name, "parent": None}
-    ctx = await state.engines[0].context_length()
     if ctx:
         entry["max_model_len"] = ctx
     return {"object": "list", "data": [entry]}
