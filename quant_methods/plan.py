@@ -187,6 +187,10 @@ class LayerPlan:
             no longer matches the parameters (the adapter re-processes before the next forward).
         pending_weight: shard indices that received a BF16 ``weight`` since the last process; when
             it covers every shard the adapter re-processes at once, inside the loader.
+        requantized: checkpoint mode: shard indices whose checkpoint tensors were last written by
+            :meth:`load_bf16_shard` (our own quantizer, from a finite weight, with the layer's
+            validated channels), so :meth:`process` does not check them again as it checks a
+            checkpoint's; loading any checkpoint tensor of the shard directly removes it.
     """
 
     prefix: str
@@ -206,6 +210,7 @@ class LayerPlan:
     load_events: int = 0
     stale: bool = False
     pending_weight: set[int] = field(default_factory=set)
+    requantized: set[int] = field(default_factory=set)
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -340,6 +345,7 @@ class LayerPlan:
                 plan.load_bf16_shard(layer_params(), loaded_weight, shard_id)
             elif spec.per_shard:
                 plan._load_per_shard(param, loaded_weight, idx, name)
+                plan.requantized.discard(idx)
             else:
                 if engine_loader is None:
                     raise RuntimeError(f"{plan.prefix}: no engine loader for {spec.name}")
@@ -353,6 +359,10 @@ class LayerPlan:
                         f"tensor {name} has shape {list(loaded_weight.shape)}, which does not fit parameter "
                         f"{plan.prefix}.{spec.name} of local shape {list(param.shape)} (shard {shard_id!r}): {e}"
                     ) from None
+                if shard_id is None:
+                    plan.requantized.clear()
+                else:
+                    plan.requantized.discard(idx)
             plan.stale = True
             if spec.name == WEIGHT:
                 plan.pending_weight.update(range(plan.num_shards) if shard_id is None else (idx,))
@@ -398,6 +408,7 @@ class LayerPlan:
                 p.weight_loader(p, t)
             else:
                 p.weight_loader(p, t, shard_id)
+        self.requantized.add(idx)
 
     def weight_complete(self) -> bool:
         """True when every shard received a BF16 ``weight`` since the last :meth:`process`."""
@@ -467,8 +478,10 @@ class LayerPlan:
                 BF16_CHANNELS: ch_all[i],
                 WEIGHT_BF16: wbf[off : off + rows],
             }
-            # channel values are global indices: validated against the global K
-            parts.append(decode_module(name, t, rows, self.input_size, self.k, local_in_features=kl))
+            if i in self.requantized:  # written by our quantizer, not read from a file: nothing to check again
+                parts.append(QuantizedWeight(t[WEIGHT_PACKED], t[WEIGHT_SCALE], t[WEIGHT_GLOBAL_SCALE].float(), t[BF16_CHANNELS], t[WEIGHT_BF16]))
+            else:  # channel values are global indices: validated against the global K
+                parts.append(decode_module(name, t, rows, self.input_size, self.k, local_in_features=kl))
             off += rows
         qw = concat_shards(parts, self.prefix)
         if len(parts) > 1:
