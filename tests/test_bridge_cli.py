@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from foursight.cli_util import OptionError
+from foursight.trainer_bridge.bridge_config import BridgeConfig
 from foursight.trainer_bridge.cli import app, build_engines
 from foursight.trainer_bridge.backends.hf import HFEngine
 from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
@@ -38,28 +39,29 @@ def test_serve_rejects_bad_options(args, message, monkeypatch):
 
 
 def test_build_engines(tiny_llama_dir):
-    e = build_engines("vllm", ["http://127.0.0.1:1", "http://127.0.0.1:2"], None, tiny_llama_dir, None, None)
+    e = build_engines(BridgeConfig(engine="vllm", engine_urls=["http://127.0.0.1:1", "http://127.0.0.1:2"], tokenizer=tiny_llama_dir))
     assert [type(x) for x in e] == [VLLMHTTPEngine, VLLMHTTPEngine] and e[0].logprobs_mode == "raw_logprobs"
-    h = build_engines("hf", [], tiny_llama_dir, None, None, None)
+    h = build_engines(BridgeConfig(engine="hf", model=tiny_llama_dir))
     assert isinstance(h[0], HFEngine)
     with pytest.raises(OptionError, match="--engine-url"):
-        build_engines("hf", ["http://x"], tiny_llama_dir, None, None, None)
+        build_engines(BridgeConfig(engine="hf", engine_urls=["http://x"], model=tiny_llama_dir))
 
 
 def test_serve_passes_the_edge_options_to_serve(tmp_path, monkeypatch):
-    """--weights-dir, --allowed-host, --max-body-bytes, --max-tokens-cap reach serve(); a
+    """--weights-dir, --allowed-host, --max-body-bytes, --max-tokens-cap reach serve() in its BridgeConfig; a
     --weights-dir that is not a folder is refused naming the option."""
     import foursight.trainer_bridge.server as server
 
-    got = {}
-    monkeypatch.setattr(server, "serve", lambda engines, **kw: got.update(kw))
+    got = []
+    monkeypatch.setattr(server, "serve", lambda engines, cfg: got.append(cfg))
     r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--wait", "0", "--weights-dir", str(tmp_path),
                                  "--allowed-host", "bridge.internal", "--max-body-bytes", "4096", "--max-tokens-cap", "100",
                                  "--max-request-tokens", "5000"])
     assert r.exit_code == 0, r.output
-    assert got["weights_dirs"] == [str(tmp_path)] and got["allowed_hosts"] == ["bridge.internal"]
-    assert got["max_body_bytes"] == 4096 and got["max_tokens_cap"] == 100 and got["allow_remote"] is False
-    assert got["max_request_tokens"] == 5000
+    (cfg,) = got
+    assert cfg.weights_dirs == [tmp_path] and cfg.allowed_hosts == ["bridge.internal"]
+    assert cfg.max_body_bytes == 4096 and cfg.max_tokens_cap == 100 and cfg.allow_remote is False
+    assert cfg.max_request_tokens == 5000
     r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--weights-dir", str(tmp_path / "nope")],
                            env={"COLUMNS": "300"})
     assert r.exit_code != 0 and "--weights-dir" in r.output and "is not a folder" in r.output

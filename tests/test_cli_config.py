@@ -50,7 +50,9 @@ def test_flags_defaults_and_bounds_come_from_the_dataclass():
 
 
 @pytest.mark.parametrize("verb, config", [("compare", "foursight.compare.config:CompareConfig"),
-                                           ("quantize", "foursight.quantize_config:QuantizeConfig")])
+                                           ("quantize", "foursight.quantize_config:QuantizeConfig"),
+                                           ("rl", "foursight.rl.config:RLConfig"),
+                                           ("bridge serve", "foursight.trainer_bridge.bridge_config:BridgeConfig")])
 def test_verb_flags_are_exactly_its_config(verb, config):
     """Every option of the verb's config is a flag of the verb with the config's default, and no other flag exists
     (the defaults live once, in the config)."""
@@ -60,7 +62,9 @@ def test_verb_flags_are_exactly_its_config(verb, config):
 
     mod, _, cls = config.partition(":")
     cfg_cls = getattr(importlib.import_module(mod), cls)
-    cmd = typer.main.get_command(app).commands[verb]  # type: ignore[attr-defined]
+    cmd = typer.main.get_command(app)
+    for word in verb.split():
+        cmd = cmd.commands[word]  # type: ignore[attr-defined]
     params = {p.name: p for p in cmd.params if p.name != "help"}
     fields = {f.name: f for f in cli_fields(cfg_cls)}
     assert set(params) == set(fields)

@@ -62,37 +62,31 @@ def default_sglang_python() -> str:
 
 def open_engine(spec: EngineSpec, model_dirs: dict[str, Path], urls: dict[str, str], logs: Path, sglang_python: str,
                 max_model_len: int, api_key: str | None = None):
-    """Start (or connect to) one engine: ``(backend, server or None)``; ``api_key`` goes to a server
-    given by URL (the servers compare starts itself have none)."""
-    from foursight.trainer_bridge.backends.hf import HFEngine
-    from foursight.trainer_bridge.backends.sglang import SGLangHTTPEngine
-    from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
+    """Start (or connect to) one engine through its row of the engine registry: ``(backend, server or None)``.
+    An in-process kind loads the precision's model folder here; a server kind is reached at its ``--engine-url``
+    (``api_key`` goes to it), else its launcher starts a server (none of them has a key)."""
+    from foursight.trainer_bridge.backends.registry import load
 
+    row = spec.row
     src = model_dirs[spec.precision]
-    if spec.kind == "hf" and spec.precision == "fp8":
-        import torch
-        from transformers import AutoModelForCausalLM
+    if row.in_process is not None:
+        engine = load(row.in_process)
+        if spec.precision == "fp8":
+            import torch
+            from transformers import AutoModelForCausalLM
 
-        from foursight.hf import quantize_hf_model_fp8
+            from foursight.hf import quantize_hf_model_fp8
 
-        model = quantize_hf_model_fp8(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval())
-        return HFEngine(model=model, tokenizer=src), None
-    if spec.kind == "hf":
-        return HFEngine(src), None
-    backend = VLLMHTTPEngine if spec.kind == "vllm" else SGLangHTTPEngine
+            model = quantize_hf_model_fp8(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval())
+            return engine(model=model, tokenizer=src), None
+        return engine(src), None
+    backend = load(row.server)
     if spec.name in urls:
         return backend(urls[spec.name], api_key=api_key), None
+    if row.launcher is None:
+        raise CompareError(f"--engines {spec.name}: compare cannot start a {row.title} server; give one with --engine-url {spec.name}=URL")
     logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{spec.kind}-{spec.precision}.log"
     extra = ["--quantization", "foursight"] if spec.precision != "bf16" else []
-    if spec.kind == "vllm":
-        from foursight.trainer_bridge.launch import VLLMServer
-
-        srv = VLLMServer(src, max_model_len=max_model_len, extra_args=extra, log_path=log).start()
-    else:
-        if not Path(sglang_python).exists():
-            raise CompareError(f"--sglang-python {sglang_python} does not exist (run scripts/setup.sh, or pass --engine-url)")
-        from foursight.trainer_bridge.launch import SGLangServer
-
-        srv = SGLangServer(src, sglang_python, log_path=log, extra_args=extra).start(timeout_s=300)
+    srv = load(row.launcher)(src, log_path=logs / f"{spec.kind}-{spec.precision}.log", extra_args=extra, max_model_len=max_model_len,
+                             python=sglang_python)
     return backend(srv.url), srv

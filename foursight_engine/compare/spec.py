@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from foursight.precisions import PRECISIONS
+from foursight.trainer_bridge.backends.registry import ENGINE_KINDS, EngineKind, EngineKindError, engine_kind, kinds_for
 
-#: precisions that only the in-process HF engine serves here (fp8: foursight.fp8)
-HF_ONLY = ("fp8",)
-KINDS = ("hf", "vllm", "sglang")
+#: precisions that only an in-process engine serves here (compare quantizes the model in this process; fp8:
+#: foursight.fp8)
+IN_PROCESS_ONLY = ("fp8",)
+#: the engine kinds ``--engines`` takes (the registry's, trainer_bridge.backends.registry)
+KINDS = kinds_for("compare")
 LEARNER = "hf:bf16"
 
 
@@ -26,13 +29,24 @@ class EngineSpec:
     def name(self) -> str:
         return f"{self.kind}:{self.precision}"
 
+    @property
+    def row(self) -> EngineKind:
+        """The kind's row of the engine registry."""
+        return ENGINE_KINDS[self.kind]
+
     @classmethod
     def parse(cls, s: str) -> "EngineSpec":
         kind, _, prec = s.strip().partition(":")
-        if kind not in KINDS or prec not in PRECISIONS:
+        if prec not in PRECISIONS or kind not in ENGINE_KINDS:
             raise CompareError(f"--engines: {s!r} is not KIND:PRECISION with KIND in {KINDS} and PRECISION in {PRECISIONS}")
-        if prec in HF_ONLY and kind != "hf":
-            raise CompareError(f"--engines: {s!r}: {prec} rollouts are served by the in-process HF engine only (hf:{prec}; "
+        try:
+            row = engine_kind(kind, "compare", "--engines")
+        except EngineKindError as e:
+            raise CompareError(str(e)) from None
+        if prec in IN_PROCESS_ONLY and row.in_process is None:
+            local = [ENGINE_KINDS[k] for k in KINDS if ENGINE_KINDS[k].in_process]
+            raise CompareError(f"--engines: {s!r}: {prec} rollouts are served by the in-process {' or '.join(r.title for r in local)} "
+                               f"engine only ({', '.join(f'{r.name}:{prec}' for r in local)}; "
                                f"foursight.fp8, torch._scaled_mm on CUDA, the dequantized reference on CPU)")
         return cls(kind, prec)
 
@@ -53,7 +67,9 @@ def parse_engine_urls(items: Sequence[str]) -> dict[str, str]:
         if not eq or not url.startswith("http"):
             raise CompareError(f"--engine-url: {it!r} is not KIND:PRECISION=http://HOST:PORT")
         spec = EngineSpec.parse(name)
-        if spec.kind == "hf":
-            raise CompareError(f"--engine-url {it}: the hf engine runs in this process; only vllm and sglang servers are reached by URL")
+        if spec.row.server is None:
+            servers = [k for k in KINDS if ENGINE_KINDS[k].server]
+            raise CompareError(f"--engine-url {it}: the {spec.kind} engine runs in this process; only {' and '.join(servers)} "
+                               "servers are reached by URL")
         urls[spec.name] = url.rstrip("/")
     return urls

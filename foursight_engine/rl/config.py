@@ -9,11 +9,13 @@ from foursight.cli_config import option
 from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption
 from foursight.precisions import CHANNEL_PRECISIONS, PRECISIONS
 from foursight.rl import tasks as rl_tasks
+from foursight.trainer_bridge.backends.registry import ENGINE_KINDS, EngineKind, EngineKindError, engine_kind, kinds_for, kinds_help
 from foursight.trainer_bridge.filters import Policy
 
 #: the filter policies: the one vocabulary is trainer_bridge.filters.Policy
 FILTERS = get_args(Policy)
-ENGINES = ("hf", "vllm")
+#: the engine kinds ``--engine`` takes: those of the engine registry with a rollout engine
+ENGINES = kinds_for("rl")
 #: where π_old of the clipped surrogate comes from: the rollout engine's log-probs of the sampled
 #: tokens (ρ = π_θ / π_rollout, the study of 2026-12-03), or the learner's own detached log-probs
 #: (ρ = 1 on the one update per batch: verl's recomputed old_log_prob, TRL's default); with
@@ -43,7 +45,7 @@ class RLConfig:
     rollout_precision: str = option("foursight", help="bf16 | fp8 (rowwise W8A8, FlashRL) | nvfp4 (k=0) | foursight (W4A4 + k BF16 "
                                                       "channels) | w4a16 (FourSight weights, BF16 activations)")
     filter: str = option("none", help=" | ".join(get_args(Policy)) + " (trainer_bridge.filters; docs/tim.md)")
-    engine: str = option("hf", help="hf (in-process; Triton kernels on CUDA) | vllm (CPU smoke)")
+    engine: str = option("hf", help=kinds_help("rl"))
     steps: int = option(100, help="GRPO steps")
     prompts_per_step: int = option(8, help="problems sampled per step")
     micro_batch: int = option(32, help="sequences per learner forward/backward (the loss is normalised by the whole batch's "
@@ -88,6 +90,13 @@ class RLConfig:
     deterministic: bool = option(True, flag="--deterministic/--no-deterministic",
                                  help="torch deterministic algorithms (warn only) + fixed cuBLAS workspace")
 
+    def engine_kind(self) -> EngineKind:
+        """The row of ``--engine`` in the engine registry (an :class:`RLError` naming a kind rl cannot use)."""
+        try:
+            return engine_kind(self.engine, "rl", "--engine")
+        except EngineKindError as e:
+            raise RLError(str(e)) from None
+
     def checkpoint_path(self) -> str:
         return self.checkpoint or f"{self.out}.ckpt"
 
@@ -98,26 +107,28 @@ class RLConfig:
             raise RLError(f"--filter: expected one of {FILTERS}, got {self.filter!r}")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise RLError(f"--old-logprobs: expected one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
-        if self.engine not in ENGINES:
-            raise RLError(f"--engine: expected one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "vllm" and self.rollout_precision not in ("nvfp4", "foursight"):
-            raise RLError(f"--engine vllm: --rollout-precision must be nvfp4 or foursight (weights are synced through the "
-                          f"FourSight worker extension), got {self.rollout_precision!r}; use --engine hf for bf16, fp8 and w4a16 rollouts")
+        row = self.engine_kind()
+        copying = "|".join(k for k in ENGINES if ENGINE_KINDS[k].rollout_copies_learner)  # the kinds with the learner-copy options
+        if self.rollout_precision not in row.rollout_precisions:
+            others = [p for p in PRECISIONS if p not in row.rollout_precisions]
+            serving = "|".join(k for k in ENGINES if self.rollout_precision in ENGINE_KINDS[k].rollout_precisions)
+            raise RLError(f"--engine {self.engine}: --rollout-precision must be {' or '.join(row.rollout_precisions)} (what its "
+                          f"rollout engine serves), got {self.rollout_precision!r}; use --engine {serving} for {', '.join(others)} rollouts")
         if self.error_target is not None:
             if self.rollout_precision != "foursight":
                 raise RLError(f"--error-target applies to --rollout-precision foursight only, got {self.rollout_precision!r}")
             if not self.error_target > 0:
                 raise RLError(f"--error-target must be > 0, got {self.error_target}")
-            if self.engine != "hf":
-                raise RLError("--error-target: only with --engine hf")
+            if not row.rollout_copies_learner:
+                raise RLError(f"--error-target: only with --engine {copying}")
         if self.max_k is not None and self.max_k < 0:
             raise RLError(f"--max-k must be >= 0, got {self.max_k}")
         if self.checkpoint_every < 0:
             raise RLError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.bf16_layers and self.rollout_precision == "bf16":
             raise RLError("--bf16-layers: the bf16 rollout precision has nothing to carve out; use it with nvfp4, foursight, w4a16 or fp8")
-        if self.bf16_layers and self.engine != "hf":
-            raise RLError("--bf16-layers: only with --engine hf")
+        if self.bf16_layers and not row.rollout_copies_learner:
+            raise RLError(f"--bf16-layers: only with --engine {copying}")
         if self.bf16_layers and self.error_target is not None:
             raise RLError("--bf16-layers with --error-target is not supported (the per-group k of a carved group is undefined)")
         if self.task not in rl_tasks.TASKS:

@@ -22,10 +22,10 @@ from torch import nn
 
 from foursight.channels import calibrate_channel_sets, channel_summary
 from foursight.rl import tasks as rl_tasks
-from foursight.rl.config import CHANNEL_PRECISIONS, RLConfig, RLError
+from foursight.rl.config import CHANNEL_PRECISIONS, ENGINES, RLConfig, RLError
 from foursight.rl.grpo import combine_loss_stats, group_advantages, grpo_loss
-from foursight.trainer_bridge.backends.hf import HFRollout
-from foursight.trainer_bridge.backends.vllm_inprocess import VLLMRollout
+from foursight.trainer_bridge.backends.base import RolloutEngine, RolloutSetup
+from foursight.trainer_bridge.backends.registry import ENGINE_KINDS, load
 from foursight.trainer_bridge.hf_sampling import eos_ids
 
 
@@ -152,7 +152,7 @@ class RLRun:
     learner: nn.Module
     ref: nn.Module | None  # the frozen initial model of the KL term (kl_coef > 0)
     opt: torch.optim.Optimizer
-    engine: Any  # HFRollout | VLLMRollout
+    engine: RolloutEngine  # the --engine kind's rollout engine (trainer_bridge.backends.registry)
     channels: Any  # the BF16 channel sets, calibrated once on the initial model
     evals: list[rl_tasks.Problem]
     exclude: set[str]  # the eval questions, never trained on
@@ -191,8 +191,11 @@ def _set_reproducibility(cfg: RLConfig) -> None:
 
 def _device(cfg: RLConfig) -> torch.device:
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
-    if cfg.engine == "vllm" and dev.type != "cpu":
-        raise RLError("--engine vllm is the CPU smoke path here; use --engine hf on CUDA")
+    devices = cfg.engine_kind().rollout_devices
+    if devices is not None and dev.type not in devices:
+        usable = [k for k in ENGINES if ENGINE_KINDS[k].rollout_devices is None or dev.type in ENGINE_KINDS[k].rollout_devices]
+        raise RLError(f"--engine {cfg.engine} is the {'/'.join(d.upper() for d in devices)} smoke path here; use --engine "
+                      f"{'|'.join(usable)} on {dev.type.upper()}")
     return dev
 
 
@@ -205,6 +208,7 @@ def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | N
     from foursight.calibration import builtin_texts
     from foursight.models import resolve_model
 
+    row = cfg.engine_kind()
     model_dir = resolve_model(cfg.model)
     torch.manual_seed(cfg.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -228,17 +232,15 @@ def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | N
         opt.load_state_dict(resume_state["opt"])
         channels = resume_state["channels"]  # calibrated once, on the initial model
         torch.set_rng_state(resume_state["rng"])
-    elif cfg.rollout_precision in CHANNEL_PRECISIONS and cfg.engine == "hf":
+    elif cfg.rollout_precision in CHANNEL_PRECISIONS and row.rollout_copies_learner:
         calib_probs = rl_tasks.train_problems(cfg.task, step=-1, n=32, seed=cfg.seed + 7, exclude=exclude)
         texts = builtin_texts() + [tok.decode(ids) for ids in prompt_ids(tok, calib_probs, cfg.prompt_style, cfg.prefill)]
         learner_bf16 = copy.deepcopy(learner).to(torch.bfloat16).eval()
         channels = calibrate_channel_sets(learner_bf16, tok, texts, cfg.channels, ignore=ignore, error_target=cfg.error_target,
                                           max_k=cfg.max_k)
         del learner_bf16
-    if cfg.engine == "hf":
-        engine = HFRollout(learner, tok, cfg.rollout_precision, channels, sync=cfg.sync, ignore=ignore)
-    else:
-        engine = VLLMRollout(model_dir, tok, cfg.rollout_precision, cfg.channels, seed=cfg.seed)  # its own temporary folder
+    engine = load(row.rollout).for_rl(RolloutSetup(learner, model_dir, tok, cfg.rollout_precision, channels, cfg.channels,
+                                                   ignore=ignore, sync=cfg.sync, seed=cfg.seed))
     setup_s = time.perf_counter() - t_setup
     ch_info = channel_summary(learner, channels)
     if cfg.rollout_precision == "bf16":
@@ -246,7 +248,7 @@ def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | N
     else:
         ch_info.update(model_bf16_share(learner, ["lm_head"], carve, channels))
     follow = None
-    if cfg.follow and cfg.engine == "hf":
+    if cfg.follow and row.rollout_copies_learner:
         from foursight.rl.follow import FollowTracker
 
         follow = FollowTracker(ignore=("lm_head",))

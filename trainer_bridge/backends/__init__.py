@@ -7,7 +7,9 @@
 * :mod:`.sglang` — an SGLang server (:class:`~.sglang.SGLangHTTPEngine`);
 * :mod:`.hf` — a Hugging Face model in this process (:class:`~.hf.HFEngine`, its scheduler, and
   ``foursight rl``'s :class:`~.hf.HFRollout`), sampled by :mod:`foursight.trainer_bridge.hf_sampling`;
-* :mod:`.vllm_inprocess` — ``vllm.LLM`` in this process, ``foursight rl``'s :class:`~.vllm_inprocess.VLLMRollout`.
+* :mod:`.vllm_inprocess` — ``vllm.LLM`` in this process, ``foursight rl``'s :class:`~.vllm_inprocess.VLLMRollout`;
+* :mod:`.registry` — the one table of engine kinds (``vllm``, ``sglang``, ``hf``) the bridge, ``compare`` and
+  ``rl`` choose from, naming the classes above.
 
 Import from the module you need; this package imports none of them (an HTTP client does not pull
 in torch models, nor the HF engine httpx).

@@ -12,7 +12,9 @@ An engine backend
 
 The backends: :mod:`.vllm` and :mod:`.sglang` (servers over HTTP, sharing :mod:`.http`), :mod:`.hf`
 (a Hugging Face model in this process, and ``foursight rl``'s HF rollout copy) and
-:mod:`.vllm_inprocess` (``foursight rl``'s in-process vLLM). The bridge (server.py),
+:mod:`.vllm_inprocess` (``foursight rl``'s in-process vLLM); :mod:`.registry` maps each engine kind
+to them. ``foursight rl``'s rollout engines are a :class:`RolloutEngine` (synchronous, batched, made
+from a :class:`RolloutSetup`), not an :class:`Engine`. The bridge (server.py),
 ``foursight compare`` and ``foursight rl`` use them. The bridge owns scheduling, version tagging and
 error events; backends only raise :class:`EngineError` (or let httpx/asyncio errors through, which
 the bridge reports the same way).
@@ -25,7 +27,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol, Sequence, runtime_checkable
 
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 
@@ -103,6 +105,10 @@ class Engine(ABC):
     #: (``params.prompt_logprobs``); the bridge refuses them (400 naming the field) for one that does not
     returns_top_logprobs: bool = False
 
+    def startup_warnings(self) -> list[str]:
+        """What the operator should hear before this engine serves (``bridge serve`` prints each line once)."""
+        return []
+
     def served_model(self) -> str:
         """The model name the engine serves, as its clients name it (``model`` of OpenAI requests,
         ``GET /v1/models``); the engine's ``name`` unless the backend knows better."""
@@ -168,3 +174,48 @@ class Engine(ABC):
         update, 0 after a fresh start), or None when this engine cannot report it (then the bridge
         cannot detect a restart). Raises when the engine does not answer."""
         return None
+
+
+@dataclass
+class RolloutSetup:
+    """What ``foursight rl`` hands a rollout engine's ``for_rl``; each engine takes the part it uses."""
+
+    learner: Any  # the learner (torch.nn.Module, FP32 master weights)
+    model_dir: Path  # the model folder the learner was loaded from
+    tok: Any  # its tokenizer
+    precision: str  # the rollout precision (foursight.precisions)
+    channels: dict[str, Any] | None  # the BF16 channel sets calibrated on the initial learner (engines that copy it)
+    channels_spec: str  # --channels (engines that quantize the model folder themselves)
+    ignore: tuple[str, ...] = ("lm_head",)  # layers kept in BF16 (lm_head and the --bf16-layers carve-out)
+    sync: str = "inproc"  # weight sync of the HF rollout: inproc | file
+    seed: int = 0
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """``foursight rl``'s rollout engine (:class:`~.hf.HFRollout`, :class:`~.vllm_inprocess.VLLMRollout`): it
+    takes the learner's weights every step and samples groups of completions with the sampled tokens' logprobs."""
+
+    precision: str
+    #: the weight version of the last :meth:`sync` (0 before the first)
+    version: int
+    last_update: dict[str, Any]
+    #: the quantized copy of the learner in this process, or None where the engine holds none
+    model: Any
+
+    @classmethod
+    def for_rl(cls, setup: RolloutSetup) -> "RolloutEngine":
+        """The engine for one ``foursight rl`` run."""
+        ...
+
+    def sync(self, learner: Any, version: int) -> dict[str, Any]:
+        """Push the learner's weights in (re-quantizing); the sync's info (``sync_s``, ``requantized_layers``, ...)."""
+        ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int) -> list[Rollout]:
+        """``n`` samples per prompt at temperature 1, grouped contiguously, with raw logprobs."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (and what it wrote)."""
+        ...

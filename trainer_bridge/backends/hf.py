@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from foursight.trainer_bridge import hf_sampling
-from foursight.trainer_bridge.backends.base import Delta, Engine, EngineError, LocalTokenizer, UpdateRefused
+from foursight.trainer_bridge.backends.base import Delta, Engine, EngineError, LocalTokenizer, RolloutSetup, UpdateRefused
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
 
 
@@ -436,6 +436,10 @@ class HFRollout:
         self.version = 0
         self._engine = None
         self.last_update: dict[str, Any] = {}
+
+    @classmethod
+    def for_rl(cls, setup: RolloutSetup) -> "HFRollout":
+        return cls(setup.learner, setup.tok, setup.precision, setup.channels, sync=setup.sync, ignore=setup.ignore)
 
     def sync(self, learner: Any, version: int) -> dict[str, Any]:
         """Push the learner's weights (cast to BF16) into the engine and re-quantize its FourSight

@@ -53,6 +53,12 @@ class VLLMHTTPEngine(HTTPEngine):
         self.weight_sync = weight_sync
         self._transfer_ready = False
 
+    def startup_warnings(self) -> list[str]:
+        if self.weights_token:
+            return []
+        return [f"no {TOKEN_ENV} in the environment: a vLLM engine served with VLLM_SERVER_DEV_MODE=1 refuses every weight "
+                "update without it (docs/bridge.md, 'Who can reach the engine')"]
+
     async def start(self) -> None:
         await super().start()
         if self.model is None:
@@ -198,3 +204,11 @@ class VLLMHTTPEngine(HTTPEngine):
             raise EngineError(f"{self.name}: the workers report different weight versions {versions}")
         ids = sorted({str(w.get("weights_id")) for w in workers})
         return {"boot_id": ",".join(boots), "version": versions[0], "weights_id": None if ids == ["None"] else ",".join(ids)}
+
+
+def launch_server(model_dir: str | Path, *, log_path: Path, extra_args: list[str], max_model_len: int, python: str | None = None):
+    """Start a vLLM OpenAI server for ``model_dir`` in a child process (``foursight compare`` without
+    ``--engine-url``); returns it started (its ``url``; ``stop()`` it). ``python`` is unused (vLLM runs in this venv)."""
+    from foursight.trainer_bridge.launch import VLLMServer
+
+    return VLLMServer(model_dir, max_model_len=max_model_len, extra_args=extra_args, log_path=log_path).start()

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from foursight.trainer_bridge.backends.base import EngineError
+from foursight.trainer_bridge.backends.base import EngineError, RolloutSetup
 from foursight.trainer_bridge.protocol import Rollout
 
 
@@ -30,6 +30,8 @@ class VLLMRollout:
     :meth:`close` removes (it holds a whole quantized checkpoint)."""
 
     EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
+    #: the rollout model lives in vLLM, not as a module of this process (RolloutEngine.model)
+    model = None
 
     def __init__(self, model_dir: Path, tok, precision: str, channels_spec: str, workdir: Path | None = None,
                  max_model_len: int = 512, seed: int = 0):
@@ -57,6 +59,10 @@ class VLLMRollout:
             raise
         self.version = 0
         self.last_update: dict[str, Any] = {}
+
+    @classmethod
+    def for_rl(cls, setup: RolloutSetup) -> "VLLMRollout":
+        return cls(setup.model_dir, setup.tok, setup.precision, setup.channels_spec, seed=setup.seed)  # its own temporary folder
 
     def sync(self, learner: Any, version: int) -> dict[str, Any]:
         from safetensors.torch import save_file

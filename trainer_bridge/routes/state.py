@@ -10,7 +10,6 @@ import asyncio
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Annotated, AsyncIterator, Sequence
 
 import anyio
@@ -18,6 +17,7 @@ from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from foursight.trainer_bridge.backends.base import Engine
+from foursight.trainer_bridge.bridge_config import BridgeConfig
 from foursight.trainer_bridge.guards import WeightsRoots
 from foursight.trainer_bridge.liveness import Liveness
 
@@ -111,28 +111,29 @@ class BridgeMetrics:
 
 
 class BridgeState:
-    """Everything the routes of one bridge share (``server.create_app`` documents the options)."""
+    """Everything the routes of one bridge share: the engines, the bridge's options (``config``, a
+    :class:`~foursight.trainer_bridge.bridge_config.BridgeConfig`; each option also reads as an attribute,
+    ``state.max_queue`` is ``state.config.max_queue``), the weight gate, metrics and liveness."""
 
-    def __init__(self, engines: Sequence[Engine], api_key: str | None, max_concurrency: int, max_queue: int,
-                 sample_timeout_s: float, initial_version: int, weights_dirs: Sequence[str | Path] | None = None,
-                 max_tokens_cap: int | None = None, max_request_tokens: int | None = None, probe_timeout_s: float = 10.0):
+    def __init__(self, engines: Sequence[Engine], config: BridgeConfig):
         if not engines:
             raise ValueError("the bridge needs at least one engine")
         self.engines = list(engines)
-        self.api_key = api_key
-        self.max_concurrency = max_concurrency
-        self.max_queue = max_queue
-        self.sample_timeout_s = sample_timeout_s
-        self.initial_version = initial_version
-        self.max_tokens_cap = max_tokens_cap
-        self.max_request_tokens = max_request_tokens
-        self.roots = WeightsRoots(weights_dirs)
+        self.config = config
+        self.roots = WeightsRoots(config.weights_dirs)
         self.inflight = {id(e): 0 for e in self.engines}  # keyed by object: a name may change at start()
         self.metrics = BridgeMetrics()
-        self.liveness = Liveness(self.engines, probe_timeout_s=probe_timeout_s)
+        self.liveness = Liveness(self.engines, probe_timeout_s=config.probe_timeout_s)
         # made in start(), inside the server's event loop
         self.gate: VersionGate | None = None
         self.sem: asyncio.Semaphore | None = None
+
+    def __getattr__(self, name: str):
+        """The bridge's options read as attributes (called only for names the state itself lacks)."""
+        config = self.__dict__.get("config")
+        if config is not None and name in BridgeConfig.__dataclass_fields__:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     async def start(self) -> None:
         """At app startup: the version gate and concurrency limit, every engine started and its served state recorded."""
