@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from foursight.trainer_bridge import sse
 from foursight.trainer_bridge.backends.base import Delta, EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
@@ -66,20 +67,9 @@ class SGLangHTTPEngine(HTTPEngine):
         body = {**self.generate_body(prompt_ids, params, max_tokens, seed), "stream": True}
         seen = 0
         finished = False
-        async with self.client.stream("POST", "/generate", json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                raise EngineError(f"{self.name}: /generate -> {r.status_code} {text[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    d = self.parse_stream_chunk(json.loads(data), seen, self.name)
-                except ValueError as e:
-                    raise EngineError(f"{self.name}: malformed /generate stream chunk ({e})") from None
+        async with contextlib.aclosing(sse.events(self.client, "/generate", body, self.name)) as chunks:
+            async for chunk in chunks:
+                d = self.parse_stream_chunk(chunk, seen, self.name)
                 seen += len(d.token_ids)
                 finished = d.finish_reason is not None
                 yield d
@@ -158,12 +148,3 @@ class SGLangHTTPEngine(HTTPEngine):
         except (TypeError, ValueError):
             return None
 
-
-def launch_server(model_dir: str | Path, *, log_path: Path, extra_args: list[str], max_model_len: int, python: str | None = None):
-    """Start an SGLang CPU server for ``model_dir`` with the SGLang venv's ``python`` (``foursight compare``
-    without ``--engine-url``); returns it started (its ``url``; ``stop()`` it). ``max_model_len`` is unused."""
-    from foursight.trainer_bridge.launch import SGLangServer
-
-    if not python or not Path(python).exists():
-        raise FileNotFoundError(f"--sglang-python {python} does not exist (run scripts/setup.sh, or pass --engine-url)")
-    return SGLangServer(model_dir, python, log_path=log_path, extra_args=extra_args).start(timeout_s=300)
