@@ -1,12 +1,16 @@
-"""The FourSight format: checkpoint tensor names, the config schema, the codec and the channels file.
+"""The FourSight format: checkpoint tensor names, the config schema, the codec, and the names the bridge and the engines share.
 
 This module owns every rule of the on-disk format (reading and writing the tensors themselves is
 :mod:`foursight.tensor_io`'s):
 
 * the tensor names of a quantized module and the ``quantization_config`` schema
   (:class:`FourSightConfig`);
+* the ``--channels`` budget (:func:`parse_channel_budget`) and the tensors' expected shapes (:func:`expected_shapes`);
 * the codec between a :class:`~foursight.layer.QuantizedWeight` and its tensors
-  (:func:`encode_module` / :func:`decode_module`, which validates every tensor);
+  (:func:`encode_module` / :func:`decode_module`, which validates every tensor), the value ranges it
+  checks (:func:`check_global_scale`, :func:`check_finite`);
+* the incomplete-run marker every reader refuses (:func:`check_complete`) and the one reader of
+  ``config.json`` (:func:`read_config`);
 * the static activation scale of a layer from its calibrated amax (:func:`static_input_scale`;
   the channels file that stores the amax is :mod:`foursight.channels_file`'s);
 * the names the trainer bridge and the engine adapters share: the ``FOURSIGHT_*`` environment
