@@ -54,7 +54,7 @@ cp -r foursight_engine/* "$PP/foursight/"
 cp -r kernels "$PP/foursight/kernels"
 cp -r quant_methods "$PP/foursight/quant_methods"
 cp foursight_autoload.py "$PP/"
-export PYTHONPATH=$PP
+export PYTHONPATH=$PP:/tmp/site:$ROOT  # /tmp/site: the pydantic wheels rl_device.sh stage installs (foursight.schema needs pydantic); $ROOT: foursight_autoload
 KSHA=$($PY -c "
 import hashlib, pathlib
 h = hashlib.sha256()
