@@ -87,7 +87,7 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], cfg: CompareConfig |
     for spec in order:
         engine, srv = open_engine(spec, dirs, urls, out / "logs", sglang_python, max_model_len, api_key)
         try:
-            rollouts, scores[spec.name] = asyncio.run(drive(engine, spec.name, 1 if spec.kind == "hf" else 8,
+            rollouts, scores[spec.name] = asyncio.run(drive(engine, spec.name, 1 if spec.row.in_process else 8,
                                                              prompt_ids if spec == gen else None, max_tokens, temperature, seed,
                                                              rollouts))
         finally:
