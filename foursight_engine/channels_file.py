@@ -111,6 +111,13 @@ class ChannelsFile:
             amax_out = {}  # version 1 amax is over all channels: not the scale the checkpoint uses
         return cls(out, amax_out, path, version)
 
+    def record(self, names: "list[str] | tuple[str, ...]", channels: torch.Tensor, input_amax: float) -> None:
+        """Enter one input group's choice: the channel set ``channels`` and the FP4-part amax ``input_amax``
+        for each module of ``names`` (the members that share the input)."""
+        for n in names:
+            self.channels[n] = [int(c) for c in channels]
+            self.input_amax[n] = float(input_amax)
+
     def to_dict(self) -> dict:
         return {"format_version": CHANNELS_FORMAT_VERSION, "channels": {n: [int(i) for i in v] for n, v in self.channels.items()},
                 "input_amax": {n: float(v) for n, v in self.input_amax.items()}}

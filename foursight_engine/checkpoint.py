@@ -162,8 +162,7 @@ def quantize_model(
             bias = None if mods[n].bias is None else mods[n].bias.detach().to(torch.bfloat16)
             tensors.update(schema.encode_module(n, qw, in_gs, bias))
             cfg.channels[n] = k
-            channels_file.channels[n] = [int(c) for c in ch]
-            channels_file.input_amax[n] = fp4_amax
+        channels_file.record(g.members, ch, fp4_amax)
     cfg.channel_selection = "calibration" if any(cfg.channels.values()) else "none"
 
     quantized = set(names)
@@ -239,9 +238,7 @@ def calibrate_channels(model_dir, out, channels="32", calib=None, ignore=("lm_he
     cf = ChannelsFile()
     for g in groups.values():
         choice = choose_channels(g, [], channels)
-        for n in g.members:
-            cf.channels[n] = [int(c) for c in choice.channels]
-            cf.input_amax[n] = choice.fp4_amax
+        cf.record(g.members, choice.channels, choice.fp4_amax)
     prepare_channels_destination(out, force)  # again: another run may have written it meanwhile
     return cf.write(out)
 

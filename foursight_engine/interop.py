@@ -231,8 +231,7 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
             schema.decode_module(n, t, n_out, 2 * k_half, k)
             out.update({f"{n}.{s}": v for s, v in t.items()})
             ks[n] = k
-            cf.channels[n] = [int(c) for c in ch]
-            cf.input_amax[n] = fp4_amax
+        cf.record(g.members, ch, fp4_amax)
     fs = qc.model_copy(update={"channels": {n: ks[n] for n in names}, "channel_budget": str(channels),
                                "channel_selection": "calibration" if any(ks.values()) else "none"})
     hf_cfg = dict(hf_cfg, quantization_config=schema.FourSightConfig.parse(fs.model_dump()).model_dump())
