@@ -206,16 +206,24 @@ def test_the_spine_has_at_most_nine_floors():
 
 
 def private_imports() -> list[str]:
-    """``module: from X import _name`` for every ``_private`` name (not a dunder) one module of the
-    product imports from another module of the product."""
-    mods = _modules()
+    """``module: from X import _name`` (or ``x._name``, ``x`` a module of ours it imported) for every
+    ``_private`` name (not a dunder) one module of the product takes from another module of the product."""
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
     out = []
-    for name, f in mods.items():
-        for node in _imports(ast.parse(f.read_text(), str(f))):
+    for name, f in _modules().items():
+        tree = ast.parse(f.read_text(), str(f))
+        ours: set[str] = set()  # local names bound to our modules (or to names imported from them)
+        for node in _imports(tree):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("foursight")):
                 for a in node.names:
-                    if a.name.startswith("_") and not a.name.startswith("__"):
+                    ours.add(a.asname or a.name)
+                    if private(a.name):
                         out.append(f"{name}: from {'.' * node.level}{node.module or ''} import {a.name}")
+            elif isinstance(node, ast.Import):
+                ours |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("foursight")}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name) and node.value.id in ours:
+                out.append(f"{name}: {node.value.id}.{node.attr}")
     return out
 
 
