@@ -255,18 +255,23 @@ def quantize_nvfp4(
 
 
 def block_amax(xb: torch.Tensor) -> torch.Tensor:
-    """float32 ``max |x|`` over the last dim of ``xb`` (e.g. [R, K/16, 16] blocks); NaN and Inf
-    propagate as with ``abs().amax()`` (exact: a maximum rounds nothing).
+    """float32 ``max |x|`` over the last dim of ``xb`` (e.g. [R, K/16, 16] blocks, [N, K] rows, or a
+    whole 1-D tensor); NaN and Inf propagate as with ``abs().amax()`` (exact: a maximum rounds nothing).
 
-    16-wide blocks: ``abs`` and a max-pool of width 16 over the rows (a reduction over a 16-wide last
-    dim is the CPU's slowest form, about twice as long); a long last dim (a row, a whole tensor):
-    one ``aminmax`` pass with no copy, ``max(max x, -min x)``."""
+    The form is the fastest measured on the CPU for each shape (one thread, a [1536, 576] weight):
+    16-wide blocks by ``abs`` and a max-pool of width 16 (a reduction over a 16-wide last dim is the
+    slowest form); a 1-D tensor by one ``aminmax`` pass with no dim, ``max(max x, -min x)`` (0.18 ms;
+    with ``dim=-1`` 1.4 ms); rows by ``abs().amax(-1)`` (0.4 ms; ``aminmax(dim=-1)`` 1.4 ms)."""
+    if xb.dim() == 1:
+        if not xb.numel():
+            return torch.zeros((), dtype=torch.float32, device=xb.device)
+        lo, hi = torch.aminmax(xb)
+        return torch.maximum(hi.float(), lo.float().neg_())
     if xb.shape[-1] == BLOCK_SIZE and xb.numel():
         lead = xb.shape[:-1]
-        a = xb.float().abs().reshape(-1, 1, lead[-1] * BLOCK_SIZE if len(lead) else BLOCK_SIZE)
+        a = xb.float().abs().reshape(-1, 1, lead[-1] * BLOCK_SIZE)
         return torch.nn.functional.max_pool1d(a, BLOCK_SIZE, BLOCK_SIZE).reshape(lead)
-    lo, hi = torch.aminmax(xb, dim=-1)
-    return torch.maximum(hi.float(), lo.float().neg_())
+    return xb.float().abs().amax(-1)
 
 
 def dequantize_nvfp4(
