@@ -88,7 +88,7 @@ CASES: list[Case] = [
     Case("low", "`calibrate --out` overwrote any existing file", "fixed",
          (f"{PR}::test_calibrate_refuses_an_existing_file_without_force", f"{PR}::test_calibrate_force_replaces_a_channels_file"),
          "an existing file is refused without `--force`; with it only a file `ChannelsFile.read` accepts is replaced "
-         "(`channels_file.prepare_channels_destination`)", "38"),
+         "(`checkpoint.prepare_channels_destination`)", "38"),
     # ---- issue 28 (round two) ----
     Case("high", "vLLM and SGLang serve a FourSight checkpoint without a norm tensor and report healthy (without "
          "`model.norm.weight` vLLM answers `'ikipedia\\n\\n,,,,…'`); a compressed-tensors folder missing a norm passes "
@@ -165,7 +165,7 @@ CASES: list[Case] = [
          "the quantizer checks every tensor of the loaded model and names it", "28"),
     Case("low", "vLLM dies on a truncated safetensors file with a raw traceback that does not name the file", "fixed",
          (f"{CP}::test_vllm_refuses_to_serve_a_bad_checkpoint_naming_the_tensor",),
-         "the folder's safetensors headers are opened before vLLM reads them (`schema.check_headers`)", "28"),
+         "the folder's safetensors headers are opened before vLLM reads them (`tensor_io.check_headers`)", "28"),
     Case("low", "a body with invalid UTF-8 gets 400 in FastAPI's shape instead of the documented 422", "fixed",
          (f"{BE}::test_body_with_invalid_utf8_gets_the_documented_422",),
          "422 naming `body`, in the bridge's shape or, on the OpenAI routes, the OpenAI one", "28"),

@@ -22,15 +22,14 @@ def pad(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def engine_metrics(learner: list[torch.Tensor], engine: list[torch.Tensor], tail_threshold: float) -> dict[str, float]:
     """TIM metrics of ``engine`` against the learner (reused from the trainer bridge) + |Δ| quantiles."""
-    from foursight.trainer_bridge.metrics import compute_tim_metrics
+    from foursight.trainer_bridge.metrics import abs_diff_summary, compute_tim_metrics
 
     lt, m = pad(learner)
     le, _ = pad(engine)
     out = compute_tim_metrics(lt, le, m, tail_threshold=tail_threshold)
-    d = (lt - le).abs()[m]
-    if d.numel():
-        for q in (0.5, 0.9, 0.99):
-            out[f"abs_dlogp_p{int(q * 100)}"] = float(torch.quantile(d, q))
+    s = abs_diff_summary(learner, engine)
+    if s["tokens"]:
+        out.update({f"abs_dlogp_{q}": s[q] for q in ("p50", "p90", "p99")})
     return out
 
 
@@ -122,8 +121,11 @@ def write_plots(out: Path, learner: list[torch.Tensor], scores: dict[str, list[t
 
 
 def pairwise(scores: dict[str, list[torch.Tensor]]) -> dict[str, dict[str, float]]:
+    """Mean |Δlogp| of every pair of engines over the same tokens (:func:`abs_diff_summary`)."""
+    from foursight.trainer_bridge.metrics import abs_diff_summary
+
     names = list(scores)
-    return {a: {b: float(torch.cat([(x - y).abs() for x, y in zip(scores[a], scores[b])]).mean()) for b in names} for a in names}
+    return {a: {b: abs_diff_summary(scores[a], scores[b])["mean"] for b in names} for a in names}
 
 
 def _md(text: str) -> str:

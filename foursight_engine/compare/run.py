@@ -18,6 +18,7 @@ from foursight.compare.prompts import load_prompts
 from foursight.compare.report import engine_metrics, pairwise, print_table, write_plots, write_report
 from foursight.compare.spec import LEARNER, CompareError, EngineSpec, parse_engine_urls
 from foursight.precisions import CHANNEL_PRECISIONS, NVFP4_PRECISIONS
+from foursight.trainer_bridge.metrics import abs_diff_summary
 from foursight.trainer_bridge.protocol import Rollout
 
 
@@ -106,9 +107,10 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], cfg: CompareConfig |
     }
     if any(r.logprobs for r in rollouts):
         # the generator's own sampling logprobs against its own teacher-forced scoring (should be ~0)
-        d = torch.cat([(torch.tensor(r.logprobs, dtype=torch.float64) - s).abs() for r, s in zip(rollouts, scores[gen.name]) if r.logprobs])
-        if d.numel():
-            result["generator_self_check"] = {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
+        pairs = [(r.logprobs, s) for r, s in zip(rollouts, scores[gen.name]) if r.logprobs]
+        s = abs_diff_summary(*zip(*pairs))
+        if s["tokens"]:
+            result["generator_self_check"] = {"mean_abs": s["mean"], "max_abs": s["max"]}
     if cfg.attribute:
         k = min(cfg.attribute_n, len(rollouts))
         result["attribution"] = attribute_layers(model_dir, rollouts[:k], learner[:k], by=cfg.attribute_by)

@@ -331,7 +331,7 @@ class HFEngine(Engine):
 
     def update_weights_sync(self, path: str, version: int) -> dict[str, Any]:
         """Load the BF16 tensors (HF names) of a safetensors file or folder (:meth:`load_tensors_sync`),
-        read by the project's one reader (:func:`foursight.schema.iter_safetensors`: each checked finite)."""
+        read by the project's one reader (:func:`foursight.tensor_io.iter_safetensors`: each checked finite)."""
         from foursight.schema import CheckpointError
         from foursight.tensor_io import iter_safetensors
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from foursight.schema import ENV_WEIGHTS_TOKEN as TOKEN_ENV, REFUSED_PREFIX as REFUSED  # noqa: N811 (names shared with the engine adapters)
+from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX
 from foursight.trainer_bridge.backends.base import EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
@@ -46,7 +46,7 @@ class VLLMHTTPEngine(HTTPEngine):
                  api_key: str | None = None, logprobs_mode: str = "raw_logprobs", max_connections: int = 512,
                  weight_sync: str = "collective_rpc", weights_token: str | None = None):
         super().__init__(url, "vllm", tokenizer, api_key, logprobs_mode, max_connections)
-        self.weights_token = weights_token if weights_token is not None else os.environ.get(TOKEN_ENV)
+        self.weights_token = weights_token if weights_token is not None else os.environ.get(ENV_WEIGHTS_TOKEN)
         if weight_sync not in WEIGHT_SYNC_ROUTES:
             raise EngineError(f"weight_sync must be one of {', '.join(WEIGHT_SYNC_ROUTES)}, got {weight_sync!r}")
         self.model = model
@@ -56,7 +56,7 @@ class VLLMHTTPEngine(HTTPEngine):
     def startup_warnings(self) -> list[str]:
         if self.weights_token:
             return []
-        return [f"no {TOKEN_ENV} in the environment: a vLLM engine served with VLLM_SERVER_DEV_MODE=1 refuses every weight "
+        return [f"no {ENV_WEIGHTS_TOKEN} in the environment: a vLLM engine served with VLLM_SERVER_DEV_MODE=1 refuses every weight "
                 "update without it (docs/bridge.md, 'Who can reach the engine')"]
 
     async def start(self) -> None:
@@ -121,8 +121,8 @@ class VLLMHTTPEngine(HTTPEngine):
 
     def _refusal(self, r: httpx.Response, what: str) -> EngineError:
         """The error of a failed weight-update call: :class:`UpdateRefused` when the engine says it
-        refused the update before loading any of it (its answer carries ``weight_authority.REFUSED``)."""
-        return (UpdateRefused if REFUSED in r.text else EngineError)(f"{self.name}: {what} -> {r.status_code} {r.text[:400]}")
+        refused the update before loading any of it (its answer carries ``schema.REFUSED_PREFIX``)."""
+        return (UpdateRefused if REFUSED_PREFIX in r.text else EngineError)(f"{self.name}: {what} -> {r.status_code} {r.text[:400]}")
 
     async def _update_call(self, route: str, body: dict[str, Any], what: str | None = None) -> httpx.Response:
         r = await self.client.post(route, json=body)
