@@ -148,3 +148,12 @@ class SGLangHTTPEngine(HTTPEngine):
         except (TypeError, ValueError):
             return None
 
+
+def launch_server(model_dir: str | Path, *, log_path: Path, extra_args: list[str], max_model_len: int, python: str | None = None):
+    """Start an SGLang CPU server for ``model_dir`` with the SGLang venv's ``python`` (``foursight compare``
+    without ``--engine-url``); returns it started (its ``url``; ``stop()`` it). ``max_model_len`` is unused."""
+    from foursight.trainer_bridge.launch import SGLangServer
+
+    if not python or not Path(python).exists():
+        raise FileNotFoundError(f"--sglang-python {python} does not exist (run scripts/setup.sh, or pass --engine-url)")
+    return SGLangServer(model_dir, python, log_path=log_path, extra_args=extra_args).start(timeout_s=300)
