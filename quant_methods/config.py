@@ -22,8 +22,9 @@ from typing import Any, Callable, Literal
 import torch
 
 from foursight.compressed_tensors_format import CT_METHOD  # the compressed-tensors checkpoints --quantization foursight also serves
+from foursight.quant_methods.layer_layout import WEIGHT
 from foursight.quant_methods.online import OnlineSettings
-from foursight.quant_methods.plan import WEIGHT, LayerPlan, apply_linear, layer_params, refresh_layer
+from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params, refresh_layer
 from foursight.quant_methods.sharding import TPContext, shard_names
 from foursight.schema import QUANT_METHOD, CheckpointError, FourSightConfig
 

@@ -1,4 +1,16 @@
-"""The per-layer plan shared by the vLLM and SGLang adapters: parameters, loaders, processing, forward.
+"""The per-layer plan shared by the vLLM and SGLang adapters: :class:`LayerPlan`, one per engine
+linear layer, made of three subjects:
+
+* :mod:`~foursight.quant_methods.layer_layout`: the parameters a layer registers (shapes from the
+  checkpoint format's table, ``schema.expected_shapes``), the load modes and tensor parallelism;
+* :mod:`~foursight.quant_methods.layer_loading`: the loaders, their bookkeeping and the RL weight
+  update of a checkpoint-mode layer;
+* this module: the post-load processing (the execution state built from the loaded parameters,
+  installed in place) and the forward, and :class:`LayerPlan`, which joins the three.
+
+The new state is copied into the old one's tensors when they match (:func:`install_state`), so
+storage a captured CUDA graph reads stays valid; :func:`refresh_layer` is the one re-quantization
+step of every route.
 
 Nothing here imports an engine. An engine adapter (``vllm_method.py``, ``sglang_method.py``, both
 built on :class:`foursight.quant_methods.config.FourSightMethodConfig`) does four thin things and
@@ -19,66 +31,25 @@ calls this module for everything else:
    :class:`foursight.dispatch.PreparedLinear` (SpliceGEMM on CUDA, the PyTorch reference on
    CPU; the backend is chosen once, in ``process``).
 4. **TP**: pass a :class:`TPContext` whose collectives are the engine's (identity at TP=1).
-
-Two load modes (``LayerPlan.mode``):
-
-* ``"checkpoint"``: a FourSight checkpoint. Parameters per fused layer, derived from the
-  checkpoint format's table (``schema.expected_shapes``; N = sum of the local
-  output shards, K_loc = the local input size, k = BF16 channels, S = number of shards, e.g.
-  3 for q/k/v):
-
-  ============================  ====================  ===========  ===================================
-  name                          shape                 dtype        loading
-  ============================  ====================  ===========  ===================================
-  ``weight_packed``             [N, K_loc/2]          uint8        engine loader (output_dim 0,
-                                                                   input_dim 1, packed_dim 1, factor 2)
-  ``weight_scale``              [N, K_loc/16]         float8_e4m3  engine loader (output_dim 0, input_dim 1)
-  ``weight_bf16``               [N, k]                bfloat16     engine loader (output_dim 0; never
-                                                                   split along K: kept whole, see TP)
-  ``weight_global_scale``       [S]                   float32      per-shard row (``shard_id``)
-  ``input_global_scale``        [S]                   float32      per-shard row
-  ``bf16_channels``             [S, k]                int32        per-shard row; all rows must match
-  ============================  ====================  ===========  ===================================
-
-* ``"online"``: a BF16 checkpoint quantized at load (``--quantization foursight`` on a plain HF
-  model, and the RL weight-update path). One parameter ``weight`` [N, K_loc] in the model dtype,
-  loaded by the engine's loader; :meth:`LayerPlan.process` quantizes each shard with its own
-  global scale and the shared channel set from a channels file or, failing that, the weight.
-
-Fused layers: each shard keeps its own per-tensor ``weight_global_scale`` (as in the checkpoint);
-the execution form gets a per-output-row vector (``QuantizedWeight.weight_global_scale`` [N]).
-All shards of a fused layer share one input, so they must have identical ``bf16_channels``; a
-mismatch is a :class:`~foursight.schema.CheckpointError` naming the layer.
-
-Tensor parallelism:
-
-* column-parallel layers (q/k/v, gate/up) split N: nothing special, every rank keeps all k
-  channels and the rows of ``weight_bf16`` of its N shard;
-* row-parallel layers (o_proj, down_proj) split K: rank r holds K columns
-  ``[r*K_loc, (r+1)*K_loc)``; it keeps only the BF16 channels that fall into its K shard,
-  re-indexed locally (``localize_channels``), and the matching columns of ``weight_bf16``. The
-  global scales stay shared (they are per tensor). The rank outputs sum (engine all-reduce)
-  to the unsharded result; with dynamic activation scales each rank's per-row activation global
-  scale is taken over its own K shard (the FP4 block scales do not change), so TP>1 is within
-  NVFP4 rounding of TP=1 rather than bit-identical; with static scales it is exact up to
-  float32 summation order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from foursight.dispatch import PreparedLinear, prepare_linear
 from foursight.layer import QuantizedWeight, check_channels
-from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, global_scale_from_amax
+from foursight.nvfp4 import NVFP4Error, global_scale_from_amax
+from foursight.quant_methods.layer_layout import WEIGHT, LayerLayout
+from foursight.quant_methods.layer_loading import LayerLoading
 from foursight.quant_methods.online import OnlineSettings, weight_based_channels
 from foursight.quant_methods.requantize import quantize_fused, quantize_shard
-from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_index, shard_names
+from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels
 from foursight.schema import (
     BF16_CHANNELS,
     ENV_CHANNELS_FILE,
@@ -88,58 +59,13 @@ from foursight.schema import (
     WEIGHT_PACKED,
     WEIGHT_SCALE,
     CheckpointError,
-    FourSightConfig,
     decode_module,
-    expected_shapes,
     parse_channel_budget,
 )
 
 logger = logging.getLogger("foursight.quant_methods")
 #: the weight-based channel fallback warns once per channels file (and once when there is none)
 _warned_fallback: set[str] = set()
-
-#: Name of the BF16 weight parameter in online mode (the HF name, so ``load_weights`` finds it).
-WEIGHT = "weight"
-
-LoadMode = Literal["checkpoint", "online"]
-
-
-#: engine weight attributes of the checkpoint tensors with one row per output row (the others are per shard)
-_ENGINE_ATTRS: dict[str, dict[str, int]] = {
-    WEIGHT_PACKED: {"input_dim": 1, "output_dim": 0, "packed_dim": 1, "packed_factor": 2},
-    WEIGHT_SCALE: {"input_dim": 1, "output_dim": 0},
-    WEIGHT_BF16: {"output_dim": 0},  # never split along K: kept whole (module docstring, TP)
-}
-#: the checkpoint's per-tensor [1] scales: one value per shard, a [S] parameter
-_PER_TENSOR_SCALARS = (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE)
-#: the order the parameters are registered in (and missing tensors named in)
-_CHECKPOINT_ORDER = (WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_BF16, WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE, BF16_CHANNELS)
-
-
-@dataclass
-class ParamSpec:
-    """One parameter an engine must register in ``create_weights``.
-
-    Attributes:
-        name: attribute name on the layer (= checkpoint tensor suffix).
-        shape, dtype: allocation.
-        attrs: engine weight attributes (``input_dim``, ``output_dim``, ``packed_dim``,
-            ``packed_factor``); the engine adds its ``weight_loader``.
-        per_shard: True if the parameter holds one row per fused shard and is filled by the
-            core's own per-shard loader (the engine loader is not used).
-        update_only: True for the empty ``weight`` parameter of a checkpoint-mode layer: it holds
-            nothing and is never part of the checkpoint; it exists so that the engine's own
-            ``load_weights`` finds a parameter for a BF16 ``<module>.weight`` (an RL weight sync)
-            and calls its loader, which quantizes the shard into the checkpoint tensors
-            (:meth:`LayerPlan.load_bf16_shard`).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    attrs: dict[str, Any]
-    per_shard: bool = False
-    update_only: bool = False
 
 
 @dataclass
@@ -164,280 +90,16 @@ class LayerState:
 
 
 @dataclass
-class LayerPlan:
-    """Everything the core needs to know about one engine linear layer.
+class LayerPlan(LayerLoading, LayerLayout):
+    """Everything the core needs to know about one engine linear layer: its layout
+    (:class:`~foursight.quant_methods.layer_layout.LayerLayout`: the fields ``prefix`` ... ``online``),
+    its loaders and their bookkeeping (:class:`~foursight.quant_methods.layer_loading.LayerLoading`:
+    ``loaded`` ... ``requantized``) and, here, its post-load processing. Build one with
+    :meth:`LayerPlan.for_layer`."""
 
-    Attributes:
-        prefix: engine module name (``model.layers.0.self_attn.qkv_proj``).
-        shard_names: checkpoint module names of its shards (``[...q_proj, ...k_proj, ...v_proj]``).
-        shard_sizes: local output rows of each shard (this rank).
-        input_size: global K.
-        input_size_per_partition: local K (== K unless the layer is row-parallel with TP>1).
-        tp_rank, tp_size: the layer's TP position (0, 1 for replicated layers).
-        mode: ``"checkpoint"`` or ``"online"``.
-        k: BF16 channels per shard (checkpoint mode; online mode resolves it at process time).
-        act_quant: W4A4 or W4A16.
-        static_act_scale: use ``input_global_scale`` (checkpoint) / channels-file amax (online).
-        online: online settings (online mode only).
-        loaded: ``(tensor suffix, shard index)`` pairs seen by the loaders (for missing-tensor checks).
-        generation: number of :meth:`process` calls so far.
-        load_events: number of tensors loaded so far (a weight update compares it before/after
-            to find the layers it touched).
-        stale: True when a tensor was loaded after the last :meth:`process`: the execution state
-            no longer matches the parameters (the adapter re-processes before the next forward).
-        pending_weight: shard indices that received a BF16 ``weight`` since the last process; when
-            it covers every shard the adapter re-processes at once, inside the loader.
-        requantized: checkpoint mode: shard indices whose checkpoint tensors were last written by
-            :meth:`load_bf16_shard` (our own quantizer, from a finite weight, with the layer's
-            validated channels), so :meth:`process` does not check them again as it checks a
-            checkpoint's; loading any checkpoint tensor of the shard directly removes it.
-    """
-
-    prefix: str
-    shard_names: list[str]
-    shard_sizes: list[int]
-    input_size: int
-    input_size_per_partition: int
-    tp_rank: int = 0
-    tp_size: int = 1
-    mode: LoadMode = "checkpoint"
-    k: int = 0
-    act_quant: bool = True
-    static_act_scale: bool = False
-    online: OnlineSettings | None = None
-    loaded: set[tuple[str, int]] = field(default_factory=set)
-    generation: int = 0
-    load_events: int = 0
-    stale: bool = False
-    pending_weight: set[int] = field(default_factory=set)
-    requantized: set[int] = field(default_factory=set)
-
-    # ---- construction ---------------------------------------------------------------------
-
-    @classmethod
-    def for_layer(
-        cls,
-        prefix: str,
-        output_partition_sizes: Sequence[int],
-        input_size: int,
-        input_size_per_partition: int,
-        config: FourSightConfig,
-        packed_modules_mapping: dict[str, list[str]] | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        mode: LoadMode = "checkpoint",
-        online: OnlineSettings | None = None,
-    ) -> "LayerPlan":
-        """Plan for an engine layer. In checkpoint mode, k is read from ``config.channels`` for
-        every shard name; shards with different k raise :class:`CheckpointError` naming the layer."""
-        names = shard_names(prefix, packed_modules_mapping)
-        sizes = list(output_partition_sizes)
-        if len(names) != len(sizes):
-            if len(sizes) == 1:
-                names = [prefix]
-            else:
-                raise CheckpointError(f"{prefix}: {len(sizes)} output shards but packed_modules_mapping gives {names}")
-        if input_size % BLOCK_SIZE or input_size_per_partition % BLOCK_SIZE:
-            raise CheckpointError(
-                f"{prefix}: input size {input_size} (local {input_size_per_partition}) is not a multiple of {BLOCK_SIZE}; "
-                "NVFP4 needs whole 16-blocks per TP shard"
-            )
-        k = 0
-        if mode == "checkpoint":
-            ks = {n: config.channels_for(n) for n in names}
-            if len(set(ks.values())) > 1:
-                raise CheckpointError(f"{prefix}: fused shards have different channel counts in quantization_config.channels: {ks}")
-            k = next(iter(ks.values()))
-            if k >= input_size:
-                raise CheckpointError(f"{prefix}: quantization_config.channels gives k={k} but K={input_size}")
-        return cls(
-            prefix=prefix,
-            shard_names=names,
-            shard_sizes=sizes,
-            input_size=input_size,
-            input_size_per_partition=input_size_per_partition,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            mode=mode,
-            k=k,
-            act_quant=config.activation_dtype == "nvfp4",
-            static_act_scale=config.activation_scale == "static",
-            online=online,
-        )
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.shard_sizes)
-
-    @property
-    def out_local(self) -> int:
-        return sum(self.shard_sizes)
-
-    @property
-    def k_split(self) -> bool:
-        """True if K is split across ranks (row-parallel with TP>1)."""
-        return self.input_size_per_partition != self.input_size
-
-    @property
-    def k_start(self) -> int:
-        return self.tp_rank * self.input_size_per_partition if self.k_split else 0
-
-    def param_specs(self, params_dtype: torch.dtype = torch.bfloat16) -> list[ParamSpec]:
-        """Parameters to register (see the module docstring's table)."""
-        n, kl, s = self.out_local, self.input_size_per_partition, self.num_shards
-        if self.mode == "online":
-            return [ParamSpec(WEIGHT, (n, kl), params_dtype, {"input_dim": 1, "output_dim": 0})]
-        # the checkpoint format's own table (schema.expected_shapes) for the fused local rows: a tensor
-        # with a row per output row is loaded by the engine's loader (the attributes say how it is
-        # split); the others ([1] scales, [k] channels) hold one row per fused shard
-        shapes = expected_shapes(n, self.input_size, self.k, self.prefix, local_in_features=kl)
-        specs = [ParamSpec(WEIGHT, (0,), params_dtype, {}, update_only=True)]
-        for name in _CHECKPOINT_ORDER:
-            shape, dtype = shapes[name]
-            if name in _ENGINE_ATTRS:
-                specs.append(ParamSpec(name, shape, dtype, dict(_ENGINE_ATTRS[name])))
-            else:
-                specs.append(ParamSpec(name, (s,) + (() if name in _PER_TENSOR_SCALARS else shape), dtype, {}, per_shard=True))
-        return specs
-
-    def init_value(self, spec: ParamSpec) -> float:
-        """Fill value for a fresh parameter (scales 1.0 so an unloaded layer is still finite)."""
-        return 1.0 if spec.name in (WEIGHT_GLOBAL_SCALE, INPUT_GLOBAL_SCALE) else 0.0
-
-    def initial_tensor(self, spec: ParamSpec) -> torch.Tensor:
-        """A fresh tensor for ``spec`` filled with :meth:`init_value`, for the engine to wrap as a parameter."""
-        return torch.full(spec.shape, self.init_value(spec), dtype=torch.float32).to(spec.dtype)
-
-    def tensor_name(self, suffix: str, shard: int | None) -> str:
-        """Checkpoint name of a tensor of this layer, e.g. ``model.layers.0.self_attn.k_proj.weight_scale``."""
-        if shard is None:
-            base = self.shard_names[0] if self.num_shards == 1 else self.prefix
-        else:
-            base = self.shard_names[shard]
-        return f"{base}.{suffix}"
-
-    # ---- loading --------------------------------------------------------------------------
-
-    def make_loader(self, spec: ParamSpec, engine_loader: Callable | None,
-                    layer_params: Callable[[], dict[str, torch.Tensor]] | None = None) -> Callable:
-        """Weight loader for ``spec``: ``loader(param, loaded_weight, shard_id=None)``.
-
-        Checks the checkpoint dtype (``weight`` accepts any float dtype), records the load, marks
-        the layer stale, and delegates: per-shard parameters are copied into their shard row here;
-        the checkpoint-mode ``weight`` (``spec.update_only``) quantizes a BF16 shard into the
-        layer's checkpoint tensors (:meth:`load_bf16_shard`, which needs ``layer_params``); others
-        go to ``engine_loader`` (the engine's column/row/fused loader). Shape errors become
-        :class:`CheckpointError` naming the checkpoint tensor.
-        """
-        plan = self
-
-        def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None, *args: Any, **kw: Any) -> None:
-            idx = shard_index(shard_id, plan.num_shards, plan.prefix)
-            name = plan.tensor_name(spec.name, idx if (shard_id is not None or plan.num_shards == 1) else None)
-            if spec.name == WEIGHT:
-                if not loaded_weight.is_floating_point():
-                    raise CheckpointError(f"tensor {name} has dtype {loaded_weight.dtype}, expected a float dtype")
-            elif loaded_weight.dtype != spec.dtype:
-                raise CheckpointError(f"tensor {name} has dtype {loaded_weight.dtype}, expected {spec.dtype}")
-            if spec.update_only:
-                if layer_params is None:
-                    raise RuntimeError(f"{plan.prefix}: no parameters to quantize {name} into")
-                plan.load_bf16_shard(layer_params(), loaded_weight, shard_id)
-            elif spec.per_shard:
-                plan._load_per_shard(param, loaded_weight, idx, name)
-                plan.requantized.discard(idx)
-            else:
-                if engine_loader is None:
-                    raise RuntimeError(f"{plan.prefix}: no engine loader for {spec.name}")
-                try:
-                    if shard_id is None:
-                        engine_loader(param, loaded_weight, *args, **kw)
-                    else:
-                        engine_loader(param, loaded_weight, shard_id, *args, **kw)
-                except (AssertionError, RuntimeError, IndexError) as e:
-                    raise CheckpointError(
-                        f"tensor {name} has shape {list(loaded_weight.shape)}, which does not fit parameter "
-                        f"{plan.prefix}.{spec.name} of local shape {list(param.shape)} (shard {shard_id!r}): {e}"
-                    ) from None
-                if shard_id is None:
-                    plan.requantized.clear()
-                else:
-                    plan.requantized.discard(idx)
-            plan.stale = True
-            if spec.name == WEIGHT:
-                plan.pending_weight.update(range(plan.num_shards) if shard_id is None else (idx,))
-            if spec.update_only:
-                return  # the checkpoint tensors' own loaders recorded the load
-            plan.load_events += 1
-            if shard_id is None and plan.num_shards > 1 and not spec.per_shard:
-                plan.loaded.update((spec.name, i) for i in range(plan.num_shards))
-            else:
-                plan.loaded.add((spec.name, idx))
-
-        return loader
-
-    def load_bf16_shard(self, params: dict[str, torch.Tensor], weight: torch.Tensor, shard_id: Any = None) -> None:
-        """Checkpoint mode: quantize one BF16 shard ``<shard>.weight`` (the learner's full, unsharded
-        HF tensor, as ``load_weights`` passes it) with the layer's current channel set into the
-        checkpoint tensors of that shard, and load those through the layer's own loaders (so TP
-        slicing is the engine's, as for a fresh checkpoint load). The static activation scale
-        (``input_global_scale``) is calibration, not weight: it is kept. The result equals a fresh
-        load of a checkpoint quantized from the same weights with the same channels.
-
-        Raises CheckpointError naming the tensor for a non-2-D or non-finite weight, a wrong K,
-        a layer whose channels were never loaded, or a fused tensor given whole (give the shards).
-        """
-        from foursight.schema import encode_module
-
-        if shard_id is None and self.num_shards > 1:
-            raise CheckpointError(f"tensor {self.prefix}.weight: a fused weight given whole; load its shards "
-                                  f"({', '.join(n.rpartition('.')[2] for n in self.shard_names)}) by their own names")
-        idx = shard_index(shard_id, self.num_shards, self.prefix)
-        shard = self.shard_names[idx]
-        if weight.dim() != 2 or weight.shape[1] != self.input_size:
-            raise CheckpointError(f"tensor {shard}.weight has shape {list(weight.shape)}; layer {self.prefix} expects [rows, {self.input_size}]")
-        if (BF16_CHANNELS, idx) not in self.loaded:
-            raise CheckpointError(f"tensor {shard}.weight: layer {self.prefix} has no channel set loaded yet (load the checkpoint first)")
-        channels = params[BF16_CHANNELS].data[idx].to(weight.device)
-        # a fresh load casts a checkpoint's tensors to the engine's dtype before anything else; a float32
-        # learner (TRL colocate hands its parameters over as they are) must be rounded the same way
-        qw = quantize_shard(weight.to(params[WEIGHT_BF16].dtype), channels, name=shard)
-        for key, t in encode_module(shard, qw).items():
-            p = params[key.rpartition(".")[2]]
-            if shard_id is None:
-                p.weight_loader(p, t)
-            else:
-                p.weight_loader(p, t, shard_id)
-        self.requantized.add(idx)
-
-    def weight_complete(self) -> bool:
-        """True when every shard received a BF16 ``weight`` since the last :meth:`process`."""
-        return len(self.pending_weight) == self.num_shards
-
-    def _load_per_shard(self, param: torch.Tensor, loaded: torch.Tensor, idx: int, name: str) -> None:
-        row = param.data[idx]
-        if row.dim() == 0:  # per-shard scalar: the checkpoint holds [1] (or a bare scalar)
-            if tuple(loaded.shape) not in ((), (1,)):
-                raise CheckpointError(f"tensor {name} has shape {list(loaded.shape)}, expected [1]")
-            row.copy_(loaded.reshape(()))
-            return
-        if tuple(loaded.shape) != tuple(row.shape):
-            raise CheckpointError(f"tensor {name} has shape {list(loaded.shape)}, expected {list(row.shape)}")
-        row.copy_(loaded)
-
-    def missing(self, specs: Sequence[ParamSpec]) -> list[str]:
-        """Checkpoint names of tensors no loader has seen (empty when complete).
-
-        ``input_global_scale`` is only required when static activation scales are used.
-        """
-        out = []
-        for spec in specs:
-            if spec.update_only or (spec.name == INPUT_GLOBAL_SCALE and not self.static_act_scale):
-                continue
-            for i in range(self.num_shards):
-                if (spec.name, i) not in self.loaded:
-                    out.append(self.tensor_name(spec.name, i))
-        return out
+    #: the quantizer of a BF16 shard (the RL weight update; :meth:`LayerLoading.load_bf16_shard`): the
+    #: Triton kernel on CUDA, the PyTorch encoder elsewhere
+    quantize_shard = staticmethod(quantize_shard)
 
     # ---- post-load processing --------------------------------------------------------------
 
@@ -587,7 +249,7 @@ def apply_linear(state: LayerState, x: torch.Tensor, bias: torch.Tensor | None =
     return state.prepared(x, bias, state.input_global_scale, state.act_quant)
 
 
-def layer_params(layer: Any, plan: LayerPlan) -> dict[str, torch.Tensor]:
+def layer_params(layer: Any, plan: LayerLayout) -> dict[str, torch.Tensor]:
     """``{spec name: getattr(layer, spec name)}`` for a plan's parameters."""
     return {s.name: getattr(layer, s.name) for s in plan.param_specs()}
 
@@ -643,7 +305,7 @@ def refresh_layer(layer: Any, tp: TPContext | None = None) -> LayerState:
     """Re-process a layer from its parameters (:meth:`LayerPlan.process`), install the state in
     place (:func:`install_state`) and clear its stale marks; the one re-quantization step of every
     route (the engines' post-load hook, a stale layer's next forward, a completed BF16 sync)."""
-    plan: LayerPlan = layer.foursight_plan
+    plan = layer.foursight_plan
     install_state(layer, plan.process(layer_params(layer, plan), tp))
     plan.stale = False
     plan.pending_weight.clear()

@@ -32,7 +32,8 @@ from typing import Callable, Iterable
 import torch
 
 from foursight.quant_methods.config import ENGINE_SKIPPED, packed_name_map
-from foursight.quant_methods.plan import WEIGHT, LayerPlan
+from foursight.quant_methods.layer_layout import WEIGHT
+from foursight.quant_methods.plan import LayerPlan
 from foursight.schema import (
     BF16_CHANNELS,
     INPUT_GLOBAL_SCALE,
