@@ -131,6 +131,19 @@ def _code_table() -> torch.Tensor:
 _CODE_TABLE: torch.Tensor = _code_table()
 
 
+_TABLES_ON: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` on ``device``, copied there once (a copy per call would cost a GPU a transfer and a sync)."""
+    if table.device == device:
+        return table
+    key = (id(table), device)
+    if key not in _TABLES_ON:
+        _TABLES_ON[key] = table.to(device)
+    return _TABLES_ON[key]
+
+
 def _e2m1_codes_lut(xf: torch.Tensor) -> torch.Tensor:
     """E2M1 codes of ``clamp(xf, -6, 6)`` for a contiguous float32 tensor ``xf``, by one table lookup.
 
@@ -144,7 +157,7 @@ def _e2m1_codes_lut(xf: torch.Tensor) -> torch.Tensor:
     keys with both lower halves); no clamp pass and no compare chain."""
     u = xf.view(torch.int32)
     key = (u & 0xFFFF).add_(0xFFFF).bitwise_or_(u).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
-    return _CODE_TABLE.to(xf.device).index_select(0, key.reshape(-1)).view(xf.shape)
+    return _on(_CODE_TABLE, xf.device).index_select(0, key.reshape(-1)).view(xf.shape)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -294,7 +307,7 @@ def dequantize_nvfp4(
     # both values of a byte from one 256-entry table, read as one int64 per byte (an index_select
     # over half as many elements as codes, int32 indices), times the block's divisor broadcast over
     # its 16 values in place: no [R, K] index or scale copy
-    pairs = _BYTE_PAIRS.to(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+    pairs = _on(_BYTE_PAIRS, packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
     q = pairs.view(torch.float32).reshape(r, kh * 2 // BLOCK_SIZE, BLOCK_SIZE)
     gs = global_scale.float().to(packed.device)
     if gs.dim() == 1:

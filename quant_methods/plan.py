@@ -17,7 +17,7 @@ built on :class:`foursight.quant_methods.config.FourSightMethodConfig`) does fou
 calls this module for everything else:
 
 1. **create_weights**: build a :class:`LayerPlan` (``LayerPlan.for_layer``), then for each
-   :class:`ParamSpec` of ``plan.param_specs(params_dtype)`` register a parameter of that shape /
+   :class:`~foursight.quant_methods.layer_layout.ParamSpec` of ``plan.param_specs(params_dtype)`` register a parameter of that shape /
    dtype with the spec's ``attrs`` (``input_dim``/``output_dim``/``packed_dim``/``packed_factor``)
    and the loader ``plan.make_loader(spec, engine_loader)`` (``engine_loader`` is the layer's own
    column/row/QKV/merged loader; the plan wraps it with dtype checks, error messages that name

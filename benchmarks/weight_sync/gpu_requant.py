@@ -49,6 +49,7 @@ def _import_foursight() -> None:
     shutil.copytree(ROOT / "foursight_engine", pkg)
     shutil.copytree(ROOT / "kernels", pkg / "kernels")
     shutil.copytree(ROOT / "quant_methods", pkg / "quant_methods")
+    shutil.copy(ROOT / "foursight_autoload.py", pp)  # pyproject's py-modules: ``import foursight`` runs it
     sys.path.insert(0, str(pp))
 
 
