@@ -92,3 +92,46 @@ def test_triton_path_equals_the_library_quantizer_on_the_gpu():
     for n, k in ((4096, 4096), (4096, 14336), (1024, 4096)):
         w, ch = _weights(n, k, 3, device="cuda")
         assert _same(quantize_shard(w, ch, name="w"), quantize_weight(w, ch, name="w")), (n, k)
+
+
+def test_a_requantized_shard_skips_the_checkpoint_checks_until_a_checkpoint_tensor_is_loaded():
+    """Checkpoint mode, q/k/v: after a BF16 sync (``weight`` loaders) the layer's state equals a fresh
+    load of ``quantize_weight(new W, channels)``, and process() trusts what our quantizer wrote; a
+    checkpoint tensor loaded directly afterwards (a negative block scale in k_proj) is checked again
+    and refused by name."""
+    from foursight.quant_methods.plan import LayerPlan
+    from foursight.schema import CheckpointError, FourSightConfig, encode_module
+
+    names = [f"model.layers.0.self_attn.{n}_proj" for n in "qkv"]
+    rows, k_dim = [64, 32, 32], 128
+    plan = LayerPlan.for_layer("model.layers.0.self_attn.qkv_proj", rows, k_dim, k_dim, FourSightConfig(channels={n: 4 for n in names}),
+                               {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    params: dict[str, torch.nn.Parameter] = {}
+
+    def engine_loader(param, w, shard_id=None):
+        i = ["q", "k", "v"].index(shard_id)
+        param.data.narrow(0, sum(rows[:i]), rows[i]).copy_(w)
+
+    for spec in plan.param_specs():
+        p = torch.nn.Parameter(plan.initial_tensor(spec), requires_grad=False)
+        p.weight_loader = plan.make_loader(spec, engine_loader, lambda: params)
+        params[spec.name] = p
+    ch = torch.tensor([3, 17, 64, 100], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    w0, w1 = ([(torch.randn(r, k_dim, generator=g) * 0.02).to(torch.bfloat16) for r in rows] for _ in range(2))
+    for sid, name, w in zip("qkv", names, w0):
+        for key, t in encode_module(name, quantize_weight(w, ch)).items():
+            p = params[key.rpartition(".")[2]]
+            p.weight_loader(p, t, sid)
+    plan.process(params)
+    for sid, w in zip("qkv", w1):
+        params["weight"].weight_loader(params["weight"], w, sid)
+    assert plan.requantized == {0, 1, 2}
+    want = concat_shards([quantize_weight(w, ch, name=n) for w, n in zip(w1, names)], "qkv")
+    assert _same(plan.process(params).qw, want)
+    bad = quantize_weight(w1[1], ch).weight_scale.clone()
+    bad.view(torch.uint8)[0, 0] = 0xB8  # -1.0 in E4M3
+    params["weight_scale"].weight_loader(params["weight_scale"], bad, "k")
+    assert plan.requantized == {0, 2}
+    with pytest.raises(CheckpointError, match="k_proj.weight_scale holds negative block scales"):
+        plan.process(params)
