@@ -93,7 +93,9 @@ from foursight.models import build_tiny_model
 from foursight.rl import RLConfig, run_rl
 import foursight.cli  # the study's runs start through the CLI (rl_study.py): its imports must hold here too
 dev = os.environ["DEV"]
-d = build_tiny_model(os.environ["FOURSIGHT_CACHE"] + "/rl_tiny")
+d = os.environ["FOURSIGHT_CACHE"] + "/rl_tiny"
+if not os.path.isfile(d + "/config.json"):  # a second stage call on the same warm machine reuses it
+    d = build_tiny_model(d)
 kw = dict(steps=1, prompts_per_step=2, group_size=4, max_new_tokens=6, eval_every=1, eval_size=4, micro_batch=3, format_bonus=0.0)
 for prec, extra in [("bf16", {}), ("nvfp4", {}), ("nvfp4", {"bf16_layers": ["attention&first:1"]}),
                     ("nvfp4", {"filter": "mean_abs", "filter_tau": 0.5}), ("foursight", {}),

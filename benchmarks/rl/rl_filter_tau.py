@@ -73,7 +73,9 @@ def main() -> None:
     from foursight.calibration import builtin_texts
     from foursight.models import resolve_model
     from foursight.rl import tasks as rl_tasks
-    from foursight.rl.loop import code_commit, learner_logprobs, prompt_ids
+    from foursight.rl.evaluation import prompt_ids
+    from foursight.rl.loop import learner_logprobs
+    from foursight.rl.records import code_commit
     from foursight.trainer_bridge.backends.hf import HFRollout
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD, tail_concentration
 

@@ -24,7 +24,7 @@ import torch
 
 def probe(model, tok, task: str, style: str, prefill: str, n: int, g: int, max_new: int, seed: int = 0) -> dict:
     from foursight.rl import tasks as rl_tasks
-    from foursight.rl.loop import prompt_ids
+    from foursight.rl.evaluation import prompt_ids
     from foursight.trainer_bridge.hf_sampling import eos_ids, hf_generate
 
     eos = eos_ids(model, tok)

@@ -21,8 +21,9 @@ bridge backends: :class:`~foursight.trainer_bridge.backends.hf.HFRollout` (HF ge
 :class:`~foursight.trainer_bridge.backends.vllm_inprocess.VLLMRollout`; the channel sets come from
 :func:`foursight.channels.calibrate_channel_sets`.
 
-Modules: ``config`` (RLConfig), ``grpo`` (advantages, loss), ``loop`` (run_rl, evaluate), ``tasks``
-(the verifiable tasks), ``follow``, ``cli`` (the command).
+Modules: ``config`` (RLConfig), ``grpo`` (advantages, loss), ``loop`` (run_rl and its steps),
+``evaluation`` (prompts, the held-out eval), ``records`` (the log, checkpoints, provenance, memory),
+``tasks`` (the verifiable tasks), ``follow``, ``cli`` (the command).
 
 Every ``eval_every`` steps the learner answers the held-out eval set greedily. One JSON line is
 written per step (see :func:`run_rl`). The numerics of the quantized layers live in
@@ -31,7 +32,9 @@ written per step (see :func:`run_rl`). The numerics of the quantized layers live
 
 from foursight.rl.config import CHANNEL_PRECISIONS, ENGINES, FILTERS, PRECISIONS, RLConfig, RLError
 from foursight.rl.grpo import group_advantages, grpo_loss
-from foursight.rl.loop import evaluate, prompt_ids, read_log, run_rl, state_dict_sha256
+from foursight.rl.evaluation import evaluate, prompt_ids
+from foursight.rl.loop import run_rl
+from foursight.rl.records import read_log, state_dict_sha256
 
 __all__ = [
     "CHANNEL_PRECISIONS", "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError", "group_advantages", "grpo_loss",

@@ -23,122 +23,16 @@ from torch import nn
 from foursight.channels import calibrate_channel_sets, channel_summary
 from foursight.rl import tasks as rl_tasks
 from foursight.rl.config import CHANNEL_PRECISIONS, ENGINES, RLConfig, RLError
+from foursight.rl.evaluation import evaluate, prompt_ids
 from foursight.rl.grpo import combine_loss_stats, group_advantages, grpo_loss
+from foursight.rl.records import check_log_path, code_commit, load_checkpoint, memory_record, open_log, read_log, save_checkpoint
 from foursight.trainer_bridge.backends.base import RolloutEngine, RolloutSetup
 from foursight.trainer_bridge.backends.registry import ENGINE_KINDS, load
-from foursight.trainer_bridge.hf_sampling import eos_ids
-
-
-def state_dict_sha256(model_dir: str | Path) -> str:
-    """SHA-256 over a model folder's tensors (sorted names; name, dtype, shape and raw bytes),
-    independent of the safetensors file layout: to check that two conversions are bit-identical."""
-    import hashlib
-
-    from foursight.tensor_io import iter_safetensors
-
-    sd = dict(iter_safetensors(model_dir, check=False))
-    h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def code_commit() -> str | None:
-    """The commit the run's code is from: ``FOURSIGHT_COMMIT`` (set by the device scripts, whose copy
-    of the tree has no git history), else ``git rev-parse HEAD`` of the source tree (``+dirty`` when
-    it has uncommitted changes), else None."""
-    import subprocess
-
-    if os.environ.get("FOURSIGHT_COMMIT"):
-        return os.environ["FOURSIGHT_COMMIT"]
-    src = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src, capture_output=True, text=True,
-                               timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _sync_device(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def prompt_ids(tok, problems: Sequence[rl_tasks.Problem], style: str = "plain", prefill: str = "") -> list[list[int]]:
-    """Chat-templated prompt token ids: the generation prompt, then ``prefill`` (the start of the
-    assistant's reply, e.g. ``"Answer:"``), so the completion continues it."""
-    pre = [int(t) for t in tok.encode(prefill, add_special_tokens=False)] if prefill else []
-    out = []
-    for p in problems:
-        ids = tok.apply_chat_template(p.messages(style), add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        out.append([int(t) for t in ids] + pre)
-    return out
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, tok, problems: Sequence[rl_tasks.Problem], max_new_tokens: int, batch_size: int = 64,
-             style: str = "plain", prefill: str = "") -> dict[str, float]:
-    """Greedy accuracy (exact answer) and answer-format rate of ``model`` (BF16 compute) on ``problems``."""
-    from foursight.trainer_bridge.hf_sampling import hf_generate
-
-    was_training = model.training
-    model.eval()
-    ids = prompt_ids(tok, problems, style, prefill)
-    correct = formatted = 0
-    dev = next(model.parameters()).device
-    for s in range(0, len(ids), batch_size):
-        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
-            samples = hf_generate(model, ids[s : s + batch_size], max_new_tokens, temperature=0.0, eos_ids=eos_ids(model, tok))
-        for smp, prob in zip(samples, problems[s : s + batch_size]):
-            text = prefill + tok.decode(smp.token_ids, skip_special_tokens=True)
-            correct += rl_tasks.is_correct(text, prob)
-            formatted += rl_tasks.extract_answer(text) is not None
-    if was_training:
-        model.train()
-    return {"eval_acc": correct / len(problems), "eval_format": formatted / len(problems)}
-
-
-def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``foursight rl`` JSONL log (a torn last line, from a killed run, is dropped)."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
-
-
-def _save_checkpoint(path: Path, step: int, learner: nn.Module, opt, channels, wall_offset: float) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"step": step, "learner": learner.state_dict(), "opt": opt.state_dict(), "channels": channels,
-                "wall_s": wall_offset, "rng": torch.get_rng_state()}, tmp)
-    tmp.replace(path)
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A resume checkpoint written by :func:`_save_checkpoint`, read with ``weights_only=True``:
-    tensors and plain containers only, so a file that is not one (a pickle that would run code on
-    load) is refused with an :class:`RLError` naming it, before anything of it runs."""
-    import pickle
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
-        raise RLError(f"--resume: {path} is not a foursight rl checkpoint (it holds more than tensors and plain data, or is "
-                      f"damaged: {str(e).splitlines()[0][:200]}); remove it to start over") from None
-    missing = [k for k in ("step", "learner", "opt", "channels", "wall_s", "rng") if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise RLError(f"--resume: {path} is not a foursight rl checkpoint (missing {missing}); remove it to start over")
-    return state
 
 
 @dataclass
@@ -254,32 +148,6 @@ def build_run(cfg: RLConfig, dev: torch.device, resume_state: dict[str, Any] | N
         follow = FollowTracker(ignore=("lm_head",))
         follow.update(engine.model, learner)  # the initial weights
     return RLRun(cfg, dev, model_dir, tok, learner, ref, opt, engine, channels, evals, exclude, follow, ch_info, setup_s)
-
-
-def _check_log_path(out: Path) -> None:
-    """``--out`` must be a file FourSight can write, checked before the model loads (RLError naming it)."""
-    if out.is_dir():
-        raise RLError(f"--out {out} is a folder; the log is a file (e.g. {out / 'rl.jsonl'})")
-    existed = out.exists()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.open("a").close()
-    except OSError as e:
-        raise RLError(f"--out {out}: cannot write the log there ({e.strerror or e})") from None
-    if not existed:
-        out.unlink(missing_ok=True)
-
-
-def _open_log(out: Path, start_step: int, resuming: bool):
-    """The log file: new, or (resuming) rewritten with its records up to the checkpoint's step."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not resuming:
-        return out.open("w")
-    kept = [r for r in read_log(out) if r.get("type") in ("config", "eval", "step", "resume") and int(r.get("step", 0)) <= start_step]
-    fh = out.open("w")
-    for r in kept:
-        fh.write(json.dumps(r) + "\n")
-    return fh
 
 
 def sync_weights(run: RLRun, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
@@ -421,19 +289,6 @@ def step_record(run: RLRun, step: int, batch: Batch, fres, lstats: dict[str, flo
     }
 
 
-def memory_record(dev: torch.device) -> dict[str, float | None]:
-    """The step's memory: ``mem/peak_reserved_gib`` and ``mem/peak_allocated_gib``, the GPU's peak
-    since the step started (None on the CPU), and ``mem/max_rss_gib``, the process's peak resident
-    memory so far (the CPU side; monotone)."""
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    if dev.type != "cuda":
-        return {"mem/peak_reserved_gib": None, "mem/peak_allocated_gib": None, "mem/max_rss_gib": rss}
-    return {"mem/peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30,
-            "mem/peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / 2**30, "mem/max_rss_gib": rss}
-
-
 def train_step(run: RLRun, step: int) -> dict[str, Any]:
     """One GRPO step: sync weights, sample, score, filter, update; returns its log record."""
     if run.dev.type == "cuda":
@@ -496,7 +351,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     _set_reproducibility(cfg)
     fcfg = cfg.filter_config()
     out = Path(cfg.out)
-    _check_log_path(out)
+    check_log_path(out)
     ckpt_path = Path(cfg.checkpoint_path())
     if cfg.resume and out.exists():
         prev = read_log(out)
@@ -511,7 +366,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
         run.fcfg = fcfg
 
         start_step, wall_offset = (int(resume_state["step"]), float(resume_state["wall_s"])) if resume_state is not None else (0, 0.0)
-        fh = _open_log(out, start_step, resume_state is not None)
+        fh = open_log(out, start_step, resume_state is not None)
 
         def emit(rec: dict[str, Any]) -> None:
             fh.write(json.dumps(rec) + "\n")
@@ -536,7 +391,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
         for step in range(start_step + 1, cfg.steps + 1):
             if cfg.stop_at and time.time() > cfg.stop_at:
                 step -= 1
-                _save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
+                save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
                 emit({"type": "pause", "step": step, "checkpoint": str(ckpt_path)})
                 log(f"  paused after step {step} (stop_at reached); checkpoint {ckpt_path}")
                 paused = True
@@ -554,7 +409,7 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             if step % cfg.eval_every == 0:
                 eval_and_log(run, step, log)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-                _save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
+                save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
         if not paused:
             if step and step % cfg.eval_every:
                 eval_and_log(run, step, log)
