@@ -11,14 +11,14 @@ Connections retry a refused connect and expire keep-alives below the engine's
 
 from __future__ import annotations
 
-import json
+import contextlib
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import httpx
 
 from foursight.schema import CheckpointError, read_config
-from foursight.trainer_bridge import connections
+from foursight.trainer_bridge import connections, sse
 from foursight.trainer_bridge.backends.base import Delta, Engine, EngineError, LocalTokenizer
 from foursight.trainer_bridge.protocol import Rollout, SamplingParams
 
@@ -175,20 +175,8 @@ class HTTPEngine(Engine):
                 raise EngineError(f"{self.name}: malformed prompt_logprobs response ({type(e).__name__}: {e})") from None
         first = True
         finished = False
-        async with self.client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                raise EngineError(f"{self.name}: /v1/completions -> {r.status_code} {text[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    chunk = json.loads(data)
-                except ValueError as e:
-                    raise EngineError(f"{self.name}: malformed /v1/completions stream chunk ({e})") from None
+        async with contextlib.aclosing(sse.events(self.client, "/v1/completions", body, self.name)) as chunks:
+            async for chunk in chunks:
                 d = parse_completion_chunk(chunk, self.name, first)
                 if first and prompt is not None:
                     d.prompt_logprobs = prompt
