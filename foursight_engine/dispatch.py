@@ -5,7 +5,7 @@ loading, and again after a weight update) and runs the forward on it:
 
 * :class:`ReferenceBackend` — the PyTorch oracle (:func:`foursight.layer.reference_linear`)
   with the dequantized FP4 weight cached; any device.
-* :class:`TritonBackend` — the Triton SpliceGEMM kernels (:mod:`foursight.kernels`, imported
+* :class:`TritonBackend` — the Triton SpliceGEMM kernels (:mod:`foursight.kernels.api`, imported
   only when the backend is used); CUDA tensors.
 
 * :class:`FlashInferBackend`, :class:`DotScaledBackend` — the Blackwell native-FP4 backends
@@ -66,7 +66,7 @@ class ReferenceBackend:
 
 
 class TritonBackend:
-    """The Triton SpliceGEMM kernels on CUDA (``foursight.kernels.prepare_weight`` /
+    """The Triton SpliceGEMM kernels on CUDA (``foursight.kernels.api.prepare_weight`` /
     ``splice_linear``); not taken when Triton cannot be imported."""
 
     name = "triton"
@@ -75,18 +75,18 @@ class TritonBackend:
         if not qw.weight_packed.is_cuda:
             return False
         try:
-            import foursight.kernels  # noqa: F401
+            import foursight.kernels.api  # noqa: F401
         except ImportError:
             return False
         return True
 
     def prepare(self, qw: QuantizedWeight, name: str):
-        from foursight.kernels import prepare_weight
+        from foursight.kernels.api import prepare_weight
 
         return prepare_weight(qw, name)
 
     def forward(self, state, x, bias, input_global_scale, act_quant):
-        from foursight.kernels import splice_linear
+        from foursight.kernels.api import splice_linear
 
         return splice_linear(x, state, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
 

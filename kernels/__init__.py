@@ -1,55 +1,24 @@
 """FourSight Triton kernels (import name ``foursight.kernels``).
 
-``prepare_weight``, ``splice_linear``, ``quantize_activation``, ``splice_gemm`` and ``resident_bytes``
-(the bytes a prepared layer keeps on its device) are the API the rest of the product calls (see :mod:`foursight.kernels.api`). Layout of the package:
+This package imports none of its modules: import the module that holds what you use (importing
+``foursight.kernels.act_quant`` then loads the quantizer and its primitives, not every kernel form).
+The API the rest of the product calls is :mod:`foursight.kernels.api`: ``prepare_weight``,
+``splice_linear``, ``quantize_activation``, ``splice_gemm``, ``resident_bytes`` (the bytes a prepared
+layer keeps on its device), the configurations and ``TUNED``. Layout of the package (docs/kernels.md):
 
-* :mod:`.primitives` — the shared ``@triton.jit`` NVFP4 decode/quantization primitives;
-* one module per kernel form: :mod:`.act_quant`, :mod:`.gemv`, :mod:`.fragment` (the BF16 decode
-  form on the weight's fragment layout), :mod:`.swap`, :mod:`.ss`, :mod:`.dequant` (each names its
-  PyTorch reference);
+* :mod:`.primitives` — the shared ``@triton.jit`` NVFP4 decode/quantization primitives and the
+  constants the forms share (e.g. ``DIV6_RECIP_ON_CUDA``);
+* :mod:`.fragment_layout` — the weight's one resident execution form (layout, packer, in-kernel
+  decode); :mod:`.prepared` — the execution form of a layer built on it; :mod:`.launch` — the
+  weight-side launch arguments; :mod:`.split_k` — the split-K plan and reduction;
+* one module per kernel form: :mod:`.act_quant`, :mod:`.fragment` (the BF16 decode GEMM),
+  :mod:`.dequant`, :mod:`.gemv`, :mod:`.swap`, :mod:`.ss` (each names its PyTorch reference);
 * :mod:`.configs` — the named tile configurations and the candidate lists per datapath;
-* :mod:`.tuning` — the timing/autotune harness; :mod:`.prepared` — the execution form of a layer;
-* :mod:`.reference` — plain-PyTorch baselines; :mod:`.blackwell` — the backend choice by capability, with the
-  Blackwell native-FP4 forms :mod:`.dot_scaled` and :mod:`.flashinfer_gemm` (docs/blackwell.md).
+  :mod:`.tuning` — the timing/autotune harness;
+* :mod:`.reference` — plain-PyTorch baselines; :mod:`.backends` / :mod:`.blackwell` — the backend
+  choice by capability, with the experimental forms :mod:`.gluon_ws` (and its twin
+  :mod:`.gluon_ws_twin`), :mod:`.dot_scaled` and :mod:`.flashinfer_gemm` (docs/blackwell.md).
 
-Importing this package needs Triton but no GPU: on CPU tensors the kernels run under
-``TRITON_INTERPRET=1`` (the tests do this).
+The modules need Triton but no GPU: on CPU tensors the kernels run under ``TRITON_INTERPRET=1``
+(the tests do this).
 """
-
-from .api import (
-    DECODE_MAX_M,
-    TUNED,
-    DequantConfig,
-    FragmentConfig,
-    GemvConfig,
-    KernelConfig,
-    PreparedWeight,
-    SSConfig,
-    SwapConfig,
-    datapath_for,
-    prepare_weight,
-    quantize_activation,
-    resident_bytes,
-    splice_gemm,
-    splice_linear,
-)
-from .blackwell import blackwell_fp4_available
-
-__all__ = [
-    "DECODE_MAX_M",
-    "TUNED",
-    "DequantConfig",
-    "FragmentConfig",
-    "GemvConfig",
-    "KernelConfig",
-    "PreparedWeight",
-    "SSConfig",
-    "SwapConfig",
-    "blackwell_fp4_available",
-    "datapath_for",
-    "prepare_weight",
-    "quantize_activation",
-    "resident_bytes",
-    "splice_gemm",
-    "splice_linear",
-]

@@ -10,8 +10,8 @@
 The datapath is chosen by M (:func:`datapath_for`): ``decode`` (M <= :data:`DECODE_MAX_M`),
 ``mid`` (<= 128) or ``prefill``; within a datapath the autotuner (:mod:`.tuning`) picks a kernel
 form and tile among the named configurations of :mod:`.configs`, once per layer shape and M bucket.
-Forms: the one-row GEMV (:mod:`.gemv`), the swap-AB tile (:mod:`.swap`), the SS tile (:mod:`.ss`),
-dequantize-then-cuBLAS (:mod:`.dequant`). On CPU tensors the kernels run under
+Forms: the fragment tile (:mod:`.fragment`), the one-row GEMV (:mod:`.gemv`), the swap-AB tile (:mod:`.swap`), the SS tile
+(:mod:`.ss`), dequantize-then-cuBLAS (:mod:`.dequant`). On CPU tensors the kernels run under
 ``TRITON_INTERPRET=1`` (tests) with a fixed small configuration per datapath.
 """
 
@@ -117,7 +117,7 @@ def quantize_activation(
 # --------------------------------------------------------------------------------------------
 
 
-def _candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
+def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     """Configurations the autotuner may time for ``path``. ``form``: "deq" (splice_gemm on the fp16
     q*s), "w4a16" (splice_gemm or splice_linear without activation quantization) or "linear"
     (splice_linear W4A4: the quantization is part of what is timed). BF16 activations take the
@@ -178,7 +178,7 @@ def _ws_run(cfg: WSConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: b
     return launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant, xs=xs)
 
 
-def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_scale, act_quant: bool, out):
+def linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_scale, act_quant: bool, out):
     """One W4A4/W4A16 linear with configuration ``cfg``: activation quantization (if W4A4) + GEMM."""
     if isinstance(cfg, DequantConfig):
         return dequant_linear(cfg, x2, pw, bias, input_global_scale, act_quant, out)
@@ -216,7 +216,7 @@ def _linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sc
     return _gemm_dispatch(cfg, x2, pw, (deq, gs), bias, out, xs=xs)
 
 
-def _reference_output(pw: PreparedWeight, x, bias, input_global_scale, act_quant: bool) -> torch.Tensor:
+def reference_output(pw: PreparedWeight, x, bias, input_global_scale, act_quant: bool) -> torch.Tensor:
     """fp32 output of :func:`foursight.layer.reference_linear` for the layer ``pw`` was prepared from."""
     from foursight.layer import reference_linear
 
@@ -290,8 +290,8 @@ def splice_gemm(
         _gemm_dispatch(cfg, x, prepared, qa, bias, out)
 
     bf16 = x.dtype == torch.bfloat16
-    cands = [c for c in _candidates(path, m, form, bf16) if not isinstance(c, DequantConfig)]
-    reference = (lambda: _reference_output(prepared, x, bias, None, False)) if qa is None else None
+    cands = [c for c in candidates(path, m, form, bf16) if not isinstance(c, DequantConfig)]
+    reference = (lambda: reference_output(prepared, x, bias, None, False)) if qa is None else None
     interp = _interp_config(path, m, bf16, form)
     if isinstance(interp, DequantConfig):
         interp = INTERP_CONFIGS["mid"]
@@ -340,13 +340,13 @@ def splice_linear(
     key = linear_key(path, m, prepared, act_quant, input_global_scale is not None, x2.dtype, bias is not None)
 
     def run(cfg):
-        _linear_run(cfg, x2, prepared, bias, input_global_scale, act_quant, out)
+        linear_run(cfg, x2, prepared, bias, input_global_scale, act_quant, out)
 
     def reference():
-        return _reference_output(prepared, x2, bias, input_global_scale, act_quant)
+        return reference_output(prepared, x2, bias, input_global_scale, act_quant)
 
     bf16 = x2.dtype == torch.bfloat16
-    cands = _candidates(path, m, "linear" if act_quant else "w4a16", bf16)
+    cands = candidates(path, m, "linear" if act_quant else "w4a16", bf16)
     cfg = config or pick_config(key, run, cands, _interp_config(path, m, bf16), out, reference)
     run(cfg)
     return out.reshape(*lead, prepared.out_features)

@@ -8,7 +8,7 @@ kernel computes it; cuBLAS is the best BF16 GEMM on the machine. This datapath t
 where the two BF16 operands are built by two memory-bound Triton kernels:
 
 * ``W'`` [N, K] (:func:`_dequant_weight_kernel`, then an ``index_copy_``): the NVFP4 weight dequantized
-  from the layer's one resident form, the fragment form the decode GEMM reads (:mod:`.fragment`),
+  from the layer's one resident form, the fragment form the decode GEMM reads (:mod:`.fragment_layout`),
   ``e2m1 · s`` (exact in BF16: at most 6 significant bits, in [2^-10, 2688]), divided by the
   per-output-row weight global scale unless that scale is one per tensor, with the BF16 weight
   columns ``W[:, S]`` written into the S columns (their FP4 codes are zero in the prepared weight).
@@ -29,15 +29,19 @@ Reference: :func:`foursight.layer.reference_linear` (the same function the fused
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from .act_quant import act_quant_launch
 from .configs import DequantConfig
-from .prepared import PreparedWeight
-from .fragment import fragment_tile, scale_view
-from .primitives import rne_bf16, interpreting
+from .fragment_layout import fragment_tile, scale_view
+from .primitives import interpreting, rne_bf16
+
+if TYPE_CHECKING:
+    from .prepared import PreparedWeight
 
 
 
@@ -56,7 +60,7 @@ def _dequant_weight_kernel(
 ):
     """``out[n, k] = e2m1(W)[n, k] · s[n, k // 16] (/ gs_w[n])`` (0 at the S columns, whose codes are
     0), read from the fragment form, the same loads and decode as the GEMM's main loop
-    (:func:`~.fragment.fragment_tile`), whose value ``e2m1 · s · 2^-7`` is exact in bf16. One program
+    (:func:`~.fragment_layout.fragment_tile`), whose value ``e2m1 · s · 2^-7`` is exact in bf16. One program
     per [BN, BK] tile (BN a multiple of the stored 64-row block, BK of the 128-column chunk). The
     caller then writes W[:, S] into the S columns (one ``index_copy_``, stream-ordered after this)."""
     pid_n = tl.program_id(0)

@@ -144,7 +144,7 @@ def config_for(m: int) -> DotScaledConfig:
 
 
 @triton.jit
-def _dot_scaled_kernel(
+def dot_scaled_kernel(
     a_ptr, stride_am,  # uint8 [M, K/2]: packed E2M1 codes of the activation (S columns zero)
     as_ptr, stride_asm,  # uint8 [M, K/16]: its E4M3 block-scale bytes
     a_gs_ptr,  # fp32 [M]: per-row activation global scale
@@ -255,7 +255,7 @@ def dot_scaled_launch(cfg: DotScaledConfig, packed, scale, a_gs, xs, pw: NativeW
     interp = interpreting()
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     extra = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    _dot_scaled_kernel[grid](
+    dot_scaled_kernel[grid](
         packed, packed.stride(0), scale, scale.stride(0), a_gs,
         pw.weight_packed, pw.weight_packed.stride(0), pw.weight_scale, pw.weight_scale.stride(0), pw.weight_global_scale,
         xs if kk else dummy, xs.stride(0) if kk else 0,

@@ -11,13 +11,18 @@ Reference: :func:`foursight.layer.reference_linear` (M = 1).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from .configs import GemvConfig
-from .prepared import PreparedWeight, block_ks, weight_args
-from .primitives import bf16_rne, e4m3_f32, word_nibble, word_nibbles_asm, interpreting
+from .launch import block_ks, weight_args
+from .primitives import bf16_rne, e4m3_f32, interpreting, word_nibble, word_nibbles_asm
+
+if TYPE_CHECKING:
+    from .prepared import PreparedWeight
 
 
 @triton.jit

@@ -5,7 +5,7 @@ plain-Triton twin (same tiling, decode and reduction order, tested under the int
 
 ``Y[M, N] = deq(A) · deq(W)ᵀ + X[:, S] · W_bf16ᵀ (+ bias)``, computed as ``Yᵀ[BN, BM]`` (swap-AB: the
 decoded weight is the register A operand of ``wgmma``, the activation tile the shared-memory B
-operand), on the weight's fragment execution form (:mod:`.fragment`; no other resident form).
+operand), on the weight's fragment execution form (:mod:`.fragment_layout`; no other resident form).
 
 Why: the fragment kernel (:mod:`.fragment`) is one warpgroup that loads, decodes and multiplies in
 turn; Triton's software pipeline overlaps its loads, but its decode and MMA wait on CTA-wide barriers
@@ -18,17 +18,17 @@ partitions (``gl.warp_specialize``):
   columns past K);
 * the **consumer warpgroup(s)** (the default partition, 4 or 8 warps) wait on ``ready``, read the
   codes into registers, decode them with the fragment form's word decode (the same PTX as
-  :func:`.fragment._decode_word_asm_pair`; the E5M3 scale pairs are read from global memory straight
+  :func:`.fragment_layout._decode_word_asm_pair`; the E5M3 scale pairs are read from global memory straight
   into the words' layout, one step ahead), run the kernel's layout chain, convert to the wgmma
   register-operand layout and issue ``warpgroup_mma``; when it completes they arrive on ``empty``.
   No CTA-wide barrier is in the loop.
 
 The epilogue runs after the partitions join: global scales and ``2^7`` once on the fp32 accumulator,
 then this split's share of the BF16 channel segment (fp32 FMA per channel column, exact products),
-then the split-K reduction of :mod:`.fragment` (every split stores an fp32 partial, the last to
+then the split-K reduction of :mod:`.split_k` (every split stores an fp32 partial, the last to
 arrive at a per-tile counter sums them in split order, adds the bias, resets the counter): results
 are deterministic and bit-identical across calls. Not persistent: one program per (tile, split), the
-split plan of :func:`.fragment.split_plan`.
+split plan of :func:`.split_k.split_plan`.
 
 Gluon (``triton.experimental.gluon``) cannot run under the interpreter; its API is that of Triton
 3.6 (the H200's). This module imports on any machine: :func:`available` says whether the Gluon
@@ -42,7 +42,8 @@ import os
 import torch
 import triton
 
-from .fragment import DECODE_WORD_E5M3_PAIR, FRAG_COLS, split_counters, split_plan, fragment_of, scale_view, segment_plan
+from .fragment_layout import DECODE_WORD_E5M3_PAIR, FRAG_COLS, fragment_of, scale_view
+from .split_k import segment_plan, split_counters, split_plan
 from .primitives import interpreting
 
 try:  # Gluon is optional (Triton >= 3.5 on CUDA); the package must import without it
@@ -84,7 +85,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_decode_pair(w, pair):
-        """The fragment form's word decode (see :func:`.fragment._decode_word_asm_pair`): int32 words
+        """The fragment form's word decode (see :func:`.fragment_layout._decode_word_asm_pair`): int32 words
         and their E5M3 scale-byte pairs -> the 8 bf16 values ``e2m1·scale·2^-7`` of every word."""
         return gl.inline_asm_elementwise(
             asm=DECODE_WORD_E5M3_PAIR,
@@ -98,7 +99,7 @@ if gluon is not None:
     @gluon.jit
     def _ws_tile(wq, pr, BLOCK_N: gl.constexpr):
         """Decoded [BN, 256] bf16 tile in real (row, column) order from the words ``wq`` [BN, 32] and
-        their scale pairs ``pr`` [BN, 32] (same layout): the layout chain of :mod:`.fragment`
+        their scale pairs ``pr`` [BN, 32] (same layout): the layout chain of :mod:`.fragment_layout`
         (``_join8``, ``_frag_cols``, ``_frag_rows``) on the eight decoded values."""
         v0, v1, v2, v3, v4, v5, v6, v7 = _ws_decode_pair(wq, pr)
         x = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
@@ -309,7 +310,7 @@ def ws_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
         raise RuntimeError(f"foursight.kernels.gluon_ws: Gluon is not importable here ({GLUON_IMPORT_ERROR})")
     fw = fragment_of(pw)
     if fw.scale_bf16:
-        raise ValueError("gluon_ws: the kernel reads E5M3 scale bytes (fragment.SCALES_AS_BF16 = False)")
+        raise ValueError("gluon_ws: the kernel reads E5M3 scale bytes (fragment_layout.SCALES_AS_BF16 = False)")
     sf = scale_view(fw)
     m = x.shape[0]
     n, kk = pw.out_features, pw.num_channels

@@ -1,6 +1,6 @@
 """Plain-Triton twin of the warp-specialized Gluon kernel (:mod:`.gluon_ws`): the same tiling
 (``Yᵀ[BN, BM]`` tiles, 256-column K steps of the fragment form), the same decode
-(:func:`.fragment.fragment_tile`, the word decode in PTX on the GPU and its portable twin in the
+(:func:`.fragment_layout.fragment_tile`, the word decode in PTX on the GPU and its portable twin in the
 interpreter), the same split plan (:func:`.gluon_ws.ws_plan`) and the same epilogue order (global
 scales and ``2^7`` on the fp32 accumulator, the split's BF16 columns one at a time, the ordered
 split-K reduction, the bias), without warp specialization. Reference:
@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fragment import fragment_of, fragment_tile, scale_view, split_counters, split_k_epilogue
+from .fragment_layout import fragment_of, fragment_tile, scale_view
+from .split_k import split_counters, split_k_epilogue
 from .gluon_ws import ws_plan
 from .primitives import interpreting, mma
 

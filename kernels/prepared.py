@@ -1,14 +1,15 @@
 """The CUDA execution form of a compensated layer (:class:`PreparedWeight`), the bytes it keeps on
-the device (:func:`resident_bytes`), and the weight-side launch arguments of the kernel forms.
+the device (:func:`resident_bytes`), and the checks every execution form starts from
+(:func:`checked_tensors`, :func:`linear_operands`).
 
 The checkpoint on disk does not change (compressed-tensors compatible); only this in-memory form
 does. **One weight form is resident:** the FP4 part is kept only in the fragment execution form
-(:mod:`.fragment`: codes re-laid for the wgmma register operand, block scales beside them), with
+(:mod:`.fragment_layout`: codes re-laid for the wgmma register operand, block scales beside them), with
 the FP4 codes of the BF16 channels S forced to 0; the decode/mid GEMM (:mod:`.fragment`) and the
 prefill dequantization (:mod:`.dequant`) both read it. Beside it: the weight global scale
 broadcast to one per output row, the S column indices and mask, and ``W[:, S]`` in bf16. The
 compressed-tensors packed layout (``weight_packed``/``weight_scale``) is rebuilt from the fragment
-form only on demand (:func:`~.fragment.unfragment`): by the fp16-activation forms, which then cache
+form only on demand (:func:`~.fragment_layout.unfragment`): by the fp16-activation forms, which then cache
 it (and :func:`resident_bytes` counts it), and as a temporary by the autotuner's reference check.
 """
 
@@ -20,12 +21,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import triton
 
 from foursight.layer import QuantizedWeight, channel_mask, check_channels
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
 
-from .fragment import FragmentWeight, fragment_weight, unfragment
+from .fragment_layout import FragmentWeight, fragment_weight, unfragment
 
 
 #: every live prepared layer by its ``op_handle`` (weak: a dropped layer leaves)
@@ -38,7 +38,7 @@ class PreparedWeight:
     """CUDA execution form of one compensated linear layer.
 
     Attributes:
-        fragment: the FP4 part in the fragment execution form (:class:`~.fragment.FragmentWeight`;
+        fragment: the FP4 part in the fragment execution form (:class:`~.fragment_layout.FragmentWeight`;
             the nibbles of the S columns forced to 0, so the W4A16 mode can feed X with its S
             columns unzeroed). The only copy of the FP4 weight the default paths keep.
         weight_global_scale: float32 [N] (the [1] per-tensor scale broadcast, or the per-row one).
@@ -117,7 +117,7 @@ def resident_bytes(prepared: PreparedWeight) -> int:
     return _tensors_of(prepared, set())
 
 
-def _zero_channel_nibbles(packed: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
+def zero_channel_nibbles(packed: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
     """Copy of packed [N, K/2] with the 4-bit codes of ``channels`` set to 0."""
     out = packed.clone()
     if channels.numel():
@@ -161,7 +161,7 @@ def checked_tensors(qw: QuantizedWeight, name: str = "layer") -> CheckedTensors:
     if tuple(wb.shape) != (n, ch32.numel()):
         raise NVFP4Error(f"{name}.weight_bf16: expected [{n}, {ch32.numel()}], got {tuple(wb.shape)}")
     return CheckedTensors(
-        packed=_zero_channel_nibbles(wp.contiguous(), ch32),
+        packed=zero_channel_nibbles(wp.contiguous(), ch32),
         scale=ws.contiguous().view(torch.uint8),
         global_scale=(g.expand(n) if g.numel() == 1 else g).contiguous().clone(),
         uniform_global_scale=bool(g.numel() == 1 or bool((g == g[0]).all())),
@@ -200,25 +200,3 @@ def linear_operands(x: torch.Tensor, pw, bias: torch.Tensor | None, name: str = 
         raise NVFP4Error(f"{name}.bias: expected [{n}], got {tuple(bias.shape)}")
     x2 = x.reshape(-1, k_dim)
     return x.shape[:-1], x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-
-
-def weight_args(pw: PreparedWeight, bias, packed: torch.Tensor | None = None) -> tuple:
-    """The weight-side arguments every SpliceGEMM kernel takes, in their order: channels, packed codes
-    (``packed``: another view of them, e.g. int32 words) and stride, scale bytes and stride, weight
-    global scales, W_bf16 and stride, bias. Absent tensors are replaced by a never-read dummy."""
-    kk = pw.num_channels
-    dummy = pw.weight_global_scale
-    wp = pw.weight_packed if packed is None else packed
-    return (
-        pw.bf16_channels if kk else pw.channel_mask,
-        wp, wp.stride(0),
-        pw.weight_scale, pw.weight_scale.stride(0),
-        pw.weight_global_scale,
-        pw.weight_bf16 if kk else dummy, pw.weight_bf16.stride(0) if kk else 0,
-        bias if bias is not None else dummy,
-    )
-
-
-def block_ks(kk: int, cap: int) -> int:
-    """Width of one BF16-segment step: the next power of two of k, between 16 and ``cap``."""
-    return min(cap, max(16, triton.next_power_of_2(max(kk, 1))))

@@ -32,6 +32,9 @@ import triton.language as tl
 
 #: Rows up to this many elements are quantized from registers in a single read of X.
 MAX_ONEPASS_K: int = 16384
+#: Match PyTorch-on-CUDA's ``tensor / 6.0`` (multiplication by fp32(1/6)) in the block scales, so
+#: that the kernel is bit-exact with foursight.layer run on the same CUDA device.
+DIV6_RECIP_ON_CUDA: bool = True
 
 
 def pdl_supported() -> bool:

@@ -9,12 +9,17 @@ tile, then the bias. Reference: :func:`foursight.layer.reference_linear`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from .configs import SSConfig
-from .prepared import PreparedWeight, block_ks, weight_args
-from .primitives import bf16_rne, fp4_tile, mma, tile_ids, interpreting
+from .launch import block_ks, weight_args
+from .primitives import bf16_rne, fp4_tile, interpreting, mma, tile_ids
+
+if TYPE_CHECKING:
+    from .prepared import PreparedWeight
 
 
 @triton.jit

@@ -30,6 +30,8 @@ Operand modes (constexpr)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -37,8 +39,11 @@ import triton.language as tl
 from foursight.nvfp4 import BLOCK_SIZE
 
 from .configs import SwapConfig
-from .prepared import PreparedWeight, block_ks, weight_args
-from .primitives import bf16_rne, bf16_segment, fp4_tile, global_scales, mma, tile_ids, interpreting, resident_programs
+from .launch import block_ks, weight_args
+from .primitives import bf16_rne, bf16_segment, fp4_tile, global_scales, interpreting, mma, resident_programs, tile_ids
+
+if TYPE_CHECKING:
+    from .prepared import PreparedWeight
 
 
 @triton.jit

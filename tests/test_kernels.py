@@ -18,9 +18,9 @@ import torch
 
 from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET before the kernels are imported
 
-import foursight.kernels as fk  # noqa: E402
+import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
-from foursight.kernels import DequantConfig, FragmentConfig, GemvConfig, SSConfig, SwapConfig  # noqa: E402
+from foursight.kernels.configs import DequantConfig, FragmentConfig, GemvConfig, SSConfig, SwapConfig  # noqa: E402
 
 from foursight.layer import QuantizedWeight, quantize_activation, quantize_weight, reference_linear
 from foursight.nvfp4 import NVFP4Error
@@ -284,7 +284,9 @@ def test_empty_batch():
 
 
 def test_blackwell_path_not_taken_here():
-    assert fk.blackwell_fp4_available() is False
+    from foursight.kernels.blackwell import blackwell_fp4_available
+
+    assert blackwell_fp4_available() is False
 
 
 @pytest.mark.parametrize("per_row_gs", [False, True])
@@ -316,7 +318,7 @@ def test_dequant_cublas_form(M, K, k, per_row_gs):
 def test_dequant_weight_is_exact(cfg, scale_bf16, monkeypatch):
     """W' of the dequant form, read from the fragment form (the layer's one resident weight form):
     e2m1 * s exactly (per-tensor scale), W[:, S] at the S columns; padding in N and K."""
-    import foursight.kernels.fragment as frag
+    import foursight.kernels.fragment_layout as frag
     from foursight.kernels.dequant import dequant_weight
     from foursight.nvfp4 import dequantize_nvfp4
 
@@ -356,25 +358,25 @@ def test_naive_emulation_baseline_matches_reference():
 def test_fragment_scale_encoding_is_exact_for_every_e4m3_value():
     """Every non-negative finite E4M3 byte, re-encoded as the E5M3 byte the kernel reads, gives
     bf16 bits byte*16 + 224*128 whose value is exactly scale * 2^119."""
-    from foursight.kernels.fragment import SCALE_BIAS_BITS, _e5m3_of_e4m3
+    from foursight.kernels.fragment_layout import SCALE_BIAS_BITS, e5m3_of_e4m3
 
     b = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN
-    u = _e5m3_of_e4m3(b).to(torch.int32)
+    u = e5m3_of_e4m3(b).to(torch.int32)
     bits = (u * 16 + SCALE_BIAS_BITS).to(torch.int16)
     got = bits.view(torch.bfloat16).float()
     want = b.view(torch.float8_e4m3fn).float() * 2.0**119
     nz = want != 0
     assert torch.equal(got[nz], want[nz])
     with pytest.raises(ValueError, match="block scale"):
-        _e5m3_of_e4m3(torch.tensor([0x7F], dtype=torch.uint8))
+        e5m3_of_e4m3(torch.tensor([0x7F], dtype=torch.uint8))
 
 
 def _decode_fragment_words(fw) -> torch.Tensor:
     """Independent decoder of the stored words: E2M1 codes [Np, Kp] in real order, from the bit
     table and the stored-row/word map alone (no kernel code)."""
-    from foursight.kernels.fragment import FRAG_COLS, FRAG_ROWS, _tile_map
+    from foursight.kernels.fragment_layout import FRAG_COLS, FRAG_ROWS, tile_map
 
-    srow, word, bits = _tile_map("cpu")
+    srow, word, bits = tile_map("cpu")
     w = fw.words.to(torch.int64) & 0xFFFFFFFF
     np_, kw = w.shape
     nb, nc = np_ // FRAG_ROWS, kw // 16
@@ -395,7 +397,7 @@ def _decode_fragment_words(fw) -> torch.Tensor:
 
 @pytest.mark.parametrize("N,K", [(64, 256), (40, 208), (130, 400)])
 def test_fragment_weight_round_trips_the_codes(N, K):
-    from foursight.kernels.fragment import fragment_weight
+    from foursight.kernels.fragment_layout import fragment_weight
 
     g = torch.Generator().manual_seed(N + K)
     packed = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
@@ -420,7 +422,7 @@ _FRAG_CONFIGS = [FragmentConfig(16, 64, 128, 1, 1), FragmentConfig(16, 64, 256, 
 def test_fragment_form(cfg, M, N, K, k, scale_bf16, monkeypatch):
     """The fragment kernel against the reference: W4A4 dynamic and static, W4A16, bias, per-row weight
     scales, padding in N and K, split-K, a non-contiguous bf16 input; both scale encodings."""
-    import foursight.kernels.fragment as frag
+    import foursight.kernels.fragment_layout as frag
 
     monkeypatch.setattr(frag, "SCALES_AS_BF16", scale_bf16)
     g = torch.Generator().manual_seed(M * 7 + N + K + k)
@@ -452,7 +454,7 @@ def test_fragment_form_refuses_fp16_and_bad_tiles():
 def test_fragment_split_k_reduces_in_one_launch_and_leaves_counters_at_zero():
     """Split-K: the last split of each tile sums the partials (in split order) and resets its
     counter, so repeated calls agree bit for bit and need no memset."""
-    import foursight.kernels.fragment as frag
+    from foursight.kernels.split_k import split_counters
 
     g = torch.Generator().manual_seed(21)
     qw = _layer(128, 512, 16, g)
@@ -462,7 +464,7 @@ def test_fragment_split_k_reduces_in_one_launch_and_leaves_counters_at_zero():
     y1 = fk.splice_linear(x, pw, config=cfg)
     y2 = fk.splice_linear(x, pw, config=cfg)
     assert torch.equal(y1, y2)
-    assert not frag._COUNTERS[str(x.device)].any()
+    assert not split_counters(x.device, 1).any()
     ref = reference_linear(x, qw, out_dtype=torch.float32)
     torch.testing.assert_close(y1.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
 
@@ -470,17 +472,17 @@ def test_fragment_split_k_reduces_in_one_launch_and_leaves_counters_at_zero():
 def test_fragment_split_plan_fills_whole_waves():
     """The automatic split count leaves no partial wave when one exists: 128 tiles on 396 resident
     programs (3 per SM x 132) take 3 splits (384 programs, one wave), not 5 (640: 1.6 waves)."""
-    from foursight.kernels.fragment import split_plan, _wave_split
+    from foursight.kernels.split_k import split_plan, wave_split
 
-    assert _wave_split(128, 32, 396) == 3
-    assert _wave_split(128, 32, 528) == 4
-    assert _wave_split(64, 56, 396) == 6
-    assert _wave_split(1000, 32, 396) == 1  # more tiles than resident programs: no split
-    assert _wave_split(2, 4, 8) == 4  # capped by the K steps
+    assert wave_split(128, 32, 396) == 3
+    assert wave_split(128, 32, 528) == 4
+    assert wave_split(64, 56, 396) == 6
+    assert wave_split(1000, 32, 396) == 1  # more tiles than resident programs: no split
+    assert wave_split(2, 4, 8) == 4  # capped by the K steps
     splits, cps, first = split_plan(16, 8192, 64, 128, 16, 64, 2, 0, 396)
     assert splits == 3 and first == cps and splits * cps >= 64 and (splits - 1) * cps < 64  # equal FP4 shares
     # the BF16 segment spread over the splits in 16-column steps, every column covered once
-    from foursight.kernels.fragment import segment_plan
+    from foursight.kernels.split_k import segment_plan
 
     for kk, sp in ((128, 3), (128, 8), (16, 4), (200, 1), (64, 2)):
         bks, per = segment_plan(kk, sp)
@@ -492,8 +494,8 @@ def test_one_weight_form_resident():
     tensor it holds); the default bf16 paths — decode and mid (fragment), prefill (dequant from the
     fragment form) and the autotuner's reference check — leave it so; the packed layout rebuilt from
     the fragment form equals the checkpoint's (S nibbles zeroed), and only an fp16-form call keeps it."""
-    from foursight.kernels.fragment import fragment_bytes, unfragment
-    from foursight.kernels.prepared import _zero_channel_nibbles
+    from foursight.kernels.fragment_layout import fragment_bytes, unfragment
+    from foursight.kernels.prepared import zero_channel_nibbles
 
     g = torch.Generator().manual_seed(44)
     N, K, k = 130, 400, 16
@@ -511,7 +513,7 @@ def test_one_weight_form_resident():
     assert fk.resident_bytes(pw) == before + 8 * k + 4 and "packed" not in pw._cache
     before = fk.resident_bytes(pw)
     packed, scale = unfragment(pw.fragment)
-    assert torch.equal(packed, _zero_channel_nibbles(qw.weight_packed, pw.bf16_channels))
+    assert torch.equal(packed, zero_channel_nibbles(qw.weight_packed, pw.bf16_channels))
     assert torch.equal(scale, qw.weight_scale.view(torch.uint8))
     fk.splice_linear(x.half(), pw)  # an fp16 model: the packed forms, which keep the packed layout
     assert fk.resident_bytes(pw) == before + N * K // 2 + N * K // 16

@@ -24,7 +24,7 @@ from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import foursight.kernels as fk  # noqa: E402
+import foursight.kernels.api as fk  # noqa: E402
 from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
 from foursight.kernels.primitives import (  # noqa: E402
     MAX_ONEPASS_K,

@@ -12,7 +12,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
-    import foursight.kernels as fk
+    import foursight.kernels.api as fk
     from foursight.layer import QuantizedWeight, quantize_activation, quantize_weight, reference_linear
 
 DEV = "cuda"
@@ -164,7 +164,9 @@ def test_dispatcher_picks_the_kernels_gpu():
 def test_blackwell_gate_false_on_hopper():
     major, _ = torch.cuda.get_device_capability()
     if major == 9:
-        assert fk.blackwell_fp4_available() is False
+        from foursight.kernels.blackwell import blackwell_fp4_available
+
+        assert blackwell_fp4_available() is False
 
 
 def _all_configs():
@@ -214,16 +216,16 @@ def test_autotuner_rejects_a_wrong_candidate_gpu(monkeypatch):
     qw = _layer(2048, 4096, 64, g)
     pw = fk.prepare_weight(qw)
     x = _act(64, 4096, g)
-    cands = fk_api._candidates("mid", 64, "linear")
+    cands = fk_api.candidates("mid", 64, "linear")
     bad = cands[0]
-    real = fk_api._linear_run
+    real = fk_api.linear_run
 
     def broken(cfg, x2, p, bias, s, aq, out):
         real(cfg, x2, p, bias, s, aq, out)
         if cfg == bad:
             out.mul_(1.5)
 
-    monkeypatch.setattr(fk_api, "_linear_run", broken)
+    monkeypatch.setattr(fk_api, "linear_run", broken)
     tuning.TUNED.clear()
     y = fk.splice_linear(x, pw, path="mid")
     key = fk_api.linear_key("mid", 64, pw, True, False, x.dtype, False)

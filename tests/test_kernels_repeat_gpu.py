@@ -28,7 +28,7 @@ KS = 128
 DEV = "cuda"
 
 if torch.cuda.is_available():
-    import foursight.kernels as fk
+    import foursight.kernels.api as fk
     from foursight.layer import quantize_weight, reference_linear
 
     try:

@@ -25,10 +25,10 @@ import torch
 
 from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET before the kernels are imported
 
-import foursight.kernels as fk  # noqa: E402
+import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
 import foursight.kernels.api as fk_api  # noqa: E402
-from foursight.kernels import FragmentConfig  # noqa: E402
+from foursight.kernels.configs import FragmentConfig  # noqa: E402
 from foursight.layer import channel_mask, quantize_activation, quantize_weight, reference_linear  # noqa: E402
 
 pytestmark = interpreted_only
@@ -143,7 +143,7 @@ def test_fullgraph_compile_calls_one_custom_op(layer):
     for m in (3, 5):
         x = _act(m, g)
         assert torch.equal(fn(x), fk.splice_linear(x, pw))
-    assert fk.prepared.OP_HANDLES[pw.op_handle] is pw
+    assert fk.OP_HANDLES[pw.op_handle] is pw
 
 
 def test_timer_flush_modes_and_pdl_default(monkeypatch):
@@ -166,7 +166,7 @@ def test_candidate_lists(monkeypatch):
 
     monkeypatch.delenv("FOURSIGHT_WS", raising=False)
     for path in ("decode", "mid", "prefill"):
-        cands = fk_api._candidates(path, 1, "linear")
+        cands = fk_api.candidates(path, 1, "linear")
         assert cands and not any(isinstance(c, configs.WSConfig) for c in cands)  # Gluon WS: opt-in only
         assert all(configs.config_from_str(str(c)) == c for c in cands)
         # first-candidate rule: the first tile of every list is one the H200 grid measured (plain v3 form)

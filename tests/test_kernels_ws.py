@@ -20,18 +20,16 @@ import torch
 if not torch.cuda.is_available() and any("test_kernels_ws.py" in a for a in sys.argv if not a.startswith("-")):
     os.environ["TRITON_INTERPRET"] = "1"
 
-import foursight.kernels as fk  # noqa: E402
-import foursight.kernels.fragment as frag  # noqa: E402
+import foursight.kernels.api as fk  # noqa: E402
 from foursight.kernels import api, gluon_ws  # noqa: E402
 from foursight.kernels.configs import WSConfig  # noqa: E402
-from foursight.kernels.gluon_ws_twin import _ws_twin_kernel  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
+from foursight.kernels.primitives import interpreting  # noqa: E402
+from foursight.kernels.split_k import split_counters  # noqa: E402
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
 from foursight.nvfp4 import NVFP4Error
 
 pytestmark = pytest.mark.skipif(
-    not isinstance(_ws_twin_kernel, InterpretedFunction),
+    not interpreting(),
     reason="kernels not built for the Triton interpreter (CUDA machine, or imported earlier); run this file on its own on CPU",
 )
 
@@ -94,7 +92,7 @@ def test_ws_twin_split_k_is_bit_stable_and_leaves_counters_at_zero():
     y1 = fk.splice_linear(x, pw, config=cfg)
     y2 = fk.splice_linear(x, pw, config=cfg)
     assert torch.equal(y1, y2)
-    assert not frag._COUNTERS[str(x.device)].any()
+    assert not split_counters(x.device, 1).any()
     _close(y1, reference_linear(x, qw, out_dtype=torch.float32))
 
 
@@ -117,7 +115,7 @@ def test_ws_config_and_dispatch_rules():
         WSConfig(24, 64)
     assert not gluon_ws.available()
     for path in ("decode", "mid", "prefill"):
-        assert not any(isinstance(c, WSConfig) for c in api._candidates(path, 16, "linear"))
+        assert not any(isinstance(c, WSConfig) for c in api.candidates(path, 16, "linear"))
     g = torch.Generator().manual_seed(3)
     pw = fk.prepare_weight(_layer(64, 256, 16, g))
     with pytest.raises(NVFP4Error, match="bf16"):

@@ -18,7 +18,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
-    import foursight.kernels as fk
+    import foursight.kernels.api as fk
     from foursight.kernels import api, gluon_ws, tuning
     from foursight.kernels.configs import WS_CONFIGS, WSConfig
     from foursight.layer import quantize_weight, reference_linear
@@ -138,7 +138,7 @@ def test_autotuner_offers_and_checks_the_gluon_candidates_gpu(monkeypatch):
     monkeypatch.setenv("FOURSIGHT_WS", "1")
     qw, pw = _layer(4096, 4096, 128)
     for m, path in ((16, "decode"), (64, "mid")):
-        cands = api._candidates(path, m, "linear")
+        cands = api.candidates(path, m, "linear")
         assert any(isinstance(c, WSConfig) for c in cands)
         tuning.TUNED.clear()
         x = _act(m, 4096, 7 + m)

@@ -275,7 +275,7 @@ def build_foursight(model: Decoder, k: int, seed: int) -> tuple[list, dict, dict
     the QuantizedWeight of layer 0's linears (for the kernel-vs-reference check)."""
     from foursight.layer import quantize_weight  # noqa: PLC0415  (imported here: a broken kernel build fails this mode only)
 
-    import foursight.kernels as fk  # noqa: PLC0415
+    import foursight.kernels.api as fk  # noqa: PLC0415
 
     out, nbytes, ref = [], 0, {}
     cuda = model.dev.type == "cuda"
@@ -307,7 +307,7 @@ def kernel_check(prepared0: dict, ref: dict, act_quant: bool, ms: list, dev, see
     """Relative error of ``splice_linear`` vs ``foursight.layer.reference_linear`` (the PyTorch
     oracle of the same checkpoint) for layer 0's linears at the given M: separates kernel bugs from
     quantization error (the kernel tests accept < 5e-3)."""
-    import foursight.kernels as fk  # noqa: PLC0415
+    import foursight.kernels.api as fk  # noqa: PLC0415
     from foursight.layer import reference_linear  # noqa: PLC0415
 
     g = torch.Generator(device=dev).manual_seed(seed + 11)
@@ -323,7 +323,7 @@ def kernel_check(prepared0: dict, ref: dict, act_quant: bool, ms: list, dev, see
 
 
 def foursight_linears(prepared: list, act_quant: bool) -> list:
-    import foursight.kernels as fk  # noqa: PLC0415
+    import foursight.kernels.api as fk  # noqa: PLC0415
 
     def make(pw):
         return lambda x: fk.splice_linear(x, pw, bias=None, input_global_scale=None, act_quant=act_quant)
@@ -503,7 +503,7 @@ def environment(dev: torch.device) -> dict:
 
 def _tuned_snapshot() -> list | None:
     try:
-        import foursight.kernels as fk  # noqa: PLC0415
+        import foursight.kernels.api as fk  # noqa: PLC0415
 
         return [{"key": [str(v) for v in k], "config": str(v)} for k, v in fk.TUNED.items()]
     except Exception:  # noqa: BLE001

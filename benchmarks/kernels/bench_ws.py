@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import triton
 
-import foursight.kernels as fk
+import foursight.kernels.api as fk
 import foursight.kernels.api as fk_api
 import foursight.kernels.gluon_ws as fk_ws
 import foursight.kernels.tuning as fk_tuning

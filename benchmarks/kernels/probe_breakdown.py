@@ -36,7 +36,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import bench_splice_gemm as bsg  # noqa: E402  (benchmarks/kernels/bench_splice_gemm.py)
 from common import ms_per_call  # noqa: E402  (benchmarks/common.py)
 
-import foursight.kernels as fk  # noqa: E402
+import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
 import foursight.kernels.api as fk_api  # noqa: E402
 import foursight.kernels.tuning as fk_tuning  # noqa: E402

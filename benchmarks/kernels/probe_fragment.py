@@ -25,12 +25,14 @@ from pathlib import Path
 
 import torch
 
-import foursight.kernels as fk
+import foursight.kernels.api as fk
 from foursight.channels import relative_error
 from foursight.kernels import act_quant as aq
-from foursight.kernels.api import _reference_output
+from foursight.kernels.api import reference_output
 from foursight.kernels.configs import FragmentConfig
 from foursight.kernels import fragment as frag
+from foursight.kernels.fragment_layout import fragment_of
+from foursight.kernels.split_k import split_plan
 from foursight.kernels.fragment import fragment_launch
 from foursight.kernels.tuning import time_gpu
 from foursight.layer import quantize_weight
@@ -62,10 +64,10 @@ def old_split(m: int, n: int, k_dim: int, cfg) -> int:
 
 def plan_of(cfg, m: int, pw) -> dict:
     """Resident programs and the split plan the launch used (after a launch of ``cfg``)."""
-    slots = [v for k, v in frag._SLOTS.items() if k[1][0] == str(cfg)]
-    kcp = frag.fragment_of(pw).words.shape[1] // 16
+    slots = [v for k, v in frag.RESIDENT_SLOTS.items() if k[1][0] == str(cfg)]
+    kcp = fragment_of(pw).words.shape[1] // 16
     sl = slots[0] if slots else 0
-    plan = frag.split_plan(m, pw.out_features, kcp, pw.num_channels, cfg.block_m, cfg.block_n, cfg.block_k // 128,
+    plan = split_plan(m, pw.out_features, kcp, pw.num_channels, cfg.block_m, cfg.block_n, cfg.block_k // 128,
                             cfg.split_k, sl or 1)
     return {"slots": sl, "splits": plan[0]}
 
@@ -107,7 +109,7 @@ def probe_gemm(g, rows: list, quick: bool, budget_s: float) -> None:
         layers = {kk: layer(n, k_dim, kk, g) for kk in (0, 128)}
         for m, tiles in TILES.items():
             x = torch.randn(m, k_dim, generator=g, device="cuda").to(torch.bfloat16)
-            refs = {kk: _reference_output(pw, x, None, None, False) for kk, pw in layers.items()}
+            refs = {kk: reference_output(pw, x, None, None, False) for kk, pw in layers.items()}
             _, _, deq, gs, _ = aq.act_quant_launch(x, layers[128].channel_mask, layers[128].bf16_channels, None, False,
                                                    True, False, deq_dtype=torch.bfloat16)
             for tile in tiles:
@@ -142,7 +144,7 @@ def probe_gemm(g, rows: list, quick: bool, budget_s: float) -> None:
                 t = time_gpu(lambda: fk.splice_linear(x, pw, config=cfg))
                 rows.append({"probe": "splice_linear", "shape": f"{n}x{k_dim}", "M": m, "k": kk, "mode": "w4a4",
                              "us": t * 1e3, "config": str(cfg),
-                             "rel_err": relative_error(y, _reference_output(pw, x, None, None, True))})
+                             "rel_err": relative_error(y, reference_output(pw, x, None, None, True))})
                 print(rows[-1], flush=True)
             bw = torch.randn(n, k_dim, generator=g, device="cuda").to(torch.bfloat16)
             rows.append({"probe": "cublas", "shape": f"{n}x{k_dim}", "M": m, "us": time_gpu(lambda: x @ bw.t()) * 1e3})

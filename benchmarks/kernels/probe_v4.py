@@ -45,7 +45,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import bench_splice_gemm as bsg  # noqa: E402  (benchmarks/kernels/bench_splice_gemm.py)
 from probe_breakdown import with_pdl  # noqa: E402  (benchmarks/kernels/probe_breakdown.py)
 
-import foursight.kernels as fk  # noqa: E402
+import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.api as fk_api  # noqa: E402
 import foursight.kernels.tuning as fk_tuning  # noqa: E402
 from foursight.channels import relative_error  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-import foursight.kernels as fk
+import foursight.kernels.api as fk
 from foursight.kernels.configs import SwapConfig
 from foursight.kernels.swap import swap_launch
 from foursight.layer import quantize_weight

@@ -88,7 +88,7 @@ def _layer(n: int, k_dim: int, k: int):
 
 
 def check_after(scale_bf16: bool) -> list[dict]:
-    import foursight.kernels as fk
+    import foursight.kernels.api as fk
 
     rows = []
     for n, k_dim in ((128, 4096), (100, 14336), (64, 8192)):
@@ -104,7 +104,7 @@ _BEFORE_PROBE = r"""
 import json, sys, torch
 sys.path.insert(0, %(here)r)
 import resident_bytes as rb
-import foursight.kernels as fk
+import foursight.kernels.api as fk
 from foursight.kernels.fragment import fragment_of
 rows = []
 for n, k_dim in ((128, 4096), (100, 14336)):

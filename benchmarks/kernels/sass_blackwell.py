@@ -50,7 +50,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import git_commit  # noqa: E402  (benchmarks/common.py)
 from sass import compile_kernel, instructions, loops, opcode, sass_of  # noqa: E402  (benchmarks/kernels/sass.py)
 
-from foursight.kernels.dot_scaled import CONFIGS, DotScaledConfig, _dot_scaled_kernel  # noqa: E402
+from foursight.kernels.dot_scaled import CONFIGS, DotScaledConfig, dot_scaled_kernel  # noqa: E402
 
 ARCHS = {100: "sm_100a", 120: "sm_120a"}
 SMEM_MAX = {100: 232448, 120: 101376, 90: 232448}
@@ -63,7 +63,7 @@ BF16_MMA = ("HMMA", "UTCHMMA")
 
 def compile_for(cap: int, cfg: DotScaledConfig, has_ks: bool, has_bias: bool = False):
     """``triton.compile`` of the dot_scaled kernel for ``cap`` with launch-like specialization."""
-    fn = _dot_scaled_kernel
+    fn = dot_scaled_kernel
     params = list(inspect.signature(fn.fn).parameters)
     consts = dict(SWAP=cfg.swap, HAS_BIAS=has_bias, HAS_KS=has_ks, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, BLOCK_KS=cfg.block_ks, GROUP_M=cfg.group_m, EMULATE_MMA=False, INTERP=False,

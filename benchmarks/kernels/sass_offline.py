@@ -249,7 +249,7 @@ import json, torch, triton
 from triton.runtime.interpreter import InterpretedFunction
 from torch.overrides import TorchFunctionMode
 from foursight.layer import quantize_weight
-import foursight.kernels as fk
+import foursight.kernels.api as fk
 from foursight.kernels import configs
 
 counts = {"n": 0, "inside": 0, "names": []}

@@ -21,11 +21,9 @@ if not torch.cuda.is_available():
 def kernels_interpreted() -> bool:
     """Whether ``foursight.kernels`` was built for the interpreter (not on a CUDA machine, nor
     imported in compiled mode by an earlier test module of this process)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from foursight.kernels.primitives import interpreting
 
-    from foursight.kernels.act_quant import _act_quant_kernel
-
-    return isinstance(_act_quant_kernel, InterpretedFunction)
+    return interpreting()
 
 
 #: the ``pytestmark`` of an interpreter test module
