@@ -21,7 +21,8 @@ last shard arrives; the verl loop in the post-load step): the time includes the 
 
 Each engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``), one
 at a time; each sync is timed inside the worker (``llm.apply_model``) after one warm-up, ``--repeats``
-times; the file keeps every run and the median, as wall time and as this process's CPU time. Run it
+times; the file keeps every run (wall and CPU time, the user/system split, page faults, the 1-minute
+load average it started in) and the median, as wall time and as this process's CPU time. Run it
 alone, holding the engine lock, and read ``host.loadavg_*`` (other jobs on a shared machine inflate
 wall time):
 
@@ -73,12 +74,18 @@ def _cpu_model() -> str:
 
 def _timed_in_worker(llm, fn) -> dict:
     def run(model):
+        import resource
+
         import torch
 
-        w0, c0 = time.perf_counter(), time.process_time()
+        load = os.getloadavg()[0]
+        r0, w0, c0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.process_time()
         with torch.no_grad():
             fn(model)
-        return {"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}
+        w1, c1, r1 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+        # user/sys split, page faults (fresh memory the sync touched) and the load the run started in
+        return {"wall_s": w1 - w0, "cpu_s": c1 - c0, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+                "minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt, "loadavg_1m_before": load}
 
     (out,) = llm.apply_model(run)
     return out
