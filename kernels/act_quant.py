@@ -39,7 +39,8 @@ import triton.language as tl
 
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error
 
-from .primitives import DIV6_RECIP_ON_CUDA, MAX_ONEPASS_K, global_scale, interpreting, quant_block, quant_xb, quant_xb_2d, rne_bf16
+from .primitives import DIV6_RECIP_ON_CUDA, MAX_ONEPASS_K, global_scale, quant_block, quant_xb, quant_xb_2d, rne_bf16
+from .runtime import interpreting
 
 #: up to this many rows (decode batches) one row runs on 32 warps: on the H200 at K = 8192 that took
 #: 4.1-4.6 us against 6.0-6.8 us on 8 (benchmarks/kernels/probe_fragment.py; docs/kernels.md)

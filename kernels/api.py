@@ -45,7 +45,7 @@ from .dequant import dequant_linear
 from .fragment import QUANT_IN_MAX_M, fragment_launch
 from .gemv import gemv_launch
 from .prepared import OP_HANDLES, PreparedWeight, linear_operands, prepare_weight, resident_bytes
-from .primitives import interpreting, pdl_supported
+from .runtime import interpreting, pdl_supported
 from .ss import ss_launch
 from .swap import swap_launch
 from .tuning import TUNE_LOG, TUNED, pick_config
@@ -62,7 +62,7 @@ __all__ = [
 
 
 #: Why programmatic dependent launch was turned off in this process (a failed PDL build), if it was;
-#: the benchmarks record it. Empty: PDL is used wherever :func:`~.primitives.pdl_supported` says so.
+#: the benchmarks record it. Empty: PDL is used wherever :func:`~.runtime.pdl_supported` says so.
 PDL_ERRORS: list = []
 
 

@@ -38,7 +38,8 @@ import triton.language as tl
 from .act_quant import act_quant_launch
 from .configs import DequantConfig
 from .fragment_layout import fragment_tile, scale_view
-from .primitives import interpreting, rne_bf16
+from .primitives import rne_bf16
+from .runtime import interpreting
 
 if TYPE_CHECKING:
     from .prepared import PreparedWeight

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from .fragment_layout import FRAG_COLS, fragment_of, fragment_tile, scale_view
-from .primitives import DIV6_RECIP_ON_CUDA, interpreting, mma, prefetch_l2, quant_xb_2d, resident_programs, tile_ids
+from .primitives import DIV6_RECIP_ON_CUDA, mma, prefetch_l2, quant_xb_2d, tile_ids
+from .runtime import interpreting, resident_programs
 from .split_k import segment_plan, split_counters, split_k_epilogue, split_plan
 
 
@@ -238,7 +239,7 @@ RESIDENT_SLOTS: dict = {}
 
 
 def _resident_slots(device, key, compile_fn, num_warps: int = 4) -> int:
-    """:func:`~.primitives.resident_programs` of one compiled variant (``compile_fn`` compiles it
+    """:func:`~.runtime.resident_programs` of one compiled variant (``compile_fn`` compiles it
     without launching it), cached per device and ``key``."""
     ck = (str(device), key)
     if ck not in RESIDENT_SLOTS:

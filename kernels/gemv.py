@@ -19,7 +19,8 @@ import triton.language as tl
 
 from .configs import GemvConfig
 from .launch import block_ks, weight_args
-from .primitives import bf16_rne, e4m3_f32, interpreting, word_nibble, word_nibbles_asm
+from .primitives import bf16_rne, e4m3_f32, word_nibble, word_nibbles_asm
+from .runtime import interpreting
 
 if TYPE_CHECKING:
     from .prepared import PreparedWeight

@@ -20,7 +20,8 @@ import triton.language as tl
 from .fragment_layout import fragment_of, fragment_tile, scale_view
 from .split_k import split_counters, split_k_epilogue
 from .gluon_ws import ws_plan
-from .primitives import interpreting, mma
+from .primitives import mma
+from .runtime import interpreting
 
 
 @triton.jit

@@ -1,5 +1,8 @@
 """Shared ``@triton.jit`` NVFP4 primitives of the FourSight kernels: one home for the numerics.
 
+One subject: the device-side building blocks every kernel form shares (and the constants they read);
+the runtime facts in Python (interpreter, PDL, occupancy) are :mod:`.runtime`.
+
 * **Decoding** (exact): E2M1 codes to fp16 ``e2m1 · 2^-14`` (:func:`_e2m1_f16`, code 1 is an fp16
   subnormal), E4M3 scale bytes to fp16/fp32 (:func:`_e4m3_f16`, :func:`e4m3_f32`), whole packed
   tiles (:func:`fp4_tile`) and 32-bit words of 8 codes (:func:`word_nibbles_asm` in PTX, with its
@@ -9,24 +12,21 @@
   block scales and element codes (:func:`block_scales`, :func:`quant_elems`, :func:`quant_block`
   and its 2-D form), the dynamic global scale (:func:`global_scale`).
 * **Plumbing**: the MMA wrapper (:func:`mma`), BF16 round-to-nearest-even that the interpreter
-  honours (:func:`rne_bf16`, :func:`bf16_rne`), the grouped tile order (:func:`tile_ids`).
+  honours (:func:`rne_bf16`, :func:`bf16_rne`), the grouped tile order (:func:`tile_ids`), the L2
+  prefetch (:func:`prefetch_l2`).
 * **Tile steps the GEMM forms share**: the global scales once per tile (:func:`global_scales`), the
-  spliced BF16 channel segment (:func:`bf16_segment`); and, in Python, the occupancy rule
-  (:func:`resident_programs`). A step is shared only where the offline sm_90a SASS of every
+  spliced BF16 channel segment (:func:`bf16_segment`). A step is shared only where the offline sm_90a SASS of every
   default configuration stays the same: an inlined helper adds debug-scope labels to the PTX, and
   ptxas can schedule and spill differently around them (the fragment form keeps its own copies).
 
-Every kernel form (one file each: :mod:`.act_quant`, :mod:`.gemv`, :mod:`.swap`, :mod:`.ss`,
-:mod:`.dequant`) builds on these; the PyTorch references are in :mod:`foursight.layer` and
+Every kernel form (one file each: :mod:`.act_quant`, :mod:`.fragment`, :mod:`.gemv`, :mod:`.swap`,
+:mod:`.ss`, :mod:`.dequant`) builds on these; the PyTorch references are in :mod:`foursight.layer` and
 :mod:`foursight.nvfp4`. Why each primitive is written the way it is (instruction counts, the
 interpreter's conversion quirks) is in docs/kernels.md.
 """
 
 from __future__ import annotations
 
-import os
-
-import torch
 import triton
 import triton.language as tl
 
@@ -35,73 +35,6 @@ MAX_ONEPASS_K: int = 16384
 #: Match PyTorch-on-CUDA's ``tensor / 6.0`` (multiplication by fp32(1/6)) in the block scales, so
 #: that the kernel is bit-exact with foursight.layer run on the same CUDA device.
 DIV6_RECIP_ON_CUDA: bool = True
-
-
-def pdl_supported() -> bool:
-    """Programmatic dependent launch is usable: Triton has ``tl.extra.cuda.gdc_wait`` /
-    ``gdc_launch_dependents`` and the ``launch_pdl`` launch option (Triton 3.6 and 3.9 do; older
-    ones, and the interpreter, do not) **and** ``FOURSIGHT_PDL=1`` asks for it. Off by default: on the
-    H200 the W4A4 call took 28.4 µs with PDL against 25.8 µs without at 8192², M = 1 (27.6 vs 25.5 at
-    14336 × 4096; ``benchmarks/results/h200-2026-12-05/breakdown.md``): the L2 prefetch and the
-    dependent-launch wait cost more than the overlap gained."""
-    if os.environ.get("FOURSIGHT_PDL", "0") != "1":
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra import cuda as _cuda
-    except ImportError:  # pragma: no cover
-        return False
-    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(_cuda, "gdc_wait")
-            and hasattr(_cuda, "gdc_launch_dependents"))
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """``prefetch.global.L2`` of the lines at ``ptrs`` (not under the interpreter)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-_DEVICE_PROPS: dict = {}
-
-
-def resident_programs(device, compile_fn=None, num_warps: int = 4) -> int:
-    """Programs of one kernel variant that fit on ``device`` at once: SMs x blocks per SM, the blocks
-    per SM limited by the variant's registers, shared memory and threads (the CUDA occupancy rule,
-    ``num_warps`` warps per program). ``compile_fn`` compiles the variant without launching it
-    (``JITFunction.warmup``); without it, or if the compiled kernel does not say, 4 per SM. Under the
-    interpreter or off CUDA: 8, so that the CPU tests exercise split-K."""
-    if interpreting() or device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _DEVICE_PROPS:
-        _DEVICE_PROPS[idx] = torch.cuda.get_device_properties(idx)
-    props = _DEVICE_PROPS[idx]
-    per_sm = 4
-    if compile_fn is not None:
-        try:
-            k = compile_fn()
-            if getattr(k, "n_regs", None) is None and hasattr(k, "_init_handles"):
-                k._init_handles()
-            regs, shared = int(k.n_regs), int(k.metadata.shared)
-            warp_regs = -(-max(regs, 1) * 32 // 256) * 256
-            by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps)
-            smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-            by_smem = smem // (shared + 1024)
-            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
-            per_sm = max(1, min(by_regs, by_smem, by_threads, 32))
-        except Exception:  # noqa: BLE001 - an introspection gap costs speed, never correctness
-            pass
-    return per_sm * props.multi_processor_count
-
-
-def interpreting() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover
-        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return isinstance(_e2m1_f16, InterpretedFunction)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,6 +348,13 @@ def global_scale(amax):
 # ---------------------------------------------------------------------------------------------
 # plumbing
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the lines at ``ptrs`` (not under the interpreter)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from .configs import SSConfig
 from .launch import block_ks, weight_args
-from .primitives import bf16_rne, fp4_tile, interpreting, mma, tile_ids
+from .primitives import bf16_rne, fp4_tile, mma, tile_ids
+from .runtime import interpreting
 
 if TYPE_CHECKING:
     from .prepared import PreparedWeight

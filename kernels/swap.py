@@ -40,7 +40,8 @@ from foursight.nvfp4 import BLOCK_SIZE
 
 from .configs import SwapConfig
 from .launch import block_ks, weight_args
-from .primitives import bf16_rne, bf16_segment, fp4_tile, global_scales, interpreting, mma, resident_programs, tile_ids
+from .primitives import bf16_rne, bf16_segment, fp4_tile, global_scales, mma, tile_ids
+from .runtime import interpreting, resident_programs
 
 if TYPE_CHECKING:
     from .prepared import PreparedWeight

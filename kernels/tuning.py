@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .primitives import interpreting
+from .runtime import interpreting
 
 #: chosen configuration per key, filled by the autotuner (the benchmark writes it out)
 TUNED: dict = {}

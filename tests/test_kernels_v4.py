@@ -148,7 +148,7 @@ def test_fullgraph_compile_calls_one_custom_op(layer):
 
 def test_timer_flush_modes_and_pdl_default(monkeypatch):
     from foursight.kernels import tuning
-    from foursight.kernels.primitives import pdl_supported
+    from foursight.kernels.runtime import pdl_supported
 
     assert tuning.DEFAULT_FLUSH == "read" and set(tuning.FLUSH_MODES) == {"read", "memset", "none"}
     with pytest.raises(ValueError, match="flush"):

@@ -23,7 +23,7 @@ if not torch.cuda.is_available() and any("test_kernels_ws.py" in a for a in sys.
 import foursight.kernels.api as fk  # noqa: E402
 from foursight.kernels import api, gluon_ws  # noqa: E402
 from foursight.kernels.configs import WSConfig  # noqa: E402
-from foursight.kernels.primitives import interpreting  # noqa: E402
+from foursight.kernels.runtime import interpreting  # noqa: E402
 from foursight.kernels.split_k import split_counters  # noqa: E402
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
 from foursight.nvfp4 import NVFP4Error

@@ -486,7 +486,7 @@ def environment(dev: torch.device) -> dict:
         env.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     env["kernels_sha256"] = kernels_sha256(REPO / "kernels")[:16]
     try:
-        from foursight.kernels.primitives import pdl_supported  # noqa: PLC0415
+        from foursight.kernels.runtime import pdl_supported  # noqa: PLC0415
 
         env["pdl"] = pdl_supported()
     except Exception:  # noqa: BLE001

@@ -86,7 +86,7 @@ def provenance() -> dict:
     git), sha256 of the kernels folder's files, Triton/torch versions, the default candidate lists."""
     kdir = Path(fk.__file__).resolve().parent
     from foursight.kernels import configs  # noqa: PLC0415
-    from foursight.kernels.primitives import pdl_supported  # noqa: PLC0415
+    from foursight.kernels.runtime import pdl_supported  # noqa: PLC0415
 
     return {"commit": git_commit(), "kernels_sha256": kernels_sha256(kdir), "kernels_dir": str(kdir), "triton": triton.__version__,
             "torch": torch.__version__, "pdl": pdl_supported(),

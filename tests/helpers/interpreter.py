@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 def kernels_interpreted() -> bool:
     """Whether ``foursight.kernels`` was built for the interpreter (not on a CUDA machine, nor
     imported in compiled mode by an earlier test module of this process)."""
-    from foursight.kernels.primitives import interpreting
+    from foursight.kernels.runtime import interpreting
 
     return interpreting()
 
