@@ -104,7 +104,7 @@ _BEFORE_PROBE = r"""
 import json, sys, torch
 sys.path.insert(0, %(here)r)
 import resident_bytes as rb
-import foursight.kernels.api as fk
+import foursight.kernels as fk
 from foursight.kernels.fragment import fragment_of
 rows = []
 for n, k_dim in ((128, 4096), (100, 14336)):
@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/resident_bytes")
     ap.add_argument("--before-pythonpath", default=None, help="PYTHONPATH of the older package, to check the before formula")
     args = ap.parse_args()
-    from foursight.kernels.fragment import SCALES_AS_BF16
+    from foursight.kernels.fragment_layout import SCALES_AS_BF16
 
     checks = {"after": check_after(SCALES_AS_BF16)}
     if args.before_pythonpath:
