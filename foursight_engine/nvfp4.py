@@ -271,10 +271,10 @@ def block_amax(xb: torch.Tensor) -> torch.Tensor:
     """float32 ``max |x|`` over the last dim of ``xb`` (e.g. [R, K/16, 16] blocks, [N, K] rows, or a
     whole 1-D tensor); NaN and Inf propagate as with ``abs().amax()`` (exact: a maximum rounds nothing).
 
-    The form is the fastest measured on the CPU for each shape (one thread, a [1536, 576] weight):
-    16-wide blocks by ``abs`` and a max-pool of width 16 (a reduction over a 16-wide last dim is the
-    slowest form); a 1-D tensor by one ``aminmax`` pass with no dim, ``max(max x, -min x)`` (0.18 ms;
-    with ``dim=-1`` 1.4 ms); rows by ``abs().amax(-1)`` (0.4 ms; ``aminmax(dim=-1)`` 1.4 ms)."""
+    The form is the fastest one found on the CPU for each shape: 16-wide blocks by ``abs`` and a
+    max-pool of width 16 (a reduction over a 16-wide last dim is the slowest form); a 1-D tensor by one
+    ``aminmax`` pass with no dim, ``max(max x, -min x)`` (with ``dim=-1`` it takes the slow form);
+    rows by ``abs().amax(-1)``."""
     if xb.dim() == 1:
         if not xb.numel():
             return torch.zeros((), dtype=torch.float32, device=xb.device)

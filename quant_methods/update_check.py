@@ -159,9 +159,8 @@ class UpdateChecker:
 
 def _check_finite_fast(name: str, t: torch.Tensor, where: str = "") -> None:
     """:func:`foursight.schema.check_finite` without its float32 copy of the tensor: one ``aminmax``
-    pass in the tensor's own dtype (NaN propagates to both ends, an Inf is one of them; on the CPU
-    it is about 20x faster than ``isfinite(t).all()``, which writes a bool per value); fp8 has
-    neither and goes through the copy."""
+    pass in the tensor's own dtype (NaN propagates to both ends, an Inf is one of them; unlike
+    ``isfinite(t).all()`` it writes no bool per value); fp8 has neither and goes through the copy."""
     if not t.is_floating_point() or not t.numel():
         return
     if t.element_size() == 1:
