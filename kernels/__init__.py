@@ -10,7 +10,7 @@ layer keeps on its device), the configurations and ``TUNED``. Layout of the pack
   constants the forms share (e.g. ``DIV6_RECIP_ON_CUDA``);
 * :mod:`.fragment_layout` — the weight's one resident execution form (layout, packer, in-kernel
   decode); :mod:`.prepared` — the execution form of a layer built on it; :mod:`.launch` — the
-  weight-side launch arguments; :mod:`.split_k` — the split-K plan and reduction;
+  weight-side launch arguments; :mod:`.split_k` — the split-K plan;
 * one module per kernel form: :mod:`.act_quant`, :mod:`.fragment` (the BF16 decode GEMM),
   :mod:`.dequant`, :mod:`.gemv`, :mod:`.swap`, :mod:`.ss` (each names its PyTorch reference);
 * :mod:`.configs` — the named tile configurations and the candidate lists per datapath;

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from .fragment_layout import fragment_of, fragment_tile, scale_view
-from .split_k import split_counters, split_k_epilogue
+from .split_k import split_counters
 from .gluon_ws import ws_plan
-from .primitives import mma
+from .primitives import mma, split_k_epilogue
 from .runtime import interpreting
 
 

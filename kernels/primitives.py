@@ -15,7 +15,8 @@ the runtime facts in Python (interpreter, PDL, occupancy) are :mod:`.runtime`.
   honours (:func:`rne_bf16`, :func:`bf16_rne`), the grouped tile order (:func:`tile_ids`), the L2
   prefetch (:func:`prefetch_l2`).
 * **Tile steps the GEMM forms share**: the global scales once per tile (:func:`global_scales`), the
-  spliced BF16 channel segment (:func:`bf16_segment`). A step is shared only where the offline sm_90a SASS of every
+  spliced BF16 channel segment (:func:`bf16_segment`), the split-K reduction of the ``Yᵀ`` tiles in
+  the same launch (:func:`split_k_epilogue`; the plan is :mod:`.split_k`). A step is shared only where the offline sm_90a SASS of every
   default configuration stays the same: an inlined helper adds debug-scope labels to the PTX, and
   ptxas can schedule and spill differently around them (the fragment form keeps its own copies).
 
@@ -434,6 +435,42 @@ def bf16_segment(acc, x_ptr, stride_xm, stride_xk, ch_ptr, wb_ptr, stride_wbn, r
         else:
             acc = mma(xs, tl.trans(wb), acc, INTERP)
     return acc
+
+
+@triton.jit
+def split_k_epilogue(acc, pid, pid_k, offs_m, offs_n, rn, M, N, SPLITS, ws_ptr, cnt_ptr, bias_ptr, out_ptr, stride_om,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """The one split-K epilogue of the ``Yᵀ[BN, BM]`` tiles (the fragment kernel and the plain-Triton twin of the
+    Gluon form, :mod:`.gluon_ws_twin`): with ``SPLIT``, split-K without a second launch or a memset: every
+    split stores its fp32 partial, the last to arrive (a per-tile counter) sums all partials in split
+    order (deterministic), adds the bias, writes the output and resets the counter to 0 for the next
+    call; without, bias and store. The Gluon kernel (:mod:`.gluon_ws`) spells the same steps in Gluon's
+    language (a ``@triton.jit`` helper cannot be called from a ``@gluon.jit`` kernel); :mod:`.swap` reduces
+    in a second launch (another scheme)."""
+    omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
+    if SPLIT:
+        offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=omask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for sp in range(0, SPLITS):
+                tot += tl.load(ws_ptr + sp * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+            if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+                tot = bf16_rne(tot, INTERP)
+            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+        if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
+            acc = bf16_rne(acc, INTERP)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit

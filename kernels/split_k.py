@@ -1,17 +1,14 @@
-"""Split-K of the ``Yᵀ[BN, BM]`` tile forms (:mod:`.fragment`, the Gluon form :mod:`.gluon_ws` and its
-plain-Triton twin :mod:`.gluon_ws_twin`): how many splits a launch takes (whole waves,
-:func:`split_plan`), how the BF16 channel segment is spread over them (:func:`segment_plan`), the
-per-tile arrival counters (:func:`split_counters`) and the one in-kernel reduction
-(:func:`split_k_epilogue`). One subject: splitting K and summing the splits back.
+"""The split-K plan of the ``Yᵀ[BN, BM]`` tile forms (:mod:`.fragment`, the Gluon form :mod:`.gluon_ws` and
+its plain-Triton twin :mod:`.gluon_ws_twin`), in Python: how many splits a launch takes (whole waves,
+:func:`split_plan`), how the BF16 channel segment is spread over them (:func:`segment_plan`), and the
+per-tile arrival counters the in-kernel reduction uses (:func:`split_counters`; the reduction itself
+is the tile step :func:`~.primitives.split_k_epilogue`). One subject: how a launch splits K.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
-
-from .primitives import bf16_rne
 
 
 #: fixed cost of one program (pipeline fill, epilogue, its share of the split reduction) in units of
@@ -85,41 +82,3 @@ def split_counters(device, tiles: int) -> torch.Tensor:
         buf = torch.zeros(max(tiles, 8192), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
-
-
-
-@triton.jit
-def split_k_epilogue(acc, pid, pid_k, offs_m, offs_n, rn, M, N, SPLITS, ws_ptr, cnt_ptr, bias_ptr, out_ptr, stride_om,
-                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     INTERP: tl.constexpr):
-    """The one split-K epilogue of the ``Yᵀ[BN, BM]`` tiles (the fragment kernel and the plain-Triton twin of the
-    Gluon form, :mod:`.gluon_ws_twin`): with ``SPLIT``, split-K without a second launch or a memset: every
-    split stores its fp32 partial, the last to arrive (a per-tile counter) sums all partials in split
-    order (deterministic), adds the bias, writes the output and resets the counter to 0 for the next
-    call; without, bias and store. The Gluon kernel (:mod:`.gluon_ws`) spells the same steps in Gluon's
-    language (a ``@triton.jit`` helper cannot be called from a ``@gluon.jit`` kernel); :mod:`.swap` reduces
-    in a second launch (another scheme)."""
-    omask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None].to(tl.int64)
-    if SPLIT:
-        offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=omask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for sp in range(0, SPLITS):
-                tot += tl.load(ws_ptr + sp * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                tot += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-            if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-                tot = bf16_rne(tot, INTERP)
-            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
-        if INTERP and out_ptr.dtype.element_ty == tl.bfloat16:
-            acc = bf16_rne(acc, INTERP)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-
