@@ -11,8 +11,8 @@ stay BF16 in every mode. Modes (``--modes``):
 * ``bf16`` — cuBLAS (``F.linear``).
 * ``foursight-w4a4`` — FourSight NVFP4 weights + k = 128 BF16 channels per linear, chosen at random
   per layer (one set per input: q/k/v share one, gate/up share one, being one fused linear),
-  built with ``foursight.layer.quantize_weight`` + ``foursight.kernels.prepare_weight`` and run
-  with ``foursight.kernels.splice_linear(x, pw, act_quant=True)``.
+  built with ``foursight.layer.quantize_weight`` + ``foursight.kernels.api.prepare_weight`` and run
+  with ``foursight.kernels.api.splice_linear(x, pw, act_quant=True)``.
 * ``foursight-w4a16`` — the same checkpoint with ``act_quant=False`` (activations stay BF16).
 * ``foursight-w4a4-k0`` — plain NVFP4 W4A4 (k = 0, the same weights): the reference of issue 36's
   "k = 128 within 2.3 % of k = 0" target.
@@ -294,7 +294,7 @@ def build_foursight(model: Decoder, k: int, seed: int) -> tuple[list, dict, dict
             nbytes += fk.resident_bytes(pw)  # every tensor the prepared layer keeps (its one weight form included)
             layer[name] = pw
         out.append(layer)
-    info = {"weight_bytes": nbytes, "weight_bytes_method": "sum of foursight.kernels.resident_bytes over the prepared linears",
+    info = {"weight_bytes": nbytes, "weight_bytes_method": "sum of foursight.kernels.api.resident_bytes over the prepared linears",
             "channels_per_linear": k}
     if cuda:
         torch.cuda.synchronize(model.dev)

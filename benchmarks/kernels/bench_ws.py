@@ -94,7 +94,7 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _with_ws(mode: str, fn):
-    """Run ``fn`` with ``FOURSIGHT_WS=mode`` (the candidate lists of :func:`foursight.kernels.api._candidates`)."""
+    """Run ``fn`` with ``FOURSIGHT_WS=mode`` (the candidate lists of :func:`foursight.kernels.api.candidates`)."""
     old = os.environ.get("FOURSIGHT_WS")
     os.environ["FOURSIGHT_WS"] = mode
     try:

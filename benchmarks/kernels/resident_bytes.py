@@ -2,7 +2,7 @@
 """Bytes a prepared FourSight layer keeps on the device, for the Llama-3.1-8B shapes, before and
 after the one-form change (SpliceGEMM v3), next to BF16 and FP8 rowwise. Computed on the CPU.
 
-* **after** (this code): ``foursight.kernels.resident_bytes(prepare_weight(qw))`` — the fragment
+* **after** (this code): ``foursight.kernels.api.resident_bytes(prepare_weight(qw))`` — the fragment
   form (int32 code words ``Np·Kp/2`` bytes, block scales ``Np·Kp/16`` E4M3 bytes or ``Np·Kp/8`` bf16
   bits), weight global scales ``4N``, channels ``4k``, mask ``K``, ``W[:, S]`` ``2Nk``
   (``Np``, ``Kp``: N, K rounded up to 64, 256).
@@ -154,7 +154,7 @@ def main() -> None:
     lines = ["# Resident bytes per prepared layer (computed on the CPU)", "",
              f"Commit `{res['commit'][:12]}`; k = {K_CHANNELS} BF16 channels per linear; written by "
              "`python benchmarks/kernels/resident_bytes.py` (its docstring gives the formulas and how they are checked "
-             "against `foursight.kernels.resident_bytes`). Before = commit ab03e9d (packed copy + cached fragment form).", "",
+             "against `foursight.kernels.api.resident_bytes`). Before = commit ab03e9d (packed copy + cached fragment form).", "",
              "| layer (N×K) | BF16 MiB | FP8 rowwise MiB | FourSight before MiB | FourSight after MiB | after / BF16 | after / FP8 |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

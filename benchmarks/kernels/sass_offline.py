@@ -182,8 +182,18 @@ def form_case(cfg, scale_bf16: bool):
 
 
 def _scale_bf16() -> bool:
-    frag = __import__("foursight.kernels.fragment", fromlist=["x"])
-    return bool(getattr(frag, "SCALES_AS_BF16", False))
+    """The fragment form's scale encoding: ``fragment_layout.SCALES_AS_BF16`` (since issue 39), else
+    ``fragment``'s (older packages, for --before tables), else False (before the constant existed)."""
+    import importlib
+
+    for mod in ("foursight.kernels.fragment_layout", "foursight.kernels.fragment"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        if hasattr(m, "SCALES_AS_BF16"):
+            return bool(m.SCALES_AS_BF16)
+    return False
 
 
 def gemm_rows() -> list[dict]:
