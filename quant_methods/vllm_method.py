@@ -1,6 +1,7 @@
 """vLLM glue for FourSight: the ``foursight`` QuantizationConfig and its LinearMethodBase.
 
-Everything numeric and every check lives in :mod:`foursight.quant_methods.plan` and
+Everything numeric and every check lives in :mod:`foursight.quant_methods.plan` (with
+:mod:`~foursight.quant_methods.layer_layout` and :mod:`~foursight.quant_methods.layer_loading`) and
 :mod:`foursight.quant_methods.config` (shared with SGLang) and :mod:`foursight.schema`; this
 module only maps vLLM's hooks onto them:
 
