@@ -18,7 +18,9 @@ As vLLM's server answers:
   ``Engine.generate_stream``), text held back only while it may still become a stop string or an
   incomplete character;
 * ``logprobs`` (completions) / ``top_logprobs`` (chat) up to :data:`~foursight.trainer_bridge.protocol.MAX_LOGPROBS`
-  alternatives, ``echo``, token strings decoded as vLLM decodes them (:func:`token_strings`);
+  alternatives, ``echo``, token strings decoded as vLLM decodes them
+  (:mod:`~foursight.trainer_bridge.openai_logprobs`); the request bodies are
+  :mod:`~foursight.trainer_bridge.openai_requests`;
 * a field the request cannot take is ``400`` in OpenAI's error shape (``{"error": {"message",
   "type", "param", "code"}}``, plus ``fields`` naming every bad field); a ``model`` other than the
   served one is ``404``; ``GET /v1/models`` lists the served model's name;
@@ -34,175 +36,20 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, ClassVar
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ValidationError
 
 from foursight.trainer_bridge.backends.base import Delta
 from foursight.trainer_bridge.detokenizer import IncrementalDetokenizer
 from foursight.trainer_bridge.guards import bad_request, field_name, openai_error
-from foursight.trainer_bridge.protocol import MAX_LOGPROBS, ChatMessage, Prompt, Rollout, RolloutRequest, SamplingParams
+from foursight.trainer_bridge.openai_logprobs import TokenNames, chat_logprobs, completion_logprobs
+from foursight.trainer_bridge.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from foursight.trainer_bridge.protocol import MAX_LOGPROBS, Rollout, RolloutRequest
 from foursight.trainer_bridge.routes.rollouts import RolloutStreamResponse, admit, events
 from foursight.trainer_bridge.routes.state import BridgeState, State
-
-#: vLLM clamps -inf logprobs to this in its answers (JSON has no infinity)
-MIN_LOGPROB = -9999.0
-
-
-class StreamOptions(BaseModel):
-    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the request's token counts."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    """The sampling fields both routes take (vLLM's names and defaults; OpenAI's ``max_tokens`` 16)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    n: int = Field(1, ge=1, le=128)
-    seed: int | None = Field(None, ge=0)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: "StreamOptions | None" = None
-    user: str | None = None
-    #: vLLM's token-id extensions (what TRL's ``VLLMClient`` sends): every choice also carries
-    #: ``prompt_token_ids`` and ``token_ids``, and logprob tokens are spelled ``"token_id:<id>"``
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
-
-    #: what the routes' error answers call this request's prompt, and its kind (``_openai_field``)
-    prompt_field: ClassVar[str]
-    kind: ClassVar[str]
-
-    def prompts(self) -> list[Prompt]:
-        raise NotImplementedError
-
-    def budget(self) -> int:
-        """``max_tokens`` of each sample (OpenAI's default 16)."""
-        return self.max_tokens or 16
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def alternatives(self) -> int:
-        """How many top alternatives per token the answer shows (the engine's ``logprobs``)."""
-        return 0
-
-    def echoes(self) -> bool:
-        return False
-
-    def sampling(self) -> SamplingParams:
-        k = self.alternatives()
-        return SamplingParams(max_tokens=self.budget(), min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop=self.stops(),
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed, logprobs=k,
-                              prompt_logprobs=k if self.echoes() and self.wants_logprobs() else None)
-
-    def wants_logprobs(self) -> bool:
-        raise NotImplementedError
-
-
-class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of token-id lists.
-
-    ``logprobs`` k (0 to :data:`MAX_LOGPROBS`): each token's logprob in ``token_logprobs`` and, in
-    ``top_logprobs``, the token itself and the k most likely ones, as vLLM returns them. ``echo``
-    puts the prompt before the completion (and, with ``logprobs``, the prompt's logprobs)."""
-
-    prompt_field: ClassVar[str] = "prompt"
-    kind: ClassVar[str] = "completion"
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-
-    @model_validator(mode="after")
-    def _nonempty(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
-        return self
-
-    def prompts(self) -> list[Prompt]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [Prompt(text=p)]
-        if all(isinstance(x, int) for x in p):
-            return [Prompt(token_ids=list(p))]
-        return [Prompt(text=x) if isinstance(x, str) else Prompt(token_ids=list(x)) for x in p]
-
-    def prompt_texts(self) -> list[str | None]:
-        """Each prompt's text as given (None for token ids: the echo decodes them)."""
-        return [x.text for x in self.prompts()]
-
-    def alternatives(self) -> int:
-        return self.logprobs or 0
-
-    def wants_logprobs(self) -> bool:
-        return self.logprobs is not None
-
-    def echoes(self) -> bool:
-        return self.echo
-
-
-class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``: one conversation (``messages``; the bridge applies the chat template).
-
-    ``logprobs: true`` returns the sampled tokens' logprobs in ``choices[i].logprobs.content``,
-    with ``top_logprobs`` (0 to :data:`MAX_LOGPROBS`) alternatives each."""
-
-    prompt_field: ClassVar[str] = "messages"
-    kind: ClassVar[str] = "chat"
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _one_budget(cls, v: int | None, info: ValidationInfo) -> int | None:
-        other = info.data.get("max_tokens")
-        if v and other and v != other:
-            raise ValueError(f"max_tokens ({other}) and max_completion_tokens ({v}) differ")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v and not info.data.get("logprobs"):
-            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
-        return v
-
-    def prompts(self) -> list[Prompt]:
-        return [Prompt(messages=self.messages, add_generation_prompt=self.add_generation_prompt)]
-
-    def budget(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 16
-
-    def alternatives(self) -> int:
-        return (self.top_logprobs or 0) if self.logprobs else 0
-
-    def wants_logprobs(self) -> bool:
-        return self.logprobs
-
-
-# ---- errors: OpenAI's shape, vLLM's status codes -------------------------------------------------
 
 
 def _openai_field(name: str, kind: str) -> str:
@@ -252,7 +99,7 @@ def served_model(state: BridgeState) -> str:
     return state.engines[0].served_model()
 
 
-async def _admit(state: BridgeState, req: _Sampling):
+async def _admit(state: BridgeState, req: SamplingFields):
     """The request as a :class:`RolloutRequest` through the bridge's one admission path
     (:func:`.rollouts.admit`): the same field checks and stale-engine refusal as ``/v1/rollouts``.
     Returns ``(rreq, request id, prompt ids, usable engines)`` or the error response."""
@@ -274,139 +121,6 @@ async def _admit(state: BridgeState, req: _Sampling):
 # ---- token strings and logprobs, as vLLM writes them ---------------------------------------------
 
 
-def _space_marker(hf_tok) -> str | None:
-    """The Metaspace replacement character of a SentencePiece-style tokenizer (whose ``decode``
-    strips a token's leading space), None for byte-level ones; as vLLM's ``get_leading_space_marker``."""
-    cached = getattr(hf_tok, "_foursight_space_marker", "?")
-    if cached != "?":
-        return cached
-    marker = None
-    backend = getattr(hf_tok, "backend_tokenizer", None)
-    if backend is not None:
-        try:
-            pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
-        except Exception:  # noqa: BLE001 - no marker then
-            pre = {}
-        subs = [pre] if pre.get("type") == "Metaspace" else pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-        marker = next((x.get("replacement", "\u2581") for x in subs if x.get("type") == "Metaspace"), None)
-    try:
-        hf_tok._foursight_space_marker = marker
-    except AttributeError:
-        pass
-    return marker
-
-
-def token_strings(hf_tok, ids: list[int]) -> list[str]:
-    """Each token's own text, as vLLM names tokens in logprobs (``convert_ids_list_to_tokens``:
-    ``decode([id])``, with the leading spaces a SentencePiece ``decode`` strips put back)."""
-    if not ids:
-        return []
-    marker = _space_marker(hf_tok)
-    plain = [hf_tok.decode([t]) or "" for t in ids]
-    if marker is None:
-        return plain
-    out = []
-    for raw, text in zip(hf_tok.convert_ids_to_tokens(ids), plain):
-        n = len(raw) - len(raw.lstrip(marker)) if raw else 0
-        missing = n - (len(text) - len(text.lstrip(" ")))
-        out.append(" " * missing + text if missing > 0 else text)
-    return out
-
-
-def _completed(hf_tok, tid: int, context: list[int]) -> str:
-    """The text of a token whose own decoding ends in U+FFFD (a byte of a character split across
-    tokens), from the sampled tokens before it, as vLLM's logprobs processor corrects it
-    (``_correct_decoded_token``): "" while the character is incomplete."""
-    for n in range(1, min(len(context), 4) + 1):
-        ctx = context[-n:]
-        full = hf_tok.decode(ctx + [tid])
-        if full.endswith("\ufffd"):
-            continue
-        clean = len(ctx)
-        for j in range(len(ctx) - 1, -1, -1):
-            if hf_tok.decode([ctx[j]]).endswith("\ufffd"):
-                clean = j
-            else:
-                break
-        prefix = hf_tok.decode(ctx[:clean]) if clean > 0 else ""
-        if full.startswith(prefix):
-            return full[len(prefix):]
-        common = 0
-        for x, y in zip(prefix, full):
-            if x != y:
-                break
-            common += 1
-        return full[common:]
-    return ""
-
-
-class _Names:
-    """Token id -> the string an answer names it by: as vLLM names tokens in logprobs
-    (:func:`token_strings`, a split character's bytes completed from the ``context`` of sampled
-    tokens before the position, :func:`_completed`), or ``"token_id:<id>"`` with
-    ``return_tokens_as_token_ids``. Plain names are cached per request."""
-
-    def __init__(self, hf_tok, as_ids: bool):
-        self.tok, self.as_ids, self.cache = hf_tok, as_ids, {}
-
-    def __call__(self, ids: list[int], context: list[int] | None = None) -> list[str]:
-        if self.as_ids:
-            return [f"token_id:{t}" for t in ids]
-        todo = [t for t in dict.fromkeys(ids) if t not in self.cache]
-        self.cache.update(zip(todo, token_strings(self.tok, todo)))
-        out = [self.cache[t] for t in ids]
-        if context is not None:
-            out = [_completed(self.tok, t, context) if x.endswith("\ufffd") else x for t, x in zip(ids, out)]
-        return out
-
-
-def _clamp(v: float) -> float:
-    return max(float(v), MIN_LOGPROB)
-
-
-def completion_logprobs(names: _Names, ids: list[int], vals: list[float | None], tops: list[list[tuple[int, float]] | None] | None,
-                        k: int, offset: int, contexts: list[list[int] | None]) -> dict[str, Any]:
-    """A completion choice's ``logprobs`` object for ``ids`` (vLLM's ``_create_completion_logprobs``):
-    ``top_logprobs[t]`` maps the first k + 1 alternatives (the token itself, then the most likely)
-    to their logprobs; ``text_offset`` counts from ``offset``; ``contexts[t]``: the sampled tokens
-    before position t (None where the position has no logprob: the token is decoded alone)."""
-    toks: list[str] = []
-    out_top: list[dict[str, float] | None] = []
-    for t, v in enumerate(vals):
-        if v is None:
-            toks.append(names.tok.decode(ids[t]) if not names.as_ids else names([ids[t]])[0])
-            out_top.append(None)
-            continue
-        toks.append(names([ids[t]], contexts[t])[0])
-        alts = (tops[t] if tops is not None and tops[t] is not None else [(ids[t], v)])[: k + 1]
-        d: dict[str, float] = {}
-        for s_, (_, lp) in zip(names([a for a, _ in alts], contexts[t]), alts):
-            d[s_] = _clamp(lp)
-        out_top.append(d)
-    offs = []
-    for x in toks:
-        offs.append(offset)
-        offset += len(x)
-    return {"text_offset": offs, "token_logprobs": [None if v is None else _clamp(v) for v in vals], "tokens": toks, "top_logprobs": out_top}
-
-
-def chat_logprobs(names: _Names, ids: list[int], vals: list[float], tops: list[list[tuple[int, float]]] | None, k: int,
-                  contexts: list[list[int] | None]) -> dict[str, Any]:
-    """A chat choice's ``logprobs.content`` for ``ids`` (vLLM's ``_create_chat_logprobs``): each
-    token with its first k alternatives (the token itself, then the most likely)."""
-    content = []
-    for t, (tok_id, v) in enumerate(zip(ids, vals)):
-        name = names([tok_id], contexts[t])[0]
-        alts = (tops[t] if tops is not None else [])[:k]
-        content.append({"token": name, "logprob": _clamp(v), "bytes": list(name.encode("utf-8", errors="replace")),
-                        "top_logprobs": [{"token": s_, "logprob": _clamp(lp), "bytes": list(s_.encode("utf-8", errors="replace"))}
-                                         for s_, (_, lp) in zip(names([a for a, _ in alts], contexts[t]), alts)]})
-    return {"content": content}
-
-
-# ---- one choice, whole or streamed ----------------------------------------------------------------
-
-
 def _cut_at_stop(text: str, stops: list[str]) -> str:
     cut = min((text.find(s) for s in stops if s in text), default=-1)
     return text[:cut] if cut >= 0 else text
@@ -416,7 +130,7 @@ class _Choice:
     """One sample as a choice of the answer: its text (special tokens skipped, cut before a stop
     string that ended it), logprobs in the route's shape, and, streamed, the part not yet sent."""
 
-    def __init__(self, req: _Sampling, tok, names: _Names, index: int, prompt_ids: list[int], prompt_text: str | None):
+    def __init__(self, req: SamplingFields, tok, names: TokenNames, index: int, prompt_ids: list[int], prompt_text: str | None):
         self.req, self.tok, self.names, self.index = req, tok, names, index
         self.prompt_ids = prompt_ids
         self.ids: list[int] = []
@@ -532,7 +246,7 @@ class _Choice:
                      prompt_logprobs=None if self.started else r.prompt_logprobs, finish_reason=r.finish_reason)
 
 
-async def _sample(state: BridgeState, req: _Sampling, tok, got) -> dict[str, Any] | JSONResponse:
+async def _sample(state: BridgeState, req: SamplingFields, tok, got) -> dict[str, Any] | JSONResponse:
     """All samples of an admitted request through the bridge's one sampling path
     (:func:`.rollouts.events`: version hold, timeouts, cancellation), as one answer."""
     rreq, rid, prompt_ids, usable = got
@@ -549,7 +263,7 @@ async def _sample(state: BridgeState, req: _Sampling, tok, got) -> dict[str, Any
                 out[(ev.prompt_index, ev.sample_index)] = Rollout.model_validate(ev.model_dump(exclude={"type"}))
     finally:
         await gen.aclose()
-    names = _Names(tok.tok, req.return_tokens_as_token_ids)
+    names = TokenNames(tok.tok, req.return_tokens_as_token_ids)
     texts = req.prompt_texts() if isinstance(req, CompletionRequest) else [None]
     choices = []
     for pi, ids in enumerate(prompt_ids):
@@ -566,7 +280,7 @@ def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-async def _stream(state: BridgeState, req: _Sampling, tok, got) -> AsyncIterator[bytes]:
+async def _stream(state: BridgeState, req: SamplingFields, tok, got) -> AsyncIterator[bytes]:
     """OpenAI server-sent events as vLLM sends them: a chunk for each piece an engine streams
     (chat: first a ``role`` chunk per choice), the last one of a sample with its ``finish_reason``
     and the bridge's rollout record, then the usage chunk if asked, then ``data: [DONE]``. An
@@ -575,7 +289,7 @@ async def _stream(state: BridgeState, req: _Sampling, tok, got) -> AsyncIterator
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     created = int(time.time())
     model = served_model(state)
-    names = _Names(tok.tok, req.return_tokens_as_token_ids)
+    names = TokenNames(tok.tok, req.return_tokens_as_token_ids)
     texts = req.prompt_texts() if isinstance(req, CompletionRequest) else [None]
     choices = {(pi, j): _Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi]) for pi, ids in enumerate(prompt_ids) for j in range(req.n)}
     n_prompt = sum(len(p) for p in prompt_ids)
@@ -640,7 +354,7 @@ async def _unless_disconnected(request: Request, work) -> Any:
     return task.result()
 
 
-async def _answer(request: Request, state: BridgeState, body: dict[str, Any], model: type[_Sampling]):
+async def _answer(request: Request, state: BridgeState, body: dict[str, Any], model: type[SamplingFields]):
     """Both routes: validate ``body`` as ``model``; a streaming request is admitted now (errors as
     JSON, before the stream starts), then streamed; otherwise every sample, then one response."""
     try:
