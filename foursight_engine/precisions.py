@@ -1,5 +1,5 @@
 """Rollout precisions: the one vocabulary of ``foursight compare --engines KIND:PRECISION``, ``foursight rl
---rollout-precision`` and the HF rollout engine (``trainer_bridge.backends.hf.HFRollout``).
+--rollout-precision`` and the HF rollout engine (``trainer_bridge.backends.hf_rollout.HFRollout``).
 
 * ``bf16`` — the model as trained;
 * ``fp8`` — rowwise W8A8, the FlashRL anchor (:mod:`foursight.fp8`);

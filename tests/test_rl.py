@@ -13,7 +13,7 @@ import torch
 
 from foursight.rl import tasks as rl_tasks
 from foursight.rl import RLConfig, RLError, grpo_loss, group_advantages, prompt_ids, run_rl, state_dict_sha256
-from foursight.trainer_bridge.backends.hf import HFRollout
+from foursight.trainer_bridge.backends.hf_rollout import HFRollout
 from foursight.trainer_bridge.hf_sampling import eos_ids, hf_generate
 from foursight.trainer_bridge.scoring import teacher_forced_logprobs
 

@@ -76,7 +76,7 @@ def main() -> None:
     from foursight.rl.evaluation import prompt_ids
     from foursight.rl.loop import learner_logprobs
     from foursight.rl.records import code_commit
-    from foursight.trainer_bridge.backends.hf import HFRollout
+    from foursight.trainer_bridge.backends.hf_rollout import HFRollout
     from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD, tail_concentration
 
     t0 = time.time()

@@ -16,7 +16,7 @@ One training step:
    forward (optionally + k3 KL to the frozen initial model), one AdamW step on FP32 master weights.
 
 Rollouts are :class:`foursight.trainer_bridge.protocol.Rollout` records. The rollout engines are
-bridge backends: :class:`~foursight.trainer_bridge.backends.hf.HFRollout` (HF generation is
+bridge backends: :class:`~foursight.trainer_bridge.backends.hf_rollout.HFRollout` (HF generation is
 :func:`foursight.trainer_bridge.hf_sampling.hf_generate`, the one HF sampler) and
 :class:`~foursight.trainer_bridge.backends.vllm_inprocess.VLLMRollout`; the channel sets come from
 :func:`foursight.channels.calibrate_channel_sets`.

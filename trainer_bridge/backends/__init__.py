@@ -6,7 +6,7 @@
 * :mod:`.vllm` — a vLLM OpenAI server (:class:`~.vllm.VLLMHTTPEngine`);
 * :mod:`.sglang` — an SGLang server (:class:`~.sglang.SGLangHTTPEngine`);
 * :mod:`.hf` — a Hugging Face model in this process (:class:`~.hf.HFEngine`, its scheduler, and
-  ``foursight rl``'s :class:`~.hf.HFRollout`), sampled by :mod:`foursight.trainer_bridge.hf_sampling`;
+  ``foursight rl``'s :class:`~.hf_rollout.HFRollout`), sampled by :mod:`foursight.trainer_bridge.hf_sampling`;
 * :mod:`.vllm_inprocess` — ``vllm.LLM`` in this process, ``foursight rl``'s :class:`~.vllm_inprocess.VLLMRollout`;
 * :mod:`.registry` — the one table of engine kinds (``vllm``, ``sglang``, ``hf``) the bridge, ``compare`` and
   ``rl`` choose from, naming the classes above.

@@ -193,7 +193,7 @@ class RolloutSetup:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """``foursight rl``'s rollout engine (:class:`~.hf.HFRollout`, :class:`~.vllm_inprocess.VLLMRollout`): it
+    """``foursight rl``'s rollout engine (:class:`~.hf_rollout.HFRollout`, :class:`~.vllm_inprocess.VLLMRollout`): it
     takes the learner's weights every step and samples groups of completions with the sampled tokens' logprobs."""
 
     precision: str

@@ -97,7 +97,7 @@ ENGINE_KINDS: dict[str, EngineKind] = {
     "hf": EngineKind(
         "hf", "HF",
         in_process="foursight.trainer_bridge.backends.hf:HFEngine",
-        rollout="foursight.trainer_bridge.backends.hf:HFRollout",
+        rollout="foursight.trainer_bridge.backends.hf_rollout:HFRollout",
         rollout_copies_learner=True,
         notes={"bridge": "the model of --model in this process", "rl": "in-process; Triton kernels on CUDA"},
     ),
