@@ -97,9 +97,10 @@ DRY = {"task": "seq1", "steps": 2, "prompts-per-step": 1, "group-size": 2, "max-
        "eval-every": 1, "eval-size": 2, "channels": "16", "format-bonus": "0", "micro-batch": 1}
 #: the carve-out on the tiny model of the dry run (2 blocks)
 DRY_CARVE = ["--bf16-layers", "attention&first:1"]
-#: GPU memory one run may take (GiB): the issue's bound of 10 GiB reserved, plus the CUDA context
-#: (not in torch's reserved count); --slots auto divides the GPU by it
-RUN_GIB = 11.0
+#: GPU memory one run may take (GiB): the peak reserved by any run of study v3's first chunk (7.70 GiB,
+#: `mem/peak_reserved_gib`, H100, benchmarks/results/rl/study-v3/) plus the CUDA context (not in torch's
+#: reserved count) and a margin; --slots auto divides the GPU by it (8 on an H100, 15 on an H200)
+RUN_GIB = 9.0
 
 
 def auto_slots(run_gib: float = RUN_GIB, device: int = 0) -> int:
