@@ -40,8 +40,10 @@ class LinearBackend(Protocol):
     def supports(self, qw: QuantizedWeight) -> bool:
         """True when this backend can run ``qw`` where its tensors live."""
 
-    def prepare(self, qw: QuantizedWeight, name: str) -> Any:
-        """The execution form of ``qw`` (idempotent; ``qw`` is not modified)."""
+    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False) -> Any:
+        """The execution form of ``qw`` (idempotent; ``qw`` is not modified). ``channels_checked``: its
+        channel set is a layer's own, already validated (a weight sync re-preparing the layer), so a
+        backend may skip re-validating it (on a GPU that check reads to the host three times)."""
 
     def forward(self, state: Any, x: torch.Tensor, bias: torch.Tensor | None,
                 input_global_scale: torch.Tensor | None, act_quant: bool) -> torch.Tensor:
@@ -57,7 +59,7 @@ class ReferenceBackend:
     def supports(self, qw: QuantizedWeight) -> bool:
         return True
 
-    def prepare(self, qw: QuantizedWeight, name: str) -> tuple[QuantizedWeight, torch.Tensor]:
+    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
         return qw, dequantize_weight(qw, torch.float32, include_bf16=False)
 
     def forward(self, state, x, bias, input_global_scale, act_quant):
@@ -80,10 +82,10 @@ class TritonBackend:
             return False
         return True
 
-    def prepare(self, qw: QuantizedWeight, name: str):
+    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False):
         from foursight.kernels.api import prepare_weight
 
-        return prepare_weight(qw, name)
+        return prepare_weight(qw, name, channels_checked=channels_checked)
 
     def forward(self, state, x, bias, input_global_scale, act_quant):
         from foursight.kernels.api import splice_linear
@@ -101,7 +103,7 @@ class FlashInferBackend:
     def supports(self, qw: QuantizedWeight) -> bool:
         return qw.weight_packed.is_cuda
 
-    def prepare(self, qw: QuantizedWeight, name: str):
+    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False):
         from foursight.kernels.flashinfer_gemm import prepare_flashinfer_weight
 
         return prepare_flashinfer_weight(qw, name)
@@ -121,7 +123,7 @@ class DotScaledBackend:
     def supports(self, qw: QuantizedWeight) -> bool:
         return qw.weight_packed.is_cuda
 
-    def prepare(self, qw: QuantizedWeight, name: str):
+    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False):
         from foursight.kernels.dot_scaled import prepare_native_weight
 
         return name, prepare_native_weight(qw, name)
@@ -188,8 +190,10 @@ class PreparedLinear:
         return self.backend.forward(self.state, x, bias, input_global_scale, act_quant)
 
 
-def prepare_linear(qw: QuantizedWeight, name: str = "layer", backend: LinearBackend | None = None) -> PreparedLinear:
-    """Choose the backend of ``qw`` (or use ``backend``) and build its execution state, once."""
+def prepare_linear(qw: QuantizedWeight, name: str = "layer", backend: LinearBackend | None = None,
+                   channels_checked: bool = False) -> PreparedLinear:
+    """Choose the backend of ``qw`` (or use ``backend``) and build its execution state, once
+    (``channels_checked``: see :meth:`LinearBackend.prepare`)."""
     b = backend or select_backend(qw)
-    return PreparedLinear(b, b.prepare(qw, name), qw)
+    return PreparedLinear(b, b.prepare(qw, name, channels_checked=channels_checked), qw)
 

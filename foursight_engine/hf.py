@@ -46,9 +46,10 @@ class FourSightLinear(nn.Module):
     def qweight(self) -> QuantizedWeight:
         return QuantizedWeight(*(getattr(self, key) for key in schema.WEIGHT_SUFFIXES))
 
-    def refresh(self) -> None:
-        """Rebuild the execution form from the buffers (idempotent)."""
-        self._prepared = prepare_linear(self.qweight, self.name)
+    def refresh(self, channels_checked: bool = False) -> None:
+        """Rebuild the execution form from the buffers (idempotent); ``channels_checked``: the buffers
+        hold the layer's own, already validated channel set (no re-check, no host reads for it)."""
+        self._prepared = prepare_linear(self.qweight, self.name, channels_checked=channels_checked)
 
     def _apply(self, fn, *args, **kwargs):  # keep the execution form on the buffers' device
         out = super()._apply(fn, *args, **kwargs)
@@ -68,7 +69,7 @@ class FourSightLinear(nn.Module):
                     cur.copy_(t)
                 else:
                     setattr(self, key, t)
-        self.refresh()
+        self.refresh(channels_checked=channels is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._prepared(x, self.bias, self.input_global_scale, self.act_quant)

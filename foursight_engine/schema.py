@@ -339,6 +339,28 @@ def check_finite(name: str, t: torch.Tensor, where: str = "") -> None:
             raise CheckpointError(f"tensor {name}{where} holds {int(bad.sum())} non-finite value(s) (NaN/Inf)")
 
 
+def _finite_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``torch.isfinite`` takes it: the common float dtypes as they are, fp8 widened."""
+    return t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else t.float()
+
+
+def check_all_finite(tensors, where: str = "") -> None:
+    """:func:`check_finite` over ``(name, tensor)`` pairs with one read to the host per device, not one
+    per tensor (on a GPU each read is a synchronisation: a weight sync of a few hundred tensors
+    paid one each). Raises the same :class:`CheckpointError`, naming the first tensor in the given
+    order that holds a NaN or Inf."""
+    items = [(n, t) for n, t in tensors if t.is_floating_point() and t.numel()]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(items):
+        by_device.setdefault(t.device, []).append(i)
+    bad: list[int] = []
+    for idx in by_device.values():
+        flags = torch.stack([torch.isfinite(_finite_view(items[i][1])).all() for i in idx]).tolist()
+        bad += [i for i, ok in zip(idx, flags) if not ok]
+    if bad:
+        check_finite(*items[min(bad)], where)
+
+
 def checked_finite(weights, where: str = ""):
     """``(name, tensor)`` pairs of ``weights``, each checked by :func:`check_finite` as it passes:
     the engine loaders' check of the tensors they read themselves (norms, embeddings, lm_head)."""

@@ -144,9 +144,11 @@ class CheckedTensors(NamedTuple):
     weight_bf16: torch.Tensor  #: bfloat16 [N, k] contiguous
 
 
-def checked_tensors(qw: QuantizedWeight, name: str = "layer") -> CheckedTensors:
+def checked_tensors(qw: QuantizedWeight, name: str = "layer", channels_checked: bool = False) -> CheckedTensors:
     """Check ``qw``'s shapes and dtypes (an :class:`NVFP4Error` naming the tensor) and return its
-    tensors as :class:`CheckedTensors` (``qw`` is not modified)."""
+    tensors as :class:`CheckedTensors` (``qw`` is not modified). ``channels_checked``: the channel set
+    is a layer's own, validated when the layer was built (sorted int32, in range, distinct), so its
+    check, three reads to the host on a GPU, is skipped (a weight sync re-preparing every layer)."""
     wp, ws, wgs, ch, wb = qw.tensors()
     if wp.dtype != torch.uint8 or wp.dim() != 2:
         raise NVFP4Error(f"{name}.weight_packed: expected uint8 [N, K/2], got {wp.dtype} {tuple(wp.shape)}")
@@ -157,7 +159,8 @@ def checked_tensors(qw: QuantizedWeight, name: str = "layer") -> CheckedTensors:
     g = wgs.float().reshape(-1)
     if g.numel() not in (1, n):
         raise NVFP4Error(f"{name}.weight_global_scale: expected [1] or [{n}], got {tuple(wgs.shape)}")
-    ch32 = check_channels(ch, k_dim, f"{name}.bf16_channels").to(wp.device)
+    ch32 = (ch.to(device=wp.device, dtype=torch.int32) if channels_checked
+            else check_channels(ch, k_dim, f"{name}.bf16_channels").to(wp.device))
     if tuple(wb.shape) != (n, ch32.numel()):
         raise NVFP4Error(f"{name}.weight_bf16: expected [{n}, {ch32.numel()}], got {tuple(wb.shape)}")
     return CheckedTensors(
@@ -171,12 +174,13 @@ def checked_tensors(qw: QuantizedWeight, name: str = "layer") -> CheckedTensors:
     )
 
 
-def prepare_weight(qw: QuantizedWeight, name: str = "layer") -> PreparedWeight:
+def prepare_weight(qw: QuantizedWeight, name: str = "layer", channels_checked: bool = False) -> PreparedWeight:
     """Build the execution form of ``qw`` (idempotent; ``qw`` is not modified).
 
-    Raises :class:`NVFP4Error` naming the tensor when a shape or dtype is wrong.
+    Raises :class:`NVFP4Error` naming the tensor when a shape or dtype is wrong. ``channels_checked``:
+    see :func:`checked_tensors`.
     """
-    t = checked_tensors(qw, name)
+    t = checked_tensors(qw, name, channels_checked)
     return PreparedWeight(
         fragment=fragment_weight(t.packed, t.scale),
         weight_global_scale=t.global_scale,

@@ -347,7 +347,7 @@ class HFEngine(Engine):
         checked (name, shape, finiteness of every floating tensor) before any is applied."""
         from foursight.fp8 import Fp8Linear
         from foursight.hf import FourSightLinear
-        from foursight.schema import CheckpointError, check_finite
+        from foursight.schema import CheckpointError, check_all_finite
 
         t0 = time.monotonic()
         modules = dict(self.model.named_modules())
@@ -357,10 +357,6 @@ class HFEngine(Engine):
         for name, t in tensors.items():
             if not t.is_floating_point():  # an int32 tensor would be applied truncated (issue 28)
                 raise UpdateRefused(f"tensor {name} has dtype {t.dtype}, expected a floating-point weight")
-            try:
-                check_finite(name, t)
-            except CheckpointError as e:
-                raise UpdateRefused(str(e)) from None
             prefix, _, leaf = name.rpartition(".")
             mod = modules.get(prefix)
             if isinstance(mod, (FourSightLinear, Fp8Linear)) and leaf == "weight":
@@ -374,6 +370,10 @@ class HFEngine(Engine):
                 plan.append(("copy", dst, t))
             else:
                 raise UpdateRefused(f"tensor {name} does not match any parameter of the model")
+        try:  # every tensor finite, with one read to the host (a per-tensor check synchronised a GPU each time)
+            check_all_finite(tensors.items())
+        except CheckpointError as e:
+            raise UpdateRefused(str(e)) from None
         with self._lock, torch.no_grad():
             n_req = 0
             for op, dst, t in plan:
