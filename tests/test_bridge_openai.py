@@ -8,6 +8,7 @@ References: the same BF16 model teacher-forced (``scoring.score``) and transform
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import httpx
 import pytest
@@ -285,18 +286,30 @@ def test_a_client_that_leaves_cancels_its_samples(tiny_llama_dir, served, stream
     eng = HFEngine(tiny_llama_dir)
     b = BridgeThread(create_app([eng], sample_timeout_s=120)).start()
     body = {"model": served, "prompt": PROMPT, "n": 4, "max_tokens": 900, "temperature": 1.0, "ignore_eos": True, "stream": stream}
+    seen, watching = [0], [True]
+
+    def watch():  # the engine's active samples while the client is there (read after it left, a fast
+        while watching[0]:  # cancellation would already show 0: the CI of 2026-12-06 failed that way)
+            seen[0] = max(seen[0], eng.active_samples)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
     try:
+        watcher.start()
         t0 = time.monotonic()
         with pytest.raises(httpx.ReadTimeout) if not stream else contextlib.nullcontext():
             with httpx.Client(timeout=1.0) as h, h.stream("POST", b.url + "/v1/completions", json=body) as r:
                 for _ in r.iter_bytes():
                     if time.monotonic() - t0 > 1.0:
                         break
-        assert eng.active_samples > 0, "the samples finished before the client left: nothing was tested"
+        watching[0] = False
+        watcher.join()
+        assert seen[0] > 0, "no sample ran while the client was there: nothing was tested"
         t_left = time.monotonic()
         while time.monotonic() - t_left < 2.0 and (eng.active_samples or httpx.get(b.url + "/v1/weights").json()["streams_open"]):
             time.sleep(0.05)
         assert eng.active_samples == 0 and httpx.get(b.url + "/v1/weights").json()["streams_open"] == 0
     finally:
+        watching[0] = False
         b.stop()
 
