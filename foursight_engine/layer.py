@@ -21,7 +21,6 @@ import torch
 from foursight.nvfp4 import (
     NVFP4Error,
     block_amax,
-    check_finite,
     check_k,
     dequantize_nvfp4,
     global_scale_from_amax,
@@ -134,15 +133,14 @@ def quantize_weight(
     ch = (channels.to(device=weight.device, dtype=torch.int32) if channels_checked else check_channels(channels, k_dim, name).to(weight.device))
     idx = ch.long()
     w_bf16 = weight[:, idx].to(torch.bfloat16).contiguous()
-    if idx.numel():
-        check_finite(weight[:, idx], name)  # the other columns: quantize_nvfp4's block amax pass
     # one float32 copy with the S columns zeroed, shared by the amax and the quantizer (the
     # weight sync's hot path: no separate finiteness pass, no second copy)
     w0 = weight.float() if weight.dtype != torch.float32 else weight.clone()
     if idx.numel():
         w0.index_fill_(1, idx, 0.0)
     gs = global_scale_from_amax(block_amax(w0.reshape(-1))).reshape(1) if global_scale is None else global_scale.float().reshape(1)
-    packed, scale = quantize_nvfp4(w0, gs.to(weight.device), name)
+    # the S columns' finiteness rides on quantize_nvfp4's one read (its block amax checks the others)
+    packed, scale = quantize_nvfp4(w0, gs.to(weight.device), name, also_finite=w_bf16 if idx.numel() else None)
     return QuantizedWeight(
         weight_packed=packed,
         weight_scale=scale,

@@ -237,7 +237,7 @@ def scales_from_block_amax(amax: torch.Tensor, global_scale: torch.Tensor) -> to
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, global_scale: torch.Tensor, name: str = "tensor"
+    x: torch.Tensor, global_scale: torch.Tensor, name: str = "tensor", also_finite: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [R, K] to NVFP4 with a given global scale.
 
@@ -245,6 +245,9 @@ def quantize_nvfp4(
         x: [R, K] float (bf16/fp16/fp32), finite, K a multiple of 16.
         global_scale: float32 scalar (per tensor) or [R, 1] (per row).
         name: used in error messages.
+        also_finite: another tensor that must be finite too (a FourSight layer's BF16 columns), checked
+            in the same single read to the host as ``x`` (on a GPU each read is a synchronisation); if
+            it is not, its error is raised first.
     Returns:
         ``(packed, scale)``: uint8 [R, K/2] and float8_e4m3fn [R, K/16].
     """
@@ -256,7 +259,12 @@ def quantize_nvfp4(
     # float32 once (a no-op for a contiguous float32 input): every pass below reads float32
     xb = x.float().contiguous().reshape(r, k // BLOCK_SIZE, BLOCK_SIZE)
     amax = block_amax(xb)
-    if r and not bool(torch.isfinite(amax).all()):  # amax propagates NaN/Inf: one pass checks both
+    ok = torch.isfinite(amax).all()  # amax propagates NaN/Inf: one pass checks both
+    if also_finite is not None and also_finite.numel():
+        ok = ok & torch.isfinite(also_finite).all()
+    if r and not bool(ok):
+        if also_finite is not None:
+            check_finite(also_finite, name)
         check_finite(x, name)
     scale = scales_from_block_amax(amax, gs)
     # x * gs / s computed as x / (s / gs), the order compressed-tensors uses; one division per element
