@@ -339,9 +339,15 @@ def check_finite(name: str, t: torch.Tensor, where: str = "") -> None:
             raise CheckpointError(f"tensor {name}{where} holds {int(bad.sum())} non-finite value(s) (NaN/Inf)")
 
 
-def _finite_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``torch.isfinite`` takes it: the common float dtypes as they are, fp8 widened."""
-    return t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else t.float()
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``t``'s device, True when the floating-point tensor ``t`` holds no NaN or
+    Inf; nothing is read to the host. One ``aminmax`` pass in the tensor's own dtype (NaN propagates to
+    both ends, an Inf is one of them; no float32 copy, no bool per value); fp8 has no ``aminmax`` and
+    goes through a float32 copy."""
+    if t.element_size() == 1:
+        return torch.isfinite(t.float()).all()
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(torch.stack((lo, hi))).all()
 
 
 def check_all_finite(tensors, where: str = "") -> None:
@@ -355,7 +361,7 @@ def check_all_finite(tensors, where: str = "") -> None:
         by_device.setdefault(t.device, []).append(i)
     bad: list[int] = []
     for idx in by_device.values():
-        flags = torch.stack([torch.isfinite(_finite_view(items[i][1])).all() for i in idx]).tolist()
+        flags = torch.stack([finite_flag(items[i][1]) for i in idx]).tolist()
         bad += [i for i, ok in zip(idx, flags) if not ok]
     if bad:
         check_finite(*items[min(bad)], where)

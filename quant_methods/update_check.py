@@ -44,6 +44,7 @@ from foursight.schema import (
     CheckpointError,
     check_finite,
     check_global_scale,
+    finite_flag,
 )
 
 def _shards(model: torch.nn.Module) -> tuple[dict[str, tuple[LayerPlan, int]], int]:
@@ -158,16 +159,9 @@ class UpdateChecker:
 
 
 def _check_finite_fast(name: str, t: torch.Tensor, where: str = "") -> None:
-    """:func:`foursight.schema.check_finite` without its float32 copy of the tensor: one ``aminmax``
-    pass in the tensor's own dtype (NaN propagates to both ends, an Inf is one of them; unlike
-    ``isfinite(t).all()`` it writes no bool per value); fp8 has neither and goes through the copy."""
-    if not t.is_floating_point() or not t.numel():
-        return
-    if t.element_size() == 1:
-        check_finite(name, t, where)
-        return
-    lo, hi = torch.aminmax(t)
-    if not bool(torch.isfinite(torch.stack((lo, hi))).all()):
+    """:func:`foursight.schema.check_finite` without its float32 copy of the tensor
+    (:func:`foursight.schema.finite_flag`: one ``aminmax`` pass in the tensor's own dtype)."""
+    if t.is_floating_point() and t.numel() and not bool(finite_flag(t)):
         check_finite(name, t, where)  # counts and names the bad values
 
 
