@@ -87,12 +87,17 @@ class DocLines:
     def line(self, start: str, contains: str = "") -> str:
         return next(ln for ln in self.lines if ln.startswith(start) and contains in ln)
 
-    def start(self, line: str, port: int, name: str, timeout_s: float = 400, health: str = "/health") -> str:
-        log = open(self.tmp / f"{name}.log", "wb")
-        self.procs.append(subprocess.Popen(["bash", "-c", self.fill(line)], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True, cwd=self.tmp))
-        wait_http_ok(f"http://127.0.0.1:{port}{health}", timeout_s, self.procs[-1], what=f"{name} line ({self.tmp / (name + '.log')})")
-        return f"http://127.0.0.1:{port}"
+    def start(self, line: str, port_word: str, name: str, timeout_s: float = 400, health: str = "/health") -> tuple[str, int]:
+        """Start ``line`` with a free port put for its placeholder ``port_word`` (picked now, not before the
+        servers started earlier, which may have taken it meanwhile); its URL and port once healthy."""
+        port = free_port()
+        self.sub[port_word] = str(port)
+        log = self.tmp / f"{name}.log"
+        with open(log, "wb") as out:
+            self.procs.append(subprocess.Popen(["bash", "-c", self.fill(line)], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True, cwd=self.tmp))
+        wait_http_ok(f"http://127.0.0.1:{port}{health}", timeout_s, self.procs[-1], what=f"{name} line", log_path=log)
+        return f"http://127.0.0.1:{port}", port
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -109,12 +114,11 @@ class DocLines:
 @pytest.fixture(scope="module")
 def docs_server(tiny_ckpt, tiny_llama_dir, tmp_path_factory):
     """docs/trl.md's export, engine and bridge lines run by bash as printed."""
-    p_engine, p_bridge = free_port(), free_port()
-    run = DocLines("docs/trl.md", {"CKPT": shlex.quote(str(tiny_ckpt)), "MODEL_DIR": shlex.quote(str(tiny_llama_dir)),
-                                   "8000": str(p_engine), "8100": str(p_bridge)}, tmp_path_factory.mktemp("docs-trl"))
+    run = DocLines("docs/trl.md", {"CKPT": shlex.quote(str(tiny_ckpt)), "MODEL_DIR": shlex.quote(str(tiny_llama_dir))},
+                   tmp_path_factory.mktemp("docs-trl"))
     try:
-        engine = run.start(run.line("VLLM_SERVER_DEV_MODE=1 foursight serve"), p_engine, "engine")
-        bridge = run.start(run.line("foursight bridge serve"), p_bridge, "bridge", 120, "/health?probe=false")
+        engine, p_engine = run.start(run.line("VLLM_SERVER_DEV_MODE=1 foursight serve"), "8000", "engine")
+        bridge, _ = run.start(run.line("foursight bridge serve"), "8100", "bridge", 120, "/health?probe=false")
         yield {"engine": engine, "bridge": bridge, "engine_port": p_engine, "token": run.token, "key": "k-test"}
     finally:
         run.stop()
@@ -292,12 +296,11 @@ def bridge_md(tiny_llama_dir, tiny_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("docs-bridge")
     policy = tmp / "policy"
     policy.mkdir()
-    p_engine, p_bridge = free_port(), free_port()
     run = DocLines("docs/bridge.md", {"MODEL": shlex.quote(str(tiny_llama_dir)), "CKPT": shlex.quote(str(tiny_ckpt)),
-                                      "/shared/policy": shlex.quote(str(policy)), "8000": str(p_engine), "8100": str(p_bridge)}, tmp)
+                                      "/shared/policy": shlex.quote(str(policy))}, tmp)
     try:
-        engine = run.start(run.line("FOURSIGHT_WEIGHTS_DIR="), p_engine, "engine")
-        bridge = run.start(run.line("foursight bridge serve", "--engine vllm"), p_bridge, "bridge", 120, "/health?probe=false")
+        engine, p_engine = run.start(run.line("FOURSIGHT_WEIGHTS_DIR="), "8000", "engine")
+        bridge, _ = run.start(run.line("foursight bridge serve", "--engine vllm"), "8100", "bridge", 120, "/health?probe=false")
         yield {"run": run, "engine": engine, "bridge": bridge, "engine_port": p_engine, "policy": policy, "key": "k-test"}
     finally:
         run.stop()
@@ -335,7 +338,6 @@ def test_bridge_page_lines_run_as_printed_and_its_filter_keeps_sequences(bridge_
     # filter keeps sequences, the old example none
     assert kept > 0 and kept > old
 
-    run, port = bridge_md["run"], free_port()
-    run.sub["8100"] = str(port)
-    url = run.start(run.line("foursight bridge serve", "--engine hf"), port, "hf-bridge", 180, "/health")
+    run = bridge_md["run"]
+    url, _ = run.start(run.line("foursight bridge serve", "--engine hf"), "8100", "hf-bridge", 180, "/health")
     assert httpx.get(url + "/v1/weights", timeout=30).json()["version"] == 0

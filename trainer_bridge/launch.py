@@ -25,12 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "server") -> None:
-    """Poll ``url`` until it answers 200; raise ``RuntimeError`` on timeout or if ``proc`` exits."""
+def log_tail(path: str | Path | None, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ('' when there is none)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else ""
+    except OSError:
+        return ""
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "server",
+                 log_path: str | Path | None = None) -> None:
+    """Poll ``url`` until it answers 200; raise ``RuntimeError`` on timeout or if ``proc`` exits (with the
+    tail of ``log_path``, the process's log, so the cause survives the log's folder)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before becoming healthy")
+            tail = log_tail(log_path)
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before becoming healthy"
+                               + (f"; the end of {log_path}:\n{tail}" if tail else ""))
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
@@ -67,7 +79,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         STARTED.append(self)
         try:
-            wait_http_ok(self.url + "/health", timeout_s, self.proc, what=f"{self.what} ({self.log_path or 'no log'})")
+            wait_http_ok(self.url + "/health", timeout_s, self.proc, what=f"{self.what} ({self.log_path or 'no log'})",
+                         log_path=self.log_path)
         except Exception:
             self.stop()
             raise
@@ -75,12 +88,12 @@ class ServerProcess:
 
     def log_tail(self, max_lines: int = 60) -> str:
         """The last ``max_lines`` lines of the server's log and how the process ended ("" without a log)."""
-        if not self.log_path or not Path(self.log_path).is_file():
+        tail = log_tail(self.log_path, max_lines)
+        if not tail:
             return ""
-        lines = Path(self.log_path).read_text(errors="replace").splitlines()[-max_lines:]
         code = None if self.proc is None else self.proc.poll()
         state = "running" if code is None else f"exited with code {code}"
-        return f"{self.what} {self.url} ({state}), {self.log_path}:\n" + "\n".join(lines)
+        return f"{self.what} {self.url} ({state}), {self.log_path}:\n" + tail
 
     def kill(self) -> None:
         """SIGKILL the whole server process group (engine core and workers too)."""
