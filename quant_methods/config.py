@@ -7,12 +7,12 @@ both engines take the same decisions by construction:
 * the two load modes (a FourSight checkpoint, or a BF16 model quantized at load with the online
   settings);
 * the method name, the activation dtypes, the minimum CUDA capability and the config files;
-* the ignore-list rule for a (possibly fused) layer, with one error wording;
-* the :class:`~foursight.quant_methods.plan.LayerPlan` of each layer (:meth:`FourSightMethodConfig.plan_for`).
+* the ignore-list rule for a (possibly fused) layer, with one error wording.
 
-:class:`FourSightLinearMethodBase` likewise holds the linear method's hooks (``create_weights``,
-``process_weights_after_loading``, ``apply``); an engine supplies its TP collectives and its
-``set_weight_attrs``.
+Also here: what an engine checks of a checkpoint it loads (:func:`check_folder`, :func:`served_weights`,
+:func:`checked_complete`) and the model's FourSight layers (:func:`foursight_layers`). The linear
+method the engines share is :class:`foursight.quant_methods.plan.FourSightLinearMethodBase`, next to
+the per-layer plan its hooks drive.
 """
 
 from __future__ import annotations
@@ -22,18 +22,14 @@ from typing import Any, Callable, Literal
 import torch
 
 from foursight.compressed_tensors_format import CT_METHOD  # the compressed-tensors checkpoints --quantization foursight also serves
-from foursight.quant_methods.layer_layout import WEIGHT
 from foursight.quant_methods.online import OnlineSettings
-from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params, refresh_layer
-from foursight.quant_methods.sharding import TPContext, shard_names
+from foursight.quant_methods.param_names import DEFAULT_PACKED_MODULES, ENGINE_SKIPPED, packed_name_map
+from foursight.quant_methods.sharding import shard_names
 from foursight.schema import QUANT_METHOD, CheckpointError, FourSightConfig
 
 #: The Triton SpliceGEMM kernels emulate FP4 on BF16 tensor cores: Ampere (8.0) or newer.
 #: (On CPU the PyTorch reference runs; the engines check the capability only on CUDA.)
 MIN_CAPABILITY = 80
-
-#: The fused-module map of Llama/Qwen-style models, used when an engine gives none.
-DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 def parse_quantization_config(config: dict[str, Any]) -> FourSightConfig:
@@ -71,18 +67,6 @@ def check_folder(path: Any) -> None:
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
         check_complete(path)
         check_headers(path)
-
-
-#: tensors engines skip by name without a parameter for them (rotary tables some checkpoints carry)
-ENGINE_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def packed_name_map(model: torch.nn.Module, packed: dict[str, list[str]] | None = None):
-    """Checkpoint name -> engine parameter name through the fused-layer map (``packed`` or the
-    model's ``packed_modules_mapping``): ``...self_attn.q_proj.weight`` -> ``...self_attn.qkv_proj.weight``."""
-    packed = packed or dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED_MODULES)
-    shard_to_fused = {shard: fused for fused, shards in packed.items() for shard in shards}
-    return lambda name: ".".join(shard_to_fused.get(p, p) for p in name.split("."))
 
 
 def checked_complete(weights, model: torch.nn.Module, where: str = "", packed: dict[str, list[str]] | None = None):
@@ -190,79 +174,8 @@ class FourSightMethodConfig:
             raise CheckpointError(f"{prefix}: some fused shards are in ignore and some are not ({ignored}); ignore all or none")
         return True
 
-    def plan_for(self, prefix: str, output_partition_sizes: list[int], input_size: int, input_size_per_partition: int,
-                 tp_rank: int = 0, tp_size: int = 1) -> LayerPlan:
-        """The plan of engine layer ``prefix`` (called from the engine's ``create_weights``)."""
-        return LayerPlan.for_layer(prefix, output_partition_sizes, input_size, input_size_per_partition, self.fs_config,
-                                   self.packed_mapping(), tp_rank=tp_rank, tp_size=tp_size, mode=self.mode, online=self.online)
-
 
 def foursight_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Engine module name -> module, for every layer with a FourSight plan (the layers
-    :meth:`FourSightLinearMethodBase.create_weights` made, in vLLM and SGLang alike)."""
+    :meth:`foursight.quant_methods.plan.FourSightLinearMethodBase.create_weights` made, in vLLM and SGLang alike)."""
     return {n: m for n, m in model.named_modules() if getattr(m, "foursight_plan", None) is not None}
-
-
-class FourSightLinearMethodBase:
-    """The engine-neutral linear method, mixed into each engine's ``LinearMethodBase`` subclass.
-
-    The engine subclass provides :meth:`tp_context` (its TP group as a
-    :class:`~foursight.quant_methods.sharding.TPContext`) and :meth:`set_attrs` (its
-    ``set_weight_attrs``); it may wrap the loaders (:meth:`wrap_loader`).
-    """
-
-    def __init__(self, quant_config: FourSightMethodConfig, prefix: str):
-        self.quant_config = quant_config
-        self.prefix = prefix
-
-    def tp_context(self, layer: torch.nn.Module) -> TPContext:
-        raise NotImplementedError
-
-    def set_attrs(self, param: torch.nn.Parameter, attrs: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def wrap_loader(self, layer: torch.nn.Module, loader: Callable) -> Callable:
-        return loader
-
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-        """Register the plan's parameters with the plan's loaders around the engine's own."""
-        tp = self.tp_context(layer)
-        plan = self.quant_config.plan_for(self.prefix, output_partition_sizes, input_size, input_size_per_partition,
-                                          tp_rank=tp.rank, tp_size=tp.size)
-        engine_loader = extra_weight_attrs.pop("weight_loader", None)
-        for spec in plan.param_specs(params_dtype):
-            p = torch.nn.Parameter(plan.initial_tensor(spec), requires_grad=False)
-            core = plan.make_loader(spec, engine_loader, lambda: layer_params(layer, plan))
-            self.set_attrs(p, {**spec.attrs, **extra_weight_attrs, "weight_loader": self.wrap_loader(layer, self._syncing_loader(layer, spec.name, core))})
-            layer.register_parameter(spec.name, p)
-        layer.foursight_plan = plan
-        layer.foursight_state = None
-
-    def _syncing_loader(self, layer: torch.nn.Module, name: str, loader: Callable) -> Callable:
-        """A BF16 ``weight`` load that completes every shard of an already-served layer re-quantizes
-        it at once, in place (:func:`~foursight.quant_methods.plan.refresh_layer`): TRL's
-        one-tensor-at-a-time ``load_weights`` sync has no post-load step (docs/weight-sync.md)."""
-        if name != WEIGHT:
-            return loader
-
-        def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kw: Any) -> None:
-            loader(param, loaded_weight, *args, **kw)
-            plan: LayerPlan = layer.foursight_plan
-            if layer.foursight_state is not None and plan.weight_complete():
-                refresh_layer(layer, self.tp_context(layer))
-
-        return weight_loader
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Validate and build the execution state from the loaded parameters, when the layer has
-        none yet or a tensor was loaded since the last build (idempotent; the parameters are never
-        modified, so a second call or a call after a weight reload is safe)."""
-        plan: LayerPlan = layer.foursight_plan
-        if layer.foursight_state is None or plan.stale:
-            refresh_layer(layer, self.tp_context(layer))
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.foursight_plan.stale:  # part of a fused layer was synced and no post-load step ran
-            refresh_layer(layer, self.tp_context(layer))
-        return apply_linear(layer.foursight_state, x, bias)

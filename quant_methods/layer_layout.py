@@ -48,12 +48,11 @@ Tensor parallelism:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Self, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Self, Sequence
 
 import torch
 
 from foursight.nvfp4 import BLOCK_SIZE
-from foursight.quant_methods.online import OnlineSettings
 from foursight.quant_methods.sharding import shard_names
 from foursight.schema import (
     BF16_CHANNELS,
@@ -66,6 +65,9 @@ from foursight.schema import (
     FourSightConfig,
     expected_shapes,
 )
+
+if TYPE_CHECKING:  # annotations only: the layout carries the online settings to LayerPlan.process and reads none of them
+    from foursight.quant_methods.online import OnlineSettings
 
 #: Name of the BF16 weight parameter in online mode (the HF name, so ``load_weights`` finds it).
 WEIGHT = "weight"

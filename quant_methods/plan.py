@@ -12,9 +12,10 @@ The new state is copied into the old one's tensors when they match (:func:`insta
 storage a captured CUDA graph reads stays valid; :func:`refresh_layer` is the one re-quantization
 step of every route.
 
-Nothing here imports an engine. An engine adapter (``vllm_method.py``, ``sglang_method.py``, both
-built on :class:`foursight.quant_methods.config.FourSightMethodConfig`) does four thin things and
-calls this module for everything else:
+Nothing here imports an engine. :class:`FourSightLinearMethodBase`, at the end, is the linear method
+both engine adapters mix into theirs (``vllm_method.py``, ``sglang_method.py``, with
+:class:`foursight.quant_methods.config.FourSightMethodConfig` for the config): its hooks do four thin
+things and call the plan for everything else:
 
 1. **create_weights**: build a :class:`LayerPlan` (``LayerPlan.for_layer``), then for each
    :class:`~foursight.quant_methods.layer_layout.ParamSpec` of ``plan.param_specs(params_dtype)`` register a parameter of that shape /
@@ -38,13 +39,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from foursight.dispatch import PreparedLinear, prepare_linear
 from foursight.layer import QuantizedWeight, check_channels
 from foursight.nvfp4 import NVFP4Error, global_scale_from_amax
+from foursight.quant_methods.config import FourSightMethodConfig
 from foursight.quant_methods.layer_layout import WEIGHT, LayerLayout
 from foursight.quant_methods.layer_loading import LayerLoading
 from foursight.quant_methods.online import OnlineSettings, weight_based_channels
@@ -310,3 +312,69 @@ def refresh_layer(layer: Any, tp: TPContext | None = None) -> LayerState:
     plan.stale = False
     plan.pending_weight.clear()
     return layer.foursight_state
+
+
+class FourSightLinearMethodBase:
+    """The engine-neutral linear method, mixed into each engine's ``LinearMethodBase`` subclass.
+
+    The engine subclass provides :meth:`tp_context` (its TP group as a
+    :class:`~foursight.quant_methods.sharding.TPContext`) and :meth:`set_attrs` (its
+    ``set_weight_attrs``); it may wrap the loaders (:meth:`wrap_loader`).
+    """
+
+    def __init__(self, quant_config: FourSightMethodConfig, prefix: str):
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def tp_context(self, layer: torch.nn.Module) -> TPContext:
+        raise NotImplementedError
+
+    def set_attrs(self, param: torch.nn.Parameter, attrs: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def wrap_loader(self, layer: torch.nn.Module, loader: Callable) -> Callable:
+        return loader
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        """Register the plan's parameters with the plan's loaders around the engine's own."""
+        tp = self.tp_context(layer)
+        qc = self.quant_config
+        plan = LayerPlan.for_layer(self.prefix, output_partition_sizes, input_size, input_size_per_partition, qc.fs_config,
+                                   qc.packed_mapping(), tp_rank=tp.rank, tp_size=tp.size, mode=qc.mode, online=qc.online)
+        engine_loader = extra_weight_attrs.pop("weight_loader", None)
+        for spec in plan.param_specs(params_dtype):
+            p = torch.nn.Parameter(plan.initial_tensor(spec), requires_grad=False)
+            core = plan.make_loader(spec, engine_loader, lambda: layer_params(layer, plan))
+            self.set_attrs(p, {**spec.attrs, **extra_weight_attrs, "weight_loader": self.wrap_loader(layer, self._syncing_loader(layer, spec.name, core))})
+            layer.register_parameter(spec.name, p)
+        layer.foursight_plan = plan
+        layer.foursight_state = None
+
+    def _syncing_loader(self, layer: torch.nn.Module, name: str, loader: Callable) -> Callable:
+        """A BF16 ``weight`` load that completes every shard of an already-served layer re-quantizes
+        it at once, in place (:func:`refresh_layer`): TRL's
+        one-tensor-at-a-time ``load_weights`` sync has no post-load step (docs/weight-sync.md)."""
+        if name != WEIGHT:
+            return loader
+
+        def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kw: Any) -> None:
+            loader(param, loaded_weight, *args, **kw)
+            plan: LayerPlan = layer.foursight_plan
+            if layer.foursight_state is not None and plan.weight_complete():
+                refresh_layer(layer, self.tp_context(layer))
+
+        return weight_loader
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Validate and build the execution state from the loaded parameters, when the layer has
+        none yet or a tensor was loaded since the last build (idempotent; the parameters are never
+        modified, so a second call or a call after a weight reload is safe)."""
+        plan: LayerPlan = layer.foursight_plan
+        if layer.foursight_state is None or plan.stale:
+            refresh_layer(layer, self.tp_context(layer))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.foursight_plan.stale:  # part of a fused layer was synced and no post-load step ran
+            refresh_layer(layer, self.tp_context(layer))
+        return apply_linear(layer.foursight_state, x, bias)

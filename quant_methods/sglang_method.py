@@ -48,10 +48,9 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase, Quantiz
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
 
-from foursight.quant_methods.config import (FourSightLinearMethodBase, FourSightMethodConfig, foursight_layers, parse_quantization_config,
-                                            serves_user_choice)
+from foursight.quant_methods.config import FourSightMethodConfig, foursight_layers, parse_quantization_config, serves_user_choice
 from foursight.quant_methods.online import OnlineSettings
-from foursight.quant_methods.plan import refresh_layer
+from foursight.quant_methods.plan import FourSightLinearMethodBase, refresh_layer
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import CHANNELS_FILE, ENV_CHANNELS_FILE, QUANT_METHOD, FourSightConfig
 
@@ -141,7 +140,7 @@ def _tp_context(layer: torch.nn.Module) -> TPContext:
 
 class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     """SGLang ``LinearMethodBase`` for one FourSight layer (fused q/k/v and gate/up included);
-    the shared hooks are :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`'s
+    the shared hooks are :class:`~foursight.quant_methods.plan.FourSightLinearMethodBase`'s
     (every load marks the layer stale, ``apply`` rebuilds a stale layer)."""
 
     def tp_context(self, layer: torch.nn.Module) -> TPContext:

@@ -31,9 +31,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from foursight.quant_methods.config import ENGINE_SKIPPED, packed_name_map
-from foursight.quant_methods.layer_layout import WEIGHT
-from foursight.quant_methods.plan import LayerPlan
+from foursight.quant_methods.layer_layout import WEIGHT, LayerLayout
+from foursight.quant_methods.param_names import ENGINE_SKIPPED, packed_name_map
 from foursight.schema import (
     BF16_CHANNELS,
     INPUT_GLOBAL_SCALE,
@@ -47,9 +46,9 @@ from foursight.schema import (
     finite_flag,
 )
 
-def _shards(model: torch.nn.Module) -> tuple[dict[str, tuple[LayerPlan, int]], int]:
-    """Checkpoint module name of every FourSight shard -> (its layer's plan, shard index); the TP size."""
-    shards: dict[str, tuple[LayerPlan, int]] = {}
+def _shards(model: torch.nn.Module) -> tuple[dict[str, tuple[LayerLayout, int]], int]:
+    """Checkpoint module name of every FourSight shard -> (its layer's layout, shard index); the TP size."""
+    shards: dict[str, tuple[LayerLayout, int]] = {}
     tp = 1
     for m in model.modules():
         plan = getattr(m, "foursight_plan", None)
@@ -61,12 +60,12 @@ def _shards(model: torch.nn.Module) -> tuple[dict[str, tuple[LayerPlan, int]], i
     return shards, tp
 
 
-def _shard_rows(plan: LayerPlan, i: int) -> int:
+def _shard_rows(plan: LayerLayout, i: int) -> int:
     """Rows of shard ``i`` in the full (unsharded) tensor a trainer or a checkpoint gives."""
     return plan.shard_sizes[i] * (1 if plan.k_split else plan.tp_size)
 
 
-def _check_shard_tensor(name: str, t: torch.Tensor, plan: LayerPlan, i: int, leaf: str) -> None:
+def _check_shard_tensor(name: str, t: torch.Tensor, plan: LayerLayout, i: int, leaf: str) -> None:
     """A FourSight checkpoint tensor of shard ``i``: its format's dtype and shape."""
     rows, K = _shard_rows(plan, i), plan.input_size
     spec: dict[str, tuple[torch.dtype, list[int] | None]] = {

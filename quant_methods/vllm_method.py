@@ -14,7 +14,7 @@ module only maps vLLM's hooks onto them:
 A trainer's BF16 weight sync through vLLM's own ``model.load_weights`` (TRL colocate: one tensor
 at a time, no post-load step; verl: per bucket, then the post-load step once) reaches every
 FourSight layer, in checkpoint and online mode, and is re-quantized before the layer's next
-forward (docs/weight-sync.md; the shared code is :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`).
+forward (docs/weight-sync.md; the shared code is :class:`~foursight.quant_methods.plan.FourSightLinearMethodBase`).
 The embeddings and lm_head keep vLLM's unquantized method, with a re-pack on CPU after a sync
 (:class:`FourSightEmbeddingMethod`).
 
@@ -47,9 +47,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
-from foursight.quant_methods.config import (FourSightLinearMethodBase, FourSightMethodConfig, check_folder, parse_quantization_config,
-                                            served_weights, serves_user_choice)
+from foursight.quant_methods.config import FourSightMethodConfig, check_folder, parse_quantization_config, served_weights, serves_user_choice
 from foursight.quant_methods.online import OnlineSettings
+from foursight.quant_methods.param_names import vllm_name_map
+from foursight.quant_methods.plan import FourSightLinearMethodBase
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import QUANT_METHOD, FourSightConfig
 
@@ -72,22 +73,6 @@ def vllm_tp_context(layer: torch.nn.Module) -> TPContext:
         return group.all_gather(t.contiguous(), dim=0)
 
     return TPContext(rank, size, all_reduce_max, all_gather_cat)
-
-
-def vllm_name_map(model: torch.nn.Module):
-    """Checkpoint (HF) name -> vLLM parameter name: the model's ``hf_to_vllm_mapper`` (None: a name
-    vLLM skips), then the fused-layer map (``q_proj`` -> ``qkv_proj``; a FourSight layer's shards are
-    checked by their own rules before the map is consulted)."""
-    from foursight.quant_methods.config import packed_name_map
-
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    packed = packed_name_map(model)
-
-    def map_name(name: str) -> str | None:
-        mapped = mapper.map_name(name) if mapper is not None else name
-        return None if mapped is None else packed(mapped)
-
-    return map_name
 
 
 def install_load_check() -> None:
@@ -213,7 +198,7 @@ class FourSightEmbeddingMethod(UnquantizedEmbeddingMethod):
 
 class FourSightLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     """The compensated linear layer in vLLM (see the module docstring and
-    :class:`~foursight.quant_methods.config.FourSightLinearMethodBase`)."""
+    :class:`~foursight.quant_methods.plan.FourSightLinearMethodBase`)."""
 
     def tp_context(self, layer: torch.nn.Module) -> TPContext:
         return vllm_tp_context(layer)

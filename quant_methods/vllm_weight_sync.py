@@ -45,7 +45,7 @@ from typing import Iterable, Iterator
 import torch
 
 from foursight.quant_methods.config import foursight_layers
-from foursight.quant_methods.plan import refresh_layer
+from foursight.quant_methods.param_names import vllm_name_map
 from foursight.quant_methods.update_check import unchecked_load_weights
 from foursight.schema import CheckpointError
 
@@ -57,13 +57,11 @@ BOOT_ID = uuid.uuid4().hex
 def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Validate a WHOLE update before anything of it is loaded (issue 28: atomic updates):
     :func:`foursight.quant_methods.update_check.check_update` with vLLM's name mapping
-    (:func:`vllm_name_map`) and BF16 weights only (every tensor a finite float). Raises
+    (:func:`~foursight.quant_methods.param_names.vllm_name_map`) and BF16 weights only (every tensor a finite float). Raises
     CheckpointError naming the first bad tensor; returns the number of tensors. A refused update
     therefore leaves the engine as it was.
     """
     from foursight.quant_methods.update_check import check_update as check
-
-    from foursight.quant_methods.vllm_method import vllm_name_map
 
     return check(model, weights, map_name=vllm_name_map(model))
 
@@ -224,26 +222,23 @@ def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tenso
     return session["count"] - n0
 
 
-def finish_update(model: torch.nn.Module, session: dict, tp_context=None) -> dict:
+def finish_update(model: torch.nn.Module, session: dict) -> dict:
     """Re-run the idempotent post-load processing of every layer that received a tensor in the
     session, and the CPU embedding re-pack (step 4). Returns ``{"updated_tensors", "requantized_layers"}``."""
-    from foursight.quant_methods.vllm_method import vllm_tp_context
-
-    tp_context = tp_context or vllm_tp_context
     partial = session["gate"].incomplete() + _close_packed_reload(session.get("packed", {}))
     layers, before = session["layers"], session["before"]
     touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
     for n in touched:
         m = layers[n]
         if m.foursight_plan.stale:  # a layer whose every shard arrived was re-quantized in its loader
-            refresh_layer(m, tp_context(m))
+            m.quant_method.process_weights_after_loading(m)  # refresh_layer with the layer's TP group (its method's tp_context)
     refresh_unquantized_embeddings(model)
     if partial:
         raise _partial_fused_error(partial)
     return {"updated_tensors": session["count"], "requantized_layers": len(touched)}
 
 
-def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tp_context=None) -> dict:
+def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
     """Load new BF16 weights into a FourSight vLLM model and re-quantize the touched layers
     (:func:`begin_update`, :func:`load_update`, :func:`finish_update` in one go; the native
     weight-transfer backend, :mod:`foursight.quant_methods.vllm_weight_transfer`, runs the same three).
@@ -251,7 +246,6 @@ def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, tor
     Args:
         model: the engine's model (``worker.model_runner.model``).
         weights: ``(HF name, tensor)`` pairs.
-        tp_context: callable layer -> TPContext (vLLM's by default).
     Returns:
         ``{"updated_tensors": int, "requantized_layers": int}``.
     Raises:
@@ -262,7 +256,7 @@ def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, tor
     check_update(model, weights)
     session = begin_update(model)
     load_update(model, weights, session)
-    return finish_update(model, session, tp_context)
+    return finish_update(model, session)
 
 
 def refresh_unquantized_embeddings(model: torch.nn.Module) -> int:

@@ -304,7 +304,8 @@ def test_config_base_ignore_rule_and_wording():
 
 def test_vllm_config_is_the_base():
     pytest.importorskip("vllm")
-    from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig
+    from foursight.quant_methods.config import FourSightMethodConfig
+    from foursight.quant_methods.plan import FourSightLinearMethodBase
     from foursight.quant_methods.vllm_method import FourSightLinearMethod, FourSightVllmConfig
 
     c = FourSightVllmConfig(FourSightConfig(ignore=["k_proj"]))

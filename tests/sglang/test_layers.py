@@ -178,7 +178,8 @@ def test_same_config_base_as_vllm(ckpt):
     it (as in vLLM), a half-ignored fused layer is refused with the shared wording, capability 80."""
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-    from foursight.quant_methods.config import FourSightLinearMethodBase, FourSightMethodConfig
+    from foursight.quant_methods.config import FourSightMethodConfig
+    from foursight.quant_methods.plan import FourSightLinearMethodBase
 
     raw, _ = ckpt
     cfg = _config({**raw, "ignore": ["lm_head", "qkv_proj"]})
