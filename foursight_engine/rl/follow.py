@@ -30,13 +30,14 @@ _EMPTY = torch.zeros(0)
 
 
 def _layer_state(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(quantized codes or empty, BF16 codes (int16 bits) or empty, effective fp32 weight) of one rollout linear."""
+    """(quantized codes or empty, BF16 codes (int16 bits) or empty, effective fp32 weight) of one rollout linear:
+    a layer that holds a :class:`~foursight.layer.QuantizedWeight` as ``qweight`` (the HF engine's
+    ``FourSightLinear``), an :class:`~foursight.fp8.Fp8Linear` or an ``nn.Linear``."""
     from foursight.fp8 import Fp8Linear, dequantize_rowwise
-    from foursight.hf import FourSightLinear
-    from foursight.layer import dequantize_weight
+    from foursight.layer import QuantizedWeight, dequantize_weight
 
-    if isinstance(mod, FourSightLinear):
-        qw = mod.qweight
+    qw = getattr(mod, "qweight", None)
+    if isinstance(qw, QuantizedWeight):
         packed = qw.weight_packed
         # the BF16 channel columns hold code 0 in every sync (zeroed before quantization): they never
         # flip and are left out of the count of codes (FollowTracker.update), with no masking here
