@@ -221,6 +221,21 @@ def test_documented_engine_binds_loopback_and_refuses_updates_without_the_token(
         inside.unlink(missing_ok=True)
 
 
+def test_a_bridge_of_the_wrong_engine_kind_is_one_line_naming_the_engine(docs_server):
+    """``foursight bridge serve --engine sglang`` in front of this vLLM server: the CLI checks the engine
+    before serving, so the user reads one error naming the URL and the route that failed, exit 2, and no
+    traceback (it was a 30-line server traceback and uvicorn's exit 3)."""
+    port = free_port()
+    r = subprocess.run([str(Path(sys.executable).parent / "foursight"), "bridge", "serve", "--engine", "sglang", "--engine-url",
+                        docs_server["engine"], "--port", str(port), "--wait", "30"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "FOURSIGHT_BRIDGE_API_KEY": ""})
+    said = r.stdout + r.stderr
+    print(said[-600:])
+    assert r.returncode == 2
+    assert docs_server["engine"] in said and "/get_model_info -> 404" in said
+    assert "Traceback" not in said and "Application startup failed" not in said
+
+
 def test_bridge_goes_stale_on_weights_it_did_not_push(docs_server, tiny_llama_dir):
     """A push through the bridge, then a load the bridge did not make that sets the bridge's own version
     (with the token: another trainer): health 503 naming the weights id, rollouts 503; a new push brings it back."""

@@ -52,7 +52,8 @@ class BridgeConfig:
     max_tokens_cap: Optional[int] = option(None, min=1, help="largest max_tokens a request may ask for")
     max_request_tokens: Optional[int] = option(None, min=1, help="per-request token budget: n times the sum of the prompts' max_tokens")
     wait: float = option(300.0, min=0.0, help="seconds to wait for every --engine-url to answer /health before serving (an engine "
-                                               "still loading its model); 0: do not wait or check")
+                                               "still loading its model), then each is checked once (its model and weight "
+                                               "state read); 0: do not wait or check")
     weight_sync: str = option("collective_rpc",
                               help="vllm engine weight updates: collective_rpc (FourSight worker extension) or native "
                                    "(vLLM >= 0.32, --weight-transfer-config '{\"backend\": \"foursight_file\"}')")

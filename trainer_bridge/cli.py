@@ -103,6 +103,31 @@ def wait_for_engines(urls: list[str], timeout_s: float, api_key: Optional[str] =
         time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
 
+def check_engines(cfg: BridgeConfig) -> None:
+    """Each ``--engine-url`` engine started once and its weight state read, in a throwaway event loop on
+    engines of its own, before the server starts: a wrong ``--engine`` kind, key or route is then one
+    :class:`~foursight.cli_util.OptionError` naming the engine, not a server traceback at startup."""
+    import asyncio
+
+    import httpx
+
+    from foursight.trainer_bridge.backends.base import EngineError
+
+    async def check() -> None:
+        for e in build_engines(cfg):
+            try:
+                await e.start()
+                await asyncio.wait_for(e.served_state(), 30.0)
+            except (EngineError, httpx.HTTPError, asyncio.TimeoutError, TimeoutError) as err:
+                why = str(err) or f"{type(err).__name__} (no answer within its timeout)"
+                where = "" if e.url in why else f"--engine-url {e.url}: "
+                raise OptionError(f"{where}{why} (is --engine-url a {cfg.engine} server, and --engine-api-key right?)") from None
+            finally:
+                await e.aclose()
+
+    asyncio.run(check())
+
+
 def serve(cfg: BridgeConfig) -> None:
     """Run the rollout bridge in front of engine servers (or an in-process HF model)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -110,6 +135,7 @@ def serve(cfg: BridgeConfig) -> None:
     engines = build_engines(cfg)
     if cfg.engine_urls and cfg.wait > 0:
         wait_for_engines(cfg.engine_urls, cfg.wait, cfg.engine_api_key)
+        check_engines(cfg)
     if not cfg.weights_dirs:
         typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
     for line in dict.fromkeys(w for e in engines for w in e.startup_warnings()):
