@@ -18,7 +18,7 @@ from rich.table import Table
 
 from foursight.cli_config import typer_command
 from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption, fail, guarded, shown
-from foursight.compare.cli import compare_command
+from foursight.compare.run import compare_command
 from foursight.models import DEFAULT_MODEL
 from foursight.quantize_config import QuantizeConfig
 from foursight.rl.cli import rl_command

@@ -41,7 +41,7 @@ def test_compare_hf_fp8_and_w4a16(tiny_llama_dir, tmp_path):
     """hf:fp8 (FP8 rowwise W8A8, quantized in memory) and hf:w4a16 (a W4A16 checkpoint) score the
     same tokens as the learner; FP8's mismatch is below half of plain NVFP4's, W4A16's below NVFP4's,
     and the W4A16 checkpoint says activation_dtype bf16."""
-    from foursight.compare import run_compare
+    from foursight.compare.run import run_compare
 
     res = run_compare(tiny_llama_dir, parse_engines("hf:bf16,hf:fp8,hf:nvfp4,hf:w4a16"), tmp_path / "r", n=4, max_tokens=8,
                       channels="16")
@@ -57,7 +57,7 @@ def test_compare_hf_fp8_and_w4a16(tiny_llama_dir, tmp_path):
 @pytest.mark.slow
 def test_compare_end_to_end_vllm(tiny_llama_dir, tmp_path):
     pytest.importorskip("vllm")
-    from foursight.compare import run_compare
+    from foursight.compare.run import run_compare
 
     out = tmp_path / "report"
     res = run_compare(tiny_llama_dir, parse_engines("vllm:bf16,hf:bf16,vllm:foursight,vllm:nvfp4"), out, n=12, max_tokens=24,

@@ -14,17 +14,18 @@ vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF
 5. ``--attribute``: in the HF engine, layers of the plain-NVFP4 model are restored to BF16 one
    group at a time, and the share of the NVFP4 mismatch that disappears is ranked.
 
-Modules: ``spec`` (--engines), ``prompts``, ``launch`` (start and drive the backends), ``report``
-(metrics, plots, report.md), ``attribution``, ``run`` (the driver), ``cli`` (the command).
+Modules: ``config`` (the options), ``spec`` (--engines), ``prompts``, ``launch`` (start and drive the
+backends), ``report`` (metrics, plots, report.md), ``attribution``, ``run`` (the driver,
+:func:`~foursight.compare.run.run_compare`, and the ``foursight compare`` command). This index
+re-exports the names of ``spec`` and ``report`` only: the driver and the attribution load models
+(the HF engine, the kernels), and importing a part of the package imports this index first.
 
 Engines are started and stopped by the tool (vLLM and SGLang as HTTP servers on 127.0.0.1, HF
 in-process), or reached at ``--engine-url KIND:PRECISION=URL`` when already running.
 """
 
-from foursight.compare.attribution import attribute_layers
 from foursight.compare.report import engine_metrics, pairwise
-from foursight.compare.run import ensure_checkpoints, run_compare
 from foursight.compare.spec import KINDS, LEARNER, PRECISIONS, CompareError, EngineSpec, parse_engine_urls, parse_engines
 
-__all__ = ["KINDS", "LEARNER", "PRECISIONS", "CompareError", "EngineSpec", "attribute_layers", "engine_metrics",
-           "ensure_checkpoints", "pairwise", "parse_engine_urls", "parse_engines", "run_compare"]
+__all__ = ["KINDS", "LEARNER", "PRECISIONS", "CompareError", "EngineSpec", "engine_metrics", "pairwise", "parse_engine_urls",
+           "parse_engines"]

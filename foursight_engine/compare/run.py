@@ -1,22 +1,26 @@
-"""The ``foursight compare`` driver: checkpoints, rollouts once, every engine scores, the report."""
+"""The ``foursight compare`` driver (checkpoints, rollouts once, every engine scores, the report) and its
+command (:data:`compare_command`, generated from :class:`~foursight.compare.config.CompareConfig`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from foursight.cli_config import typer_command
+from foursight.cli_util import guarded
 from foursight.compare.attribution import attribute_layers
 from foursight.compare.config import CompareConfig
 from foursight.compare.launch import default_sglang_python, drive, open_engine
 from foursight.compare.prompts import load_prompts
 from foursight.compare.report import engine_metrics, pairwise, print_table, write_plots, write_report
-from foursight.compare.spec import LEARNER, CompareError, EngineSpec, parse_engine_urls
+from foursight.compare.spec import LEARNER, CompareError, EngineSpec, parse_engine_urls, parse_engines
 from foursight.precisions import CHANNEL_PRECISIONS, NVFP4_PRECISIONS
 from foursight.trainer_bridge.metrics import abs_diff_summary
 from foursight.trainer_bridge.protocol import Rollout
@@ -121,3 +125,24 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], cfg: CompareConfig |
     write_report(out, result, plots)
     print_table(result)
     return result
+
+
+def compare(cfg: CompareConfig) -> None:
+    """Measure training-inference mismatch across engines and precisions; write report.md, metrics.json and plots.
+
+    The first of --engines generates the rollouts unless --generator is given; every engine and the
+    learner (HF BF16) then score the identical tokens teacher-forced. FourSight/NVFP4 checkpoints are
+    made with `foursight quantize` (--channels) unless given.
+    """
+    from foursight.models import resolve_model
+
+    specs = parse_engines(cfg.engines)
+    if cfg.attribute_by not in ("type", "block"):
+        raise CompareError("--attribute-by must be 'type' or 'block'")
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+        cfg = dataclasses.replace(cfg, command="foursight compare " + " ".join(sys.argv[2:]))
+    run_compare(resolve_model(cfg.model), specs, cfg)
+    print(f"report: {cfg.out / 'report.md'}")
+
+
+compare_command = guarded(typer_command(CompareConfig, compare))
