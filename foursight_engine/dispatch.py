@@ -8,13 +8,14 @@ loading, and again after a weight update) and runs the forward on it:
 * :class:`TritonBackend` — the Triton SpliceGEMM kernels (:mod:`foursight.kernels.api`, imported
   only when the backend is used); CUDA tensors.
 
-* :class:`FlashInferBackend`, :class:`DotScaledBackend` — the Blackwell native-FP4 backends
-  (FlashInfer's ``mm_nvfp4_svdquant``; the Triton ``tl.dot_scaled`` form), opt-in until a Blackwell
-  run has verified them (docs/blackwell.md).
+* the Blackwell native-FP4 backends (FlashInfer's ``mm_nvfp4_svdquant``; the Triton ``tl.dot_scaled``
+  form), opt-in until a Blackwell run has verified them (docs/blackwell.md): their adapters live in
+  their own modules (:mod:`foursight.kernels.flashinfer_gemm`, :mod:`foursight.kernels.dot_scaled`),
+  imported by name when one is asked for (``foursight.kernels.backends.load_backend``).
 
 :func:`prepare_linear` chooses a weight's backend once (:func:`select_backend`): CPU weights run the
 reference; CUDA weights follow ``FOURSIGHT_KERNEL_BACKEND`` and the device's capability through
-:func:`foursight.kernels.blackwell.choose_backend` (default: the first of :data:`BACKENDS` that
+:func:`foursight.kernels.backends.choose_backend` (default: the first of :data:`BACKENDS` that
 supports the weight, i.e. Triton; the choice is logged once per device). It returns a
 :class:`PreparedLinear`, which every caller (the HF reference model, the vLLM and SGLang adapters)
 keeps and calls per forward. No per-call dispatch happens after that.
@@ -93,56 +94,11 @@ class TritonBackend:
         return splice_linear(x, state, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant)
 
 
-class FlashInferBackend:
-    """Blackwell: FlashInfer's ``mm_nvfp4_svdquant`` (``foursight.kernels.flashinfer_gemm``): W4A4 with
-    the static per-layer activation scale, bf16; dynamic per-row scales are refused at the first call
-    with a message naming ``--activation-scale static``. Opt-in (``FOURSIGHT_KERNEL_BACKEND=flashinfer``)."""
-
-    name = "flashinfer"
-
-    def supports(self, qw: QuantizedWeight) -> bool:
-        return qw.weight_packed.is_cuda
-
-    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False):
-        from foursight.kernels.flashinfer_gemm import prepare_flashinfer_weight
-
-        return prepare_flashinfer_weight(qw, name)
-
-    def forward(self, state, x, bias, input_global_scale, act_quant):
-        from foursight.kernels.flashinfer_gemm import flashinfer_linear
-
-        return flashinfer_linear(state, x, bias, input_global_scale, act_quant)
-
-
-class DotScaledBackend:
-    """Blackwell: the Triton ``tl.dot_scaled`` form (``foursight.kernels.dot_scaled``), W4A4 with static
-    or dynamic activation scales. Opt-in (``FOURSIGHT_KERNEL_BACKEND=dot_scaled``)."""
-
-    name = "dot_scaled"
-
-    def supports(self, qw: QuantizedWeight) -> bool:
-        return qw.weight_packed.is_cuda
-
-    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False):
-        from foursight.kernels.dot_scaled import prepare_native_weight
-
-        return name, prepare_native_weight(qw, name)
-
-    def forward(self, state, x, bias, input_global_scale, act_quant):
-        from foursight.kernels.dot_scaled import dot_scaled_linear
-        from foursight.nvfp4 import NVFP4Error
-
-        name, pw = state
-        if not act_quant:
-            raise NVFP4Error(f"{name}: the dot_scaled backend runs W4A4 only; serve W4A16 checkpoints with "
-                             "FOURSIGHT_KERNEL_BACKEND=triton")
-        return dot_scaled_linear(x, pw, bias, input_global_scale, name=name)
-
-
 #: Backends in order of preference; the first that supports a weight runs it.
 BACKENDS: list[LinearBackend] = [TritonBackend(), ReferenceBackend()]
-#: Every backend by the name ``FOURSIGHT_KERNEL_BACKEND`` gives it.
-BY_NAME: dict[str, LinearBackend] = {b.name: b for b in (*BACKENDS, FlashInferBackend(), DotScaledBackend())}
+#: The backends by the name ``FOURSIGHT_KERNEL_BACKEND`` gives them; the experimental ones join when first
+#: asked for, from the module the one registry names (``foursight.kernels.backends.load_backend``)
+BY_NAME: dict[str, LinearBackend] = {b.name: b for b in BACKENDS}
 _LOGGED: set = set()
 
 
@@ -156,11 +112,11 @@ def _capability(qw: QuantizedWeight) -> tuple[int, int] | None:
 def select_backend(qw: QuantizedWeight) -> LinearBackend:
     """The backend of ``qw``: the reference on CPU; on CUDA the one ``FOURSIGHT_KERNEL_BACKEND`` asks for
     (``auto``: the first of :data:`BACKENDS` that supports ``qw``), by the capability rule of
-    :func:`foursight.kernels.blackwell.choose_backend`, which raises when the asked-for backend cannot run."""
+    :func:`foursight.kernels.backends.choose_backend`, which raises when the asked-for backend cannot run."""
     cap = _capability(qw)
     if cap is not None:
         try:
-            from foursight.kernels.blackwell import choose_backend, requested_backend
+            from foursight.kernels.backends import choose_backend, load_backend, requested_backend
         except ImportError:  # no Triton: the loop below takes the reference (TritonBackend.supports says no too)
             return next(b for b in BACKENDS if b.supports(qw))
         name, reason = choose_backend(cap, requested_backend())
@@ -169,6 +125,8 @@ def select_backend(qw: QuantizedWeight) -> LinearBackend:
             # on Blackwell every choice runs code that has not run there yet: say so where it is seen
             log = logger.warning if cap[0] in (10, 12) else logger.info
             log("FourSight linear backend: %s (%s)", name, reason)
+        if name not in BY_NAME:
+            BY_NAME[name] = load_backend(name)
         if name != "triton" or BY_NAME["triton"].supports(qw):
             return BY_NAME[name]
     for b in BACKENDS:

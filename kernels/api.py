@@ -26,6 +26,7 @@ from foursight.layer import QuantizedActivation, QuantizedWeight, channel_mask, 
 from foursight.nvfp4 import NVFP4Error, check_k
 
 from . import act_quant as _aq
+from .backends import form_module
 from .configs import (
     DECODE_CONFIGS,
     FP16_CONFIGS,
@@ -128,7 +129,7 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
     ws = os.environ.get("FOURSIGHT_WS", "0")  # the experimental warp-specialized Gluon form: 0 (default), 1, only
     if ws in ("1", "only"):
-        from . import gluon_ws  # experimental: imported only when asked for
+        gluon_ws = form_module("gluon_ws")  # experimental: imported by name only when asked for
 
         if ws == "only":
             return list(WS_CONFIGS[path]) if gluon_ws.available() else []
@@ -171,10 +172,8 @@ def _ws_run(cfg: WSConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: b
     """The experimental warp-specialized Gluon form (its plain-Triton twin under the interpreter)."""
     if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
         raise NVFP4Error(f"foursight.kernels: the gluon_ws form takes bf16 activations, got {x.dtype}")
-    if interpreting():
-        from .gluon_ws_twin import ws_twin_launch as launch
-    else:
-        from .gluon_ws import ws_launch as launch
+    form = form_module("gluon_ws", interpreted=interpreting())
+    launch = form.ws_twin_launch if interpreting() else form.ws_launch
     return launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant, xs=xs)
 
 

@@ -15,15 +15,22 @@ Experimental backends never run unless asked for (:data:`BACKEND_ENV`, ``foursig
 *kernel forms* inside the ``triton`` backend (the warp-specialized Gluon tile, :mod:`.gluon_ws`) are
 opt-in the same way (``FOURSIGHT_WS``), listed in :data:`EXPERIMENTAL_FORMS`.
 
+The experimental backends and forms live apart from the default path: the registry names the module
+of each, and it is imported by that name only when it is asked for (:func:`load_backend`,
+:func:`form_module`), as an engine loads a plugin. No module of the default path imports them
+(``tests/test_import_graph.py`` checks it).
+
 This module is the rule only (pure functions of the capability, testable with a faked one); how each
 backend prepares and runs a layer is :mod:`foursight.dispatch`'s.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
-from typing import Callable
+from types import ModuleType
+from typing import Any, Callable, NamedTuple
 
 #: The environment variable that selects the backend of every FourSight layer of the process.
 BACKEND_ENV: str = "FOURSIGHT_KERNEL_BACKEND"
@@ -75,6 +82,9 @@ class KernelBackend:
     #: ``rule(capability) -> None`` when it can run there, else the reason it cannot (the message of
     #: :class:`BackendUnavailable` when it is asked for)
     rule: Callable[[tuple[int, int] | None], str | None]
+    #: the module of an experimental backend, whose ``BACKEND`` is its linear adapter (the protocol
+    #: ``foursight.dispatch.LinearBackend``); imported by name, only when the backend is asked for
+    module: str | None = None
 
     def is_supported(self, capability: tuple[int, int] | None) -> bool:
         return self.rule(capability) is None
@@ -107,8 +117,10 @@ def _blackwell_rule(what: str):
 REGISTRY: dict[str, KernelBackend] = {b.name: b for b in (
     KernelBackend("triton", "Triton SpliceGEMM kernels (fragment / dequant forms), verified on sm_90", False, _triton_rule),
     KernelBackend("reference", "the PyTorch reference (foursight.layer.reference_linear)", False, lambda cap: None),
-    KernelBackend("dot_scaled", "Triton tl.dot_scaled native FP4 (docs/blackwell.md)", True, _blackwell_rule("dot_scaled")),
-    KernelBackend("flashinfer", "FlashInfer mm_nvfp4_svdquant (docs/blackwell.md)", True, _blackwell_rule("flashinfer")),
+    KernelBackend("dot_scaled", "Triton tl.dot_scaled native FP4 (docs/blackwell.md)", True, _blackwell_rule("dot_scaled"),
+                  "foursight.kernels.dot_scaled"),
+    KernelBackend("flashinfer", "FlashInfer mm_nvfp4_svdquant (docs/blackwell.md)", True, _blackwell_rule("flashinfer"),
+                  "foursight.kernels.flashinfer_gemm"),
 )}
 #: The values :data:`BACKEND_ENV` accepts.
 CHOICES: tuple[str, ...] = ("auto", *REGISTRY)
@@ -116,10 +128,37 @@ CHOICES: tuple[str, ...] = ("auto", *REGISTRY)
 NATIVE: tuple[str, ...] = tuple(n for n, b in REGISTRY.items() if b.experimental)
 #: Experimental kernel forms of the ``triton`` backend: name -> (environment switch, support rule). Not
 #: autotune candidates unless switched on (measured slower everywhere: benchmarks/results/h200-2026-12-05-ws/).
-EXPERIMENTAL_FORMS: dict[str, tuple[str, Callable]] = {
-    "gluon_ws": ("FOURSIGHT_WS=1 (or only)", lambda cap: None if cap is not None and cap[0] == 9 and gluon_available()
-                 else f"the Gluon warp-specialized form needs sm_90 and triton.experimental.gluon; this is {sm(cap)}"),
+class ExperimentalForm(NamedTuple):
+    """An experimental kernel form of the ``triton`` backend: its switch, its support rule (``rule(capability)``:
+    None when it can run there, else why not), and its modules, imported by name only when it is switched on."""
+
+    switch: str
+    rule: Callable[[tuple[int, int] | None], str | None]
+    module: str  # the form's kernels
+    twin: str  # its plain-Triton twin, which the interpreter runs
+
+
+EXPERIMENTAL_FORMS: dict[str, ExperimentalForm] = {
+    "gluon_ws": ExperimentalForm(
+        "FOURSIGHT_WS=1 (or only)",
+        lambda cap: None if cap is not None and cap[0] == 9 and gluon_available()
+        else f"the Gluon warp-specialized form needs sm_90 and triton.experimental.gluon; this is {sm(cap)}",
+        "foursight.kernels.gluon_ws", "foursight.kernels.gluon_ws_twin"),
 }
+
+
+def load_backend(name: str) -> Any:
+    """The linear adapter (``BACKEND``) of the experimental backend ``name``, its module imported now."""
+    module = REGISTRY[name].module
+    if module is None:
+        raise ValueError(f"{BACKEND_ENV}={name}: not an experimental backend (its adapter is foursight.dispatch's)")
+    return importlib.import_module(module).BACKEND
+
+
+def form_module(name: str, interpreted: bool = False) -> ModuleType:
+    """The module of the experimental kernel form ``name`` (its plain-Triton twin when ``interpreted``), imported now."""
+    form = EXPERIMENTAL_FORMS[name]
+    return importlib.import_module(form.twin if interpreted else form.module)
 
 
 def requested_backend(environ=None) -> str:

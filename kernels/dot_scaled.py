@@ -293,3 +293,27 @@ def dot_scaled_linear(
         config = INTERP_CONFIGS["swap" if m <= 16 else "ss"]
     dot_scaled_launch(config or config_for(m), packed, scale, gs, xs, pw, bias, out)
     return out.reshape(*lead, pw.out_features)
+
+
+class DotScaledBackend:
+    """The linear adapter of the experimental ``dot_scaled`` backend (``foursight.dispatch.LinearBackend``;
+    ``FOURSIGHT_KERNEL_BACKEND=dot_scaled``): W4A4 with static or dynamic activation scales."""
+
+    name = "dot_scaled"
+
+    def supports(self, qw: QuantizedWeight) -> bool:
+        return qw.weight_packed.is_cuda
+
+    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False) -> tuple[str, NativeWeight]:
+        return name, prepare_native_weight(qw, name)
+
+    def forward(self, state, x, bias, input_global_scale, act_quant):
+        name, pw = state
+        if not act_quant:
+            raise NVFP4Error(f"{name}: the dot_scaled backend runs W4A4 only; serve W4A16 checkpoints with "
+                             "FOURSIGHT_KERNEL_BACKEND=triton")
+        return dot_scaled_linear(x, pw, bias, input_global_scale, name=name)
+
+
+#: what ``foursight.kernels.backends.load_backend("dot_scaled")`` returns
+BACKEND = DotScaledBackend()

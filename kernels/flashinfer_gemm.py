@@ -224,3 +224,24 @@ def flashinfer_linear(fw: FlashInferWeight, x: torch.Tensor, bias: torch.Tensor 
         outs.append(mm(ops.a, seg.b, ops.a_sf, seg.b_sf, alpha, ops.d, l1, bias=b))
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return y.reshape(*lead, fw.out_features)
+
+
+class FlashInferBackend:
+    """The linear adapter of the experimental ``flashinfer`` backend (``foursight.dispatch.LinearBackend``;
+    ``FOURSIGHT_KERNEL_BACKEND=flashinfer``): W4A4 with the static per-layer activation scale, bf16; dynamic
+    per-row scales are refused at the first call with a message naming ``--activation-scale static``."""
+
+    name = "flashinfer"
+
+    def supports(self, qw: QuantizedWeight) -> bool:
+        return qw.weight_packed.is_cuda
+
+    def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False) -> FlashInferWeight:
+        return prepare_flashinfer_weight(qw, name)
+
+    def forward(self, state, x, bias, input_global_scale, act_quant):
+        return flashinfer_linear(state, x, bias, input_global_scale, act_quant)
+
+
+#: what ``foursight.kernels.backends.load_backend("flashinfer")`` returns
+BACKEND = FlashInferBackend()
