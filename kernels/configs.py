@@ -114,7 +114,13 @@ class FragmentConfig(_Config):
       elsewhere the tile runs as without it;
     * ``persistent``: as many programs as fit on the GPU at once walk the (tile, split) work items;
     * ``q_split``: the standalone quantizer (dynamic scale, or M above ``QUANT_IN_MAX_M``) runs
-      ``q_split`` programs per row instead of one (:func:`.act_quant.act_quant_launch`).
+      ``q_split`` programs per row instead of one (:func:`.act_quant.act_quant_launch`);
+    * ``cols_late``: the BF16 columns' loads follow the FP4 loop instead of preceding it (their W[:, S]
+      rows prefetched into L2 before it), each split's share even and in one step
+      (:func:`.split_k.segment_plan`). Offline sm_90a SASS showed the preloaded columns stored to shared
+      memory *before* the loop's first copies, so every program's FP4 stream waited for them
+      (docs/kernels.md, "Why the columns cost more than their bytes"). Left out of ``str()`` when off, so
+      the tags of the other tiles stay as the benchmarks recorded them.
     """
 
     form: ClassVar[str] = "fragment"
@@ -131,6 +137,11 @@ class FragmentConfig(_Config):
     quant_in: bool = False
     persistent: bool = False
     q_split: int = 1
+    cols_late: bool = False
+
+    def __str__(self) -> str:
+        tag = super().__str__()
+        return tag if self.cols_late else tag.rsplit("/", 1)[0]
 
     def __post_init__(self):
         if (self.block_n % 64 or self.block_k not in (128, 256) or self.block_m not in (16, 32, 64, 128, 256)
@@ -187,6 +198,14 @@ RECIPE_CONFIGS: tuple = (
     FragmentConfig(16, 128, 256, 4, max_regs=128, num_warps=8, narrow=True, persistent=True),
 )
 
+#: The BF16 columns loaded after the FP4 loop (``cols_late``), on the two tiles the H100 grid chose for
+#: W4A4 k = 128 at 8192² (M = 16 and M = 64, benchmarks/results/h100-2026-12-06-v4/splice_gemm.json).
+#: Unmeasured: autotune candidates after the measured tiles.
+COLUMNS_LATE_CONFIGS: tuple = (
+    FragmentConfig(16, 64, 256, 3, max_regs=128, narrow=True, q_split=8, cols_late=True),
+    FragmentConfig(64, 64, q_split=8, cols_late=True),
+)
+
 # The v3 tiles kept below are those the H200 grid chose somewhere (benchmarks/results/h200-2026-12-05/
 # splice_gemm.json, "*_config"); the ones it never chose left the lists (fewer compilations and timings
 # per key). Each list starts with a tile that grid chose.
@@ -208,6 +227,7 @@ DECODE_CONFIGS: tuple = (
     FragmentConfig(16, 128, narrow=True, q_split=8),
     FragmentConfig(16, 64, 256, 3, max_regs=128, narrow=True, q_split=8),
     *RECIPE_CONFIGS,
+    COLUMNS_LATE_CONFIGS[0],
 )
 #: Mid datapath (DECODE_MAX_M < M <= 128), bf16 activations. ``split_k`` 4 and 2 spread the BF16 columns
 #: (and K) over several programs per tile where the automatic plan gives one (M = 64: 9-17 µs of serial
@@ -222,6 +242,7 @@ MID_CONFIGS: tuple = (
     FragmentConfig(64, 64, q_split=8),
     FragmentConfig(64, 128, 128, 4, max_regs=128, num_warps=8, persistent=True),
     FragmentConfig(64, 256, 128, 3, max_regs=128, num_warps=8, persistent=True),
+    COLUMNS_LATE_CONFIGS[1],
 )
 #: Prefill datapath (M > 128), bf16 activations.
 PREFILL_CONFIGS: tuple = (

@@ -63,12 +63,17 @@ def _a_tile(a_ptr, stride_am, smask_ptr, q_gs, k0, K, rm, ok, M, BLOCK_M: tl.con
 
 
 @triton.jit
-def _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, hi, M, BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr, A_ROWS: tl.constexpr):
+def _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, hi, M, BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr, A_ROWS: tl.constexpr,
+             DENSE: tl.constexpr = False):
     """``X[:, S]`` columns ``k0 .. k0 + BLOCK_KS`` (< ``hi``) gathered from X by channel index: [BLOCK_M, BLOCK_KS]
-    (``A_ROWS`` > 0: those rows loaded and repeated, as :func:`_a_tile`)."""
+    (``A_ROWS`` > 0: those rows loaded and repeated, as :func:`_a_tile`). ``DENSE``: ``x_ptr`` is ``X[:, S]``
+    itself, contiguous [M, KS] (the quantizer's copy): read by column, no channel index."""
     offs_c = tl.arange(0, BLOCK_KS)
     cm = (k0 + offs_c) < hi
-    ch = tl.load(ch_ptr + k0 + offs_c, mask=cm, other=0).to(tl.int64)
+    if DENSE:
+        ch = (k0 + offs_c).to(tl.int64)
+    else:
+        ch = tl.load(ch_ptr + k0 + offs_c, mask=cm, other=0).to(tl.int64)
     if A_ROWS == 0:
         xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=cm[None, :], other=0.0)
     else:
@@ -119,6 +124,8 @@ def _fragment_gemm_kernel(
     QUANT_IN: tl.constexpr = False,  # the activation is quantized in this kernel (static scale, A_ROWS > 0)
     DIV6_RECIP: tl.constexpr = False,  # QUANT_IN: the block-scale division as on CUDA (primitives.DIV6_RECIP_ON_CUDA)
     PERSISTENT: tl.constexpr = False,  # grid axis 0 walks the TILES x SPLITS work items with stride num_programs
+    SEG_LATE: tl.constexpr = False,  # the BF16 columns' loads follow the FP4 loop (W[:, S] prefetched into L2 before it)
+    XS_DENSE: tl.constexpr = False,  # x_ptr is X[:, S] contiguous [M, KS] (the quantizer's copy), not X
 ):
     if PERSISTENT:
         for work in range(tl.program_id(0), TILES * SPLITS, tl.num_programs(0)):
@@ -127,14 +134,14 @@ def _fragment_gemm_kernel(
                            w_gs_ptr, wb_ptr, stride_wbn, bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLITS,
                            M, N, K, KS, CHUNKS_PER_SPLIT, FIRST_CHUNKS, KCP, NP, smask_ptr, SEG_PER_SPLIT,
                            A_QUANT, HAS_BIAS, HAS_KS, SPLIT, SCALE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_KS, GROUP_M,
-                           INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP)
+                           INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP, SEG_LATE, XS_DENSE)
     else:
         _fragment_work(tl.program_id(0), tl.program_id(1),
                        a_ptr, stride_am, a_gs_ptr, x_ptr, stride_xm, ch_ptr, wf_ptr, stride_wfn, sf_ptr, stride_sfn,
                        w_gs_ptr, wb_ptr, stride_wbn, bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLITS,
                        M, N, K, KS, CHUNKS_PER_SPLIT, FIRST_CHUNKS, KCP, NP, smask_ptr, SEG_PER_SPLIT,
                        A_QUANT, HAS_BIAS, HAS_KS, SPLIT, SCALE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_KS, GROUP_M,
-                       INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP)
+                       INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP, SEG_LATE, XS_DENSE)
 
 
 @triton.jit
@@ -147,6 +154,7 @@ def _fragment_work(
     SCALE_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_KS: tl.constexpr, GROUP_M: tl.constexpr, INTERP: tl.constexpr, GDC_WAIT: tl.constexpr,
     PREFETCH_CHUNKS: tl.constexpr, A_ROWS: tl.constexpr, QUANT_IN: tl.constexpr, DIV6_RECIP: tl.constexpr,
+    SEG_LATE: tl.constexpr, XS_DENSE: tl.constexpr,
 ):
     """One (output tile ``pid``, split ``pid_k``) of :func:`_fragment_gemm_kernel`."""
     pid_m, pid_n = tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -181,9 +189,20 @@ def _fragment_work(
         seg_lo = pid_k * SEG_PER_SPLIT
         seg_hi = tl.minimum(KS, seg_lo + SEG_PER_SPLIT)
         offs_c = tl.arange(0, BLOCK_KS)
-        wb0 = tl.load(wb_ptr + rn[:, None] * stride_wbn + (seg_lo + offs_c)[None, :],
-                      mask=((seg_lo + offs_c) < seg_hi)[None, :], other=0.0)
-        xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS)
+        if SEG_LATE:
+            # nothing here that the FP4 stream would wait for: Triton stores a dot operand to shared memory
+            # where it is loaded, so a column tile loaded here holds the loop's first copies until it has
+            # arrived (and X[:, S]'s gather first waits for the channel indices). Only this split's W[:, S]
+            # rows are pulled into L2 (a hint, no register); the loads follow the loop, next to the scales'
+            if not INTERP:
+                if seg_lo < seg_hi:
+                    w_row = wb_ptr + rn * stride_wbn
+                    prefetch_l2(w_row + seg_lo)
+                    prefetch_l2(w_row + seg_hi - 1)
+        else:
+            wb0 = tl.load(wb_ptr + rn[:, None] * stride_wbn + (seg_lo + offs_c)[None, :],
+                          mask=((seg_lo + offs_c) < seg_hi)[None, :], other=0.0)
+            xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE)
 
     if QUANT_IN:
         q_gs = tl.load(a_gs_ptr)
@@ -214,6 +233,11 @@ def _fragment_work(
         w_ptrs += WB
         s_ptrs += G
 
+    if HAS_KS:
+        if SEG_LATE:  # issued together with the global scales' loads below: one round trip for all
+            xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE)
+            wb0 = tl.load(wb_ptr + rn[:, None] * stride_wbn + (seg_lo + offs_c)[None, :],
+                          mask=((seg_lo + offs_c) < seg_hi)[None, :], other=0.0)
     wgs = tl.load(w_gs_ptr + rn)
     if QUANT_IN:
         acc = acc * (128.0 / (wgs * q_gs))[:, None]
@@ -227,7 +251,7 @@ def _fragment_work(
         acc = mma(wb0, tl.trans(xs0), acc, INTERP)
         for k0 in range(seg_lo + BLOCK_KS, seg_hi, BLOCK_KS):
             cm = (k0 + offs_c) < seg_hi
-            xs = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS)
+            xs = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE)
             wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
             acc = mma(wb, tl.trans(xs), acc, INTERP)
 
@@ -265,7 +289,8 @@ def a_rows_for(m: int, bm: int) -> int:
     return r if r < bm else 0
 
 
-def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = False, quant_in: bool = False):
+def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = False, quant_in: bool = False,
+                    xs=None):
     """Launch the fragment kernel (one launch; with split-K the last split of each tile reduces).
 
     ``a``: the bf16 ``q*s`` activation (``a_quant``, ``a_gs`` its per-row global scales) or X itself
@@ -276,7 +301,10 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     activation quantizer (which called ``gdc_launch_dependents``): each program prefetches its first
     weight chunks into L2 and then waits for the quantizer (``gdc_wait``) before it reads ``a``.
     ``cfg.narrow``: only ``a_rows_for(M)`` activation rows are loaded; ``cfg.persistent``: as many
-    programs as fit at once walk the (tile, split) work items."""
+    programs as fit at once walk the (tile, split) work items. ``cfg.cols_late``: the BF16 columns are
+    loaded after the FP4 loop, their W[:, S] rows prefetched into L2 before it, one step per split where
+    the share allows (:func:`~.split_k.segment_plan`). ``xs``: ``X[:, S]`` contiguous [M, k] (the
+    quantizer's ``write_xs`` copy), read densely instead of gathered from ``x`` by channel index."""
     fw = fragment_of(pw)
     sf = scale_view(fw)
     m = x.shape[0]
@@ -290,10 +318,16 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     a_rows = a_rows_for(m, bm) if (cfg.narrow or quant_in) else 0
     if quant_in and (a_rows == 0 or m > QUANT_IN_MAX_M or not a_quant):
         raise ValueError(f"fragment_launch: quantizing inside the GEMM needs W4A4 and M <= {QUANT_IN_MAX_M}, got M = {m}")
+    xs_dense = xs is not None and kk > 0
+    if xs_dense and (xs.dtype != torch.bfloat16 or tuple(xs.shape) != (m, kk) or xs.stride(1) != 1):
+        raise ValueError(f"fragment_launch: xs must be X[:, S] as bf16 [{m}, {kk}] with unit column stride, "
+                         f"got {xs.dtype} {tuple(xs.shape)} strides {xs.stride()}")
     consts = dict(A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SCALE_BF16=fw.scale_bf16,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KS=16,
                   GROUP_M=8, INTERP=interpreting(), A_ROWS=a_rows, QUANT_IN=quant_in,
                   DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False, PERSISTENT=cfg.persistent)
+    if cfg.cols_late or xs_dense:  # only then: the other tiles' compiled variants keep their cache keys
+        consts.update(SEG_LATE=cfg.cols_late, XS_DENSE=xs_dense)
     nw = cfg.num_warps
     opts = dict(num_warps=nw, num_stages=cfg.num_stages)
     if cfg.max_regs and not interpreting():
@@ -306,7 +340,7 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     def args(ws, cnt, splits, cps, first, seg=16):
         return (a, a.stride(0),
                 a_gs if a_gs is not None else dummy,
-                x, x.stride(0),
+                xs if xs_dense else x, xs.stride(0) if xs_dense else x.stride(0),
                 pw.bf16_channels if kk else pw.channel_mask,
                 fw.words, fw.words.stride(0),
                 sf, sf.stride(0),
@@ -323,7 +357,7 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
         slots = _resident_slots(out.device, key, lambda: _fragment_gemm_kernel.warmup(
             *args(dummy, split_counters(out.device, 1), 2, 16, 16), SPLIT=True, **consts, **opts, grid=(1, 1)), nw)
     splits, cps, first = split_plan(m, n, kcp, kk, bm, bn, step, cfg.split_k, slots)
-    consts["BLOCK_KS"], seg = segment_plan(kk, splits)
+    consts["BLOCK_KS"], seg = segment_plan(kk, splits, late=cfg.cols_late)
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
     cnt = split_counters(out.device, tiles) if splits > 1 else dummy
     grid = (min(tiles * splits, slots), 1) if cfg.persistent else (tiles, splits)

@@ -57,10 +57,20 @@ SEGMENT_STEP: int = 16
 SEGMENT_PRELOAD: int = 32
 
 
-def segment_plan(kk: int, splits: int) -> tuple[int, int]:
+#: ``late`` segment plan (``FragmentConfig.cols_late``): the largest step, loaded after the FP4 loop where
+#: the loop's registers are free (a 64-row tile: 16 registers per thread for W[:, S])
+SEGMENT_LATE_MAX: int = 64
+
+
+def segment_plan(kk: int, splits: int, late: bool = False) -> tuple[int, int]:
     """(BLOCK_KS, columns per split) of the BF16 segment: ``kk`` columns over ``splits`` programs;
     BLOCK_KS (16 or :data:`SEGMENT_PRELOAD`) is the step loaded before the FP4 loop, and every split's
-    share is a multiple of it."""
+    share is a multiple of it. ``late`` (the columns loaded after the FP4 loop): every split's share is
+    the even share rounded up to 16 columns (128 over 3 splits: 48, 48, 32, not 64, 64, 0), in one step
+    of the next power of two up to :data:`SEGMENT_LATE_MAX` (masked at the share's end)."""
+    if late:
+        per = triton.cdiv(triton.cdiv(max(kk, 1), splits), SEGMENT_STEP) * SEGMENT_STEP
+        return min(SEGMENT_LATE_MAX, triton.next_power_of_2(per)), per
     per = triton.cdiv(max(kk, 1), splits)
     step = SEGMENT_STEP if per <= SEGMENT_STEP else SEGMENT_PRELOAD
     return step, triton.cdiv(per, step) * step

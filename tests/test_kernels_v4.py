@@ -7,6 +7,11 @@ tile and the PyTorch reference.
   arithmetic in the same order) and within fp32-accumulation tolerance of ``reference_linear``;
 * the BF16 columns loaded before the FP4 loop cover every column once, for split counts whose share is
   one preloaded step, more than one, or none;
+* the BF16 columns loaded after the FP4 loop (``cols_late``) give the preloaded tile's output bit for bit
+  where both plans run each split's columns as one step of the same width, and are within tolerance of
+  the reference everywhere (W4A4, W4A16, shares of one step, several, none); their segment plan covers
+  every column once; a dense ``X[:, S]`` (``fragment_launch(xs=...)``) gives the gather's output bit for
+  bit; the ``cols_late`` candidates are never first and leave the other tiles' tags unchanged;
 * the quantizer split over programs is bit-exact (codes, scale bytes, global scales, ``q*s``, ``X[:, S]``);
 * the linear compiles with ``torch.compile(fullgraph=True, dynamic=True)`` as one custom op and gives
   eager's output;
@@ -28,7 +33,10 @@ from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET
 import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
 import foursight.kernels.api as fk_api  # noqa: E402
+from foursight.kernels import configs  # noqa: E402
 from foursight.kernels.configs import FragmentConfig  # noqa: E402
+from foursight.kernels.fragment import fragment_launch  # noqa: E402
+from foursight.kernels.split_k import segment_plan, split_plan  # noqa: E402
 from foursight.layer import channel_mask, quantize_activation, quantize_weight, reference_linear  # noqa: E402
 
 pytestmark = interpreted_only
@@ -99,17 +107,20 @@ def test_quant_in_runs_no_quantizer_launch(layer, monkeypatch):
     assert calls == [2, 5]
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["preloaded", "cols_late"])
 @pytest.mark.parametrize("split_k", [1, 2, 3, 8])
-def test_bf16_columns_preloaded_cover_every_column(split_k):
+def test_bf16_columns_preloaded_cover_every_column(split_k, late):
     """k = 200 BF16 columns over 1 (200 columns: one preloaded step of 32 and six more), 2, 3 and 8
-    splits (25 columns: one 32-column step; the last splits have none)."""
+    splits (25 columns: one 32-column step; the last splits have none). ``cols_late``: 1 split (one
+    64-column step and three more), 2 (100 -> 112 columns: two steps), 3 (67 -> 80: two steps, the last
+    split 40) and 8 (25 -> 32: one step; the last splits have none)."""
     g = torch.Generator().manual_seed(200 + split_k)
     w = torch.randn(64, 1024, generator=g) * 0.05
     ch = torch.sort(torch.randperm(1024, generator=g)[:200]).values.to(torch.int32)
     qw = quantize_weight(w, ch)
     pw = fk.prepare_weight(qw)
     x = (torch.randn(2, 1024, generator=g) * 3).bfloat16()
-    cfg = FragmentConfig(16, 64, 128, 1, split_k)
+    cfg = FragmentConfig(16, 64, 128, 1, split_k, cols_late=late)
     y = fk.splice_linear(x, pw, config=cfg)
     _close(y, reference_linear(x, qw, out_dtype=torch.float32))
     y16 = fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=cfg)
@@ -162,8 +173,6 @@ def test_timer_flush_modes_and_pdl_default(monkeypatch):
 
 
 def test_candidate_lists(monkeypatch):
-    from foursight.kernels import configs
-
     monkeypatch.delenv("FOURSIGHT_WS", raising=False)
     for path in ("decode", "mid", "prefill"):
         cands = fk_api.candidates(path, 1, "linear")
@@ -193,3 +202,74 @@ def test_one_backend_registry():
         assert not backends.REGISTRY[name].experimental  # experimental backends run only when asked for
     gluon = backends.EXPERIMENTAL_FORMS["gluon_ws"][1]
     assert gluon(None) and gluon((10, 0))  # a reason: not supported off sm_90
+
+
+def _same_steps(pw, cfg: FragmentConfig, m: int) -> bool:
+    """Both plans run each split's columns as one step of the same width (then the sums are the same)."""
+    kcp = -(-pw.in_features // 256) * 2
+    splits, _, _ = split_plan(m, pw.out_features, kcp, pw.num_channels, cfg.block_m, cfg.block_n, cfg.block_k // 128,
+                              cfg.split_k, 8)  # 8 resident programs under the interpreter
+    early, late = segment_plan(pw.num_channels, splits), segment_plan(pw.num_channels, splits, late=True)
+    return early == late and early[1] <= early[0]
+
+
+@pytest.mark.parametrize("split_k", [0, 1, 4])
+@pytest.mark.parametrize("m", [1, 5])
+def test_cols_late_equals_the_preloaded_tile(layer, split_k, m):
+    qw, pw, g = layer
+    x = _act(m, g)
+    bias = torch.randn(N, generator=g).bfloat16()
+    plain = FragmentConfig(16, 64, 128, 1, split_k)
+    late = FragmentConfig(16, 64, 128, 1, split_k, cols_late=True)
+    same = _same_steps(pw, plain, m)
+    for a_quant in (True, False):
+        run = (lambda c: fk.splice_linear(x, pw, bias=bias, config=c)) if a_quant else \
+            (lambda c: fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=c))
+        y0, y = run(plain), run(late)
+        if same:
+            assert torch.equal(y, y0), f"{late} differs from {plain} (W4A{4 if a_quant else 16}, M = {m})"
+        _close(y, reference_linear(x, qw, bias=bias, act_quant=a_quant, out_dtype=torch.float32))
+    assert same == (split_k == 4), "the plans of this shape: split_k 4 gives one 32-column step each in both"
+
+
+def test_late_segment_plan_covers_every_column_once():
+    for kk in (1, 15, 16, 17, 100, 128, 200, 512):
+        for splits in range(1, 12):
+            step, per = segment_plan(kk, splits, late=True)
+            assert step in (16, 32, 64) and per % 16 == 0 and step >= min(per, 64)
+            seen = [c for p in range(splits) for c in range(p * per, min(kk, (p + 1) * per))]
+            assert seen == list(range(kk)), (kk, splits)
+    assert segment_plan(128, 3, late=True) == (64, 48)  # 48, 48, 32 columns, not 64, 64, 0
+    assert segment_plan(128, 3) == (32, 64)
+
+
+@pytest.mark.parametrize("cfg", [FragmentConfig(16, 64, 128, 1, 0), FragmentConfig(16, 64, 128, 1, 3, cols_late=True)], ids=str)
+def test_dense_xs_equals_the_gather(layer, cfg):
+    """The quantizer's ``X[:, S]`` copy read densely gives the output of the gather by channel index, bit for
+    bit (W4A4: the quantizer's ``q*s``; W4A16: X itself as the FP4 operand)."""
+    qw, pw, g = layer
+    x = _act(3, g)
+    _, _, deq, gs, xs = fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, True,
+                                               deq_dtype=torch.bfloat16, cols=4)
+    assert torch.equal(xs, x[:, pw.bf16_channels.long()])
+    for a, a_gs, a_quant in ((deq, gs, True), (x, None, False)):
+        y0 = torch.empty(3, N, dtype=torch.float32)
+        y1 = torch.empty(3, N, dtype=torch.float32)
+        fragment_launch(cfg, a, a_gs, x, pw, None, y0, a_quant)
+        fragment_launch(cfg, a, a_gs, x, pw, None, y1, a_quant, xs=xs)
+        assert torch.equal(y0, y1), f"dense X[:, S] differs from the gather ({cfg}, W4A{4 if a_quant else 16})"
+    _close(y0, reference_linear(x, qw, act_quant=False, out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="xs must be"):
+        fragment_launch(cfg, deq, gs, x, pw, None, y0, True, xs=xs[:, :64])
+
+
+def test_cols_late_candidates():
+    late = set(configs.COLUMNS_LATE_CONFIGS)
+    assert late <= set(configs.DECODE_CONFIGS) | set(configs.MID_CONFIGS)
+    for lst in (configs.DECODE_CONFIGS, configs.MID_CONFIGS):
+        assert lst[0] not in late and any(c in late for c in lst)  # first-candidate rule: never first
+    for c in (*configs.COLUMNS_LATE_CONFIGS, *configs.DECODE_CONFIGS, *configs.MID_CONFIGS):
+        assert configs.config_from_str(str(c)) == c
+    # the other tiles keep the tags the H100 run recorded (benchmarks/results/h100-2026-12-06-v4/splice_gemm.json)
+    assert str(FragmentConfig(16, 64, 256, 3, max_regs=128, narrow=True, q_split=8)) == "fragment/16/64/256/3/0/128/4/True/False/False/8"
+    assert str(configs.COLUMNS_LATE_CONFIGS[1]) == "fragment/64/64/128/3/0/0/4/False/False/False/8/True"

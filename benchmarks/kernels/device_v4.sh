@@ -21,6 +21,10 @@
 #              rowwise; batch 1/16/64 (no prefill)
 #   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64 (last: the
 #              probe already has PDL and the whole call; this splits the call into its parts)
+#   columns    (opt-in, not in the default STEPS) benchmarks/kernels/probe_columns.py: the BF16 columns' cost at
+#              8192², M 16/64, the H100 grid's tiles forced, k = 0 vs k = 128, the columns before the FP4 loop
+#              (today) vs after it (cols_late) and gathered vs dense X[:, S]; writes columns.json (+ columns.md
+#              into v4_summary.md). ~2-3 min: `STEPS=columns TOTAL_S=230 bash benchmarks/kernels/device_v4.sh`
 # The caps add up to ~485 s; steps usually end before their caps, and a step left with < 20 s is skipped
 # with a note in v4_summary.md (the last ones first).
 # $OUT gets 7 files (the device tool returns 8; one is left for the appended script):
@@ -133,13 +137,17 @@ fi
 if want breakdown; then
   run_step breakdown 35 $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes 8192x8192 --ms 1,64 --budget-s "$(budget 35 15)" $DRY
 fi
+if want columns; then
+  run_step columns 200 $PY benchmarks/kernels/probe_columns.py --out "$W" --shapes 8192x8192 --ms 16,64 --rounds 3 \
+    --budget-s "$(budget 200 60)" $DRY
+fi
 
-# pack: 7 files into $OUT
+# pack: 7 files into $OUT (8 with the columns step)
 say "done in $(( $(date +%s) - T0 ))s; packing"
 { echo "# SpliceGEMM v4 device run (issue 36)"; echo; echo "$HDR"; echo; echo '```'; cat "$LOG"; echo '```'
-  for f in probe_v4 splice_gemm breakdown bench_decode; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
+  for f in probe_v4 splice_gemm breakdown bench_decode columns; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
-for f in probe_v4.json splice_gemm.json bench_decode.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
+for f in probe_v4.json splice_gemm.json bench_decode.json columns.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
 { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stalls.csv"
 { echo "# $HDR"; for s in graph repeat; do echo "## $s"; grep -h "\] $s" "$LOG"; tail -60 "$W/$s.out" 2>/dev/null; done; } > "$OUT/tests.log"
