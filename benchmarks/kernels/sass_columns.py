@@ -215,11 +215,21 @@ def case_row(label: str, m: int, tag: str, kk: int, dense: bool = False) -> dict
     occ = per_sm(res, nw)
     cols = [max(0, min(kk, (p + 1) * seg) - p * seg) for p in range(splits)] if kk else [0] * splits
     programs = tiles * splits
+    steps = [-(-c // bks) for c in cols]
+    gathered = 0 if dense else tiles * sum(cols) * m  # X[:, S] elements gathered by channel index, all programs
     return {
         "case": label, "M": m, "N": N, "K": K, "k": kk, "config": tag, "x_s": "dense (the quantizer's copy)" if dense else "gathered from X",
         "estimate_variant": {**est_res, **est_occ, "slots": slots},
         "plan": {"tiles": tiles, "splits": splits, "chunks_per_split": cps, "programs": programs, "block_ks": bks,
-                 "columns_per_split": cols, "column_steps_after_the_preload": [max(0, -(-c // bks) - 1) for c in cols]},
+                 "columns_per_split": cols,
+                 "column_steps_before_the_loop": [0 if late else min(1, t) for t in steps],
+                 "column_steps_after_the_loop": [t if late else max(0, t - 1) for t in steps],
+                 # each gathered 2-byte element is about one 32-byte sector of its own (random channels):
+                 # an upper bound of the gather's L2 -> SM traffic; W[:, S] is N x k x 2 bytes
+                 "x_s_gathered_elements": gathered, "x_s_gather_sector_bytes_upper_bound": gathered * 32,
+                 "w_s_bytes": N * kk * 2,
+                 # what every tile reads besides: the activation tile over all of K (from L2) and the FP4 weight
+                 "a_bytes_all_tiles": tiles * m * K * 2, "fp4_bytes": N * K * 9 // 16},
         "launched_variant": {**res, **occ, "slots": occ["per_sm"] * H100["sms"],
                              "waves": round(programs / (occ["per_sm"] * H100["sms"]), 2)},
         "sass": layout(sass_of(launched)),
@@ -236,8 +246,9 @@ def write_md(res: dict, path: str) -> None:
         "8192 x 8192, W4A4, the H100's occupancy rule (132 SMs). Static counts, not a timing.",
         "",
         "| case | config | X[:, S] | regs (stack B) | shared KiB | programs/SM (estimate / launched) | splits x tiles | columns per split | "
-        "loads before the FP4 stream starts | shared stores waiting on them | main loop instr. | tail instr. (loops) | tail HGMMA / LDG / BAR |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "column steps before / after the loop | loads before the FP4 stream starts | shared stores waiting on them | main loop instr. | "
+        "tail instr. (loops, static) | tail HGMMA / LDG / BAR | X[:, S] gather sectors (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s, lv, ev, p = r["sass"], r["launched_variant"], r["estimate_variant"], r["plan"]
@@ -245,9 +256,10 @@ def write_md(res: dict, path: str) -> None:
         lines.append(
             f"| {r['case']} | `{r['config']}` | {r['x_s'] if r['k'] else '–'} | {lv['regs']} ({lv['stack_bytes']}) | {lv['shared_bytes'] / 1024:.1f} | "
             f"{ev['per_sm']} / {lv['per_sm']} | {p['splits']} x {p['tiles']} | {p['columns_per_split']} | "
+            f"{p['column_steps_before_the_loop']} / {p['column_steps_after_the_loop']} | "
             f"{s.get('loads_before_first_async_copy')} | {s.get('shared_stores_before_first_async_copy')} | "
             f"{s.get('main_loop', {}).get('instructions')} | {t.get('instructions')} ({t.get('loops')}) | "
-            f"{t.get('hgmma')} / {t.get('ldg')} / {t.get('bar_sync')} |")
+            f"{t.get('hgmma')} / {t.get('ldg')} / {t.get('bar_sync')} | {p['x_s_gather_sector_bytes_upper_bound'] / 1e6:.1f} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
