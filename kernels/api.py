@@ -193,9 +193,9 @@ def linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sca
         gs = _aq.static_global_scale(input_global_scale, x2.device)
         xc = x2.contiguous()
         return fragment_launch(cfg, xc, gs, xc, pw, bias, out, True, quant_in=True)
-    # X[:, S]: the SS form reads it contiguous from the quantizer; the fragment form gathers it itself,
-    # before its FP4 loop (the quantizer's serial gather is off the critical path)
-    want_xs = (isinstance(cfg, SSConfig) or isinstance(cfg, WSConfig)) and pw.num_channels > 0
+    # X[:, S]: the SS form and a cols_late fragment tile read it contiguous from the quantizer; the other
+    # fragment tiles gather it themselves, before their FP4 loop
+    want_xs = (isinstance(cfg, (SSConfig, WSConfig)) or (fragment and cfg.cols_late)) and pw.num_channels > 0
     pdl = fragment and x2.is_cuda and not PDL_ERRORS and pdl_supported()
     if pdl or fragment:
         x2 = x2.contiguous()  # before the quantizer: nothing may run between it and a PDL-launched GEMM
@@ -208,10 +208,10 @@ def linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sca
     if fragment:
         if pdl:
             try:
-                return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True)
+                return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, pdl=True, xs=xs)
             except Exception as e:  # noqa: BLE001 - a Triton whose PDL build fails: run without it from now on
                 PDL_ERRORS.append(f"{type(e).__name__}: {str(e)[:300]}")
-        return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True)
+        return fragment_launch(cfg, deq, gs, x2, pw, bias, out, True, xs=xs)
     return _gemm_dispatch(cfg, x2, pw, (deq, gs), bias, out, xs=xs)
 
 

@@ -32,7 +32,6 @@ from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET
 
 import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
-import foursight.kernels.api as fk_api  # noqa: E402
 from foursight.kernels import configs  # noqa: E402
 from foursight.kernels.configs import FragmentConfig  # noqa: E402
 from foursight.kernels.fragment import fragment_launch  # noqa: E402
@@ -148,7 +147,7 @@ def test_fullgraph_compile_calls_one_custom_op(layer):
     """vLLM compiles with fullgraph and a dynamic batch: the linear traces as ``foursight::splice_linear``
     and gives eager's output at every M (aot_eager: no C++ compiler needed)."""
     qw, pw, g = layer
-    assert not fk_api.COMPILE_OP_ERRORS
+    assert not fk.COMPILE_OP_ERRORS
     torch._dynamo.reset()
     fn = torch.compile(lambda x: fk.splice_linear(x, pw), backend="aot_eager", fullgraph=True, dynamic=True)
     for m in (3, 5):
@@ -175,7 +174,7 @@ def test_timer_flush_modes_and_pdl_default(monkeypatch):
 def test_candidate_lists(monkeypatch):
     monkeypatch.delenv("FOURSIGHT_WS", raising=False)
     for path in ("decode", "mid", "prefill"):
-        cands = fk_api.candidates(path, 1, "linear")
+        cands = fk.candidates(path, 1, "linear")
         assert cands and not any(isinstance(c, configs.WSConfig) for c in cands)  # Gluon WS: opt-in only
         assert all(configs.config_from_str(str(c)) == c for c in cands)
         # first-candidate rule: the first tile of every list is one the H200 grid measured (plain v3 form)
@@ -241,6 +240,21 @@ def test_late_segment_plan_covers_every_column_once():
             assert seen == list(range(kk)), (kk, splits)
     assert segment_plan(128, 3, late=True) == (64, 48)  # 48, 48, 32 columns, not 64, 64, 0
     assert segment_plan(128, 3) == (32, 64)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["preloaded", "cols_late"])
+def test_splice_linear_gives_a_cols_late_tile_the_dense_copy(layer, monkeypatch, late):
+    """Through the layer's call (``splice_linear``), a ``cols_late`` tile gets the quantizer's dense X[:, S]
+    and the other tiles gather it themselves (no copy written for them)."""
+    qw, pw, g = layer
+    got = []
+    monkeypatch.setattr(fk, "fragment_launch", lambda *a, **k: got.append(k.get("xs")) or fragment_launch(*a, **k))
+    x = _act(3, g)
+    y = fk.splice_linear(x, pw, config=FragmentConfig(16, 64, 128, 1, 3, cols_late=late))
+    assert len(got) == 1 and (got[0] is not None) == late
+    if late:
+        assert torch.equal(got[0], x[:, pw.bf16_channels.long()])
+    _close(y, reference_linear(x, qw, out_dtype=torch.float32))
 
 
 @pytest.mark.parametrize("cfg", [FragmentConfig(16, 64, 128, 1, 0), FragmentConfig(16, 64, 128, 1, 3, cols_late=True)], ids=str)

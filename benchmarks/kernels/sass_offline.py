@@ -138,7 +138,9 @@ def form_case(cfg, scale_bf16: bool):
     if form == "FragmentConfig":
         fn = _kernel("fragment", "_fragment_gemm_kernel")
         consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=scale_bf16, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False, XS_DENSE=True)
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False,
+                      # as the launch sets them: a cols_late tile reads the quantizer's dense X[:, S] (kernels.api)
+                      SEG_LATE=bool(getattr(cfg, "cols_late", False)), XS_DENSE=bool(getattr(cfg, "cols_late", False)))
         frag = __import__("foursight.kernels.fragment", fromlist=["x"])
         nw = getattr(cfg, "num_warps", 4)
         if hasattr(frag, "a_rows_for"):  # v4: the tile as it runs at M = 1 (decode) or at its block_m (mid, prefill)
