@@ -25,6 +25,7 @@
 #              8192², M 16/64, the H100 grid's tiles forced, k = 0 vs k = 128, the columns before the FP4 loop
 #              (today) vs after it (cols_late) and gathered vs dense X[:, S]; writes columns.json (+ columns.md
 #              into v4_summary.md). ~2-3 min: `STEPS=columns TOTAL_S=230 bash benchmarks/kernels/device_v4.sh`
+#              (carry .devcarry/a on a bare machine: the pydantic wheels are installed from it)
 # The caps add up to ~485 s; steps usually end before their caps, and a step left with < 20 s is skipped
 # with a note in v4_summary.md (the last ones first).
 # $OUT gets 7 files (the device tool returns 8; one is left for the appended script):
@@ -59,6 +60,12 @@ cp -r kernels "$PP/foursight/kernels"
 cp -r quant_methods "$PP/foursight/quant_methods"
 cp foursight_autoload.py "$PP/"
 export PYTHONPATH=$PP:/tmp/site:$ROOT  # /tmp/site: the pydantic wheels rl_device.sh stage installs (foursight.schema needs pydantic); $ROOT: foursight_autoload
+# a bare machine without that stage: install the carried pydantic wheels (.devcarry/a, rl_prepare_carry.py) here
+if ! $PY -c "import pydantic" 2>/dev/null && ls .devcarry/a/pydantic-*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devcarry/a/pydantic-*.whl \
+    .devcarry/a/pydantic_core-*.whl .devcarry/a/annotated_types-*.whl .devcarry/a/typing_inspection-*.whl \
+    .devcarry/a/typing_extensions-*.whl 2>&1 | tail -2
+fi
 KSHA=$($PY -c "
 import hashlib, pathlib
 h = hashlib.sha256()
