@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.calibration import builtin_texts  # noqa: E402
+from foursight.trainer_bridge.launch import free_port  # noqa: E402
 from foursight.trainer_bridge.metrics import abs_diff_summary  # noqa: E402
 from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from helpers.vllm_engine import EXT  # noqa: E402
@@ -85,12 +85,6 @@ def test_offline_llm_generates_and_matches_reference(smol_ckpt, smol_seqs, smoll
     assert gap["mean"] < effect["mean"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 #: the engine's FOURSIGHT_WEIGHTS_TOKEN (quant_methods/weight_authority.py)
 WEIGHTS_TOKEN = "test-weights-token-0123456789abcdef"
 
@@ -100,7 +94,7 @@ def server(smol_ckpt, tmp_path_factory):
     """``vllm serve CKPT --quantization foursight`` (through python -m, see docs/vllm.md) on 127.0.0.1."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     import tempfile
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from typing import NamedTuple
 
 import httpx
 import torch
+
+from foursight.trainer_bridge.launch import free_port
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -52,12 +53,6 @@ SERVER_ARGS = [
     "--random-seed", "0",
     "--enable-fp32-lm-head",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt_ids(model_dir: str | Path, n: int = 4, max_len: int = 48) -> list[list[int]]:
