@@ -24,10 +24,10 @@ class OptionError(ValueError):
 
 
 def fail(msg: str) -> NoReturn:
-    """Print ``error: msg`` and exit with status 2."""
+    """Print ``error: msg`` on standard error and exit with status 2."""
     from rich.console import Console
 
-    Console(soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {msg}", highlight=False)
     raise typer.Exit(2)
 
 

@@ -96,6 +96,7 @@ def test_rl_options_match_rlconfig():
 def test_one_error_style(tmp_path):
     r = CliRunner().invoke(app, ["inspect", str(tmp_path / "missing")])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "does not exist" in r.output  # names what is wrong (issue 28)
+    assert r.stderr.startswith("error: ") and r.stdout == ""  # on standard error, as click's own usage errors
     r = CliRunner().invoke(app, ["bridge", "serve", "--engine", "hf"], env={"COLUMNS": "200"})
     assert r.exit_code == 2 and r.output.startswith("error: ") and "--model" in r.output
     r = CliRunner().invoke(app, ["compare", "--engines", "vllm:fp8"], env={"COLUMNS": "200"})
