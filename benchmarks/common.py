@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -31,6 +32,17 @@ def git_commit(short: bool = False) -> str:
         except Exception:  # noqa: BLE001 - no git, not a checkout: say so in the result
             return "unknown"
     return commit[:12] if short else commit
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the machine field of a CPU measurement."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def kernels_sha256(kernels_dir: str | Path | None = None) -> str:

@@ -44,6 +44,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import cpu_model  # noqa: E402  (benchmarks/common.py)
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -60,16 +63,6 @@ def _git_commit() -> tuple[str, list[str]]:
         return sha + ("-dirty" if dirty else ""), dirty
     except Exception:
         return "unknown", []
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _timed_in_worker(llm, fn) -> dict:
@@ -221,7 +214,7 @@ def main() -> None:
         "commit": commit, "uncommitted_paths": dirty,
         "model": str(model.name), "tensors": len(weights), "params": sum(t.numel() for _, t in weights),
         "repeats": args.repeats, "buckets": args.buckets,
-        "host": {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "host": {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "python": sys.version.split()[0],
                  "note": "a CPU machine shared with other jobs: loadavg says how loaded it was"},
         "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},

@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""The bytes a FourSight vLLM engine really keeps for its linear layers (issue 36 item 6), measured inside
+the engine, next to the BF16 engine's bytes for the same linears.
+
+A FourSight checkpoint of SmolLM2-135M (k = 32, the weight-sync benchmark's cached one) is loaded with
+vLLM's offline ``LLM`` API on the CPU build, and inside the worker (``llm.apply_model``) every FourSight
+linear's tensors are counted once per storage, in three groups:
+
+* **params**: the layer's registered parameters and buffers (the checkpoint tensors the loaders write: the
+  packed FP4 codes, their E4M3 scales, ``W[:, S]``, the global scales, the channels; online mode would add
+  its BF16 weight);
+* **state**: what the layer's execution state (``layer.foursight_state``) holds beyond those, its
+  ``QuantizedWeight`` (the plugin state) and the backend's prepared form. On the CPU the backend is the
+  PyTorch reference, whose prepared form is the dequantized weight in float32 (a CPU-only speed choice);
+  a GPU engine holds the fragment form there instead, whose bytes are
+  ``foursight.kernels.api.resident_bytes`` (docs/kernels.md: 0.307x BF16 for Llama-3.1-8B's linears).
+
+So the file says, from the engine itself, whether the plugin keeps a second copy of the checkpoint
+tensors beside what the layer registers, and what a GPU engine keeps in all (the params measured here +
+the fragment form, by that formula).
+
+Usage::
+
+    python benchmarks/kernels/engine_bytes.py --out benchmarks/results/engine_bytes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import cpu_model, git_commit  # noqa: E402  (benchmarks/common.py)
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: apply_model reaches it
+
+
+def _tensors(obj, seen: set[int] | None = None):
+    """Every tensor reachable from ``obj`` through tuples, lists, dicts and dataclasses."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, seen)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name), seen)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("foursight"):
+        yield from _tensors(vars(obj), seen)
+
+
+def _storages(tensors) -> dict[int, int]:
+    """Storage pointer -> bytes, one entry per storage (views of one storage count once)."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def count(model) -> dict:
+    """Per-group bytes of every FourSight linear of ``model`` (runs inside the vLLM worker)."""
+    layers, params_b, qw_b, prepared_b, bf16_b, shapes, backends = 0, 0, 0, 0, 0, [], set()
+    for _, mod in model.named_modules():
+        state = getattr(mod, "foursight_state", None)
+        if state is None:
+            continue
+        layers += 1
+        backends.add(type(state.prepared.backend).__name__)
+        p = _storages([*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
+        q = _storages(_tensors(state.qw))
+        r = _storages(_tensors(state.prepared.state))
+        params_b += sum(p.values())
+        qw_b += sum(b for ptr, b in q.items() if ptr not in p)
+        prepared_b += sum(b for ptr, b in r.items() if ptr not in p and ptr not in q)
+        n, k = state.qw.out_features, state.qw.in_features
+        bf16_b += 2 * n * k
+        shapes.append((n, k, int(state.qw.bf16_channels.numel())))
+    return {"layers": layers, "shapes": shapes, "params_bytes": params_b, "qw_beyond_params_bytes": qw_b,
+            "prepared_beyond_bytes": prepared_b, "bf16_bytes": bf16_b,
+            "backend": ", ".join(sorted(backends))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", default=None, help="FourSight checkpoint (default: the weight-sync benchmark's SmolLM2 k = 32)")
+    ap.add_argument("--out", default="benchmarks/results/engine_bytes")
+    args = ap.parse_args()
+
+    from foursight.models import cache_dir, prepare_smollm2
+
+    ckpt = Path(args.ckpt) if args.ckpt else cache_dir() / "bench" / "smollm2-fs32"
+    if not (ckpt / "config.json").exists():
+        from foursight.checkpoint import quantize_model
+
+        quantize_model(prepare_smollm2(), ckpt, channels="32", force=True, progress=False)
+    from vllm import LLM
+
+    llm = LLM(model=str(ckpt), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
+    (got,) = llm.apply_model(count)
+    del llm
+    commit = git_commit()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from resident_bytes import after_bytes  # the fragment form's bytes (resident_bytes' formula, E4M3 scale bytes)
+
+    got["gpu_prepared_bytes"] = sum(after_bytes(n, k, kk, False) for n, k, kk in got.pop("shapes"))
+    bf16 = got["bf16_bytes"]
+    res = {"what": "bytes of the FourSight linears inside a vLLM CPU engine (SmolLM2-135M, k = 32)", "commit": commit,
+           "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}", "checkpoint": str(ckpt), **got,
+           "ratios_to_bf16": {k: got[k] / bf16 for k in ("params_bytes", "qw_beyond_params_bytes", "prepared_beyond_bytes",
+                                                         "gpu_prepared_bytes")}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_bytes.json").write_text(json.dumps(res, indent=1) + "\n")
+    r = res["ratios_to_bf16"]
+    md = [f"# Bytes of the FourSight linears inside a vLLM CPU engine\n",
+          f"Commit `{commit}`, {res['machine']}, checkpoint {ckpt.name}, {got['layers']} linears, backend {got['backend']}; "
+          f"`python benchmarks/kernels/engine_bytes.py --out {args.out}`.\n",
+          "| group | bytes | x BF16 (2NK) |", "|---|---|---|",
+          f"| BF16 weights of the same linears | {bf16:,} | 1.000 |",
+          f"| params (what the layers register: checkpoint tensors) | {got['params_bytes']:,} | {r['params_bytes']:.3f} |",
+          f"| plugin state's QuantizedWeight beyond the params | {got['qw_beyond_params_bytes']:,} | {r['qw_beyond_params_bytes']:.3f} |",
+          f"| the backend's prepared form beyond both (CPU: the reference's float32 weight) | {got['prepared_beyond_bytes']:,} "
+          f"| {r['prepared_beyond_bytes']:.3f} |",
+          f"| on a GPU, the fragment form instead (resident_bytes' formula on these shapes; K = 576 pads to 768) "
+          f"| {got['gpu_prepared_bytes']:,} | {r['gpu_prepared_bytes']:.3f} |",
+          "",
+          f"A GPU engine therefore keeps params + fragment form = {r['params_bytes'] + r['gpu_prepared_bytes']:.3f}x BF16 for these "
+          f"linears, plus {r['qw_beyond_params_bytes']:.3f}x of plugin state beyond the params."]
+    (out / "engine_bytes.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
