@@ -118,9 +118,19 @@ def main() -> None:
     del llm
     commit = git_commit()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from resident_bytes import after_bytes  # the fragment form's bytes (resident_bytes' formula, E4M3 scale bytes)
+    import resident_bytes as rb  # the fragment form's bytes (resident_bytes' formula, its scale encoding)
 
-    got["gpu_prepared_bytes"] = sum(after_bytes(n, k, kk, False) for n, k, kk in got.pop("shapes"))
+    shapes = got.pop("shapes")
+    got["gpu_prepared_bytes"] = sum(rb.after_bytes(n, k, kk, rb.SCALES_AS_BF16) for n, k, kk in shapes)
+    # the params are the checkpoint tensors: codes N*K/2, E4M3 scales N*K/16, the small ones and W[:, S]; checked
+    # against the measured params of these layers, then evaluated at Llama-3.1-8B's decoder linears (k = 128)
+    params_formula = sum(n * k // 2 + n * k // 16 + rb.small_tensors(n, k, kk) for n, k, kk in shapes)
+    rows = [(n, k) for name, (n, k) in rb.SHAPES.items() if name in rb.LLAMA_8B_LAYER]
+    llama = {"bf16": rb.LAYERS * sum(2 * n * k for n, k in rows),
+             "params": rb.LAYERS * sum(n * k // 2 + n * k // 16 + rb.small_tensors(n, k, rb.K_CHANNELS) for n, k in rows),
+             "fragment": rb.LAYERS * sum(rb.after_bytes(n, k, rb.K_CHANNELS, rb.SCALES_AS_BF16) for n, k in rows)}
+    got["params_formula_bytes"] = params_formula
+    got["llama_8b_gpu_engine"] = {**llama, "ratio_to_bf16": (llama["params"] + llama["fragment"]) / llama["bf16"]}
     bf16 = got["bf16_bytes"]
     res = {"what": "bytes of the FourSight linears inside a vLLM CPU engine (SmolLM2-135M, k = 32)", "commit": commit,
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}", "checkpoint": str(ckpt), **got,
@@ -143,7 +153,10 @@ def main() -> None:
           f"| {got['gpu_prepared_bytes']:,} | {r['gpu_prepared_bytes']:.3f} |",
           "",
           f"A GPU engine therefore keeps params + fragment form = {r['params_bytes'] + r['gpu_prepared_bytes']:.3f}x BF16 for these "
-          f"linears, plus {r['qw_beyond_params_bytes']:.3f}x of plugin state beyond the params."]
+          f"linears, plus {r['qw_beyond_params_bytes']:.3f}x of plugin state beyond the params. The params' formula (codes, scales, "
+          f"small tensors, W[:, S]) gives {got['params_formula_bytes']:,} bytes against {got['params_bytes']:,} measured; at "
+          f"Llama-3.1-8B's decoder linears (32 layers, k = 128) the same formulas give params + fragment form = "
+          f"{got['llama_8b_gpu_engine']['ratio_to_bf16']:.3f}x BF16."]
     (out / "engine_bytes.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
