@@ -103,9 +103,10 @@ def wait_for_engines(urls: list[str], timeout_s: float, api_key: Optional[str] =
         time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
 
-def check_engines(cfg: BridgeConfig) -> None:
-    """Each ``--engine-url`` engine started once and its weight state read, in a throwaway event loop on
-    engines of its own, before the server starts: a wrong ``--engine`` kind, key or route is then one
+def check_engines(engines: list, kind: str) -> None:
+    """Each engine server started once and its weight state read, in a throwaway event loop, then closed
+    again (an engine opens its connections in ``start`` and closes them in ``aclose``, so the server's own
+    start reopens them): a wrong ``--engine`` kind, key or route is one
     :class:`~foursight.cli_util.OptionError` naming the engine, not a server traceback at startup."""
     import asyncio
 
@@ -114,14 +115,14 @@ def check_engines(cfg: BridgeConfig) -> None:
     from foursight.trainer_bridge.backends.base import EngineError
 
     async def check() -> None:
-        for e in build_engines(cfg):
+        for e in engines:
             try:
                 await e.start()
                 await asyncio.wait_for(e.served_state(), 30.0)
             except (EngineError, httpx.HTTPError, asyncio.TimeoutError, TimeoutError) as err:
                 why = str(err) or f"{type(err).__name__} (no answer within its timeout)"
                 where = "" if e.url in why else f"--engine-url {e.url}: "
-                raise OptionError(f"{where}{why} (is --engine-url a {cfg.engine} server, and --engine-api-key right?)") from None
+                raise OptionError(f"{where}{why} (is --engine-url a {kind} server, and --engine-api-key right?)") from None
             finally:
                 await e.aclose()
 
@@ -135,7 +136,7 @@ def serve(cfg: BridgeConfig) -> None:
     engines = build_engines(cfg)
     if cfg.engine_urls and cfg.wait > 0:
         wait_for_engines(cfg.engine_urls, cfg.wait, cfg.engine_api_key)
-        check_engines(cfg)
+        check_engines(engines, cfg.engine)
     if not cfg.weights_dirs:
         typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
     for line in dict.fromkeys(w for e in engines for w in e.startup_warnings()):
