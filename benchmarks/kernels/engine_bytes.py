@@ -126,10 +126,10 @@ def main() -> None:
     got["gpu_prepared_bytes"] = sum(rb.after_bytes(n, k, kk, SCALES_AS_BF16) for n, k, kk in shapes)
     # the params are the checkpoint tensors: codes N*K/2, E4M3 scales N*K/16, the small ones and W[:, S]; checked
     # against the measured params of these layers, then evaluated at Llama-3.1-8B's decoder linears (k = 128)
-    params_formula = sum(n * k // 2 + n * k // 16 + rb.small_tensors(n, k, kk) for n, k, kk in shapes)
+    params_formula = sum(rb.packed_bytes(n, k, kk) for n, k, kk in shapes)
     rows = [(n, k) for name, (n, k) in rb.SHAPES.items() if name in rb.LLAMA_8B_LAYER]
     llama = {"bf16": rb.LAYERS * sum(2 * n * k for n, k in rows),
-             "params": rb.LAYERS * sum(n * k // 2 + n * k // 16 + rb.small_tensors(n, k, rb.K_CHANNELS) for n, k in rows),
+             "params": rb.LAYERS * sum(rb.packed_bytes(n, k, rb.K_CHANNELS) for n, k in rows),
              "fragment": rb.LAYERS * sum(rb.after_bytes(n, k, rb.K_CHANNELS, SCALES_AS_BF16) for n, k in rows)}
     got["params_formula_bytes"] = params_formula
     got["llama_8b_gpu_engine"] = {**llama, "ratio_to_bf16": (llama["params"] + llama["fragment"]) / llama["bf16"]}

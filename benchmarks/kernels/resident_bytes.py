@@ -65,9 +65,14 @@ def after_bytes(n: int, k_dim: int, k: int, scale_bf16: bool) -> int:
     return np_ * kp // 2 + np_ * kp // 16 * (2 if scale_bf16 else 1) + small_tensors(n, k_dim, k)
 
 
+def packed_bytes(n: int, k_dim: int, k: int) -> int:
+    """The compressed-tensors checkpoint layout: codes ``N·K/2``, E4M3 scales ``N·K/16`` and the small tensors."""
+    return n * k_dim // 2 + n * k_dim // 16 + small_tensors(n, k_dim, k)
+
+
 def before_bytes(n: int, k_dim: int, k: int) -> int:
     np_, kp = _pad(n, 64), _pad(k_dim, 256)
-    return n * k_dim // 2 + n * k_dim // 16 + small_tensors(n, k_dim, k) + np_ * kp // 2 + np_ * kp // 8
+    return packed_bytes(n, k_dim, k) + np_ * kp // 2 + np_ * kp // 8
 
 
 def bf16_bytes(n: int, k_dim: int) -> int:
