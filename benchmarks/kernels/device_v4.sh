@@ -62,9 +62,7 @@ cp foursight_autoload.py "$PP/"
 export PYTHONPATH=$PP:/tmp/site:$ROOT  # /tmp/site: the pydantic wheels rl_device.sh stage installs (foursight.schema needs pydantic); $ROOT: foursight_autoload
 # a bare machine without that stage: install the carried pydantic wheels (.devcarry/a, rl_prepare_carry.py) here
 if ! $PY -c "import pydantic" 2>/dev/null && ls .devcarry/a/pydantic-*.whl > /dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devcarry/a/pydantic-*.whl \
-    .devcarry/a/pydantic_core-*.whl .devcarry/a/annotated_types-*.whl .devcarry/a/typing_inspection-*.whl \
-    .devcarry/a/typing_extensions-*.whl 2>&1 | tail -2
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devcarry/a/*.whl 2>&1 | tail -2  # as rl_device.sh's stage
 fi
 KSHA=$($PY -c "
 import hashlib, pathlib
