@@ -115,10 +115,10 @@ def select_backend(qw: QuantizedWeight) -> LinearBackend:
     :func:`foursight.kernels.backends.choose_backend`, which raises when the asked-for backend cannot run."""
     cap = _capability(qw)
     if cap is not None:
-        try:
-            from foursight.kernels.backends import choose_backend, load_backend, requested_backend
-        except ImportError:  # no Triton: the loop below takes the reference (TritonBackend.supports says no too)
-            return next(b for b in BACKENDS if b.supports(qw))
+        # the registry is plain Python (no Triton); without Triton, TritonBackend.supports says no and the
+        # loop below takes the reference
+        from foursight.kernels.backends import choose_backend, load_backend, requested_backend
+
         name, reason = choose_backend(cap, requested_backend())
         if (cap, name) not in _LOGGED:
             _LOGGED.add((cap, name))

@@ -172,8 +172,9 @@ def _ws_run(cfg: WSConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: b
     """The experimental warp-specialized Gluon form (its plain-Triton twin under the interpreter)."""
     if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
         raise NVFP4Error(f"foursight.kernels: the gluon_ws form takes bf16 activations, got {x.dtype}")
-    form = form_module("gluon_ws", interpreted=interpreting())
-    launch = form.ws_twin_launch if interpreting() else form.ws_launch
+    interp = interpreting()
+    form = form_module("gluon_ws", interpreted=interp)
+    launch = form.ws_twin_launch if interp else form.ws_launch
     return launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant, xs=xs)
 
 
