@@ -194,9 +194,11 @@ def linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sca
         gs = _aq.static_global_scale(input_global_scale, x2.device)
         xc = x2.contiguous()
         return fragment_launch(cfg, xc, gs, xc, pw, bias, out, True, quant_in=True)
-    # X[:, S]: the SS form and a cols_late fragment tile read it contiguous from the quantizer; the other
-    # fragment tiles gather it themselves, before their FP4 loop
-    want_xs = (isinstance(cfg, (SSConfig, WSConfig)) or (fragment and cfg.cols_late)) and pw.num_channels > 0
+    # X[:, S]: the wgmma forms read it contiguous from the quantizer (its ``write_xs`` copy). For the fragment
+    # tiles this measured cheaper than gathering it by channel index in the GEMM, before or after the FP4
+    # loop (H100, 8192², M = 16 / 64: the columns +2.1 / +2.0 µs dense against +3.8 / +9.9 µs gathered,
+    # the copy +0.4 / +0.1 µs in the quantizer; benchmarks/results/h100-2026-12-06b-v4/columns.json)
+    want_xs = isinstance(cfg, (SSConfig, WSConfig, FragmentConfig)) and pw.num_channels > 0
     pdl = fragment and x2.is_cuda and not PDL_ERRORS and pdl_supported()
     if pdl or fragment:
         x2 = x2.contiguous()  # before the quantizer: nothing may run between it and a PDL-launched GEMM

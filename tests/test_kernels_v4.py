@@ -243,18 +243,23 @@ def test_late_segment_plan_covers_every_column_once():
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["preloaded", "cols_late"])
-def test_splice_linear_gives_a_cols_late_tile_the_dense_copy(layer, monkeypatch, late):
-    """Through the layer's call (``splice_linear``), a ``cols_late`` tile gets the quantizer's dense X[:, S]
-    and the other tiles gather it themselves (no copy written for them)."""
+def test_splice_linear_gives_every_fragment_tile_the_dense_copy(layer, monkeypatch, late):
+    """Through the layer's call (``splice_linear``), every fragment tile after a quantizer launch reads the
+    quantizer's dense X[:, S] (columns before or after the FP4 loop: the H100 measured both cheaper than
+    the gather, columns.json); a tile that quantizes inside the GEMM (``quant_in``, static scale, no
+    quantizer launch) gathers it itself."""
     qw, pw, g = layer
     got = []
     monkeypatch.setattr(fk, "fragment_launch", lambda *a, **k: got.append(k.get("xs")) or fragment_launch(*a, **k))
     x = _act(3, g)
     y = fk.splice_linear(x, pw, config=FragmentConfig(16, 64, 128, 1, 3, cols_late=late))
-    assert len(got) == 1 and (got[0] is not None) == late
-    if late:
-        assert torch.equal(got[0], x[:, pw.bf16_channels.long()])
+    assert len(got) == 1 and got[0] is not None
+    assert torch.equal(got[0], x[:, pw.bf16_channels.long()])
     _close(y, reference_linear(x, qw, out_dtype=torch.float32))
+    gs = torch.tensor([17.0])
+    fk.splice_linear(x, pw, config=FragmentConfig(16, 64, 128, 1, 3, narrow=True, quant_in=True, cols_late=late),
+                     input_global_scale=gs)
+    assert len(got) == 2 and got[1] is None
 
 
 @pytest.mark.parametrize("cfg", [FragmentConfig(16, 64, 128, 1, 0), FragmentConfig(16, 64, 128, 1, 3, cols_late=True)], ids=str)

@@ -13,8 +13,9 @@ activation scale (quantizer + GEMM), every variant with a **forced** configurati
 * ``k128``: the k = 128 layer with the k = 128 tile the grid chose (the columns loaded before the FP4 loop);
 * ``late``: the same tile with ``cols_late`` (the columns loaded after the loop), through ``splice_linear``;
 * ``late_dense`` / ``dense``: the quantizer also writes ``X[:, S]`` contiguous (``write_xs``) and the GEMM
-  reads it densely (``fragment_launch(xs=...)``), with and without ``cols_late``: what ``api.linear_run``
-  would run if it asked the quantizer for ``X[:, S]`` for these tiles (not wired there yet);
+  reads it densely (``fragment_launch(xs=...)``), with and without ``cols_late`` (at 48451cc
+  ``splice_linear`` asked for the copy for ``cols_late`` tiles only, so ``late`` read it too; since the
+  H100 measured ``dense`` cheapest, ``api.linear_run`` asks for it for every fragment tile);
 * ``quant`` / ``quant_xs``: the quantizer alone without and with the ``X[:, S]`` copy.
 
 Each variant is timed in ``--rounds`` interleaved rounds (the minimum and every round are written), and

@@ -139,8 +139,9 @@ def form_case(cfg, scale_bf16: bool):
         fn = _kernel("fragment", "_fragment_gemm_kernel")
         consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=True, SPLIT=True, SCALE_BF16=scale_bf16, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64, GROUP_M=8, INTERP=False,
-                      # as the launch sets them: a cols_late tile reads the quantizer's dense X[:, S] (kernels.api)
-                      SEG_LATE=bool(getattr(cfg, "cols_late", False)), XS_DENSE=bool(getattr(cfg, "cols_late", False)))
+                      # as the launch sets them: every fragment tile after a quantizer launch reads its dense
+                      # X[:, S] (kernels.api; a quant_in tile gathers it: set below)
+                      SEG_LATE=bool(getattr(cfg, "cols_late", False)), XS_DENSE=True)
         frag = __import__("foursight.kernels.fragment", fromlist=["x"])
         nw = getattr(cfg, "num_warps", 4)
         if hasattr(frag, "a_rows_for"):  # v4: the tile as it runs at M = 1 (decode) or at its block_m (mid, prefill)
@@ -148,6 +149,7 @@ def form_case(cfg, scale_bf16: bool):
             consts.update(BLOCK_KS=32, A_ROWS=1 if narrow and cfg.block_m == 16 else 0,
                           QUANT_IN=bool(getattr(cfg, "quant_in", False)) and cfg.block_m == 16, DIV6_RECIP=True,
                           PERSISTENT=bool(getattr(cfg, "persistent", False)))
+            consts["XS_DENSE"] = not consts["QUANT_IN"]  # no quantizer launch, no copy: the tile gathers X[:, S]
         elif hasattr(frag, "PDL_PREFETCH_CHUNKS"):  # v3's W4A4 default: launched with PDL after the quantizer
             consts.update(GDC_WAIT=True, PREFETCH_CHUNKS=frag.PDL_PREFETCH_CHUNKS)
         return fn, _fragment_ptrs(scale_bf16), consts, nw, cfg.num_stages, getattr(cfg, "max_regs", 0), cfg.block_n * cfg.block_k / (32 * nw)
