@@ -292,3 +292,18 @@ def test_every_study_arm_runs_one_step(tmp_path, tiny_llama_dir, arm):
         assert 0 < head["bf16_weight_share"] == head["bf16_channel_share"]
     step = next(x for x in recs if x["type"] == "step")
     assert {"time/sync", "time/generate", "time/score", "time/filter", "time/learn", "reward_kept"} <= set(step)
+
+
+def test_launch_order_resumes_paused_runs_first_then_the_slowest_arms_of_each_seed():
+    """Study v3 chunk 2 (H100): the call started bf16_s2 before fs_comp_s2 and fs_filter_s2, which then ran
+    ~280 s alone at the end; a run paused in an earlier call must finish on this machine before it goes back."""
+    names = rl_study.run_names(rl_study.MAIN_ARMS, (1, 2))
+    statuses = {n: "not started" for n in names}
+    statuses.update({"nvfp4_s2": "paused", "bf16_s1": "done"})
+    order = rl_study.launch_order([n for n in names if statuses[n] != "done"], statuses)
+    assert order[0] == "nvfp4_s2"  # paused: first, whatever its seed
+    seeds = [int(n.rsplit("_s", 1)[1]) for n in order[1:]]
+    assert seeds == sorted(seeds)  # then seed by seed: a chunk cut short keeps whole seeds
+    s2 = [n for n in order if n.endswith("_s2") and n != "nvfp4_s2"]
+    assert s2[:2] == ["fs_comp_s2", "fs_filter_s2"] and s2[-1] == "bf16_s2"  # the slowest arms first, BF16 last
+    assert sorted(order) == sorted(n for n in names if n != "bf16_s1")  # nothing lost or doubled

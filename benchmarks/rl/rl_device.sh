@@ -9,9 +9,13 @@
 #   call 2+: RL_SEEDS=0,1 bash benchmarks/rl/rl_device.sh run          carry [".devcarry/b"]
 #            the second half, the GGUF and tensor sha256 checks, then benchmarks/rl/rl_study.py: a chunk of
 #            RL_ARMS x RL_SEEDS runs, as many at once as the GPU's memory holds (--slots auto)
-# A chunk finishes where it starts: no run starts after half the deadline (--latest-start-s), so the runs a
-# call starts end in it; a run still going at RL_DEADLINE_S pauses with a checkpoint in /tmp, which only the
-# same warm machine can continue (the same call again). Size chunks from the step times of earlier chunks.
+# Runs span calls on one warm machine: a run still going at RL_DEADLINE_S pauses with a checkpoint in /tmp,
+# which only the same warm machine can continue (the next run call, issued at once: the machine goes back after
+# ~30 s idle). With eight runs sharing an H100 a FourSight run needs ~770 s (study v3 chunk 2), more than one
+# call's 600 s, so most chunks take two or three calls. Each call starts paused runs first, then seed by seed
+# the slowest arms first (rl_study.launch_order); no run starts after half the deadline (--latest-start-s).
+# The first run call of a machine spends ~60 s on the GGUF before the study starts: give it
+# RL_DEADLINE_S <= its timeout - 80 (chunk 2's first call, deadline 500 under a 575 s timeout, was cut by it).
 #
 # Settings (environment): RL_ARMS (default: the 6 main arms), RL_SEEDS (default 0,1,2,3,4,5), RL_SLOTS (auto),
 # RL_DEADLINE_S (520), RL_STEPS, RL_ONLY (run names), RL_OBJECTIVE (learner-tis), RL_TIMING=1 (each arm alone).

@@ -1,4 +1,4 @@
-"""The RL study v2 (issues 29/30): rollout precisions x seeds, the same number of steps each,
+"""The RL study (v3: issue 35, docs/rl.md): rollout precisions x seeds, the same number of steps each,
 spread over every visible GPU, in resumable chunks of one device call (run by ``benchmarks/rl/rl_device.sh run``).
 
     python benchmarks/rl/rl_study.py --model DIR --state /tmp/fsrl_state --out $OUT [--deadline-s 480]
@@ -14,14 +14,13 @@ logs, ``manifest.json`` (per call: what was launched and skipped; per run: its c
 status, last step, exit code, seconds, BF16 weight share) and the runs' stdout are copied into
 ``--out`` every 15 s and at the end.
 
-Arms (:data:`ARMS`): ``bf16``, ``fp8`` (rowwise W8A8, the FlashRL anchor), ``nvfp4`` (k = 0),
-``nvfp4_carve`` (NVFP4 with the practitioners' BF16 carve-out: the attention of the first two and
-the last block, 2.50 % of the linear weights in BF16 on SmolLM2-135M, against FourSight 2 %'s
-2.60 %), ``fs_comp`` (FourSight 2 %), ``fs_filter`` (FourSight 2 % + max_token τ = 2.5),
-``w4a16`` (FourSight 2 % weights, BF16 activations), and the format-bonus ablations
-``bf16_nobonus`` / ``nvfp4_nobonus`` (``--format-bonus 0``). Shared settings: :data:`COMMON`
-(the ``seq1`` task, 60 steps, 16 prompts x 8 samples, 64 new tokens, a 256-question eval every 10
-steps, lr 2e-5, the learner's π_old with token TIS cap 2, fixed kernel configs). Seeds: 0-5.
+Arms (:data:`ARMS`; the main ones in :data:`MAIN_ARMS`, study v3, docs/rl.md): ``bf16``, ``nvfp4``
+(k = 0), ``nvfp4_carve`` (NVFP4 with the practitioners' BF16 carve-out: the attention of the first two
+and the last block, 2.50 % of the linear weights in BF16 on SmolLM2-135M, against FourSight 2 %'s
+2.60 %), ``nvfp4_filter`` and ``fs_filter`` (the ``mean_abs`` filter at the τ fitted per engine,
+benchmarks/results/rl/filter_tau.json), ``fs_comp`` (FourSight 2 %); opt-in: ``fp8`` (rowwise W8A8,
+the FlashRL anchor), ``w4a16`` and the format-bonus pair. Shared settings: :data:`COMMON`. Seeds 0-5.
+Launch order: :func:`launch_order`.
 
 ``--timing``: each arm alone on the GPU (one process at a time), :data:`TIMING` steps, no eval
 after step 0; the logs' ``time/*`` per phase are the isolated step times (``rl_summary.py``
@@ -117,6 +116,23 @@ def run_names(arms=MAIN_ARMS, seeds=SEEDS, sep: str = "_s") -> list[str]:
     return [f"{c}{sep}{s}" for s in seeds for c in arms]
 
 
+#: relative cost of one step per rollout precision, for the launch order (chunk 2 of study v3, eight runs sharing
+#: an H100: 9.3 s BF16, 13.5-15.2 s NVFP4, 15.0-15.3 s FourSight per step, benchmarks/results/rl/study-v3/summary.md;
+#: the FourSight sync is the slowest phase)
+STEP_COST = {"bf16": 1, "fp8": 2, "nvfp4": 2, "w4a16": 3, "foursight": 3}
+
+
+def launch_order(names: list[str], statuses: dict[str, str]) -> list[str]:
+    """The order a call starts its pending runs in: first the runs paused in an earlier call (their checkpoint
+    lives only on this machine, so they must finish before it goes back), then seed by seed (a chunk cut short
+    keeps whole seeds), within a seed the slowest arms first, so the call's tail is the fast arms and not a
+    FourSight run left alone on the GPU (chunk 2: two FourSight runs ran 280 s alone after the others ended)."""
+    def key(n: str):
+        arm, seed = n.rsplit("_", 1)
+        return (statuses.get(n) != "paused", int(seed[1:]), -STEP_COST.get(ARMS[arm][0], 2) if arm in ARMS else 0, names.index(n))
+    return sorted(names, key=key)
+
+
 def command(name: str, model: str, state: Path, stop_at: float, common: dict, device: str, dry: bool = False) -> list[str]:
     cfg, seed = name.rsplit("_", 1)
     prec, extra = arm_flags(cfg)
@@ -165,8 +181,7 @@ def main() -> None:
                     f"--run-gib; {RUN_GIB:g} GiB a run); --timing: 1")
     ap.add_argument("--run-gib", type=float, default=RUN_GIB, help="GPU memory one run may take, for --slots auto")
     ap.add_argument("--latest-start-s", type=float, default=None,
-                    help="no run starts later than this after the call starts (default: half of --deadline-s), so the runs "
-                         "a call starts finish in it")
+                    help="no run starts later than this after the call starts (default: half of --deadline-s)")
     ap.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma list of arms, launch order (of {sorted(ARMS)})")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma list of seeds")
     ap.add_argument("--only", default="", help="comma list of run names (<arm>_s<seed>), a subset of --arms x --seeds")
@@ -228,13 +243,17 @@ def main() -> None:
     call = {"started": manifest["started"], "arms": arms, "seeds": list(seeds), "timing": a.timing, "launched": [], "skipped_done": []}
     manifest["calls"].append(call)
     pending = []
+    statuses = {}
     for i, n in enumerate(names):
         st = log_status(a.state / f"{n}.jsonl")
+        statuses[n] = st["status"]
         if st["status"] == "done":
             call["skipped_done"].append(n)
             manifest["runs"].setdefault(n, {}).update(st)
             continue
         pending.append((i, n))
+    order = launch_order([n for _, n in pending], statuses)
+    pending.sort(key=lambda item: order.index(item[1]))
     procs: dict[str, tuple[subprocess.Popen, float, int]] = {}
     per_gpu: dict[int, int] = {}
     last_pub = 0.0
