@@ -10,12 +10,29 @@ scales, bias, a chained pair), M changing between captures, and autotuning finis
 the replayed outputs must equal eager outputs bit for bit. vLLM itself does not run on the device
 (its wheels need another torch), hence this stand-in at the call vLLM makes.
 
+**Autotuning, cheaply.** The autotuner is the product's own (:func:`foursight.kernels.tuning.pick_config`:
+reference check, bit-stability check, timing, cache), run on every one of the 16 keys (4 layers x 4 M)
+before any capture; but each key times **two candidates of the product's lists** instead of all of them:
+the first two, in list order, of the kernel family given to that layer (:data:`FAMILIES`). Each layer's
+family is one launch road the graphs must replay: the plain tiles (the lists' first candidates, what runs
+untimed), the activation quantized inside the GEMM (one launch, static scale) and the quantizer split over
+8 programs per row with the columns before or after the FP4 loop, the persistent 8-warp tiles, and the
+dequantize-then-cuBLAS form (a side stream) with an explicit split-K. With the full lists (15 decode, 10 mid
+candidates) one process compiled about 285 Triton variants (a candidate run compiles the launch's occupancy
+estimate and the launched variant), which did not finish in 140 s on an H100
+(benchmarks/results/h100-2026-12-06b-v4/README.md); with two per key it is 32 candidate runs and about 65
+compilations (counted on the CPU by running the launchers with recording stand-ins for the kernels).
+``FOURSIGHT_GRAPH_ALL_CANDIDATES=1`` gives every key the full lists (several minutes). A key first met
+inside a capture (the autotuner would silently take the first candidate there) fails the test.
+
 Marked ``gpu``: skipped without CUDA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import pytest
 import torch
@@ -25,7 +42,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+import foursight.kernels.api as fk_api  # noqa: E402
 from foursight.dispatch import prepare_linear  # noqa: E402
+from foursight.kernels.configs import FragmentConfig  # noqa: E402
+from foursight.kernels.tuning import TUNED  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
 
 try:
@@ -51,6 +71,54 @@ MS = (1, 4, 16, 64)
 #: (N, K, k, static activation scale, bias): qkv-like, gate_up-like, o-like; "down" reads gate_up's output
 LAYERS = {"qkv": (1536, 1024, 64, False, True), "gate_up": (2048, 1024, 128, True, False),
           "o": (1024, 1024, 0, False, False), "down": (1024, 2048, 128, False, False)}
+
+
+def _frag(c, **want) -> bool:
+    return isinstance(c, FragmentConfig) and all(getattr(c, f) == v for f, v in want.items())
+
+
+#: per layer: the kernel family its keys time (the first two matching candidates of the datapath's list)
+FAMILIES = {
+    # the plain tiles: the lists' first candidates (what runs untimed: the first-candidate rule of configs.py)
+    "qkv": lambda c: _frag(c, narrow=False, quant_in=False, persistent=False, q_split=1, cols_late=False, split_k=0),
+    # decode: the activation quantized inside the GEMM (M <= 4 with this static scale: no quantizer launch);
+    # mid: the quantizer over 8 programs per row, the columns before / after the FP4 loop
+    "gate_up": lambda c: _frag(c, quant_in=True) or (_frag(c) and c.q_split > 1 and c.block_m > 16),
+    # triton_kernels' recipe: 8 warps, persistent programs walking (tile, split)
+    "o": lambda c: _frag(c, persistent=True),
+    # decode: the quantizer over 8 programs per row; mid: dequantize-then-cuBLAS (a side stream), split-K 4
+    "down": lambda c: (_frag(c) and c.q_split > 1 and c.block_m == 16) or not isinstance(c, FragmentConfig) or _frag(c, split_k=4),
+}
+ALL_CANDIDATES = os.environ.get("FOURSIGHT_GRAPH_ALL_CANDIDATES", "0") == "1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def family_autotuning():
+    """The product's autotuner on each key, over two candidates of the layer's family (module docstring);
+    it fails a key first met inside a CUDA-graph capture. Yields the keys it tuned (key -> candidates, choice)."""
+    real = fk_api.pick_config
+    layer_of = {(n, k_dim): name for name, (n, k_dim, *_rest) in LAYERS.items()}
+    tuned = {}
+
+    def pick(key, run, cands, interp_cfg, out=None, reference=None):
+        if key in TUNED or key[0] != "linear" or (key[3], key[4]) not in layer_of:
+            return real(key, run, cands, interp_cfg, out, reference)
+        assert not torch.cuda.is_current_stream_capturing(), f"{key}: first met inside a CUDA-graph capture (not autotuned before)"
+        layer = layer_of[(key[3], key[4])]
+        if not ALL_CANDIDATES:
+            cands = [c for c in cands if FAMILIES[layer](c)][:2]
+            assert cands, f"{layer}, {key[1]}: no candidate of the product's list is in this layer's family"
+        t = time.time()
+        cfg = real(key, run, cands, interp_cfg, out, reference)
+        tuned[key] = ([str(c) for c in cands], str(cfg))
+        print(f"[graph autotune] {layer} {key[1]} M-bucket {key[2]}: {len(cands)} candidates, chose {cfg} ({time.time() - t:.1f} s)",
+              flush=True)
+        return cfg
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fk_api, "pick_config", pick)
+    yield tuned
+    mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +178,14 @@ def _capture_and_compare(states, fn):
             assert y.shape == e.shape and torch.equal(y, e), f"{name}, M = {m}: replayed graph differs from eager"
 
 
-def test_eager_calls_repeat_bit_identical(states):
+def test_eager_calls_repeat_bit_identical(states, family_autotuning):
     for m in MS:
         x = _inputs(m)
         a, b = _forward(states, x), _forward(states, x)
         assert all(torch.equal(u, v) for u, v in zip(a, b))
+    # every (layer, M bucket) was autotuned here, eagerly (before any capture), choosing among at least two candidates
+    assert len(family_autotuning) == len(LAYERS) * len(MS), sorted(family_autotuning)
+    assert all(len(c) >= 2 for c, _ in family_autotuning.values()), family_autotuning
 
 
 def test_cuda_graph_matches_eager(states):

@@ -6,6 +6,12 @@ configuration ``("swap", 128, 128, 64, 8, 3, 0)`` returned garbage in 1-2 of 60 
 each autotune candidate runs ``REPS`` times on one input, and every output must equal the first
 bit for bit and be close to the PyTorch reference run on the same GPU.
 
+Its cost is the Triton compilations (one or two per case: the launch's occupancy estimate and the launched
+variant), not the calls: with ``FOURSIGHT_REPEAT_QUICK=1`` it is one case per (configuration, M, mode) of
+the default lists (92 for today's lists), the autotuned default and the two race cases; an H100 ran 81 cases
+in 75 s (benchmarks/results/h100-2026-12-06b-v4/), so ``benchmarks/kernels/device_v4.sh`` gives it 180 s.
+No candidate is left out: this test exists to run every one.
+
 Marked ``gpu``: skipped without CUDA (run on the H200, see docs/kernels.md).
 """
 

@@ -1,44 +1,79 @@
 #!/usr/bin/env bash
-# SpliceGEMM v4 (issue 36) on one H100 or H200, in ONE device command on a bare GPU machine (torch +
-# Triton preinstalled, ncu, no install of this package), inside a time budget that leaves ~30 s of the
-# call for another script appended after it.
+# SpliceGEMM v4 (issue 36) on one H100 or H200 (a bare GPU machine: torch + Triton preinstalled, ncu, no
+# install of this package), every step in a fresh process under its own time cap.
 #
-#   bash benchmarks/kernels/device_v4.sh                      # on the device: results into $OUT
+# The issue's must-shows in TWO device calls of at most 570 s each (H100 80GB HBM3; caps from its runs,
+# benchmarks/results/h100-2026-12-06-v4/ and h100-2026-12-06b-v4/, the graph test's from its compile count):
+#
+#   CALL=1 bash benchmarks/kernels/device_v4.sh   # TOTAL_S 500: probe 130 + ncu 60 (+ ncu_sections 40 if the
+#                                                 # stall metrics are refused) + grid 215 + breakdown 35 = 440 (480)
+#   CALL=2 bash benchmarks/kernels/device_v4.sh   # TOTAL_S 490: graph 180 + repeat 180 + decode 110 = 470
 #   DRY_RUN=1 OUT=/tmp/dry PY=.venv/bin/python bash benchmarks/kernels/device_v4.sh   # CPU: arguments,
-#                                                   # provenance fields and the packing of $OUT, no GPU
+#                                                 # provenance fields and the packing of $OUT, no GPU
 #
-# Steps (STEPS, comma-separated; this order), each under `timeout` = min(its cap, time left before
-# TOTAL_S (default 465 s) minus RESERVE_S); a step that would get under 20 s is skipped with a note:
+# (each call also spends ~5-10 s on its setup; a call to the device tool adds its own start.) Where the caps
+# come from: probe 64 s for 8192² at M 1/16/64 (2026-12-06-v4), so ~110 s for both shapes; grid 85 s for six
+# of its twelve (shape, M) cells, one shape's autotuning compiles shared by the next, so ~165 s; breakdown 10 s;
+# decode 74 s with FP8 at batch 64 left out by a 70 s budget (its budget is now 80 s); repeat 81 of its 95
+# tests in 75 s (~0.9 s a test: one or two Triton compilations each); graph about 65 Triton compilations
+# (two candidates per key, tests/test_kernels_graph_gpu.py) plus seven torch.compile graphs. ncu has not run
+# yet: its 60 s is a guess. Any cap: CAP_<STEP>=seconds (CAP_PROBE, CAP_NCU, CAP_NCU_SECTIONS, CAP_GRAPH,
+# CAP_REPEAT, CAP_GRID, CAP_DECODE, CAP_BREAKDOWN, CAP_COLUMNS); a step's own --budget-s follows its cap.
+#
+# Steps (STEPS, comma-separated, run in this order whatever the order given; CALL=1 / CALL=2 set STEPS and
+# TOTAL_S as above, the default is every step but columns with TOTAL_S 565, which cuts the last ones), each
+# under `timeout` = min(its cap, time left before TOTAL_S minus RESERVE_S); a step that would get under 20 s
+# is skipped with a note:
 #   probe      benchmarks/kernels/probe_v4.py: PDL on/off, the timer's three flushes and rotated copies on cuBLAS
 #              and on the chosen tile, static scale, the one-launch streaming ceiling (8192², 14336x4096; M 1/16/64)
 #   ncu        Nsight Compute on probe_v4.py --ncu-target: stall reasons, scheduler, occupancy, speed of light of
-#              the W4A4 call (quantizer + GEMM) and cuBLAS at M = 1/16/64, 8192², the probe's tiles
-#   graph      pytest tests/test_kernels_graph_gpu.py (torch.compile + CUDA graphs = eager, bit for bit)
-#   repeat     FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1 pytest tests/test_kernels_repeat_gpu.py (every candidate at M 1/16/64/1024, static scale too where quant_in; 50 calls)
+#              the W4A4 call (quantizer + GEMM) and cuBLAS at M = 1/16/64, 8192², the probe's tiles (run it
+#              after probe, in the same call: without probe_v4.json the target autotunes under the profiler)
+#   graph      pytest -v tests/test_kernels_graph_gpu.py (torch.compile + CUDA graphs = eager, bit for bit; its
+#              autotuner's choices printed as they are made)
+#   repeat     FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1 pytest -v tests/test_kernels_repeat_gpu.py (every
+#              candidate at M 1/16/64/1024, static scale too where quant_in; 50 calls)
 #   grid       benchmarks/kernels/bench_splice_gemm.py: the three 8B shapes, M 1/16/64/256, k 0/128, W4A4/W4A16,
 #              cuBLAS BF16 and FP8 rowwise, rotated weights, one process
 #   decode     benchmarks/kernels/bench_decode.py: 8B-shaped decoder, BF16, FourSight W4A4 k=128 and k=0, FP8
 #              rowwise; batch 1/16/64 (no prefill)
-#   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64 (last: the
-#              probe already has PDL and the whole call; this splits the call into its parts)
+#   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64
 #   columns    (opt-in, not in the default STEPS) benchmarks/kernels/probe_columns.py: the BF16 columns' cost at
 #              8192², M 16/64, the H100 grid's tiles forced, k = 0 vs k = 128, the columns before the FP4 loop
-#              (today) vs after it (cols_late) and gathered vs dense X[:, S]; writes columns.json (+ columns.md
-#              into v4_summary.md). ~2-3 min: `STEPS=columns TOTAL_S=230 bash benchmarks/kernels/device_v4.sh`
-#              (carry .devcarry/a on a bare machine: the pydantic wheels are installed from it)
-# The caps add up to ~485 s; steps usually end before their caps, and a step left with < 20 s is skipped
-# with a note in v4_summary.md (the last ones first).
-# $OUT gets 7 files (the device tool returns 8; one is left for the appended script):
+#              vs after it (cols_late) and gathered vs dense X[:, S]; writes columns.json (+ columns.md into
+#              v4_summary.md). 7 s on the H100: `STEPS=columns TOTAL_S=60 bash benchmarks/kernels/device_v4.sh`
+# Carry .devcarry/a on a bare machine: the pydantic wheels are installed from it.
+# The pytest steps print one line per test as it ends (-v), so a cut run still says what passed; tests.log
+# keeps those lines (path prefix dropped), the autotuner's lines and each run's last lines.
+# $OUT gets at most 7 files (the device tool returns 8; one is left for an appended script):
 #   v4_summary.md  card, commit, kernels sha256, step log, every markdown table
 #   probe_v4.json  ncu_stalls.csv  splice_gemm.json  bench_decode.json  tests.log (graph + repeat)
-#   v4_rest.tar.gz everything else (breakdown.json/md, the markdown files, ncu's raw log)
+#   v4_rest.tar.gz everything else (breakdown.json/md, the markdown files, each step's full output, ncu's raw log)
+#   (a call writes only the files of its steps, plus v4_summary.md and v4_rest.tar.gz)
 # Each file names the commit (FOURSIGHT_COMMIT, else git) and the sha256 of the kernels folder.
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out_v4}
-TOTAL_S=${TOTAL_S:-465}
+CALL=${CALL:-}
+case "$CALL" in
+  1) STEPS=${STEPS:-probe,ncu,grid,breakdown}; TOTAL_S=${TOTAL_S:-500} ;;
+  2) STEPS=${STEPS:-graph,repeat,decode}; TOTAL_S=${TOTAL_S:-490} ;;
+  "") ;;
+  *) echo "device_v4: CALL is 1 or 2 (the two calls of the header's plan), got '$CALL'" >&2; exit 2 ;;
+esac
+TOTAL_S=${TOTAL_S:-565}
 RESERVE_S=${RESERVE_S:-10}
 STEPS=${STEPS:-probe,ncu,graph,repeat,grid,decode,breakdown}
+# each step's cap in seconds (the header says where the defaults come from); CAP_<STEP> overrides
+CAP_PROBE=${CAP_PROBE:-130}
+CAP_NCU=${CAP_NCU:-60}
+CAP_NCU_SECTIONS=${CAP_NCU_SECTIONS:-40}
+CAP_GRAPH=${CAP_GRAPH:-180}
+CAP_REPEAT=${CAP_REPEAT:-180}
+CAP_GRID=${CAP_GRID:-215}
+CAP_DECODE=${CAP_DECODE:-110}
+CAP_BREAKDOWN=${CAP_BREAKDOWN:-35}
+CAP_COLUMNS=${CAP_COLUMNS:-60}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -74,7 +109,7 @@ CARD=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,nohe
 CARD=${CARD:-no GPU (dry run)}
 HDR="commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, card: $CARD"
 say() { echo "[device_v4 +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
-say "$HDR; steps $STEPS; total ${TOTAL_S}s; dry run $DRY_RUN"
+say "$HDR; steps $STEPS; total ${TOTAL_S}s; caps probe $CAP_PROBE ncu $CAP_NCU(+$CAP_NCU_SECTIONS) graph $CAP_GRAPH repeat $CAP_REPEAT grid $CAP_GRID decode $CAP_DECODE breakdown $CAP_BREAKDOWN columns $CAP_COLUMNS; dry run $DRY_RUN"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
 
 left() { echo $(( TOTAL_S - RESERVE_S - ($(date +%s) - T0) )); }
@@ -94,10 +129,13 @@ run_step() {  # run_step <name> <cap> <command...>: the command's output goes to
 budget() { local c; c=$(cap "$1"); echo $(( c > $2 + 15 ? c - $2 : 10 )); }  # budget <cap> <margin>: a script's own --budget-s
 
 DRY=""; [ "$DRY_RUN" = "1" ] && DRY="--dry-run"
+# pytest: one line per test as it ends (-v), failures' reasons at the end, the slowest tests (for the next caps)
+PYTEST_V="-v -p no:cacheprovider -rfE --durations=8"
+export PYTHONUNBUFFERED=1  # a step cut by its cap keeps every line printed so far
 
 if want probe; then
-  run_step probe 90 $PY benchmarks/kernels/probe_v4.py --out "$W" --shapes 8192x8192,14336x4096 --ms 1,16,64 --k 128 \
-    --budget-s "$(budget 90 35)" $DRY
+  run_step probe "$CAP_PROBE" $PY benchmarks/kernels/probe_v4.py --out "$W" --shapes 8192x8192,14336x4096 --ms 1,16,64 --k 128 \
+    --budget-s "$(budget "$CAP_PROBE" 35)" $DRY
 fi
 if want ncu; then
   NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats"
@@ -108,43 +146,46 @@ if want ncu; then
   else
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -z "$NCU" ] && say "ncu: not found on this machine; step skipped"
-    [ -n "$NCU" ] && run_step ncu 60 "$NCU" --profile-from-start off $NCU_SECTIONS --metrics "$NCU_METRICS" --csv --page raw --log-file "$W/ncu.csv" \
+    [ -n "$NCU" ] && run_step ncu "$CAP_NCU" "$NCU" --profile-from-start off $NCU_SECTIONS --metrics "$NCU_METRICS" --csv --page raw --log-file "$W/ncu.csv" \
       $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --k 128 --configs-from "$W/probe_v4.json"
     if [ -n "$NCU" ] && ! grep -q "stalled" "$W/ncu.csv" 2>/dev/null; then  # the metric list refused: sections only
       say "ncu: no stall metrics in the output; again with the sections only"
-      run_step ncu_sections 40 "$NCU" --profile-from-start off $NCU_SECTIONS --csv --page raw --log-file "$W/ncu.csv" \
+      run_step ncu_sections "$CAP_NCU_SECTIONS" "$NCU" --profile-from-start off $NCU_SECTIONS --csv --page raw --log-file "$W/ncu.csv" \
         $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --k 128 --configs-from "$W/probe_v4.json"
     fi
   fi
 fi
 if want graph; then
   if [ "$DRY_RUN" = "1" ]; then
-    $PY -m pytest tests/test_kernels_graph_gpu.py -q -p no:cacheprovider -rs 2>&1 | tail -2 | sed 's/^/[graph dry] /' | tee -a "$LOG"
+    $PY -m pytest tests/test_kernels_graph_gpu.py $PYTEST_V -s > "$W/graph.out" 2>&1  # on the CPU: collects, skips
+    grep -E "passed|skipped|failed|error" "$W/graph.out" | tail -1 | sed 's/^/[graph dry] /' | tee -a "$LOG"
   else
-    run_step graph 45 $PY -m pytest tests/test_kernels_graph_gpu.py -q -p no:cacheprovider -rA
+    run_step graph "$CAP_GRAPH" $PY -m pytest tests/test_kernels_graph_gpu.py $PYTEST_V -s
   fi
 fi
 if want repeat; then
   if [ "$DRY_RUN" = "1" ]; then
-    $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider --collect-only 2>&1 | tail -1 | sed 's/^/[repeat dry] /' | tee -a "$LOG"
+    $PY -m pytest tests/test_kernels_repeat_gpu.py $PYTEST_V > "$W/repeat.out" 2>&1
+    grep -E "passed|skipped|failed|error" "$W/repeat.out" | tail -1 | sed 's/^/[repeat dry] /' | tee -a "$LOG"
   else
-    export FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1; run_step repeat 75 $PY -m pytest tests/test_kernels_repeat_gpu.py -q -p no:cacheprovider -rf
+    export FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1; run_step repeat "$CAP_REPEAT" $PY -m pytest tests/test_kernels_repeat_gpu.py $PYTEST_V
   fi
 fi
 if want grid; then
-  run_step grid 85 $PY benchmarks/kernels/bench_splice_gemm.py --out "$W" --shapes 8192x8192,14336x4096,4096x14336 \
-    --ms 1,16,64,256 --ks 0,128 --skip-config-check --budget-s "$(budget 85 30)" $DRY
+  run_step grid "$CAP_GRID" $PY benchmarks/kernels/bench_splice_gemm.py --out "$W" --shapes 8192x8192,14336x4096,4096x14336 \
+    --ms 1,16,64,256 --ks 0,128 --skip-config-check --budget-s "$(budget "$CAP_GRID" 30)" $DRY
 fi
 if want decode; then
-  run_step decode 100 $PY benchmarks/kernels/bench_decode.py --out "$W" --modes bf16,foursight-w4a4,foursight-w4a4-k0,fp8 \
-    --batches 1,16,64 --prefill-tokens 0 --budget-s "$(budget 100 30)" $DRY
+  run_step decode "$CAP_DECODE" $PY benchmarks/kernels/bench_decode.py --out "$W" --modes bf16,foursight-w4a4,foursight-w4a4-k0,fp8 \
+    --batches 1,16,64 --prefill-tokens 0 --budget-s "$(budget "$CAP_DECODE" 30)" $DRY
 fi
 if want breakdown; then
-  run_step breakdown 35 $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes 8192x8192 --ms 1,64 --budget-s "$(budget 35 15)" $DRY
+  run_step breakdown "$CAP_BREAKDOWN" $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes 8192x8192 --ms 1,64 \
+    --budget-s "$(budget "$CAP_BREAKDOWN" 15)" $DRY
 fi
 if want columns; then
-  run_step columns 200 $PY benchmarks/kernels/probe_columns.py --out "$W" --shapes 8192x8192 --ms 16,64 --rounds 3 \
-    --budget-s "$(budget 200 60)" $DRY
+  run_step columns "$CAP_COLUMNS" $PY benchmarks/kernels/probe_columns.py --out "$W" --shapes 8192x8192 --ms 16,64 --rounds 3 \
+    --budget-s "$(budget "$CAP_COLUMNS" 20)" $DRY
 fi
 
 # pack: 7 files into $OUT (8 with the columns step)
@@ -153,9 +194,17 @@ say "done in $(( $(date +%s) - T0 ))s; packing"
   for f in probe_v4 splice_gemm breakdown bench_decode columns; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
 for f in probe_v4.json splice_gemm.json bench_decode.json columns.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
-{ echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
+want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stalls.csv"
-{ echo "# $HDR"; for s in graph repeat; do echo "## $s"; grep -h "\] $s" "$LOG"; tail -60 "$W/$s.out" 2>/dev/null; done; } > "$OUT/tests.log"
+{ want graph || want repeat; } && { echo "# $HDR"
+  for s in graph repeat; do
+    want "$s" || continue
+    echo "## $s"; grep -h "\] $s" "$LOG"
+    [ -f "$W/$s.out" ] || continue
+    echo "# $(grep -c ' PASSED' "$W/$s.out") passed, $(grep -c ' FAILED' "$W/$s.out") failed, $(grep -c ' ERROR' "$W/$s.out") errors, $(grep -c ' SKIPPED' "$W/$s.out") skipped (one line per test as it ended):"
+    grep -E ' (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|^\[graph autotune\]' "$W/$s.out" | sed 's#^tests/test_kernels_[a-z]*_gpu\.py::##' | cut -c1-220
+    echo "# last lines:"; tail -25 "$W/$s.out" | cut -c1-400
+  done; } > "$OUT/tests.log"
 tar -C "$W" -czf "$OUT/v4_rest.tar.gz" . 2>/dev/null
 ls -la "$OUT"
 tail -40 "$OUT/v4_summary.md" | grep -v '^$' | tail -25
