@@ -147,6 +147,16 @@ EXPERIMENTAL_FORMS: dict[str, ExperimentalForm] = {
 }
 
 
+def rebuilds_checkpoint(state: Any) -> bool:
+    """Whether a backend's execution form ``state`` (``PreparedLinear.state``) gives back its layer's
+    checkpoint FP4 codes and block scales exactly (``state.checkpoint_codes()``): the ``triton``
+    backend's fragment form does (:meth:`foursight.kernels.prepared.PreparedWeight.checkpoint_codes`);
+    the reference's float32 weight and the experimental backends' forms do not. Where it does, the
+    engine plugin keeps those two tensors only in the execution form and frees its own copy after
+    processing (issue 36 item 6: one weight copy inside the engine); elsewhere it keeps them."""
+    return callable(getattr(state, "checkpoint_codes", None))
+
+
 def load_backend(name: str) -> Any:
     """The linear adapter (``BACKEND``) of the experimental backend ``name``, its module imported now."""
     module = REGISTRY[name].module

@@ -82,6 +82,16 @@ class PreparedWeight:
                 self._cache["packed"] = pk
         return pk
 
+    def checkpoint_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's checkpoint FP4 codes and block scales rebuilt from the fragment form, not kept:
+        ``(packed uint8 [N, K/2], E4M3 scale bytes uint8 [N, K/16])``. Byte for byte the checkpoint's
+        wherever an execution form reads it; the bytes no form reads come back as 0 (the S columns'
+        nibbles, the codes of a block whose scale is 0, a -0 scale), which is how FourSight's quantizer
+        writes them. So an engine plugin may free its own copy of these two tensors after preparing the
+        layer and rebuild it from here before a weight update writes into it
+        (:func:`foursight.kernels.backends.rebuilds_checkpoint`, ``quant_methods/plan.py``)."""
+        return self.packed_form(keep=False)
+
     @property
     def weight_packed(self) -> torch.Tensor:
         """uint8 [N, K/2], S nibbles 0 (built on first use and kept: see :meth:`packed_form`)."""

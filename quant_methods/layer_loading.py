@@ -16,7 +16,7 @@ import torch
 
 from foursight.quant_methods.layer_layout import WEIGHT, ParamSpec
 from foursight.quant_methods.sharding import shard_index
-from foursight.schema import BF16_CHANNELS, INPUT_GLOBAL_SCALE, WEIGHT_BF16, CheckpointError
+from foursight.schema import BF16_CHANNELS, INPUT_GLOBAL_SCALE, WEIGHT_BF16, WEIGHT_PACKED, WEIGHT_SCALE, CheckpointError
 
 
 @dataclass
@@ -39,6 +39,11 @@ class LayerLoading:
             :meth:`load_bf16_shard` (our own quantizer, from a finite weight, with the layer's
             validated channels), so :meth:`process` does not check them again as it checks a
             checkpoint's; loading any checkpoint tensor of the shard directly removes it.
+        released: the execution form the layer's ``weight_packed`` / ``weight_scale`` parameters were
+            freed against (their storage resized to 0 bytes, shapes kept; ``LayerPlan.release``), or
+            None while they hold their values. :meth:`restore_released` rebuilds them from it before
+            anything writes into them or reads them.
+        released_bytes: the storage size of each freed parameter (what :meth:`restore_released` gives back).
     """
 
     loaded: set[tuple[str, int]] = field(default_factory=set)
@@ -47,6 +52,8 @@ class LayerLoading:
     stale: bool = False
     pending_weight: set[int] = field(default_factory=set)
     requantized: set[int] = field(default_factory=set)
+    released: Any = None
+    released_bytes: dict[str, int] = field(default_factory=dict)
 
     # ---- loading --------------------------------------------------------------------------
 
@@ -64,6 +71,12 @@ class LayerLoading:
         plan = self
 
         def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None, *args: Any, **kw: Any) -> None:
+            if plan.released is not None:
+                # the first write after a release: the whole layer gets its checkpoint tensors back first, so
+                # the shards this update does not (or not yet) write keep their values, not zeros
+                if layer_params is None:
+                    raise RuntimeError(f"{plan.prefix}: checkpoint tensors released and no parameters to rebuild them into")
+                plan.restore_released(layer_params())
             idx = shard_index(shard_id, plan.num_shards, plan.prefix)
             name = plan.tensor_name(spec.name, idx if (shard_id is not None or plan.num_shards == 1) else None)
             if spec.name == WEIGHT:
@@ -141,6 +154,23 @@ class LayerLoading:
             else:
                 p.weight_loader(p, t, shard_id)
         self.requantized.add(idx)
+
+    def restore_released(self, params: dict[str, torch.Tensor]) -> None:
+        """Give the freed checkpoint parameters (:attr:`released`) their storage and values back, rebuilt
+        from the execution form (``checkpoint_codes()``: byte for byte the values every execution form
+        reads); a no-op when nothing is released. The parameter objects, and every view of them the
+        layer's state holds, stay the same."""
+        form = self.released
+        if form is None:
+            return
+        packed, scale = form.checkpoint_codes()
+        with torch.no_grad():
+            for name, t in ((WEIGHT_PACKED, packed), (WEIGHT_SCALE, scale)):
+                p = params[name].data
+                p.untyped_storage().resize_(self.released_bytes[name])
+                p.copy_(t.view(p.dtype).reshape(p.shape))
+        self.released = None
+        self.released_bytes = {}
 
     def weight_complete(self) -> bool:
         """True when every shard received a BF16 ``weight`` since the last :meth:`process`."""

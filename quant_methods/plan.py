@@ -12,6 +12,16 @@ The new state is copied into the old one's tensors when they match (:func:`insta
 storage a captured CUDA graph reads stays valid; :func:`refresh_layer` is the one re-quantization
 step of every route.
 
+**One weight copy inside the engine** (issue 36 item 6): where the backend's execution form gives
+back the checkpoint's FP4 codes and block scales exactly (``foursight.kernels.backends.rebuilds_checkpoint``:
+the GPU's fragment form), :meth:`LayerPlan.release` frees the storage of the ``weight_packed`` /
+``weight_scale`` parameters after processing (shapes, parameter objects and loaders stay); the first
+write into the layer (any of its loaders: a checkpoint reload, a BF16 or packed weight update, one
+shard of a fused layer) and :meth:`LayerPlan.process` rebuild them from that form first
+(:meth:`~foursight.quant_methods.layer_loading.LayerLoading.restore_released`), so the shards an update
+does not write keep their values. The small tensors stay (``W[:, S]`` is shared with the execution
+form). On the CPU the reference's float32 weight cannot rebuild the codes: the parameters stay.
+
 Nothing here imports an engine. :class:`FourSightLinearMethodBase`, at the end, is the linear method
 both engine adapters mix into theirs (``vllm_method.py``, ``sglang_method.py``, with
 :class:`foursight.quant_methods.config.FourSightMethodConfig` for the config): its hooks do four thin
@@ -24,10 +34,11 @@ things and call the plan for everything else:
    column/row/QKV/merged loader; the plan wraps it with dtype checks, error messages that name
    the checkpoint tensor, and bookkeeping of what was loaded).
 2. **process_weights_after_loading**: ``layer.foursight_state = plan.process(params, tp)`` where
-   ``params`` maps the spec names to the layer's (unchanged) parameters. It is *idempotent*: it
-   never modifies or replaces the loaded parameters, it rebuilds the execution state from them
-   every time (so a second call, or a call after a weight reload, cannot double-apply a
-   transform -- the class of bug of sglang#30761 / verl#7519).
+   ``params`` maps the spec names to the layer's parameters. It is *idempotent*: it never changes
+   the loaded parameters' values, it rebuilds the execution state from them every time (so a
+   second call, or a call after a weight reload, cannot double-apply a transform -- the class of
+   bug of sglang#30761 / verl#7519); then the checkpoint codes are released where the execution
+   form can rebuild them (above).
 3. **apply**: ``apply_linear(layer.foursight_state, x, bias)`` → the layer's
    :class:`foursight.dispatch.PreparedLinear` (SpliceGEMM on CUDA, the PyTorch reference on
    CPU; the backend is chosen once, in ``process``).
@@ -102,6 +113,10 @@ class LayerPlan(LayerLoading, LayerLayout):
     #: the quantizer of a BF16 shard (the RL weight update; :meth:`LayerLoading.load_bf16_shard`): the
     #: Triton kernel on CUDA, the PyTorch encoder elsewhere
     quantize_shard = staticmethod(quantize_shard)
+    #: the backend that prepares and runs this layer (``foursight.dispatch.LinearBackend``); None: chosen
+    #: by ``foursight.dispatch.select_backend`` (the reference on CPU tensors, Triton on CUDA). The tests
+    #: set the Triton backend to run the fragment form on the CPU under the Triton interpreter.
+    backend: Any = None
 
     # ---- post-load processing --------------------------------------------------------------
 
@@ -116,6 +131,7 @@ class LayerPlan(LayerLoading, LayerLayout):
             A fresh :class:`LayerState`; calling twice on the same parameters gives equal states.
         """
         tp = tp or TPContext(self.tp_rank, self.tp_size)
+        self.restore_released(params)  # nothing reads a freed parameter
         self.generation += 1
         if self.mode == "online":
             qw, igs, channels = self._quantize_online(params[WEIGHT], tp)
@@ -125,7 +141,32 @@ class LayerPlan(LayerLoading, LayerLayout):
                 if miss:
                     raise CheckpointError(f"missing tensor {miss[0]}" + (f" (and {len(miss) - 1} more)" if len(miss) > 1 else ""))
             qw, igs, channels = self._from_checkpoint(params)
-        return LayerState(qw, prepare_linear(qw, self.prefix), igs, self.act_quant, channels, self.generation)
+        return LayerState(qw, prepare_linear(qw, self.prefix, backend=self.backend), igs, self.act_quant, channels, self.generation)
+
+    def release(self, params: dict[str, torch.Tensor], state: LayerState) -> int:
+        """Free the storage of the ``weight_packed`` / ``weight_scale`` parameters when ``state``'s
+        execution form rebuilds them exactly (``foursight.kernels.backends.rebuilds_checkpoint``) and holds
+        none of their storage; their shapes, the parameter objects and their loaders stay, so the engine
+        still sees them. Returns the bytes freed (0 when they stay: online mode, the CPU reference, an
+        experimental backend, or already released)."""
+        from foursight.kernels.backends import rebuilds_checkpoint  # plain Python: no Triton import
+
+        form = state.prepared.state
+        if self.mode != "checkpoint" or self.released is not None or not rebuilds_checkpoint(form):
+            return 0
+        held: list[torch.Tensor] = []
+        _state_tensors(form, held, set())
+        held_storages = {t.untyped_storage().data_ptr() for t in held}
+        storages = {name: params[name].untyped_storage() for name in (WEIGHT_PACKED, WEIGHT_SCALE)}
+        if any(st.data_ptr() in held_storages for st in storages.values()):
+            return 0  # the execution form reads them: they are its copy, not a second one
+        if not all(st.resizable() for st in storages.values()):
+            return 0  # memory the engine mapped itself (vLLM's UVA weight offloading): left as it is
+        self.released_bytes = {name: st.nbytes() for name, st in storages.items()}
+        for st in storages.values():
+            st.resize_(0)
+        self.released = form
+        return sum(self.released_bytes.values())
 
     def _from_checkpoint(self, params: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor]:
         packed, scale, wbf = params[WEIGHT_PACKED].data, params[WEIGHT_SCALE].data, params[WEIGHT_BF16].data
@@ -303,14 +344,23 @@ def install_state(layer: Any, new: LayerState) -> bool:
     return False
 
 
+def restore_layer(layer: Any) -> None:
+    """Give a layer its released checkpoint parameters back (:meth:`LayerPlan.release`), for an engine
+    route that writes them without their loaders (SGLang's ``load_format="direct"``); a no-op otherwise."""
+    plan = layer.foursight_plan
+    plan.restore_released(layer_params(layer, plan))
+
+
 def refresh_layer(layer: Any, tp: TPContext | None = None) -> LayerState:
     """Re-process a layer from its parameters (:meth:`LayerPlan.process`), install the state in
     place (:func:`install_state`) and clear its stale marks; the one re-quantization step of every
     route (the engines' post-load hook, a stale layer's next forward, a completed BF16 sync)."""
     plan = layer.foursight_plan
-    install_state(layer, plan.process(layer_params(layer, plan), tp))
+    params = layer_params(layer, plan)
+    install_state(layer, plan.process(params, tp))
     plan.stale = False
     plan.pending_weight.clear()
+    plan.release(params, layer.foursight_state)  # one weight copy: the execution form's, where it rebuilds the codes
     return layer.foursight_state
 
 

@@ -50,7 +50,7 @@ from sglang.srt.utils import set_weight_attrs
 
 from foursight.quant_methods.config import FourSightMethodConfig, foursight_layers, parse_quantization_config, serves_user_choice
 from foursight.quant_methods.online import OnlineSettings
-from foursight.quant_methods.plan import FourSightLinearMethodBase, refresh_layer
+from foursight.quant_methods.plan import FourSightLinearMethodBase, refresh_layer, restore_layer
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import CHANNELS_FILE, ENV_CHANNELS_FILE, QUANT_METHOD, FourSightConfig
 
@@ -150,8 +150,10 @@ class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
         set_weight_attrs(param, attrs)
 
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
-        # Parameters keep their checkpoint layout (process never rewrites them): nothing to undo;
-        # the layer is rebuilt at the session's end (process_weights_after_loading).
+        # Parameters keep their checkpoint layout (process never rewrites them); where the execution form
+        # released the codes (one weight copy, plan.py) they come back now, as the session may write them
+        # without their loaders; the layer is rebuilt at the session's end (process_weights_after_loading).
+        restore_layer(layer)
         layer.foursight_plan.stale = True
 
 

@@ -168,6 +168,12 @@ def _install_update_check() -> None:
                 check_update(self.get_model(), items, map_name=(lambda n: n) if direct else None, checkpoint_tensors=True)
             except CheckpointError as e:
                 return _refused(e)
+            if direct:  # written into the parameters without their loaders: released codes come back first
+                from foursight.quant_methods.config import foursight_layers
+                from foursight.quant_methods.plan import restore_layer
+
+                for m in foursight_layers(self.get_model()).values():
+                    restore_layer(m)
             return original(self, items, "direct" if direct else None)
 
         return update_weights_from_tensor
