@@ -15,9 +15,15 @@ linear's tensors are counted once per storage, in three groups:
   a GPU engine holds the fragment form there instead, whose bytes are
   ``foursight.kernels.api.resident_bytes`` (docs/kernels.md: 0.307x BF16 for Llama-3.1-8B's linears).
 
+Then, in the same engine, every FourSight linear is re-processed with the ``triton`` backend (the plugin's
+own ``refresh_layer``, the step that runs after a load or an update): its execution form is then the
+fragment form a GPU engine holds, built on the CPU (no kernel runs), and the plugin releases the
+checkpoint codes and block scales it can rebuild from it (issue 36 item 6, ``quant_methods/plan.py``).
+The same three groups are counted again: that row is what a GPU engine keeps, measured, not a formula
+(the formula is printed beside it as a check).
+
 So the file says, from the engine itself, whether the plugin keeps a second copy of the checkpoint
-tensors beside what the layer registers, and what a GPU engine keeps in all (the params measured here +
-the fragment form, by that formula).
+tensors beside its execution form.
 
 Usage::
 
@@ -77,13 +83,14 @@ def _storages(tensors) -> dict[int, int]:
 
 def count(model) -> dict:
     """Per-group bytes of every FourSight linear of ``model`` (runs inside the vLLM worker)."""
-    layers, params_b, qw_b, prepared_b, bf16_b, shapes, backends = 0, 0, 0, 0, 0, [], set()
+    layers, params_b, qw_b, prepared_b, bf16_b, shapes, backends, released = 0, 0, 0, 0, 0, [], set(), 0
     for _, mod in model.named_modules():
         state = getattr(mod, "foursight_state", None)
         if state is None:
             continue
         layers += 1
         backends.add(type(state.prepared.backend).__name__)
+        released += mod.foursight_plan.released is not None
         p = _storages([*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
         q = _storages(_tensors(state.qw))
         r = _storages(_tensors(state.prepared.state))
@@ -95,7 +102,21 @@ def count(model) -> dict:
         shapes.append((n, k, int(state.qw.bf16_channels.numel())))
     return {"layers": layers, "shapes": shapes, "params_bytes": params_b, "qw_beyond_params_bytes": qw_b,
             "prepared_beyond_bytes": prepared_b, "bf16_bytes": bf16_b,
-            "backend": ", ".join(sorted(backends))}
+            "backend": ", ".join(sorted(backends)), "layers_released": released}
+
+
+def count_fragment_form(model) -> dict:
+    """Re-process every FourSight linear of ``model`` with the ``triton`` backend (its fragment form, built
+    on the CPU; the plugin then releases the checkpoint codes it can rebuild) and :func:`count` again. The
+    engine cannot run a forward on the CPU after this (the kernels need a GPU): measure, then drop it."""
+    from foursight.dispatch import TritonBackend
+    from foursight.quant_methods.plan import refresh_layer
+
+    for _, mod in model.named_modules():
+        if getattr(mod, "foursight_state", None) is not None:
+            mod.foursight_plan.backend = TritonBackend()
+            refresh_layer(mod, mod.quant_method.tp_context(mod))
+    return count(model)
 
 
 def main() -> None:
@@ -115,6 +136,7 @@ def main() -> None:
 
     llm = LLM(model=str(ckpt), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
     (got,) = llm.apply_model(count)
+    (frag,) = llm.apply_model(count_fragment_form)
     del llm
     commit = git_commit()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -132,12 +154,23 @@ def main() -> None:
              "params": rb.LAYERS * sum(rb.packed_bytes(n, k, rb.K_CHANNELS) for n, k in rows),
              "fragment": rb.LAYERS * sum(rb.after_bytes(n, k, rb.K_CHANNELS, SCALES_AS_BF16) for n, k in rows)}
     got["params_formula_bytes"] = params_formula
-    got["llama_8b_gpu_engine"] = {**llama, "ratio_to_bf16": (llama["params"] + llama["fragment"]) / llama["bf16"]}
+    frag.pop("shapes")
+    frag["total_bytes"] = frag["params_bytes"] + frag["qw_beyond_params_bytes"] + frag["prepared_beyond_bytes"]
+    got["fragment_form_engine"] = frag  # measured: the same engine's linears re-processed with the triton backend
+    # with the release, what stays beside the fragment form per linear is small, at most: the plugin's per-row
+    # global scale of a fused layer (4N) and its channel copy (4k), and per shard (at most 3) the two [1] scales
+    # and the k channels the params keep; W[:, S] is the params' own storage, shared with the fragment form
+    llama["kept_beside_fragment"] = rb.LAYERS * sum(4 * n + 4 * rb.K_CHANNELS + 3 * (8 + 4 * rb.K_CHANNELS) for n, _ in rows)
+    llama["ratio_to_bf16_without_release"] = (llama["params"] + llama["fragment"]) / llama["bf16"]
+    llama["ratio_to_bf16"] = (llama["fragment"] + llama["kept_beside_fragment"]) / llama["bf16"]
+    got["llama_8b_gpu_engine"] = llama
     bf16 = got["bf16_bytes"]
     res = {"what": "bytes of the FourSight linears inside a vLLM CPU engine (SmolLM2-135M, k = 32)", "commit": commit,
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}", "checkpoint": str(ckpt), **got,
            "ratios_to_bf16": {k: got[k] / bf16 for k in ("params_bytes", "qw_beyond_params_bytes", "prepared_beyond_bytes",
-                                                         "gpu_prepared_bytes")}}
+                                                         "gpu_prepared_bytes")}
+           | {f"fragment_form_engine_{k}": frag[k] / bf16 for k in ("params_bytes", "qw_beyond_params_bytes",
+                                                                     "prepared_beyond_bytes", "total_bytes")}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_bytes.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -154,11 +187,25 @@ def main() -> None:
           f"| on a GPU, the fragment form instead (resident_bytes' formula on these shapes; K = 576 pads to 768) "
           f"| {got['gpu_prepared_bytes']:,} | {r['gpu_prepared_bytes']:.3f} |",
           "",
-          f"A GPU engine therefore keeps params + fragment form = {r['params_bytes'] + r['gpu_prepared_bytes']:.3f}x BF16 for these "
-          f"linears, plus {r['qw_beyond_params_bytes']:.3f}x of plugin state beyond the params. The params' formula (codes, scales, "
-          f"small tensors, W[:, S]) gives {got['params_formula_bytes']:,} bytes against {got['params_bytes']:,} measured; at "
-          f"Llama-3.1-8B's decoder linears (32 layers, k = 128) the same formulas give params + fragment form = "
-          f"{got['llama_8b_gpu_engine']['ratio_to_bf16']:.3f}x BF16."]
+          f"The same engine, every linear re-processed by the plugin with the triton backend (the fragment form a GPU engine "
+          f"holds, built on the CPU; {frag['layers_released']} of {frag['layers']} linears released their checkpoint codes "
+          "and block scales):",
+          "",
+          "| group (fragment-form engine, measured) | bytes | x BF16 (2NK) |", "|---|---|---|",
+          f"| params left (per-shard scales, channels, W[:, S]; codes and scales released) | {frag['params_bytes']:,} "
+          f"| {r['fragment_form_engine_params_bytes']:.3f} |",
+          f"| plugin state's QuantizedWeight beyond the params | {frag['qw_beyond_params_bytes']:,} "
+          f"| {r['fragment_form_engine_qw_beyond_params_bytes']:.3f} |",
+          f"| the fragment form beyond both | {frag['prepared_beyond_bytes']:,} | {r['fragment_form_engine_prepared_beyond_bytes']:.3f} |",
+          f"| **all the linears hold** | **{frag['total_bytes']:,}** | **{r['fragment_form_engine_total_bytes']:.3f}** |",
+          "",
+          f"Without the release a GPU engine kept params + fragment form = {r['params_bytes'] + r['gpu_prepared_bytes']:.3f}x BF16 "
+          f"for these linears (the params' formula, codes, scales, small tensors and W[:, S], gives {got['params_formula_bytes']:,} "
+          f"bytes against {got['params_bytes']:,} measured). With it the engine holds {r['fragment_form_engine_total_bytes']:.3f}x, "
+          f"against the fragment form's formula {r['gpu_prepared_bytes']:.3f}x (K = 576 pads to 768, which SmolLM2 pays and "
+          f"8B shapes do not). At Llama-3.1-8B's decoder linears (32 layers, k = 128) the same formulas give "
+          f"{got['llama_8b_gpu_engine']['ratio_to_bf16_without_release']:.3f}x BF16 without the release and "
+          f"{got['llama_8b_gpu_engine']['ratio_to_bf16']:.3f}x with it (fragment form + the small tensors kept beside it)."]
     (out / "engine_bytes.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
