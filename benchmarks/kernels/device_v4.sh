@@ -16,7 +16,7 @@
 # of its twelve (shape, M) cells, one shape's autotuning compiles shared by the next, so ~165 s; breakdown 10 s;
 # decode 74 s with FP8 at batch 64 left out by a 70 s budget (its budget is now 80 s); repeat 81 of its 95
 # tests in 75 s (~0.9 s a test: one or two Triton compilations each); graph about 65 Triton compilations
-# (two candidates per key, tests/test_kernels_graph_gpu.py) plus seven torch.compile graphs. ncu has not run
+# (two candidates per key, tests/test_kernels_graph_gpu.py) plus about six torch.compile graphs. ncu has not run
 # yet: its 60 s is a guess. Any cap: CAP_<STEP>=seconds (CAP_PROBE, CAP_NCU, CAP_NCU_SECTIONS, CAP_GRAPH,
 # CAP_REPEAT, CAP_GRID, CAP_DECODE, CAP_BREAKDOWN, CAP_COLUMNS); a step's own --budget-s follows its cap.
 #
