@@ -1,0 +1,95 @@
+"""One weight copy inside the engine (issue 36 item 6) on vLLM's own load road: a vLLM CPU engine serving
+a FourSight checkpoint, its linears re-processed by the plugin with the ``triton`` backend (the fragment
+form a GPU engine holds; built on the CPU, no kernel runs), so that the plugin releases the checkpoint
+codes and block scales; then the trainer's sync as TRL colocate runs it (``model.load_weights`` with one
+BF16 tensor per call, vLLM's name mapping and fused-shard loaders), a whole one and then ``q_proj`` of one
+fused layer alone.
+
+Oracle: the fragment form built from scratch (``prepare_weight``) of the new weights quantized with the
+layer's channels, the form a fresh load of them gives. No forward runs (the CPU has no kernels; the
+interpreter test tests/test_engine_weight_release.py checks the outputs)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from helpers.vllm_engine import engine_model, make_llm  # noqa: E402
+from helpers.weights import perturbed_state  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def _fragment_engine(model) -> dict[str, torch.nn.Module]:
+    """Every FourSight layer re-processed with the triton backend (``refresh_layer``, the plugin's step)."""
+    from foursight.dispatch import TritonBackend
+    from foursight.quant_methods.config import foursight_layers
+    from foursight.quant_methods.plan import refresh_layer
+
+    layers = foursight_layers(model)
+    for m in layers.values():
+        m.foursight_plan.backend = TritonBackend()
+        refresh_layer(m, m.quant_method.tp_context(m))
+    return layers
+
+
+def _expected_form(m, weights: dict[str, torch.Tensor]):
+    """The fragment form of ``weights`` (HF names) for layer ``m``, built from scratch with its channels."""
+    from foursight.kernels.prepared import prepare_weight
+    from foursight.layer import quantize_weight
+    from foursight.quant_methods.sharding import concat_shards
+
+    plan = m.foursight_plan
+    ch = m.bf16_channels.data[0].clone()
+    parts = [quantize_weight(weights[f"{s}.weight"].bfloat16(), ch) for s in plan.shard_names]
+    return prepare_weight(concat_shards(parts, plan.prefix), plan.prefix)
+
+
+def _assert_form(m, expected, name):
+    pw = m.foursight_state.prepared.state
+    for field in ("weight_global_scale", "weight_bf16", "bf16_channels"):
+        assert torch.equal(getattr(pw, field), getattr(expected, field)), (name, field)
+    assert torch.equal(pw.fragment.words, expected.fragment.words), name
+    assert torch.equal(pw.fragment.scales, expected.fragment.scales), name
+
+
+def _released(m) -> bool:
+    return (m.foursight_plan.released is not None and m.weight_packed.untyped_storage().nbytes() == 0
+            and m.weight_scale.untyped_storage().nbytes() == 0)
+
+
+def test_trl_sync_into_a_released_engine_equals_a_fresh_load(tiny_ckpt, tiny_llama_dir):
+    new = perturbed_state(tiny_llama_dir, seed=11)
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    q_new = perturbed_state(tiny_llama_dir, seed=12)[q0]
+    llm = make_llm(tiny_ckpt, quantization="foursight")
+    try:
+        model = engine_model(llm)
+        layers = _fragment_engine(model)
+        assert layers and all(_released(m) for m in layers.values())
+
+        # TRL colocate's sync: one load_weights call per tensor, no post-load step
+        with torch.no_grad():
+            for name, t in new.items():
+                model.load_weights(weights=[(name, t)])
+        for n, m in layers.items():
+            assert not m.foursight_plan.stale and _released(m), n  # every shard arrived: rebuilt in its loader, released again
+            _assert_form(m, _expected_form(m, new), n)
+
+        # q_proj alone: the fused qkv_proj gets its checkpoint tensors back before the write, so k/v keep theirs
+        qkv = layers["model.layers.0.self_attn.qkv_proj"]
+        with torch.no_grad():
+            model.load_weights(weights=[(q0, q_new)])
+        assert qkv.foursight_plan.stale and not _released(qkv)
+        qkv.quant_method.process_weights_after_loading(qkv)  # the post-load step (vLLM's reload, finish_update)
+        assert _released(qkv)
+        _assert_form(qkv, _expected_form(qkv, {**new, q0: q_new}), "qkv_proj after q_proj alone")
+    finally:
+        del llm
+        gc.collect()
