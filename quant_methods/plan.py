@@ -117,6 +117,10 @@ class LayerPlan(LayerLoading, LayerLayout):
     #: by ``foursight.dispatch.select_backend`` (the reference on CPU tensors, Triton on CUDA). The tests
     #: set the Triton backend to run the fragment form on the CPU under the Triton interpreter.
     backend: Any = None
+    #: True where the engine offloads weights to the CPU (vLLM's ``cpu_offload_gb`` / prefetch offloaders): there
+    #: the parameters are the weights the offloader copies back after processing and streams every forward,
+    #: so :meth:`release` leaves them (and they take no GPU memory to begin with)
+    keep_checkpoint: bool = False
 
     # ---- post-load processing --------------------------------------------------------------
 
@@ -152,7 +156,7 @@ class LayerPlan(LayerLoading, LayerLayout):
         from foursight.kernels.backends import rebuilds_checkpoint  # plain Python: no Triton import
 
         form = state.prepared.state
-        if self.mode != "checkpoint" or self.released is not None or not rebuilds_checkpoint(form):
+        if self.keep_checkpoint or self.mode != "checkpoint" or self.released is not None or not rebuilds_checkpoint(form):
             return 0
         held: list[torch.Tensor] = []
         _state_tensors(form, held, set())
@@ -385,6 +389,11 @@ class FourSightLinearMethodBase:
     def wrap_loader(self, layer: torch.nn.Module, loader: Callable) -> Callable:
         return loader
 
+    def keeps_checkpoint(self) -> bool:
+        """Whether the engine needs the checkpoint parameters after processing (it offloads weights to
+        the CPU): then :meth:`LayerPlan.release` leaves them."""
+        return False
+
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
         """Register the plan's parameters with the plan's loaders around the engine's own."""
@@ -421,6 +430,7 @@ class FourSightLinearMethodBase:
         none yet or a tensor was loaded since the last build (idempotent; the parameters are never
         modified, so a second call or a call after a weight reload is safe)."""
         plan: LayerPlan = layer.foursight_plan
+        plan.keep_checkpoint = self.keeps_checkpoint()
         if layer.foursight_state is None or plan.stale:
             refresh_layer(layer, self.tp_context(layer))
 

@@ -149,6 +149,15 @@ class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     def set_attrs(self, param: torch.nn.Parameter, attrs: dict[str, Any]) -> None:
         set_weight_attrs(param, attrs)
 
+    def keeps_checkpoint(self) -> bool:
+        """SGLang's ``--cpu-offload-gb`` / group offloading (an offloader other than its no-op one) streams the
+        parameters from the CPU: they are the weights there, never released (``LayerPlan.release``)."""
+        try:
+            from sglang.srt.utils.offloader import NoopOffloader, get_offloader
+        except ImportError:  # an SGLang before the offloader module
+            return False
+        return not isinstance(get_offloader(), NoopOffloader)
+
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
         # Parameters keep their checkpoint layout (process never rewrites them); where the execution form
         # released the codes (one weight copy, plan.py) they come back now, as the session may write them

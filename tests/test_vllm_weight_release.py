@@ -90,6 +90,26 @@ def test_trl_sync_into_a_released_engine_equals_a_fresh_load(tiny_ckpt, tiny_lla
         qkv.quant_method.process_weights_after_loading(qkv)  # the post-load step (vLLM's reload, finish_update)
         assert _released(qkv)
         _assert_form(qkv, _expected_form(qkv, {**new, q0: q_new}), "qkv_proj after q_proj alone")
+
+        # with a vLLM weight offloader (cpu_offload_gb) the parameters are the weights it copies back to the CPU
+        # after processing and streams every forward: the post-load step must leave them
+        from vllm.model_executor.offloader.base import set_offloader
+        from vllm.model_executor.offloader.uva import UVAOffloader
+
+        with torch.no_grad():
+            model.load_weights(weights=[(q0, new[q0])])
+        set_offloader(UVAOffloader(cpu_offload_max_bytes=1 << 30))
+        try:
+            qkv.quant_method.process_weights_after_loading(qkv)
+            assert qkv.weight_packed.untyped_storage().nbytes() > 0 and qkv.foursight_plan.released is None
+        finally:
+            set_offloader(None)
+        _assert_form(qkv, _expected_form(qkv, new), "qkv_proj with an offloader")
+        with torch.no_grad():
+            model.load_weights(weights=[(q0, new[q0])])
+        qkv.quant_method.process_weights_after_loading(qkv)  # the next update without an offloader: released again
+        assert _released(qkv)
+        _assert_form(qkv, _expected_form(qkv, new), "qkv_proj after the offloader")
     finally:
         del llm
         gc.collect()

@@ -274,3 +274,28 @@ def test_same_message_as_hf_reference_loader(tiny_ckpt, tmp_path):
     with pytest.raises(CheckpointError) as ei:
         load_reference_model(bad)
     assert str(ei.value) == "tensor model.layers.0.self_attn.v_proj.weight_scale has dtype torch.float32, expected torch.float8_e4m3fn"
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["no-offload", "cpu-offload"])
+def test_checkpoint_codes_released_unless_sglang_offloads_weights(ckpt, offload):
+    """One weight copy (issue 36 item 6) in SGLang: with the fragment form a GPU engine builds (the Triton
+    backend; built on the CPU, no kernel runs) the layer's codes and block scales are released after
+    processing; with SGLang's ``--cpu-offload-gb`` offloader they are the weights it streams from the CPU
+    and stay."""
+    from sglang.srt.utils.offloader import OffloaderV1, set_offloader, get_offloader
+
+    from foursight.dispatch import TritonBackend
+
+    raw, mods = ckpt
+    qkv = _qkv(_config(raw))
+    _load_qkv(qkv, mods)
+    qkv.foursight_plan.backend = TritonBackend()
+    before = get_offloader()
+    if offload:
+        set_offloader(OffloaderV1(cpu_offload_max_bytes=1 << 30))
+    try:
+        qkv.quant_method.process_weights_after_loading(qkv)
+    finally:
+        set_offloader(before)
+    held = qkv.weight_packed.untyped_storage().nbytes()
+    assert (held > 0) == offload and (qkv.foursight_plan.released is None) == offload
