@@ -7,8 +7,9 @@ module only maps vLLM's hooks onto them:
 
 * ``create_weights``  → register the parameters of ``LayerPlan.param_specs`` with the core's
   loaders wrapped around vLLM's own (column / row / QKV / merged) weight loaders;
-* ``process_weights_after_loading`` → ``LayerPlan.process`` (idempotent: the loaded parameters are
-  never modified, the execution state is rebuilt from them);
+* ``process_weights_after_loading`` → ``LayerPlan.process`` (idempotent: the execution state is rebuilt
+  from the loaded parameters, whose values never change; where the execution form gives them back
+  exactly their codes are then released, and rebuilt before the next write: ``LayerPlan.release``);
 * ``apply`` → ``plan.apply_linear`` (SpliceGEMM on CUDA, the PyTorch reference on CPU).
 
 A trainer's BF16 weight sync through vLLM's own ``model.load_weights`` (TRL colocate: one tensor
