@@ -427,8 +427,9 @@ class FourSightLinearMethodBase:
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Validate and build the execution state from the loaded parameters, when the layer has
-        none yet or a tensor was loaded since the last build (idempotent; the parameters are never
-        modified, so a second call or a call after a weight reload is safe)."""
+        none yet or a tensor was loaded since the last build (idempotent; the parameters' values never
+        change, so a second call or a call after a weight reload is safe; their codes may then be
+        released, :meth:`LayerPlan.release`)."""
         plan: LayerPlan = layer.foursight_plan
         plan.keep_checkpoint = self.keeps_checkpoint()
         if layer.foursight_state is None or plan.stale:
