@@ -152,10 +152,8 @@ class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     def keeps_checkpoint(self) -> bool:
         """SGLang's ``--cpu-offload-gb`` / group offloading (an offloader other than its no-op one) streams the
         parameters from the CPU: they are the weights there, never released (``LayerPlan.release``)."""
-        try:
-            from sglang.srt.utils.offloader import NoopOffloader, get_offloader
-        except ImportError:  # an SGLang before the offloader module
-            return False
+        from sglang.srt.utils.offloader import NoopOffloader, get_offloader
+
         return not isinstance(get_offloader(), NoopOffloader)
 
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:

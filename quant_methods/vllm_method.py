@@ -197,19 +197,6 @@ class FourSightEmbeddingMethod(UnquantizedEmbeddingMethod):
         return super().apply(layer, x, bias)
 
 
-def weights_offloaded() -> bool:
-    """Whether vLLM offloads weights to the CPU in this process (an offloader other than its no-op one: the
-    UVA ``cpu_offload_gb`` or the prefetch offloader). Its ``device_loading_context`` copies every parameter
-    back to the CPU after processing, so a released parameter (``LayerPlan.release``) would break the copy."""
-    try:
-        from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
-    except ImportError:  # a vLLM before the offloader module: its cpu_offload_gb lives in the cache config
-        from vllm.config import get_current_vllm_config
-
-        return float(getattr(get_current_vllm_config().cache_config, "cpu_offload_gb", 0) or 0) > 0
-    return not isinstance(get_offloader(), NoopOffloader)
-
-
 class FourSightLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
     """The compensated linear layer in vLLM (see the module docstring and
     :class:`~foursight.quant_methods.plan.FourSightLinearMethodBase`)."""
@@ -221,7 +208,12 @@ class FourSightLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
         set_weight_attrs(param, attrs)
 
     def keeps_checkpoint(self) -> bool:
-        return weights_offloaded()
+        """vLLM's weight offloading (``cpu_offload_gb``, the prefetch offloader: an offloader other than its
+        no-op one) copies every parameter back to the CPU after processing and streams it each forward: the
+        parameters are the weights there, never released (``LayerPlan.release``)."""
+        from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
+
+        return not isinstance(get_offloader(), NoopOffloader)
 
 
 __all__ = ["FourSightVllmConfig", "FourSightLinearMethod", "FourSightEmbeddingMethod"]

@@ -127,9 +127,9 @@ def launch_order(names: list[str], statuses: dict[str, str]) -> list[str]:
     lives only on this machine, so they must finish before it goes back), then seed by seed (a chunk cut short
     keeps whole seeds), within a seed the slowest arms first, so the call's tail is the fast arms and not a
     FourSight run left alone on the GPU (chunk 2: two FourSight runs ran 280 s alone after the others ended)."""
-    def key(n: str):
+    def key(n: str):  # sorted() is stable: runs that tie keep the order of ``names``
         arm, seed = n.rsplit("_", 1)
-        return (statuses.get(n) != "paused", int(seed[1:]), -STEP_COST.get(ARMS[arm][0], 2) if arm in ARMS else 0, names.index(n))
+        return (statuses.get(n) != "paused", int(seed[1:]), -STEP_COST[ARMS[arm][0]])
     return sorted(names, key=key)
 
 
