@@ -83,11 +83,11 @@ def _storages(tensors) -> dict[int, int]:
 
 def count(model) -> dict:
     """Per-group bytes of every FourSight linear of ``model`` (runs inside the vLLM worker)."""
+    from foursight.quant_methods.config import foursight_layers
+
     layers, params_b, qw_b, prepared_b, bf16_b, shapes, backends, released = 0, 0, 0, 0, 0, [], set(), 0
-    for _, mod in model.named_modules():
-        state = getattr(mod, "foursight_state", None)
-        if state is None:
-            continue
+    for mod in foursight_layers(model).values():
+        state = mod.foursight_state
         layers += 1
         backends.add(type(state.prepared.backend).__name__)
         released += mod.foursight_plan.released is not None
@@ -110,12 +110,12 @@ def count_fragment_form(model) -> dict:
     on the CPU; the plugin then releases the checkpoint codes it can rebuild) and :func:`count` again. The
     engine cannot run a forward on the CPU after this (the kernels need a GPU): measure, then drop it."""
     from foursight.dispatch import TritonBackend
+    from foursight.quant_methods.config import foursight_layers
     from foursight.quant_methods.plan import refresh_layer
 
-    for _, mod in model.named_modules():
-        if getattr(mod, "foursight_state", None) is not None:
-            mod.foursight_plan.backend = TritonBackend()
-            refresh_layer(mod, mod.quant_method.tp_context(mod))
+    for mod in foursight_layers(model).values():
+        mod.foursight_plan.backend = TritonBackend()
+        refresh_layer(mod, mod.quant_method.tp_context(mod))
     return count(model)
 
 
