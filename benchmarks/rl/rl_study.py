@@ -104,7 +104,7 @@ RUN_GIB = 9.0
 
 def auto_slots(run_gib: float = RUN_GIB, device: int = 0) -> int:
     """Concurrent runs that fit one GPU: (total memory - 2 GiB) / run_gib, at least 1
-    (an H100's 79 GiB: 6; an H200's 140 GiB: 12)."""
+    (an H100's 79 GiB: 8; an H200's 139 GiB: 15)."""
     import torch
 
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
