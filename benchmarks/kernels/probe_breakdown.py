@@ -5,8 +5,9 @@ BF16 channel segment, and the whole call with and without programmatic dependent
 For each shape and M (k = 128 BF16 channels unless ``--k``), in one process, medians of CUDA-graph
 replays over rotated weight copies (:mod:`bench_splice_gemm`'s timing):
 
-* ``quant_us``: the activation-quantization kernel alone (the bf16 ``q*s`` operand the fragment form reads);
-* ``gemm_us``: the fragment GEMM alone on that operand (the configuration the autotuner chose for the
+* ``quant_us``: the activation-quantization kernel alone (the bf16 ``q*s`` operand the fragment form reads,
+  and the dense ``X[:, S]`` copy where the layer has BF16 channels, as ``splice_linear`` launches it);
+* ``gemm_us``: the fragment GEMM alone on that operand and copy (the configuration the autotuner chose for the
   linear), and ``gemm_k0_us`` the same tile on the layer with k = 0: ``segment_us`` = their difference
   is what the BF16 columns cost;
 * ``linear_pdl_us`` / ``linear_nopdl_us``: the whole ``splice_linear`` with the same configuration,
@@ -81,13 +82,16 @@ def row_for(N: int, K: int, M: int, k: int, layers: dict) -> dict:
     row["rel_err"] = relative_error(y, ref)
     pw = pws[0]
     cols = getattr(cfg, "q_split", 1)  # the quantizer as the chosen tile runs it (programs per row)
-    row["quant_us"] = _us([lambda: fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, False,
+    # the quantizer as splice_linear launches it: it also writes the dense X[:, S] copy where the layer has
+    # BF16 channels and the tile reads it (kernels.api, since 06f8db5), and the GEMM below reads that copy
+    write_xs = isinstance(cfg, fk.FragmentConfig) and pw.num_channels > 0
+    row["quant_us"] = _us([lambda: fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, write_xs,
                                                            deq_dtype=torch.bfloat16, cols=cols)])
     if isinstance(cfg, fk.FragmentConfig):
-        _, _, deq, gs, _ = fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, False, deq_dtype=torch.bfloat16,
-                                                  cols=cols)
+        _, _, deq, gs, xs = fk_aq.act_quant_launch(x, pw.channel_mask, pw.bf16_channels, None, False, True, write_xs,
+                                                   deq_dtype=torch.bfloat16, cols=cols)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        row["gemm_us"] = _us([lambda p=p: fragment_launch(cfg, deq, gs, x, p, None, out, True) for p in pws])
+        row["gemm_us"] = _us([lambda p=p: fragment_launch(cfg, deq, gs, x, p, None, out, True, xs=xs) for p in pws])
         row["gemm_k0_us"] = _us([lambda p=p: fragment_launch(cfg, deq, gs, x, p, None, out, True) for p in pws0])
         row["segment_us"] = row["gemm_us"] - row["gemm_k0_us"]
     for on in (True, False):
