@@ -15,7 +15,8 @@
 # call's 600 s, so most chunks take two or three calls. Each call starts paused runs first, then seed by seed
 # the slowest arms first (rl_study.launch_order); no run starts after half the deadline (--latest-start-s).
 # The first run call of a machine spends ~60 s on the GGUF before the study starts: give it
-# RL_DEADLINE_S <= its timeout - 80 (chunk 2's first call, deadline 500 under a 575 s timeout, was cut by it).
+# RL_DEADLINE_S <= its timeout - 110 (the first calls of chunks 2 and 3, deadlines 500 and 490 under 575 and 570 s
+# timeouts, were cut by them while packing).
 #
 # Settings (environment): RL_ARMS (default: the 6 main arms), RL_SEEDS (default 0,1,2,3,4,5), RL_SLOTS (auto),
 # RL_DEADLINE_S (520), RL_STEPS, RL_ONLY (run names), RL_OBJECTIVE (learner-tis), RL_TIMING=1 (each arm alone).
