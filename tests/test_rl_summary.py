@@ -92,6 +92,16 @@ def test_sign_flip_test_by_enumeration():
     assert p([0.0, 0.0]) == 1.0
 
 
+def test_reading_follows_the_preregistered_rule():
+    """supported / contradicted only at p <= 0.05 with the mean's sign; fewer seeds than planned say so."""
+    r = rl_summary.reading
+    p6 = rl_summary.sign_flip_p([0.1] * 6)  # 2/64
+    assert r(0.1, p6, 6) == "supported" and r(-0.1, p6, 6) == "contradicted"
+    assert r(0.1, rl_summary.sign_flip_p([0.1, 0.2, -0.05, 0.1, 0.1, 0.1]), 6) == "not resolved"
+    assert r(0.04, rl_summary.sign_flip_p([0.04] * 5), 5) == "not resolved (5 of 6 seeds)"  # 5 seeds: p >= 1/16
+    assert r(None, None, 0) == "n/a" and r(0.1, 0.05, 6) == "supported" and r(0.1, 0.0501, 6) == "not resolved"
+
+
 def test_primary_contrasts_paired_auc(tmp_path):
     """The pre-registered contrasts: per-seed AUC differences over steps 0..upto, only seeds where both
     runs finished, with the sign-flip p; a missing arm gives n = 0, not an error."""
@@ -110,6 +120,7 @@ def test_primary_contrasts_paired_auc(tmp_path):
     assert c["n"] == 3 and [c["per_seed"][k] for k in ("0", "1", "2")] == pytest.approx(want)
     assert c["mean"] == pytest.approx(sum(want) / 3) and c["positive_seeds"] == 2
     assert c["p"] == pytest.approx(rl_summary.sign_flip_p(want))
+    assert c["reading"] == "not resolved (3 of 6 seeds)"
     assert pr["contrasts"]["fs_filter - fs_comp"]["n"] == 0 and pr["contrasts"]["fs_filter - fs_comp"]["p"] is None
 
 

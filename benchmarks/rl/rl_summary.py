@@ -27,7 +27,8 @@ are isolated timing runs) and writes into DIR:
 * ``primary`` (study v3's pre-registered analysis, docs/rl.md): for each contrast of
   :data:`CONTRASTS` the per-seed paired difference of the AUC over steps 0-``--upto`` (30), its mean
   with the bootstrap interval, the seeds with a positive difference, and the exact two-sided paired
-  sign-flip test (:func:`sign_flip_p`; with n seeds the smallest possible p is 2 / 2^n);
+  sign-flip test (:func:`sign_flip_p`; with n seeds the smallest possible p is 2 / 2^n) and its
+  pre-registered reading (:func:`reading`);
   ``secondary``: steps to the target (n/a where a seed never reaches it), the seeds that end below
   their own step-0 accuracy, the tail concentration of the mismatch, the kept and dropped reward and
   answer length;
@@ -55,6 +56,10 @@ LABELS = {"bf16": "BF16", "fp8": "FP8 rowwise W8A8", "nvfp4": "NVFP4 (k=0)", "nv
           "nvfp4_filter": "NVFP4 + filter", "bf16_bonus": "BF16, format bonus 0.1", "nvfp4_bonus": "NVFP4, format bonus 0.1"}
 #: the pre-registered primary contrasts of study v3 (docs/rl.md): (arm, minus arm)
 CONTRASTS = (("fs_comp", "nvfp4"), ("fs_comp", "nvfp4_carve"), ("fs_filter", "fs_comp"), ("nvfp4_filter", "nvfp4"))
+#: the pre-registered reading of a contrast (docs/rl.md): supported / contradicted when its mean is > 0 / < 0
+#: and the sign-flip p <= ALPHA, not resolved otherwise; the study plans PLANNED_SEEDS seeds
+ALPHA = 0.05
+PLANNED_SEEDS = 6
 #: the phases of a step (v2 names); older logs' names map onto them (:data:`PHASE_ALIASES`)
 PHASES = ["time/sync", "time/generate", "time/score", "time/filter", "time/learn", "time/step"]
 PHASE_ALIASES = {"time/generate": "time/rollout", "time/learn": "time/update"}
@@ -189,6 +194,16 @@ def sign_flip_p(diffs: list[float]) -> float | None:
     return hits / 2**n
 
 
+def reading(mean: float | None, p: float | None, n: int, alpha: float = ALPHA, planned: int = PLANNED_SEEDS) -> str:
+    """The pre-registered reading of one contrast: "supported" (mean > 0 and p <= alpha), "contradicted"
+    (mean < 0 and p <= alpha), else "not resolved"; "(n of planned seeds)" is appended while seeds are
+    missing, and "n/a" where no seed pairs."""
+    if not n or mean is None or p is None:
+        return "n/a"
+    r = "supported" if p <= alpha and mean > 0 else "contradicted" if p <= alpha and mean < 0 else "not resolved"
+    return r if n >= planned else f"{r} ({n} of {planned} seeds)"
+
+
 def primary(runs: dict[str, dict[int, dict]], upto: int = 30, contrasts=CONTRASTS) -> dict:
     """Study v3's primary analysis: per contrast (arm, minus arm), the per-seed paired difference of
     the AUC over steps 0-``upto`` (seeds where both runs finished), mean, bootstrap interval,
@@ -197,7 +212,8 @@ def primary(runs: dict[str, dict[int, dict]], upto: int = 30, contrasts=CONTRAST
     for a, b in contrasts:
         key = f"{a} - {b}"
         if a not in runs or b not in runs:
-            out["contrasts"][key] = {"n": 0, "mean": None, "ci": (None, None), "p": None, "positive_seeds": 0, "per_seed": {}}
+            out["contrasts"][key] = {"n": 0, "mean": None, "ci": (None, None), "p": None, "positive_seeds": 0, "per_seed": {},
+                                     "reading": "n/a"}
             continue
         d = {}
         for sd in sorted(set(runs[a]) & set(runs[b])):
@@ -206,8 +222,10 @@ def primary(runs: dict[str, dict[int, dict]], upto: int = 30, contrasts=CONTRAST
                 d[sd] = xa - xb
         vals = list(d.values())
         m, _ = mean_spread(vals)
-        out["contrasts"][key] = {"n": len(vals), "mean": m, "ci": bootstrap_ci(vals), "p": sign_flip_p(vals),
-                                 "positive_seeds": sum(v > 0 for v in vals), "per_seed": {str(k): v for k, v in d.items()}}
+        p = sign_flip_p(vals)
+        out["contrasts"][key] = {"n": len(vals), "mean": m, "ci": bootstrap_ci(vals), "p": p,
+                                 "positive_seeds": sum(v > 0 for v in vals), "per_seed": {str(k): v for k, v in d.items()},
+                                 "reading": reading(m, p, len(vals))}
     return out
 
 
@@ -232,11 +250,14 @@ def primary_markdown(p: dict, sec: dict, target: float) -> str:
 
     lines = [f"Primary (pre-registered, docs/rl.md): paired per-seed difference of the AUC of the held-out accuracy over steps "
              f"0-{p['upto']} (area / steps); mean [95 % bootstrap interval], seeds with a positive difference, exact two-sided "
-             "paired sign-flip p.", "", "| contrast | seeds | mean ΔAUC | positive | p |", "|---|---:|---:|---:|---:|"]
+             f"paired sign-flip p, and the pre-registered reading (supported / contradicted: mean > 0 / < 0 and p <= {ALPHA}; "
+             f"not resolved otherwise; {PLANNED_SEEDS} seeds planned).", "",
+             "| contrast | seeds | mean ΔAUC | positive | p | reading |", "|---|---:|---:|---:|---:|---|"]
     for key, c in p["contrasts"].items():
         ci = c["ci"] if c["ci"] else (None, None)
         iv = f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci[0] is not None else ""
-        lines.append(f"| {key} | {c['n']} | {f(c['mean'], '{:+.3f}')}{iv} | {c['positive_seeds']}/{c['n']} | {f(c['p'], '{:.3f}')} |")
+        lines.append(f"| {key} | {c['n']} | {f(c['mean'], '{:+.3f}')}{iv} | {c['positive_seeds']}/{c['n']} | {f(c['p'], '{:.3f}')} "
+                     f"| {c.get('reading') or reading(c['mean'], c['p'], c['n'])} |")
     lines += ["", f"Secondary: steps to the target accuracy {target:.3f} per seed (n/a: not reached), seeds ending below their "
               "step-0 accuracy, the share of sequences holding a token with |r| > ln 3 and the share of those tail tokens held by "
               "the worst 5 % of sequences (means over steps), and the reward and answer length of the kept and dropped sequences.", "",
