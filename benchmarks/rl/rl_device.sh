@@ -16,7 +16,9 @@
 # the slowest arms first (rl_study.launch_order); no run starts after half the deadline (--latest-start-s).
 # The first run call of a machine spends ~60 s on the GGUF before the study starts: give it
 # RL_DEADLINE_S <= its timeout - 110 (the first calls of chunks 2 and 3, deadlines 500 and 490 under 575 and 570 s
-# timeouts, were cut by them while packing).
+# timeouts, were cut by them while packing). Or pass the call's timeout as RL_CALL_S: the study's deadline is then
+# RL_CALL_S minus the seconds this call has spent before the study starts (GGUF, checks) minus RL_RESERVE_S (60:
+# a run's pause at its next step, the summary and the packing), whatever RL_DEADLINE_S says.
 #
 # Settings (environment): RL_ARMS (default: the 6 main arms), RL_SEEDS (default 0,1,2,3,4,5), RL_SLOTS (auto),
 # RL_DEADLINE_S (520), RL_STEPS, RL_ONLY (run names), RL_OBJECTIVE (learner-tis), RL_TIMING=1 (each arm alone).
@@ -27,6 +29,7 @@
 # CPU dry run, in any checkout (no .devcarry needed; tiny model, 2 steps; pause, resume and skip exercised):
 #   RL_DRY=1 bash benchmarks/rl/rl_device.sh dry
 set -uo pipefail
+T0=$(date +%s)  # this call's start: RL_CALL_S counts from it
 MODE=${1:?usage: rl_device.sh stage|run|dry}
 DRY=${RL_DRY:-0}
 [ "$MODE" = dry ] && DRY=1
@@ -165,6 +168,13 @@ PY
   # at most 8 files come back from a device call: the logs, their stdout and the manifest are published to
   # $PUB and packed into $OUT/rl_study.tgz every 30 s and at the end (so a killed call still returns them)
   PUB=$BASE/fsrl_pub; mkdir -p "$PUB"
+  if [ -n "${RL_CALL_S:-}" ]; then  # the deadline from the call's own time limit (the header says why)
+    SPENT=$(( $(date +%s) - T0 ))
+    RL_DEADLINE_S=$(( RL_CALL_S - SPENT - ${RL_RESERVE_S:-60} ))
+    echo "rl_device.sh: RL_CALL_S ${RL_CALL_S}: ${SPENT} s spent before the study, reserve ${RL_RESERVE_S:-60} s:" \
+         "deadline ${RL_DEADLINE_S} s"
+    [ "$RL_DEADLINE_S" -ge 30 ] || { echo "rl_device.sh: a deadline of ${RL_DEADLINE_S} s is too short: not starting the study"; exit 6; }
+  fi
   pack() { tar czf "$OUT/rl_study.tgz.part" -C "$PUB" . 2>/dev/null && mv "$OUT/rl_study.tgz.part" "$OUT/rl_study.tgz"; }
   ( while sleep 30; do pack; done ) & PACKER=$!
   if [ "$DRY" = 1 ]; then
