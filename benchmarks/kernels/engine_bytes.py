@@ -28,6 +28,13 @@ tensors beside its execution form.
 Usage::
 
     python benchmarks/kernels/engine_bytes.py --out benchmarks/results/engine_bytes
+    python benchmarks/kernels/engine_bytes.py --llama8b-layers 2 --out benchmarks/results/engine_bytes_llama8b
+
+``--llama8b-layers N`` measures Llama-3.1-8B's decoder linears themselves (hidden 4096, intermediate 14336,
+32 / 8 heads of 128; N random-weight layers, a 512-token vocabulary, k = 128 BF16 channels per input group,
+calibrated on the built-in texts): their K needs no padding, so the engine's bytes at the shapes that issue 36's
+target names are measured, not derived from SmolLM2's by formula. The model and checkpoint are cached under
+``foursight.models.cache_dir()/bench``.
 """
 
 from __future__ import annotations
@@ -122,16 +129,30 @@ def count_fragment_form(model) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=None, help="FourSight checkpoint (default: the weight-sync benchmark's SmolLM2 k = 32)")
+    ap.add_argument("--llama8b-layers", type=int, default=0,
+                    help="measure Llama-3.1-8B-shaped decoder linears instead: this many random-weight layers, k = 128")
     ap.add_argument("--out", default="benchmarks/results/engine_bytes")
     args = ap.parse_args()
 
-    from foursight.models import cache_dir, prepare_smollm2
+    from foursight.checkpoint import quantize_model
+    from foursight.models import build_tiny_model, cache_dir, prepare_smollm2
 
-    ckpt = Path(args.ckpt) if args.ckpt else cache_dir() / "bench" / "smollm2-fs32"
-    if not (ckpt / "config.json").exists():
-        from foursight.checkpoint import quantize_model
-
-        quantize_model(prepare_smollm2(), ckpt, channels="32", force=True, progress=False)
+    if args.llama8b_layers:
+        if args.ckpt:
+            ap.error("--ckpt and --llama8b-layers: pass one")
+        base = cache_dir() / "bench" / f"llama8b-shaped-{args.llama8b_layers}l"
+        ckpt = base.with_name(base.name + "-fs128")
+        if not (base / "config.json").exists():
+            build_tiny_model(base, hidden_size=4096, intermediate_size=14336, num_layers=args.llama8b_layers, num_heads=32,
+                             num_kv_heads=8, vocab_size=512, force=True)
+        if not (ckpt / "config.json").exists():
+            quantize_model(base, ckpt, channels="128", force=True, progress=False)
+        what = f"Llama-3.1-8B-shaped decoder linears ({args.llama8b_layers} random-weight layers), k = 128"
+    else:
+        ckpt = Path(args.ckpt) if args.ckpt else cache_dir() / "bench" / "smollm2-fs32"
+        if not (ckpt / "config.json").exists():
+            quantize_model(prepare_smollm2(), ckpt, channels="32", force=True, progress=False)
+        what = "SmolLM2-135M, k = 32" if not args.ckpt else ckpt.name
     from vllm import LLM
 
     llm = LLM(model=str(ckpt), quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
@@ -145,6 +166,8 @@ def main() -> None:
     from foursight.kernels.fragment_layout import SCALES_AS_BF16  # the scale encoding the fragment form stores
 
     shapes = got.pop("shapes")
+    padded = sorted({k for _, k, _ in shapes if k % 256})  # the fragment form stores K padded to 256
+    pad_note = (", ".join(f"K = {k} pads to {-(-k // 256) * 256}" for k in padded)) if padded else "no K is padded"
     got["gpu_prepared_bytes"] = sum(rb.after_bytes(n, k, kk, SCALES_AS_BF16) for n, k, kk in shapes)
     # the params are the checkpoint tensors: codes N*K/2, E4M3 scales N*K/16, the small ones and W[:, S]; checked
     # against the measured params of these layers, then evaluated at Llama-3.1-8B's decoder linears (k = 128)
@@ -165,7 +188,7 @@ def main() -> None:
     llama["ratio_to_bf16"] = (llama["fragment"] + llama["kept_beside_fragment"]) / llama["bf16"]
     got["llama_8b_gpu_engine"] = llama
     bf16 = got["bf16_bytes"]
-    res = {"what": "bytes of the FourSight linears inside a vLLM CPU engine (SmolLM2-135M, k = 32)", "commit": commit,
+    res = {"what": f"bytes of the FourSight linears inside a vLLM CPU engine ({what})", "commit": commit,
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}", "checkpoint": str(ckpt), **got,
            "ratios_to_bf16": {k: got[k] / bf16 for k in ("params_bytes", "qw_beyond_params_bytes", "prepared_beyond_bytes",
                                                          "gpu_prepared_bytes")}
@@ -175,16 +198,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_bytes.json").write_text(json.dumps(res, indent=1) + "\n")
     r = res["ratios_to_bf16"]
-    md = [f"# Bytes of the FourSight linears inside a vLLM CPU engine\n",
+    md = [f"# Bytes of the FourSight linears inside a vLLM CPU engine ({what})\n",
           f"Commit `{commit}`, {res['machine']}, checkpoint {ckpt.name}, {got['layers']} linears, backend {got['backend']}; "
-          f"`python benchmarks/kernels/engine_bytes.py --out {args.out}`.\n",
+          f"`python benchmarks/kernels/engine_bytes.py{f' --llama8b-layers {args.llama8b_layers}' if args.llama8b_layers else ''} --out {args.out}`.\n",
           "| group | bytes | x BF16 (2NK) |", "|---|---|---|",
           f"| BF16 weights of the same linears | {bf16:,} | 1.000 |",
           f"| params (what the layers register: checkpoint tensors) | {got['params_bytes']:,} | {r['params_bytes']:.3f} |",
           f"| plugin state's QuantizedWeight beyond the params | {got['qw_beyond_params_bytes']:,} | {r['qw_beyond_params_bytes']:.3f} |",
           f"| the backend's prepared form beyond both (CPU: the reference's float32 weight) | {got['prepared_beyond_bytes']:,} "
           f"| {r['prepared_beyond_bytes']:.3f} |",
-          f"| on a GPU, the fragment form instead (resident_bytes' formula on these shapes; K = 576 pads to 768) "
+          f"| on a GPU, the fragment form instead (resident_bytes' formula on these shapes; {pad_note}) "
           f"| {got['gpu_prepared_bytes']:,} | {r['gpu_prepared_bytes']:.3f} |",
           "",
           f"The same engine, every linear re-processed by the plugin with the triton backend (the fragment form a GPU engine "
@@ -202,8 +225,8 @@ def main() -> None:
           f"Without the release a GPU engine kept params + fragment form = {r['params_bytes'] + r['gpu_prepared_bytes']:.3f}x BF16 "
           f"for these linears (the params' formula, codes, scales, small tensors and W[:, S], gives {got['params_formula_bytes']:,} "
           f"bytes against {got['params_bytes']:,} measured). With it the engine holds {r['fragment_form_engine_total_bytes']:.3f}x, "
-          f"against the fragment form's formula {r['gpu_prepared_bytes']:.3f}x (K = 576 pads to 768, which SmolLM2 pays and "
-          f"8B shapes do not). At Llama-3.1-8B's decoder linears (32 layers, k = 128) the same formulas give "
+          f"against the fragment form's formula {r['gpu_prepared_bytes']:.3f}x ({pad_note}; 8B shapes pad none). "
+          f"At Llama-3.1-8B's decoder linears (32 layers, k = 128) the same formulas give "
           f"{got['llama_8b_gpu_engine']['ratio_to_bf16_without_release']:.3f}x BF16 without the release and "
           f"{got['llama_8b_gpu_engine']['ratio_to_bf16']:.3f}x with it (fragment form + the small tensors kept beside it)."]
     (out / "engine_bytes.md").write_text("\n".join(md) + "\n")
