@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import git_commit  # noqa: E402  (benchmarks/common.py)
 #: issue 36's targets this file speaks to
 TARGET_LAYER = 0.05  # k = 128 over k = 0 per layer at K >= 8192
 TARGET_STEP = 0.023  # the 8B-shaped decode step: k = 128 within 2.3 % of k = 0
@@ -68,13 +70,6 @@ def step_rows(decode: dict, stream_tbps: float) -> list[dict]:
     return rows
 
 
-def _git(*a) -> str:
-    try:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def markdown(res: dict) -> str:
     pct = lambda x: f"{100 * x:.1f} %"  # noqa: E731
     L = [f"# The BF16 columns' byte floor (issue 36), k = {res['k']}", "",
@@ -111,7 +106,7 @@ def main() -> None:
     probe = json.loads((REPO / a.probe).read_text())
     stream = [r["stream_TBps"] for r in probe["rows"] if r.get("stream_TBps")]
     stream_tbps = max(stream)  # the fastest streaming row: the most favourable floor for the columns
-    res = {"k": a.k, "commit": _git("rev-parse", "HEAD"), "decode_file": a.decode, "probe_file": a.probe,
+    res = {"k": a.k, "commit": git_commit(), "decode_file": a.decode, "probe_file": a.probe,
            "decode_commit": decode["env"].get("git_commit"), "decode_card": decode["env"].get("gpu"),
            "probe_commit": probe["provenance"].get("commit", "")[:12], "stream_tbps": stream_tbps,
            "layers": layer_rows(a.k), "steps": step_rows(decode, stream_tbps)}

@@ -19,8 +19,9 @@
 # decode 74 s after the grid had compiled its kernels, but 106 s as a machine's first step, where its 80 s
 # budget left out k = 0 and FP8 (06c), so its cap is 170 s (budget 140 s); repeat 81 of its 95 tests in 75 s
 # alone (06b) and 92 in 180 s beside the RL study (06c), cut in the autotuned-default test, so its cap is
-# 300 s; graph 64 s beside the RL study (06c: 4 passed). ncu has not run yet: its 60 s is a guess. Any cap: CAP_<STEP>=seconds (CAP_PROBE, CAP_NCU, CAP_NCU_SECTIONS, CAP_GRAPH,
-# CAP_REPEAT, CAP_GRID, CAP_DECODE, CAP_BREAKDOWN, CAP_COLUMNS); a step's own --budget-s follows its cap.
+# 300 s; graph 64 s beside the RL study (06c: 4 passed). ncu has not run yet: its 60 s is a guess.
+# Any cap: CAP_<STEP>=seconds (CAP_PROBE, CAP_NCU, CAP_NCU_SECTIONS, CAP_GRAPH, CAP_REPEAT, CAP_GRID, CAP_DECODE,
+# CAP_BREAKDOWN, CAP_COLUMNS); a step's own --budget-s follows its cap.
 #
 # Steps (STEPS, comma-separated, run in this order whatever the order given; CALL=1 / CALL=2 set STEPS and
 # TOTAL_S as above, the default is every step but columns with TOTAL_S 565, which cuts the last ones), each

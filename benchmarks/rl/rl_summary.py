@@ -257,7 +257,7 @@ def primary_markdown(p: dict, sec: dict, target: float) -> str:
         ci = c["ci"] if c["ci"] else (None, None)
         iv = f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci[0] is not None else ""
         lines.append(f"| {key} | {c['n']} | {f(c['mean'], '{:+.3f}')}{iv} | {c['positive_seeds']}/{c['n']} | {f(c['p'], '{:.3f}')} "
-                     f"| {c.get('reading') or reading(c['mean'], c['p'], c['n'])} |")
+                     f"| {c['reading']} |")
     lines += ["", f"Secondary: steps to the target accuracy {target:.3f} per seed (n/a: not reached), seeds ending below their "
               "step-0 accuracy, the share of sequences holding a token with |r| > ln 3 and the share of those tail tokens held by "
               "the worst 5 % of sequences (means over steps), and the reward and answer length of the kept and dropped sequences.", "",
