@@ -204,8 +204,11 @@ want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM
     want "$s" || continue
     echo "## $s"; grep -h "\] $s" "$LOG"
     [ -f "$W/$s.out" ] || continue
-    echo "# $(grep -c ' PASSED' "$W/$s.out") passed, $(grep -c ' FAILED' "$W/$s.out") failed, $(grep -c ' ERROR' "$W/$s.out") errors, $(grep -c ' SKIPPED' "$W/$s.out") skipped (one line per test as it ended):"
-    grep -E ' (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|^\[graph autotune\]' "$W/$s.out" | sed 's#^tests/test_kernels_[a-z]*_gpu\.py::##' | cut -c1-220
+    # under -s a test's own output can come between its name and its outcome, leaving the outcome alone
+    # at the start of a line: count an outcome word at a line's start or after a space (-rfE's summary lines
+    # start with FAILED / ERROR, so those two count the per-test lines only)
+    echo "# $(grep -cE '(^| )PASSED( |$)' "$W/$s.out") passed, $(grep -cE ' FAILED( |$)' "$W/$s.out") failed, $(grep -cE ' ERROR( |$)' "$W/$s.out") errors, $(grep -cE '(^| )SKIPPED( |$)' "$W/$s.out") skipped (one line per test as it ended):"
+    grep -E '(^| )(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)( |$)|^\[graph autotune\]' "$W/$s.out" | sed 's#^tests/test_kernels_[a-z]*_gpu\.py::##' | cut -c1-220
     echo "# last lines:"; tail -25 "$W/$s.out" | cut -c1-400
   done; } > "$OUT/tests.log"
 tar -C "$W" -czf "$OUT/v4_rest.tar.gz" . 2>/dev/null

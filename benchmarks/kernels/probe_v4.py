@@ -153,7 +153,7 @@ def markdown(res: dict) -> str:
              f"`{res.get('command', '')}`. µs per call, foursight.kernels.tuning.time_gpu; `rot` = rotated weight copies "
              f"(no flush), `rot+read` = rotated copies with the read flush. Copy ceiling {res.get('ceilings', {}).get('copy_TBps', 0):.2f} TB/s.", "",
              "| N×K | M | cuBLAS memset / read / none / rot / rot+read | W4A4 memset / read / none / rot / rot+read | PDL on / off | "
-             "static | stream (TB/s) | W4A4 TB/s | cuBLAS TB/s | tile | static tile |",
+             "static | stream µs (TB/s) | W4A4 TB/s | cuBLAS TB/s | tile | static tile |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda r, key: f"{r[key]:.1f}" if isinstance(r.get(key), float) else "–"  # noqa: E731
     for r in res["rows"]:
