@@ -19,7 +19,10 @@
 # decode 74 s after the grid had compiled its kernels, but 106 s as a machine's first step, where its 80 s
 # budget left out k = 0 and FP8 (06c), so its cap is 170 s (budget 140 s); repeat 81 of its 95 tests in 75 s
 # alone (06b) and 92 in 180 s beside the RL study (06c), cut in the autotuned-default test, so its cap is
-# 300 s; graph 64 s beside the RL study (06c: 4 passed). ncu has not run yet: its 60 s is a guess.
+# 300 s; graph 64 s beside the RL study (06c: 4 passed). On one warm machine whose Triton cache the first
+# call had filled (06d, the final kernels): probe 70 s cold / 10 s warm, grid 195 s / 17 s, breakdown 6 s,
+# ncu 14 s, graph 50 s, columns 8 s, repeat 12 s beside six RL runs, decode 44 s / 26 s: a fresh machine
+# pays the cold figures, so the caps stay.
 # Any cap: CAP_<STEP>=seconds (CAP_PROBE, CAP_NCU, CAP_NCU_SECTIONS, CAP_GRAPH, CAP_REPEAT, CAP_GRID, CAP_DECODE,
 # CAP_BREAKDOWN, CAP_COLUMNS); a step's own --budget-s follows its cap.
 #
