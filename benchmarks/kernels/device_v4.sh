@@ -48,6 +48,10 @@
 #              8192², M 16/64, the H100 grid's tiles forced, k = 0 vs k = 128, the columns before the FP4 loop
 #              vs after it (cols_late) and gathered vs dense X[:, S]; writes columns.json (+ columns.md into
 #              v4_summary.md). 7 s on the H100: `STEPS=columns TOTAL_S=60 bash benchmarks/kernels/device_v4.sh`
+#   values     (opt-in) benchmarks/kernels/probe_baseline_values.py: cuBLAS BF16's time on weights ~N(0,1), ~N(0,0.02²)
+#              and zeros, interleaved rounds (the probe's and the grid's cuBLAS differed by ~17 % in 06d)
+#   stepprof   (opt-in) benchmarks/kernels/probe_decode_step.py: the 8B-shaped decode step's kernel time by
+#              category (quantizer, FourSight GEMM, cuBLAS, attention, norm, other), BF16 / W4A4 k=128 / k=0
 # Carry .devcarry/a on a bare machine: the pydantic wheels are installed from it.
 # The pytest steps print one line per test as it ends (-v), so a cut run still says what passed; tests.log
 # keeps those lines (path prefix dropped), the autotuner's lines and each run's last lines.
@@ -80,6 +84,8 @@ CAP_GRID=${CAP_GRID:-215}
 CAP_DECODE=${CAP_DECODE:-170}
 CAP_BREAKDOWN=${CAP_BREAKDOWN:-35}
 CAP_COLUMNS=${CAP_COLUMNS:-60}
+CAP_VALUES=${CAP_VALUES:-60}
+CAP_STEPPROF=${CAP_STEPPROF:-170}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -194,12 +200,21 @@ if want columns; then
     --budget-s "$(budget "$CAP_COLUMNS" 20)" $DRY
 fi
 
+if want values; then
+  if [ "$DRY_RUN" = "1" ]; then $PY benchmarks/kernels/probe_baseline_values.py --help > /dev/null && say "values: parses its arguments"
+  else run_step values "$CAP_VALUES" $PY benchmarks/kernels/probe_baseline_values.py --out "$W"; fi
+fi
+if want stepprof; then
+  if [ "$DRY_RUN" = "1" ]; then $PY benchmarks/kernels/probe_decode_step.py --help > /dev/null && say "stepprof: parses its arguments"
+  else run_step stepprof "$CAP_STEPPROF" $PY benchmarks/kernels/probe_decode_step.py --out "$W" --budget-s "$(budget "$CAP_STEPPROF" 45)"; fi
+fi
+
 # pack: 7 files into $OUT (8 with the columns step)
 say "done in $(( $(date +%s) - T0 ))s; packing"
 { echo "# SpliceGEMM v4 device run (issue 36)"; echo; echo "$HDR"; echo; echo '```'; cat "$LOG"; echo '```'
-  for f in probe_v4 splice_gemm breakdown bench_decode columns; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
+  for f in probe_v4 splice_gemm breakdown bench_decode columns baseline_values decode_step; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
-for f in probe_v4.json splice_gemm.json bench_decode.json columns.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
+for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
 want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stalls.csv"
 { want graph || want repeat; } && { echo "# $HDR"
