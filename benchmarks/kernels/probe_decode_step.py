@@ -162,6 +162,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(res: dict, out: Path) -> None:
+    """Both result files; called after every (mode, batch), so a run cut by a time limit keeps what it did."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_step.json").write_text(json.dumps(res, indent=1))
+    (out / "decode_step.md").write_text(markdown(res))
+
+
 def run(args) -> dict:
     dev = torch.device(args.device)
     cfg = bd.TINY if args.tiny else bd.LLAMA_3_1_8B
@@ -196,6 +203,7 @@ def run(args) -> dict:
                 rows.append({"batch": b, "error": bd._err(e)})
             print(f"[probe_decode_step] {mode} B={b}: {json.dumps(rows[-1].get('us_per_step', rows[-1].get('error')))}",
                   flush=True)
+            write(res, Path(args.out))
         model.linears = None
         bd._free(dev)
     return res
@@ -220,12 +228,8 @@ def main() -> None:
     args.context = args.context if args.context is not None else (32 if args.tiny else 1024)
     args.channels = args.channels if args.channels is not None else (32 if args.tiny else 128)
     res = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_step.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "decode_step.md").write_text(md)
-    print(md)
+    write(res, Path(args.out))
+    print(markdown(res))
 
 
 if __name__ == "__main__":
