@@ -64,6 +64,7 @@ class Launch:
     registers: float | None
     issue_pct: float | None
     dram_pct: float | None
+    warps_peak: float | None  # warps a scheduler can hold (``WARPS_PEAK``)
     stalls: list[tuple[str, float]] = field(default_factory=list)  # the three largest, largest first
 
     @property
@@ -148,7 +149,7 @@ def launches(path: Path, top: int = 3) -> list[Launch]:
             dram_read_tbps=None if bw is None or bw_scale is None else bw * bw_scale / 1e12,
             warps_active=get(WARPS_ACTIVE), warps_eligible=get(WARPS_ELIGIBLE),
             occupancy_pct=get(OCCUPANCY), registers=get(REGISTERS), issue_pct=get(ISSUE), dram_pct=get(DRAM_PCT),
-            stalls=stalls[:top]))
+            warps_peak=get(WARPS_PEAK), stalls=stalls[:top]))
     return out
 
 
@@ -191,8 +192,7 @@ def markdown(csv_path: Path, grouped: list[tuple[dict | None, list[Launch]]], pr
         return os.path.relpath(p, base) if base is not None else p.name
 
     prov = [ln[1:].strip() for ln in csv_path.read_text().splitlines() if ln.startswith("#")]
-    header, _, rows = read_raw_csv(csv_path)
-    peaks = sorted({number(r[WARPS_PEAK]) for r in rows} - {None}) if WARPS_PEAK in header else []
+    peaks = sorted({la.warps_peak for _, g in grouped for la in g} - {None})
     peak = f", of {'/'.join(f'{p:g}' for p in peaks)} (`{WARPS_PEAK}`)" if peaks else ""
     lines = [f"# Nsight Compute, one row per kernel launch ({csv_path.name})", ""]
     if prov:

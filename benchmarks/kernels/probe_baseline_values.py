@@ -29,7 +29,7 @@ import torch
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import bench_splice_gemm as bsg  # noqa: E402  (the grid's rotation count)
-from common import git_commit, kernels_sha256, ms_per_call  # noqa: E402  (benchmarks/common.py)
+from common import ms_per_call  # noqa: E402  (benchmarks/common.py)
 
 SCALES = ("1.0", "0.02", "zeros")
 
@@ -60,15 +60,15 @@ def run(args) -> dict:
                   flush=True)
             del copies
             torch.cuda.empty_cache()
-    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": git_commit(),
-            "kernels_sha256": kernels_sha256(), "rounds": args.rounds, "rows": rows,
+    return {"gpu": torch.cuda.get_device_name(0), "provenance": bsg.provenance(), "rounds": args.rounds, "rows": rows,
             "method": "common.ms_per_call (foursight.kernels.tuning.time_gpu, read flush before each pass of the "
                       "rotated copies), median over interleaved rounds"}
 
 
 def markdown(res: dict) -> str:
     lines = [f"# cuBLAS BF16 time by weight values ({res['gpu']})", "",
-             f"Commit `{res['commit']}`, torch {res['torch']}; {res['method']}; {res['rounds']} rounds. µs per call.", "",
+             f"Commit `{res['provenance']['commit']}`, kernels sha256 `{res['provenance']['kernels_sha256'][:16]}`, "
+             f"torch {res['provenance']['torch']}; {res['method']}; {res['rounds']} rounds. µs per call.", "",
              "| N×K | M | copies | " + " | ".join(f"w = {s}" if s == "zeros" else f"w ~ N(0, {s}²)" for s in SCALES)
              + " | 0.02 / 1.0 |", "|---|---|---|" + "---|" * (len(SCALES) + 1)]
     for r in res["rows"]:
