@@ -175,18 +175,33 @@ def _act_quant_row(
                     tl.store(deq_ptr + row * K + k0 + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
     tl.store(gs_out_ptr + row, gs)
     if WRITE_XS:
-        _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, BLOCK_KS)
+        _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, 0, BLOCK_KS, BLOCK_KS)
 
 
 @triton.jit
-def _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, BLOCK_KS: tl.constexpr):
-    """``X[row, S]`` gathered by channel index and stored contiguous (the SS form's operand)."""
-    offs_c = tl.arange(0, BLOCK_KS)
-    for c0 in range(0, KS, BLOCK_KS):
-        cmask = (c0 + offs_c) < KS
-        ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
-        xv = tl.load(x_row + ch.to(tl.int64) * stride_xk, mask=cmask, other=0.0)
-        tl.store(xs_ptr + row * KS + c0 + offs_c, xv, mask=cmask)
+def _xs_load(x_row, stride_xk, ch_ptr, c0, KS, BLOCK: tl.constexpr):
+    """``X[row, S]`` at channels ``c0 .. c0 + BLOCK`` (masked at ``KS``): the channel indices, then one
+    gather by them."""
+    offs_c = c0 + tl.arange(0, BLOCK)
+    cmask = offs_c < KS
+    ch = tl.load(ch_ptr + offs_c, mask=cmask, other=0)
+    return tl.load(x_row + ch.to(tl.int64) * stride_xk, mask=cmask, other=0.0)
+
+
+@triton.jit
+def _xs_put(xs_ptr, row, KS, c0, xv, BLOCK: tl.constexpr):
+    """Store a tile of :func:`_xs_load` at its place in the dense ``xs`` [M, KS]."""
+    offs_c = c0 + tl.arange(0, BLOCK)
+    tl.store(xs_ptr + row * KS + offs_c, xv, mask=offs_c < KS)
+
+
+@triton.jit
+def _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, start, step, BLOCK: tl.constexpr):
+    """``X[row, S]`` gathered by channel index and stored contiguous (the SS form's operand), tiles of
+    ``BLOCK`` channels at ``start, start + step, ...`` below ``KS``: the whole row from one program
+    (``start = 0, step = BLOCK``) or a part's share of it (:func:`_act_quant_row_part`)."""
+    for c0 in range(start, KS, step):
+        _xs_put(xs_ptr, row, KS, c0, _xs_load(x_row, stride_xk, ch_ptr, c0, KS, BLOCK), BLOCK)
 
 
 @triton.jit
@@ -201,11 +216,21 @@ def _act_quant_row_part(
     critical path at decode, where one program per row is a latency chain (issue 36 item 2). A dynamic
     global scale needs the whole row's amax: each part reads the row once for it (2·K bytes, from L2
     after the first part) and quantizes only its ``BLOCK_K / COLS`` columns, with the same primitives as
-    :func:`_act_quant_row` (bit-identical). Part 0 writes the global scale and ``X[:, S]``."""
+    :func:`_act_quant_row` (bit-identical). Part 0 writes the global scale.
+
+    The ``X[:, S]`` copy is spread over the parts: part ``p`` copies the ``BLOCK_KS / COLS`` channels at
+    ``p · BLOCK_KS / COLS`` (and every ``BLOCK_KS`` after, when ``KS > BLOCK_KS``), each share stored
+    contiguous. Its first tile's two dependent loads (channel indices, then the gather) are issued before
+    the quantization's loads and stored at the end, so they overlap the quantization instead of
+    following it in one part."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     x_row = x_ptr + row * stride_xm
     BC: tl.constexpr = BLOCK_K // COLS
+    PB: tl.constexpr = BLOCK_KS // COLS  # the launcher passes BLOCK_KS >= COLS: at least one channel
+    if WRITE_XS:
+        xs_c0 = part * PB
+        xs_v = _xs_load(x_row, stride_xk, ch_ptr, xs_c0, KS, PB)
     if STATIC_GS:
         gs = tl.load(gs_in_ptr)
     else:
@@ -233,8 +258,9 @@ def _act_quant_row_part(
         tl.store(deq_ptr + row * K + offs, deq.to(deq_ptr.dtype.element_ty), mask=kmask)
     if part == 0:
         tl.store(gs_out_ptr + row, gs)
-        if WRITE_XS:
-            _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, BLOCK_KS)
+    if WRITE_XS:
+        _xs_put(xs_ptr, row, KS, xs_c0, xs_v, PB)
+        _store_xs(x_row, stride_xk, ch_ptr, xs_ptr, row, KS, xs_c0 + BLOCK_KS, BLOCK_KS, PB)  # KS > BLOCK_KS only
 
 
 @triton.jit
@@ -381,7 +407,7 @@ def act_quant_launch(
             k_dim, kk,
             BLOCK_K=block_k, ONE_PASS=one_pass, HAS_CH=kk > 0, STATIC_GS=global_scale is not None,
             WRITE_PACKED=write_packed, WRITE_DEQ=write_deq, WRITE_XS=write_xs and kk > 0,
-            BLOCK_KS=min(256, max(16, triton.next_power_of_2(max(kk, 1)))),
+            BLOCK_KS=max(min(256, max(16, triton.next_power_of_2(max(kk, 1)))), cols),  # >= cols: a share per part
             DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False,
             post_ptr=post if fq else dummy, FQ=fq,
             LAUNCH_DEPS=launch_deps and not interpreting(),
