@@ -38,6 +38,8 @@ from .configs import (
     GemvConfig,
     KernelConfig,
     SSConfig,
+    STREAM_CONFIGS,
+    StreamConfig,
     SwapConfig,
     WS_CONFIGS,
     WSConfig,
@@ -127,6 +129,12 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
+    stream = os.environ.get("FOURSIGHT_STREAM", "0")  # the experimental register-streaming Gluon form: 0, 1, only
+    if stream in ("1", "only") and path == "decode":
+        if form_module("gluon_stream").available():
+            return list(STREAM_CONFIGS) if stream == "only" else [*cands, *STREAM_CONFIGS]
+        if stream == "only":
+            return []
     ws = os.environ.get("FOURSIGHT_WS", "0")  # the experimental warp-specialized Gluon form: 0 (default), 1, only
     if ws in ("1", "only"):
         gluon_ws = form_module("gluon_ws")  # experimental: imported by name only when asked for
@@ -151,7 +159,7 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
         a, a_gs, a_quant, dot_bf16 = x, None, False, x.dtype == torch.bfloat16
     else:
         (a, a_gs), a_quant, dot_bf16 = qa, True, False
-    if isinstance(cfg, WSConfig):
+    if isinstance(cfg, (WSConfig, StreamConfig)):
         return _ws_run(cfg, a, a_gs, x, pw, bias, out, a_quant)
     if isinstance(cfg, FragmentConfig):
         if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
@@ -168,13 +176,14 @@ def _gemm_dispatch(cfg: KernelConfig, x, pw: PreparedWeight, qa, bias, out, xs=N
     raise ValueError(f"foursight.kernels: unknown configuration {cfg!r}")
 
 
-def _ws_run(cfg: WSConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: bool, xs=None):
-    """The experimental warp-specialized Gluon form (its plain-Triton twin under the interpreter)."""
+def _ws_run(cfg, a, a_gs, x, pw: PreparedWeight, bias, out, a_quant: bool, xs=None):
+    """The experimental Gluon forms, warp-specialized (:class:`WSConfig`) or register-streaming
+    (:class:`StreamConfig`); under the interpreter their plain-Triton twin."""
     if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
-        raise NVFP4Error(f"foursight.kernels: the gluon_ws form takes bf16 activations, got {x.dtype}")
+        raise NVFP4Error(f"foursight.kernels: the {cfg.form} form takes bf16 activations, got {x.dtype}")
     interp = interpreting()
-    form = form_module("gluon_ws", interpreted=interp)
-    launch = form.ws_twin_launch if interp else form.ws_launch
+    form = form_module(cfg.form, interpreted=interp)
+    launch = form.ws_twin_launch if interp else getattr(form, {"gluon_ws": "ws_launch", "gluon_stream": "stream_launch"}[cfg.form])
     return launch(cfg, a.contiguous(), a_gs, x.contiguous(), pw, bias, out, a_quant, xs=xs)
 
 
@@ -184,7 +193,7 @@ def linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sca
         return dequant_linear(cfg, x2, pw, bias, input_global_scale, act_quant, out)
     if not act_quant:
         return _gemm_dispatch(cfg, x2, pw, None, bias, out)
-    frag = isinstance(cfg, (FragmentConfig, WSConfig))
+    frag = isinstance(cfg, (FragmentConfig, WSConfig, StreamConfig))
     if frag and x2.dtype != torch.bfloat16:
         raise NVFP4Error(f"foursight.kernels: the {cfg.form} form takes bf16 activations, got {x2.dtype}")
     fragment = isinstance(cfg, FragmentConfig)
@@ -198,15 +207,15 @@ def linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sca
     # tiles this measured cheaper than gathering it by channel index in the GEMM, before or after the FP4
     # loop (H100, 8192², M = 16 / 64: the columns +2.1 / +2.0 µs dense against +3.8 / +9.9 µs gathered,
     # the copy +0.4 / +0.1 µs in the quantizer; benchmarks/results/h100-2026-12-06b-v4/columns.json)
-    want_xs = isinstance(cfg, (SSConfig, WSConfig, FragmentConfig)) and pw.num_channels > 0
+    want_xs = isinstance(cfg, (SSConfig, WSConfig, StreamConfig, FragmentConfig)) and pw.num_channels > 0
     pdl = fragment and x2.is_cuda and not PDL_ERRORS and pdl_supported()
     if pdl or fragment:
         x2 = x2.contiguous()  # before the quantizer: nothing may run between it and a PDL-launched GEMM
     deq_dtype = torch.bfloat16 if frag else torch.float16
     _, _, deq, gs, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, input_global_scale, False, True, want_xs,
                                              deq_dtype=deq_dtype, launch_deps=pdl,
-                                             cols=cfg.q_split if fragment else 1)
-    if isinstance(cfg, WSConfig):
+                                             cols=cfg.q_split if isinstance(cfg, (FragmentConfig, StreamConfig)) else 1)
+    if isinstance(cfg, (WSConfig, StreamConfig)):
         return _ws_run(cfg, deq, gs, x2, pw, bias, out, True, xs=xs)
     if fragment:
         if pdl:

@@ -182,7 +182,38 @@ class WSConfig(_Config):
             )
 
 
-KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig]
+@dataclass(frozen=True)
+class StreamConfig(_Config):
+    """Register-streaming fragment tile in Gluon (:mod:`.gluon_stream`; its plain-Triton twin
+    :mod:`.gluon_ws_twin` with ``cols_mma`` under the interpreter): ``Yᵀ[64, block_m]`` per program of one
+    warpgroup, the program's activation slice in shared memory once, the weight words streamed from
+    global memory into registers ``depth`` 256-column steps ahead (1 or 2); ``split_k`` 0 = automatic.
+    CUDA sm_90 with Gluon only (:func:`.gluon_ws.available`); BF16 activations; decode (M <= 16 rows a tile)."""
+
+    form: ClassVar[str] = "gluon_stream"
+    block_m: int = 8
+    depth: int = 2
+    split_k: int = 0
+    #: register cap per thread (Triton's ``maxnreg``; 0 = the compiler's choice)
+    max_regs: int = 0
+    #: output rows per program: one warpgroup's 64 (the stored block); fixed, so the words' load layout
+    #: converts to the wgmma operand without a shared-memory hop
+    block_n: int = 64
+    num_warps: int = 4
+    #: programs per row of the activation quantizer before it (W4A4), as :class:`FragmentConfig`'s
+    q_split: int = 8
+
+    def __post_init__(self):
+        if (self.block_m not in (8, 16, 32) or self.depth not in (1, 2) or self.block_n != 64 or self.num_warps != 4
+                or self.split_k < 0 or self.max_regs not in (0, *range(64, 257, 8))
+                or self.q_split not in (1, 2, 4, 8, 16)):
+            raise ValueError(
+                f"StreamConfig: block_m 8, 16 or 32, depth 1 or 2, block_n 64 and num_warps 4 (one warpgroup), split_k >= 0, "
+                f"max_regs 0 or a multiple of 8 in 64..256 and q_split 1..16 (a power of two), got {self}"
+            )
+
+
+KernelConfig = Union[GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig, StreamConfig]
 
 # The candidate lists. **First-candidate rule:** with autotuning off (``FOURSIGHT_KERNELS_AUTOTUNE=0``),
 # under CUDA-graph capture of a key never run eagerly, and wherever :func:`.tuning.pick_config` does not
@@ -280,6 +311,14 @@ WS_CONFIGS: dict = {
         WSConfig(64, 128, 3, 8),
     ),
 }
+#: Register-streaming Gluon tiles (:class:`StreamConfig`, :mod:`.gluon_stream`, issue 36 item 3): **not
+#: candidates by default** until the device measures them (``FOURSIGHT_STREAM=1`` adds them to the decode
+#: candidates where Gluon runs; ``only`` makes them the only decode candidates).
+STREAM_CONFIGS: tuple = (
+    StreamConfig(8, 2),
+    StreamConfig(8, 1),
+    StreamConfig(16, 2),
+)
 #: fp16 activations (and ``splice_gemm`` on an fp16 ``q*s``): the fragment and dequant forms take
 #: bf16 only, so fp16 models run the forms that read the compressed-tensors packed layout, which the
 #: layer then rebuilds once from the fragment form and keeps (a second resident form, for fp16 only).
@@ -314,7 +353,7 @@ INTERP_CONFIGS: dict = {
 }
 
 
-_FORMS: dict = {c.form: c for c in (GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig)}
+_FORMS: dict = {c.form: c for c in (GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig, StreamConfig)}
 
 
 def config_from_str(tag: str) -> KernelConfig:

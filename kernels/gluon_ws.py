@@ -215,19 +215,45 @@ if gluon is not None:
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
 
-        # epilogue (all warps of the default partition): the reference's order
+        _ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
+                     bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, xs_ptr, SPLITS, M, N, KS, SEG_PER_SPLIT,
+                     A_QUANT, HAS_BIAS, HAS_KS, SPLIT, XS_DENSE, BLOCK_M, BLOCK_N, NW, False)
+
+    @gluon.jit
+    def _ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NW: gl.constexpr):
+        """The global scales and ``2^7``, once, on the fp32 accumulator ``Yᵀ[BN, BM]`` (wgmma's layout)."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                             instr_shape=[16, BLOCK_M, 16])
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+        wgs = gl.load(w_gs_ptr + (offs_n % N).to(gl.int64))
+        if A_QUANT:
+            ags = gl.load(a_gs_ptr + (offs_m % M).to(gl.int64))
+            acc = acc * (128.0 / (gl.expand_dims(wgs, 1) * gl.expand_dims(ags, 0)))
+        else:
+            acc = acc * gl.expand_dims(128.0 / wgs, 1)
+        return acc
+
+    @gluon.jit
+    def _ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
+                     bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, xs_ptr, SPLITS, M, N, KS, SEG_PER_SPLIT,
+                     A_QUANT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_KS: gl.constexpr, SPLIT: gl.constexpr,
+                     XS_DENSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr,
+                     SCALED: gl.constexpr = False):
+        """The epilogue of the Gluon forms (all warps of the default partition), the reference's order: global
+        scales and ``2^7`` once on the fp32 accumulator ``Yᵀ[BN, BM]`` (:func:`_ws_scale`, skipped when the
+        caller ran it: ``SCALED``), this split's share of the BF16 channel segment (``HAS_KS``: fp32 FMA per
+        channel column, exact products, a fixed order), then the ordered split-K reduction (the last split to
+        arrive sums every split's partial in split order and adds the bias) or, unsplit, the bias and the store."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
         offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
         rn = (offs_n % N).to(gl.int64)
         rm = (offs_m % M).to(gl.int64)
-        wgs = gl.load(w_gs_ptr + rn)
-        if A_QUANT:
-            ags = gl.load(a_gs_ptr + rm)
-            acc = acc * (128.0 / (gl.expand_dims(wgs, 1) * gl.expand_dims(ags, 0)))
-        else:
-            acc = acc * gl.expand_dims(128.0 / wgs, 1)
+        if not SCALED:
+            acc = _ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
         if HAS_KS:
             # this split's share of the BF16 columns, one column at a time (bf16 x bf16 products are
             # exact in fp32; the column order is fixed, so the sum is deterministic)

@@ -1,4 +1,5 @@
-"""Plain-Triton twin of the warp-specialized Gluon kernel (:mod:`.gluon_ws`): the same tiling
+"""Plain-Triton twin of the Gluon kernels, warp-specialized (:mod:`.gluon_ws`) and register-streaming
+(:mod:`.gluon_stream`: its split plan, and its BF16 columns as one MMA after the scales): the same tiling
 (``Yᵀ[BN, BM]`` tiles, 256-column K steps of the fragment form), the same decode
 (:func:`.fragment_layout.fragment_tile`, the word decode in PTX on the GPU and its portable twin in the
 interpreter), the same split plan (:func:`.gluon_ws.ws_plan`) and the same epilogue order (global
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from .fragment_layout import fragment_of, fragment_tile, scale_view
 from .split_k import split_counters
+from .gluon_stream import stream_plan
 from .gluon_ws import ws_plan
 from .primitives import mma, split_k_epilogue
 from .runtime import interpreting
@@ -40,6 +42,8 @@ def _ws_twin_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr,
+    COLS_MMA: tl.constexpr,  # the BF16 columns as one MMA of SEGP columns (the register-streaming form)
+    SEGP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -78,7 +82,19 @@ def _ws_twin_kernel(
         acc = acc * (128.0 / (wgs[:, None] * ags[None, :]))
     else:
         acc = acc * (128.0 / wgs)[:, None]
-    if HAS_KS:
+    if HAS_KS and COLS_MMA:
+        seg_lo = pid_k * SEG_PER_SPLIT
+        seg_hi = tl.minimum(KS, seg_lo + SEG_PER_SPLIT)
+        oc = seg_lo + tl.arange(0, SEGP)
+        cm = oc < seg_hi
+        if XS_DENSE:
+            xv = tl.load(xs_ptr + rm[:, None] * KS + oc[None, :], mask=cm[None, :], other=0.0)
+        else:
+            ch = tl.load(ch_ptr + oc, mask=cm, other=0).to(tl.int64)
+            xv = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=cm[None, :], other=0.0)
+        wv = tl.load(wb_ptr + rn[:, None] * stride_wbn + oc[None, :], mask=cm[None, :], other=0.0)
+        acc = mma(wv.to(tl.bfloat16), tl.trans(xv.to(tl.bfloat16)), acc, INTERP)
+    elif HAS_KS:
         seg_lo = pid_k * SEG_PER_SPLIT
         seg_hi = tl.minimum(KS, seg_lo + SEG_PER_SPLIT)
         for kc in range(seg_lo, seg_hi):
@@ -95,14 +111,18 @@ def _ws_twin_kernel(
 
 
 def ws_twin_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
-    """Launch the twin (arguments as :func:`.gluon_ws.ws_launch`)."""
+    """Launch the twin (arguments as :func:`.gluon_ws.ws_launch`) of ``cfg``'s Gluon form: the
+    warp-specialized one (:class:`~.configs.WSConfig`: its split plan, the columns one at a time) or the
+    register-streaming one (:class:`~.configs.StreamConfig`: :func:`.gluon_stream.stream_plan`, the
+    columns as one MMA)."""
     fw = fragment_of(pw)
     if fw.scale_bf16:
         raise ValueError("gluon_ws_twin: the Gluon form reads E5M3 scale bytes (fragment.SCALES_AS_BF16 = False)")
     sf = scale_view(fw)
     m = x.shape[0]
     n, k_dim, kk = pw.out_features, pw.in_features, pw.num_channels
-    plan = ws_plan(cfg, m, pw)
+    cols_mma = cfg.form == "gluon_stream"
+    plan = stream_plan(cfg, m, pw) if cols_mma else ws_plan(cfg, m, pw)
     splits = plan["splits"]
     dummy = pw.weight_global_scale
     xs_dense = xs is not None and kk > 0
@@ -120,7 +140,8 @@ def ws_twin_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
         out, out.stride(0), ws, cnt, xs if xs_dense else dummy,
         splits, m, n, k_dim, kk, fw.words.shape[0], plan["kcp"], plan["cps"], plan["seg"],
         A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, XS_DENSE=xs_dense,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=interpreting(), **opts,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INTERP=interpreting(), COLS_MMA=cols_mma, SEGP=plan.get("segp", 16),
+        **opts,
     )
     return out
 

@@ -21,8 +21,8 @@ if not torch.cuda.is_available() and any("test_kernels_ws.py" in a for a in sys.
     os.environ["TRITON_INTERPRET"] = "1"
 
 import foursight.kernels.api as fk  # noqa: E402
-from foursight.kernels import api, gluon_ws  # noqa: E402
-from foursight.kernels.configs import WSConfig  # noqa: E402
+from foursight.kernels import api, gluon_stream, gluon_ws  # noqa: E402
+from foursight.kernels.configs import StreamConfig, WSConfig, config_from_str  # noqa: E402
 from foursight.kernels.runtime import interpreting  # noqa: E402
 from foursight.kernels.split_k import split_counters  # noqa: E402
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
@@ -120,3 +120,57 @@ def test_ws_config_and_dispatch_rules():
     pw = fk.prepare_weight(_layer(64, 256, 16, g))
     with pytest.raises(NVFP4Error, match="bf16"):
         fk.splice_gemm(_act(2, 256, g, torch.float16), pw, None, config=WSConfig(16, 64))
+
+
+# ---------------------------------------------------------------------------------------------
+# the register-streaming Gluon form (foursight.kernels.gluon_stream) through the same twin
+# ---------------------------------------------------------------------------------------------
+
+# block_m, depth, split_k: one-row tile without a split, a fixed split, automatic with 16 rows
+_STREAM = [StreamConfig(8, 2, 1), StreamConfig(8, 1, 3), StreamConfig(16, 2, 0)]
+
+
+@pytest.mark.parametrize("cfg", _STREAM, ids=str)
+@pytest.mark.parametrize("M,N,K,k", [(1, 40, 208, 16), (3, 64, 256, 0), (17, 130, 784, 128)])
+def test_stream_twin_matches_the_reference(cfg, M, N, K, k):
+    """The register-streaming form's arithmetic (its split plan, its BF16 columns as one MMA after the
+    scales): W4A4 dynamic and static, W4A16 (fp32 out), bias, padding in N and K, several token tiles,
+    split-K, a non-contiguous bf16 input."""
+    g = torch.Generator().manual_seed(M * 5 + N + K + k)
+    qw = _layer(N, K, k, g)
+    pw = fk.prepare_weight(qw)
+    x = _act(M, 2 * K, g)[:, ::2]
+    bias = torch.randn(N, generator=g).bfloat16()
+    _close(fk.splice_linear(x, pw, bias=bias, config=cfg), reference_linear(x, qw, bias=bias, out_dtype=torch.float32))
+    y = fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
+    ref = reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32)
+    assert (y - ref).abs().max().item() <= 2e-5 * (ref.abs().max().item() + 1e-6)
+    gs = torch.tensor([17.0])
+    _close(fk.splice_linear(x, pw, input_global_scale=gs, config=cfg),
+           reference_linear(x, qw, input_global_scale=gs, out_dtype=torch.float32))
+
+
+def test_stream_plan_fits_the_activation_slice_and_splits_whole_steps():
+    """Every split's activation slice fits the shared memory the form gives it, every split but the last
+    has an even number of 128-column chunks and none is empty, and the columns' MMA width covers the share."""
+    g = torch.Generator().manual_seed(8)
+    pw = fk.prepare_weight(_layer(64, 9216, 96, g, per_row_gs=False))  # 36 steps of 256 columns
+    for cfg in (StreamConfig(8, 2, 0), StreamConfig(16, 2, 1), StreamConfig(32, 1, 2), StreamConfig(8, 2, 40)):
+        plan = gluon_stream.stream_plan(cfg, 3, pw)
+        assert plan["cps"] % 2 == 0 and plan["cps"] // 2 <= gluon_stream.max_steps(cfg.block_m), (cfg, plan)
+        assert plan["splits"] * plan["cps"] >= plan["kcp"] == 72 and (plan["splits"] - 1) * plan["cps"] < plan["kcp"]
+        assert plan["segp"] >= plan["seg"] and plan["segp"] >= 16 and plan["segp"] & (plan["segp"] - 1) == 0
+    assert gluon_stream.stream_plan(StreamConfig(16, 2, 1), 3, pw)["splits"] == 5  # 36 steps, 8 a split at most
+
+
+def test_stream_config_and_dispatch_rules(monkeypatch):
+    """Bad tiles are refused when built, tags round-trip, and the form is no candidate where Gluon
+    cannot run (here: the interpreter), even when switched on."""
+    for bad in (dict(block_m=12), dict(depth=3), dict(block_n=128), dict(num_warps=8), dict(q_split=3)):
+        with pytest.raises(ValueError, match="StreamConfig"):
+            StreamConfig(**bad)
+    cfg = StreamConfig(16, 1, 3, 128)
+    assert config_from_str(str(cfg)) == cfg
+    for value in ("1", "only"):
+        monkeypatch.setenv("FOURSIGHT_STREAM", value)
+        assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))

@@ -52,6 +52,10 @@
 #              and zeros, interleaved rounds (the probe's and the grid's cuBLAS differed by ~17 % in 06d)
 #   stepprof   (opt-in) benchmarks/kernels/probe_decode_step.py: the 8B-shaped decode step's kernel time by
 #              category (quantizer, FourSight GEMM, cuBLAS, attention, norm, other), BF16 / W4A4 k=128 / k=0
+#   streamtest (opt-in) pytest -v tests/test_kernels_stream_gpu.py: the register-streaming Gluon form (issue 36
+#              item 3) against the reference, 10 repeats bit-identical, the autotuner with FOURSIGHT_STREAM=1
+#   stream     (opt-in) benchmarks/kernels/probe_stream.py: that form's tiles forced against the autotuned default
+#              and cuBLAS (before and after), the three 8B shapes, M 1/16, k 0/128; writes stream.json (+ stream.md)
 # Carry .devcarry/a on a bare machine: the pydantic wheels are installed from it.
 # The pytest steps print one line per test as it ends (-v), so a cut run still says what passed; tests.log
 # keeps those lines (path prefix dropped), the autotuner's lines and each run's last lines.
@@ -86,6 +90,8 @@ CAP_BREAKDOWN=${CAP_BREAKDOWN:-35}
 CAP_COLUMNS=${CAP_COLUMNS:-60}
 CAP_VALUES=${CAP_VALUES:-60}
 CAP_STEPPROF=${CAP_STEPPROF:-170}
+CAP_STREAMTEST=${CAP_STREAMTEST:-200}
+CAP_STREAM=${CAP_STREAM:-240}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -200,6 +206,17 @@ if want columns; then
     --budget-s "$(budget "$CAP_COLUMNS" 20)" $DRY
 fi
 
+if want streamtest; then
+  if [ "$DRY_RUN" = "1" ]; then
+    $PY -m pytest tests/test_kernels_stream_gpu.py $PYTEST_V > "$W/streamtest.out" 2>&1
+    grep -E "passed|skipped|failed|error" "$W/streamtest.out" | tail -1 | sed 's/^/[streamtest dry] /' | tee -a "$LOG"
+  else
+    run_step streamtest "$CAP_STREAMTEST" $PY -m pytest tests/test_kernels_stream_gpu.py $PYTEST_V -s
+  fi
+fi
+if want stream; then
+  run_step stream "$CAP_STREAM" $PY benchmarks/kernels/probe_stream.py --out "$W" --budget-s "$(budget "$CAP_STREAM" 30)" $DRY
+fi
 if want values; then
   if [ "$DRY_RUN" = "1" ]; then $PY benchmarks/kernels/probe_baseline_values.py --help > /dev/null && say "values: parses its arguments"
   else run_step values "$CAP_VALUES" $PY benchmarks/kernels/probe_baseline_values.py --out "$W"; fi
@@ -212,13 +229,13 @@ fi
 # pack: 7 files into $OUT (8 with the columns step)
 say "done in $(( $(date +%s) - T0 ))s; packing"
 { echo "# SpliceGEMM v4 device run (issue 36)"; echo; echo "$HDR"; echo; echo '```'; cat "$LOG"; echo '```'
-  for f in probe_v4 splice_gemm breakdown bench_decode columns baseline_values decode_step; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
+  for f in probe_v4 splice_gemm breakdown bench_decode columns baseline_values decode_step stream; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
-for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
+for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json stream.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
 want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stalls.csv"
-{ want graph || want repeat; } && { echo "# $HDR"
-  for s in graph repeat; do
+{ want graph || want repeat || want streamtest; } && { echo "# $HDR"
+  for s in graph repeat streamtest; do
     want "$s" || continue
     echo "## $s"; grep -h "\] $s" "$LOG"
     [ -f "$W/$s.out" ] || continue

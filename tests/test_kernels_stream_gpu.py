@@ -1,0 +1,135 @@
+"""The register-streaming Gluon form (``foursight.kernels.gluon_stream``) on a CUDA sm_90 GPU against the
+PyTorch reference run on the same GPU, and its bit-identity over repeated calls.
+
+Marked ``gpu``: skipped without CUDA and where :func:`foursight.kernels.gluon_stream.available` is False
+(no Gluon, not sm_90). Speed is never asserted here (``benchmarks/kernels/probe_stream.py`` times it).
+Tolerances are those of ``tests/test_kernels_ws_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.is_available():
+    import foursight.kernels.api as fk
+    from foursight.kernels import api, gluon_stream, gluon_ws, tuning
+    from foursight.kernels.configs import STREAM_CONFIGS, StreamConfig
+    from foursight.layer import quantize_weight, reference_linear
+
+    _AVAILABLE = gluon_stream.available()
+    _WHY = f"Gluon form not available here (gluon import: {gluon_ws.GLUON_IMPORT_ERROR or 'ok'}, " \
+           f"capability {torch.cuda.get_device_capability()})"
+else:
+    _AVAILABLE, _WHY = False, "no CUDA"
+
+DEV = "cuda"
+REPEATS = int(os.environ.get("FOURSIGHT_STREAM_REPEATS", "10"))
+#: the three Llama-3.1-8B linear shapes (N x K) and two of SmolLM2-135M's
+SHAPES = [(8192, 8192), (14336, 4096), (4096, 14336), (576, 576), (1536, 576)]
+MS = [1, 5, 16]
+
+_LAYERS: dict = {}
+
+
+def _layer(n: int, k_dim: int, k: int):
+    key = (n, k_dim, k)
+    if key not in _LAYERS:
+        _LAYERS.clear()  # one layer at a time on the device (the 8B shapes are large)
+        g = torch.Generator(device=DEV).manual_seed(n + k_dim + k)
+        w = torch.randn(n, k_dim, generator=g, device=DEV) * 0.02
+        ch = torch.sort(torch.randperm(k_dim, generator=g, device=DEV)[:k]).values.to(torch.int32)
+        qw = quantize_weight(w, ch)
+        _LAYERS[key] = (qw, fk.prepare_weight(qw))
+    return _LAYERS[key]
+
+
+def _act(m: int, k_dim: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k_dim, generator=g, device=DEV) * torch.exp(torch.randn(1, k_dim, generator=g, device=DEV))
+    x[:, :: max(1, k_dim // 7)] *= 30.0
+    return x.bfloat16()
+
+
+def _check_fp32(y, ref, tol: float = 1e-5):
+    assert torch.isfinite(y).all()
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    err = (y.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert rel <= tol and err <= 20 * tol * scale, f"rel {rel:.3e}, max abs err {err:.3e} (output scale {scale:.3e})"
+
+
+def _repeat_identical(fn, first: torch.Tensor, what: str):
+    for i in range(REPEATS - 1):
+        y = fn()
+        assert torch.equal(y, first), f"{what}: call {i + 2} of {REPEATS} differs from the first " \
+                                      f"(max |diff| {(y.float() - first.float()).abs().max().item():.3e})"
+
+
+@pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("k", [0, 128])
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("N,K", SHAPES, ids=lambda v: str(v))
+def test_gluon_stream_matches_reference_and_repeats_gpu(N, K, k, M, mode):
+    qw, pw = _layer(N, K, k)
+    x = _act(M, K, N + K + k + M)
+    cfg = StreamConfig(8 if M <= 8 else 16, 2)
+    bias = torch.randn(N, generator=torch.Generator(device=DEV).manual_seed(M), device=DEV).bfloat16()
+    if mode == "w4a4":
+        def run():
+            return fk.splice_linear(x, pw, bias=bias, config=cfg)
+        y = run()
+        ref = reference_linear(x, qw, bias=bias, out_dtype=torch.float32)
+        assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+    else:
+        def run():
+            return fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
+        y = run()
+        _check_fp32(y, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
+    _repeat_identical(run, y, f"{cfg} {mode} {N}x{K} k={k} M={M}")
+
+
+@pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
+@pytest.mark.parametrize("M", [1, 13, 40])
+def test_every_stream_candidate_matches_reference_gpu(M):
+    """Every configuration of ``STREAM_CONFIGS``, W4A4 dynamic and static, on 4096 x 4096 with k = 128,
+    split-K automatic (M = 40: several token tiles), repeated calls bit-identical."""
+    qw, pw = _layer(4096, 4096, 128)
+    x = _act(M, 4096, M)
+    failures = []
+    for cfg in STREAM_CONFIGS:
+        for gs in (None, torch.tensor([23.0], device=DEV)):
+            try:
+                y = fk.splice_linear(x, pw, input_global_scale=gs, config=cfg)
+                ref = reference_linear(x, qw, input_global_scale=gs, out_dtype=torch.float32)
+                torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+                _repeat_identical(lambda: fk.splice_linear(x, pw, input_global_scale=gs, config=cfg), y, str(cfg))
+            except Exception as e:  # collect, so one run reports every broken candidate
+                failures.append(f"{cfg} static={gs is not None}: {type(e).__name__}: {str(e)[:400]}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
+def test_autotuner_offers_and_checks_the_stream_candidates_gpu(monkeypatch):
+    """With ``FOURSIGHT_STREAM=1`` the decode candidates include the streaming tiles, and the autotuner
+    times each only after it matched the reference (TUNE_LOG has a time for each)."""
+    monkeypatch.setenv("FOURSIGHT_STREAM", "1")
+    qw, pw = _layer(4096, 4096, 128)
+    for m in (1, 16):
+        assert any(isinstance(c, StreamConfig) for c in api.candidates("decode", m, "linear"))
+        tuning.TUNED.clear()
+        x = _act(m, 4096, 7 + m)
+        y = fk.splice_linear(x, pw)
+        ref = reference_linear(x, qw, out_dtype=torch.float32)
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+        key = api.linear_key("decode", m, pw, True, False, x.dtype, False)
+        log = [(str(c), t, e) for c, t, e in tuning.TUNE_LOG[key] if isinstance(c, StreamConfig)]
+        print(f"[stream] M={m} chosen {tuning.TUNED[key]}; streaming candidates: {log}")
+        assert log and not [entry for entry in log if entry[1] is None], f"streaming candidates rejected or failed: {log}"
+    tuning.TUNED.clear()
