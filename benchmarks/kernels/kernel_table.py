@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_splice_gemm import cublas_ref_ms  # noqa: E402  (the faster of the row's two cuBLAS timings)
 
 #: the issue's W4A4 k=128 targets (x cuBLAS BF16) per M; 1: 2.5x (3.0x on the two 14336-shapes)
 TARGETS = {1: 2.5, 16: 2.2, 64: 1.5, 256: 1.0, 1024: 0.8, 4096: 0.9}
@@ -17,7 +21,7 @@ TARGETS = {1: 2.5, 16: 2.2, 64: 1.5, 256: 1.0, 1024: 0.8, 4096: 0.9}
 
 def _x(r: dict, key: str) -> str:
     t = r.get(key)
-    return f"{r['cublas_ms'] / t:.2f}" if t else "–"
+    return f"{cublas_ref_ms(r) / t:.2f}" if t else "–"
 
 
 def main(path: str = "benchmarks/results/splice_gemm.json") -> None:
@@ -32,8 +36,8 @@ def main(path: str = "benchmarks/results/splice_gemm.json") -> None:
             tgt = None  # the targets are for the large shapes
         ok = ""
         if tgt is not None and r.get("w4a4_k128_ms"):
-            ok = f"≥ {tgt} {'met' if r['cublas_ms'] / r['w4a4_k128_ms'] >= tgt else 'missed'}"
-        print(f"| {r['N']}×{r['K']} | {r['M']} | {r['cublas_ms'] * 1e3:.1f} | {_x(r, 'w4a4_k128_ms')} | {ok} | {_x(r, 'w4a4_k0_ms')} | "
+            ok = f"≥ {tgt} {'met' if cublas_ref_ms(r) / r['w4a4_k128_ms'] >= tgt else 'missed'}"
+        print(f"| {r['N']}×{r['K']} | {r['M']} | {cublas_ref_ms(r) * 1e3:.1f} | {_x(r, 'w4a4_k128_ms')} | {ok} | {_x(r, 'w4a4_k0_ms')} | "
               f"{_x(r, 'w4a16_k128_ms')} | {_x(r, 'fp8_gemm_ms')} | {_x(r, 'fp8_linear_ms')} | {_x(r, 'gemlite_ms')} | "
               f"`{r.get('w4a4_k128_config') or '?'}` |")
 
