@@ -202,6 +202,9 @@ class StreamConfig(_Config):
     num_warps: int = 4
     #: programs per row of the activation quantizer before it (W4A4), as :class:`FragmentConfig`'s
     q_split: int = 8
+    #: leave each step's ``wgmma`` in flight while the next step decodes (its register operand stays live
+    #: one step longer: about 64 more registers a thread)
+    mma_async: bool = False
 
     def __post_init__(self):
         if (self.block_m not in (8, 16, 32) or self.depth not in (1, 2) or self.block_n != 64 or self.num_warps != 4
@@ -316,8 +319,10 @@ WS_CONFIGS: dict = {
 #: candidates where Gluon runs; ``only`` makes them the only decode candidates).
 STREAM_CONFIGS: tuple = (
     StreamConfig(8, 2),
+    StreamConfig(8, 2, mma_async=True),
     StreamConfig(8, 1),
     StreamConfig(16, 2),
+    StreamConfig(16, 2, mma_async=True),
 )
 #: fp16 activations (and ``splice_gemm`` on an fp16 ``q*s``): the fragment and dequant forms take
 #: bf16 only, so fp16 models run the forms that read the compressed-tensors packed layout, which the

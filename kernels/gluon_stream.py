@@ -98,11 +98,19 @@ def stream_plan(cfg, m: int, pw) -> dict:
 if gluon is not None:
 
     @gluon.jit
-    def _stream_step_mma(wq, pr, b_smem, acc, BLOCK_N: gl.constexpr, dot_layout: gl.constexpr):
-        """Decode one step's words in registers and multiply-accumulate them with its activation slot."""
+    def _stream_step_mma(wq, pr, b_smem, acc, w_prev, BLOCK_N: gl.constexpr, dot_layout: gl.constexpr,
+                         MMA_ASYNC: gl.constexpr):
+        """Decode one step's words in registers and multiply-accumulate them with its activation slot.
+        ``MMA_ASYNC``: leave this step's ``wgmma`` in flight (the next step's decode overlaps it) and wait
+        for the previous one, whose register operand ``w_prev`` stays live until then; otherwise wait for
+        this one. Returns the accumulator and this step's operand."""
         w = gl.convert_layout(_ws_tile(wq, pr, BLOCK_N), dot_layout, assert_trivial=True)
         acc = warpgroup_mma(w, b_smem.permute((1, 0)), acc, is_async=True)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if MMA_ASYNC:
+            acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return acc, w
 
     @gluon.jit
     def _stream_kernel(
@@ -132,6 +140,7 @@ if gluon is not None:
         STEPS: gl.constexpr,  # 256-column steps of the largest split (the activation slice's slots)
         SEGP: gl.constexpr,  # the BF16 columns' MMA width (>= SEG_PER_SPLIT, a power of two >= 16)
         DEPTH: gl.constexpr,  # K steps of weight words in flight ahead of the one decoded: 1 or 2
+        MMA_ASYNC: gl.constexpr,  # one wgmma left in flight across steps
         A_LAYOUT: gl.constexpr,  # NVMMA shared layout of one [BLOCK_M, 256] activation slot
         XS_LAYOUT: gl.constexpr,  # NVMMA shared layout of the [BLOCK_M, SEGP] BF16 columns
     ):
@@ -204,12 +213,13 @@ if gluon is not None:
 
         # 4. the FP4 loop: step i decodes while steps i+1 .. i+DEPTH are in flight
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
+        w_prev = gl.zeros([BLOCK_N, 256], gl.bfloat16, dot_layout)
         if DEPTH == 1:
             for i in range(n_steps):
                 j = gl.minimum(i + 1, last)
                 wqn = gl.load(w_ptrs + j * 32, mask=wmask, other=0)
                 prn = gl.load(s_ptrs + j * 8, mask=wmask, other=0).to(gl.int32)
-                acc = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, BLOCK_N, dot_layout)
+                acc, w_prev = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, w_prev, BLOCK_N, dot_layout, MMA_ASYNC)
                 wq0 = wqn
                 pr0 = prn
         else:
@@ -217,12 +227,14 @@ if gluon is not None:
                 j = gl.minimum(i + 2, last)
                 wq2 = gl.load(w_ptrs + j * 32, mask=wmask, other=0)
                 pr2 = gl.load(s_ptrs + j * 8, mask=wmask, other=0).to(gl.int32)
-                acc = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, BLOCK_N, dot_layout)
+                acc, w_prev = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, w_prev, BLOCK_N, dot_layout, MMA_ASYNC)
                 wq0 = wq1
                 pr0 = pr1
                 wq1 = wq2
                 pr1 = pr2
 
+        if MMA_ASYNC:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))[0]
         # 5. the reference's order: scales, then the BF16 columns (one MMA), then the ordered reduction
         acc = _ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
         if HAS_KS:
@@ -274,6 +286,7 @@ def stream_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
         splits, m, n, k_dim, kk, fw.words.shape[0], plan["kcp"], plan["cps"], plan["seg"],
         A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, XS_DENSE=xs_dense,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, SEGP=plan["segp"], DEPTH=cfg.depth,
+        MMA_ASYNC=cfg.mma_async,
         A_LAYOUT=a_layout, XS_LAYOUT=xs_layout, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
     )
