@@ -129,10 +129,15 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
-    stream = os.environ.get("FOURSIGHT_STREAM", "0")  # the experimental register-streaming Gluon form: 0, 1, only
-    if stream in ("1", "only") and path == "decode":
+    # the register-streaming Gluon form (issue 36 item 3): decode candidates where Gluon runs on sm_90, after
+    # the measured tiles (first-candidate rule); FOURSIGHT_STREAM=0 leaves it out, =only makes every
+    # STREAM_CONFIGS tile the only decode candidates
+    stream = os.environ.get("FOURSIGHT_STREAM", "1")
+    if stream != "0" and path == "decode":
         if form_module("gluon_stream").available():
-            return list(STREAM_CONFIGS) if stream == "only" else [*cands, *STREAM_CONFIGS]
+            if stream == "only":
+                return list(STREAM_CONFIGS)
+            return [*cands, *stream_candidates(m)]
         if stream == "only":
             return []
     ws = os.environ.get("FOURSIGHT_WS", "0")  # the experimental warp-specialized Gluon form: 0 (default), 1, only
@@ -144,6 +149,14 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
         if path in ("decode", "mid") and gluon_ws.available():
             return [*cands, *WS_CONFIGS[path]]
     return list(cands)
+
+
+def stream_candidates(m: int) -> list:
+    """The register-streaming tiles the autotuner times by default at M = ``m`` (decode): the depth-2
+    tiles whose token tile is the smallest that holds M (8 or 16 rows), with and without the
+    asynchronous MMA."""
+    bm = 8 if m <= 8 else 16
+    return [c for c in STREAM_CONFIGS if c.block_m == bm and c.depth == 2]
 
 
 def _interp_config(path: str, m: int, bf16: bool = True, form: str = "linear") -> KernelConfig:

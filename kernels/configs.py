@@ -314,9 +314,10 @@ WS_CONFIGS: dict = {
         WSConfig(64, 128, 3, 8),
     ),
 }
-#: Register-streaming Gluon tiles (:class:`StreamConfig`, :mod:`.gluon_stream`, issue 36 item 3): **not
-#: candidates by default** until the device measures them (``FOURSIGHT_STREAM=1`` adds them to the decode
-#: candidates where Gluon runs; ``only`` makes them the only decode candidates).
+#: Register-streaming Gluon tiles (:class:`StreamConfig`, :mod:`.gluon_stream`, issue 36 item 3). Where Gluon
+#: runs on sm_90 the depth-2 tiles whose token tile fits M join the decode candidates after the measured
+#: tiles (:func:`.api.stream_candidates`); ``FOURSIGHT_STREAM=0`` leaves them out, ``only`` makes this whole
+#: list the only decode candidates.
 STREAM_CONFIGS: tuple = (
     StreamConfig(8, 2),
     StreamConfig(8, 2, mma_async=True),

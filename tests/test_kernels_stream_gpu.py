@@ -117,9 +117,13 @@ def test_every_stream_candidate_matches_reference_gpu(M):
 
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
 def test_autotuner_offers_and_checks_the_stream_candidates_gpu(monkeypatch):
-    """With ``FOURSIGHT_STREAM=1`` the decode candidates include the streaming tiles, and the autotuner
-    times each only after it matched the reference (TUNE_LOG has a time for each)."""
-    monkeypatch.setenv("FOURSIGHT_STREAM", "1")
+    """By default (``FOURSIGHT_STREAM`` unset) the decode candidates include the streaming tiles after the
+    measured ones, and the autotuner times each only after it matched the reference (TUNE_LOG has a time
+    for each); ``FOURSIGHT_STREAM=0`` leaves them out."""
+    monkeypatch.setenv("FOURSIGHT_STREAM", "0")
+    assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
+    monkeypatch.delenv("FOURSIGHT_STREAM")
+    assert not isinstance(api.candidates("decode", 1, "linear")[0], StreamConfig)
     qw, pw = _layer(4096, 4096, 128)
     for m in (1, 16):
         assert any(isinstance(c, StreamConfig) for c in api.candidates("decode", m, "linear"))

@@ -171,6 +171,11 @@ def test_stream_config_and_dispatch_rules(monkeypatch):
             StreamConfig(**bad)
     cfg = StreamConfig(16, 1, 3, 128, mma_async=True)
     assert config_from_str(str(cfg)) == cfg
-    for value in ("1", "only"):
-        monkeypatch.setenv("FOURSIGHT_STREAM", value)
+    for value in ("1", "only", None):
+        if value is None:
+            monkeypatch.delenv("FOURSIGHT_STREAM", raising=False)
+        else:
+            monkeypatch.setenv("FOURSIGHT_STREAM", value)
         assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
+    assert [c.block_m for c in api.stream_candidates(1)] == [8, 8] and [c.block_m for c in api.stream_candidates(9)] == [16, 16]
+    assert all(c.depth == 2 for c in api.stream_candidates(16)) and {c.mma_async for c in api.stream_candidates(16)} == {False, True}
