@@ -37,7 +37,7 @@ import torch
 import triton
 
 from .fragment_layout import FRAG_COLS, fragment_of, scale_view
-from .gluon_ws import WS_BLOCK_K, _on_cuda, available, gluon  # noqa: F401 - available: the form's support rule
+from .gluon_ws import WS_BLOCK_K, on_cuda, available, gluon  # noqa: F401 - available: the form's support rule
 from .split_k import segment_plan, split_counters, split_plan
 
 if gluon is not None:
@@ -45,7 +45,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_ws import _ws_epilogue, _ws_scale, _ws_tile
+    from .gluon_ws import ws_epilogue, ws_scale, ws_tile
 
 #: shared memory a program may give its activation slice (the split plan adds splits until it fits);
 #: two programs of 4 warps then still share an SM by shared memory
@@ -79,7 +79,7 @@ def stream_plan(cfg, m: int, pw) -> dict:
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     step = WS_BLOCK_K // FRAG_COLS
     slots = 8
-    if _on_cuda(pw):
+    if on_cuda(pw):
         slots = torch.cuda.get_device_properties(pw.weight_global_scale.device).multi_processor_count * stream_programs_per_sm(cfg)
     steps = triton.cdiv(kcp, step)
     least = triton.cdiv(steps, max_steps(bm))
@@ -104,7 +104,7 @@ if gluon is not None:
         ``MMA_ASYNC``: leave this step's ``wgmma`` in flight (the next step's decode overlaps it) and wait
         for the previous one, whose register operand ``w_prev`` stays live until then; otherwise wait for
         this one. Returns the accumulator and this step's operand."""
-        w = gl.convert_layout(_ws_tile(wq, pr, BLOCK_N), dot_layout, assert_trivial=True)
+        w = gl.convert_layout(ws_tile(wq, pr, BLOCK_N), dot_layout, assert_trivial=True)
         acc = warpgroup_mma(w, b_smem.permute((1, 0)), acc, is_async=True)
         if MMA_ASYNC:
             acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))
@@ -236,10 +236,10 @@ if gluon is not None:
         if MMA_ASYNC:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))[0]
         # 5. the reference's order: scales, then the BF16 columns (one MMA), then the ordered reduction
-        acc = _ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
+        acc = ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
         if HAS_KS:
             acc = warpgroup_mma(wcols, xs_smem.permute((1, 0)), acc)
-        _ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
+        ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
                      bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, xs_ptr, SPLITS, M, N, KS, SEG_PER_SPLIT,
                      A_QUANT, HAS_BIAS, False, SPLIT, XS_DENSE, BLOCK_M, BLOCK_N, NW, True)
 

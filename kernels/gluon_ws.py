@@ -97,7 +97,7 @@ if gluon is not None:
         )
 
     @gluon.jit
-    def _ws_tile(wq, pr, BLOCK_N: gl.constexpr):
+    def ws_tile(wq, pr, BLOCK_N: gl.constexpr):
         """Decoded [BN, 256] bf16 tile in real (row, column) order from the words ``wq`` [BN, 32] and
         their scale pairs ``pr`` [BN, 32] (same layout): the layout chain of :mod:`.fragment_layout`
         (``_join8``, ``_frag_cols``, ``_frag_rows``) on the eight decoded values."""
@@ -150,7 +150,7 @@ if gluon is not None:
             pr = gl.load(s_ptrs + (i + 1) * 8, mask=rmask & (i + 1 < n_steps), other=0).to(gl.int32)
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             wq = w_smem.index(s).load(w_layout)
-            w = gl.convert_layout(_ws_tile(wq, pr_cur, BLOCK_N), dot_layout)
+            w = gl.convert_layout(ws_tile(wq, pr_cur, BLOCK_N), dot_layout)
             acc = warpgroup_mma(w, a_smem.index(s).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index(s), count=1)
@@ -215,12 +215,12 @@ if gluon is not None:
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
 
-        _ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
+        ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
                      bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, xs_ptr, SPLITS, M, N, KS, SEG_PER_SPLIT,
                      A_QUANT, HAS_BIAS, HAS_KS, SPLIT, XS_DENSE, BLOCK_M, BLOCK_N, NW, False)
 
     @gluon.jit
-    def _ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT: gl.constexpr, BLOCK_M: gl.constexpr,
+    def ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, NW: gl.constexpr):
         """The global scales and ``2^7``, once, on the fp32 accumulator ``Yᵀ[BN, BM]`` (wgmma's layout)."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -236,13 +236,13 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
+    def ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
                      bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, xs_ptr, SPLITS, M, N, KS, SEG_PER_SPLIT,
                      A_QUANT: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_KS: gl.constexpr, SPLIT: gl.constexpr,
                      XS_DENSE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr,
                      SCALED: gl.constexpr = False):
         """The epilogue of the Gluon forms (all warps of the default partition), the reference's order: global
-        scales and ``2^7`` once on the fp32 accumulator ``Yᵀ[BN, BM]`` (:func:`_ws_scale`, skipped when the
+        scales and ``2^7`` once on the fp32 accumulator ``Yᵀ[BN, BM]`` (:func:`ws_scale`, skipped when the
         caller ran it: ``SCALED``), this split's share of the BF16 channel segment (``HAS_KS``: fp32 FMA per
         channel column, exact products, a fixed order), then the ordered split-K reduction (the last split to
         arrive sums every split's partial in split order and adds the bias) or, unsplit, the bias and the store."""
@@ -253,7 +253,7 @@ if gluon is not None:
         rn = (offs_n % N).to(gl.int64)
         rm = (offs_m % M).to(gl.int64)
         if not SCALED:
-            acc = _ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
+            acc = ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
         if HAS_KS:
             # this split's share of the BF16 columns, one column at a time (bf16 x bf16 products are
             # exact in fp32; the column order is fixed, so the sum is deterministic)
@@ -317,14 +317,14 @@ def ws_plan(cfg, m: int, pw) -> dict:
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     step = WS_BLOCK_K // FRAG_COLS
     slots = 8
-    if _on_cuda(pw):
+    if on_cuda(pw):
         slots = torch.cuda.get_device_properties(pw.weight_global_scale.device).multi_processor_count * ws_programs_per_sm(cfg)
     splits, cps, _ = split_plan(m, n, kcp, pw.num_channels, bm, bn, step, cfg.split_k, slots)
     _, seg = segment_plan(pw.num_channels, splits)
     return dict(splits=splits, cps=cps, seg=seg, tiles=tiles, kcp=kcp)
 
 
-def _on_cuda(pw) -> bool:
+def on_cuda(pw) -> bool:
     """The layer lives on a CUDA device and the kernels are not interpreted."""
     return pw.weight_global_scale.is_cuda and not interpreting()
 
