@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile the FourSight Triton kernels for sm_90a (H100/H200) on a machine without a GPU, count the
+"""Compile the FourSight Triton and Gluon kernels for sm_90a (H100/H200) on a machine without a GPU, count the
 SASS instructions of their loops, and count the launches of one linear.
 
 Triton ships ``ptxas`` and ``cuobjdump``, so ``triton.compile`` with a ``GPUTarget("cuda", 90, 32)``
@@ -12,23 +12,38 @@ Usage::
 
     python benchmarks/kernels/sass_offline.py                      # print: the hand-picked cases below
     python benchmarks/kernels/sass_offline.py fragment act_quant   # a subset of them
+    python benchmarks/kernels/sass_offline.py gluon_stream         # the register-streaming Gluon form
     python benchmarks/kernels/sass_offline.py --table --label after --out benchmarks/results/sass_v3 \\
         [--before benchmarks/results/sass_v3/before.json]
+    python benchmarks/kernels/sass_offline.py --stream --label triton-3.6 --out benchmarks/results/sass_stream
 
 ``--table`` compiles **every configuration of the default candidate lists** (``DECODE_CONFIGS``,
 ``MID_CONFIGS``, ``PREFILL_CONFIGS`` of :mod:`foursight.kernels.configs`, whatever forms the imported
-``foursight.kernels`` has) and the activation quantizer at its decode and prefill launches, and
+``foursight.kernels`` has), every register-streaming Gluon tile (``STREAM_CONFIGS``: the autotuner adds
+them to the decode candidates at run time, :func:`foursight.kernels.api.stream_candidates`) at its
+decode launch (:data:`STREAM_LAUNCH`), and the activation quantizer at its decode and prefill launches, and
 counts, in a subprocess under ``TRITON_INTERPRET=1``, the launches of one W4A4 k = 128 linear at
 decode (M = 1 and 16, the decode form) and at prefill (M = 256, the prefill form). It writes
 ``<out>/<label>.json`` (commit, sha256 of the kernels folder, Triton version, every figure) and, with
 ``--before``, ``<out>/sass_table.md`` with the two side by side. The BEFORE file is made by running
 this same script with ``PYTHONPATH`` pointing at a copy of the older package (docs/kernels.md says
-how). Metrics:
+how). ``--stream`` compiles the Gluon tiles alone, writes ``<out>/<label>.json`` and rewrites
+``<out>/stream_table.md`` from every such JSON in ``<out>`` (one section per run). ``--gluon-renames``
+first maps the Gluon names Triton 3.6 has and later Tritons renamed onto their new ones, in this
+process only (:data:`GLUON_RENAMES`), so a newer Triton compiles the unedited kernel as it would
+after the rename: a preview of that fix, recorded as such (``gluon_renames`` in the JSON).
+Metrics:
 
 * **instructions per weight value** (main loop): the SASS instructions of the loop over K (the
-  first backward branch) divided by the weight values one thread handles per iteration
-  (``block_n · block_k / threads``); for forms without a K loop (the dequant kernel), the whole
-  kernel's instructions over the values per thread.
+  first backward branch; for a Gluon kernel the first loop that issues ``HGMMA``, as its
+  activation-copy loop comes first) divided by the weight values one thread handles per iteration
+  (``block_n · block_k / threads``; the register-streaming form: ``64 · 256 / 128`` = 128 per
+  256-column step); for forms without a K loop (the dequant kernel), the whole kernel's instructions
+  over the values per thread. With it, the main loop's ``LDG``/``LDS``/``STS``/``BAR``/``HGMMA``
+  counts and ``async_mma_wait``: the loop waits with ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (one wgmma
+  left in flight, the asynchronous MMA).
+* **resources**: registers, local memory and ``STL``/``LDL`` count (spills), shared memory per program
+  (:func:`sass.resources`).
 * **instructions per activation element** (quantizer): the kernel's static instructions up to its
   first ``EXIT`` (the hot path; out-of-line slow-path subroutines such as IEEE division's follow it)
   divided by the elements per thread; the total including those subroutines is recorded too.
@@ -54,7 +69,7 @@ import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import git_commit, kernels_sha256  # noqa: E402  (benchmarks/common.py)
-from sass import compile_kernel, instructions, loops, sass_of  # noqa: E402  (benchmarks/kernels/sass.py)
+from sass import compile_kernel, instructions, is_gluon, loop_texts, loops, opcode, resources, sass_of  # noqa: E402  (benchmarks/kernels/sass.py)
 
 _INTS = ("M", "N", "K", "KS", "SPLITS", "GROUPS_PER_SPLIT", "CHUNKS_PER_SPLIT", "FIRST_CHUNKS", "KCP", "NP", "KW", "SEG_PER_SPLIT",
          "TILES", "P0", "P1")
@@ -98,6 +113,36 @@ def compile_sm90(fn, ptr_types: dict, consts: dict, num_warps: int, num_stages: 
 def loop_counts(sass: str) -> list[tuple[int, collections.Counter]]:
     """(length, counts of the base opcodes, modifiers dropped) of every loop body (:func:`sass.loops`)."""
     return [(len(body), collections.Counter(op.split(".")[0] for op in body)) for body in loops(sass)]
+
+
+_MAIN_LOOP_OPS = ("LDG", "LDS", "STS", "BAR", "HGMMA")
+_ASYNC_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b")
+
+
+def main_loop(fn, sass: str) -> list[str] | None:
+    """The instruction texts of the main loop (the module docstring's rule), or None without a loop."""
+    bodies = loop_texts(sass)
+    if is_gluon(fn):
+        bodies = [b for b in bodies if any(opcode(t).startswith("HGMMA") for t in b)]
+    return bodies[0] if bodies else None
+
+
+def measure(fn, ptrs: dict, consts: dict, nw: int, ns: int, maxnreg: int, per_thread: float) -> dict:
+    """Compile one case for sm_90a and return its figures (the module docstring's metrics)."""
+    compiled = compile_sm90(fn, ptrs, consts, nw, ns, maxnreg)
+    sass = sass_of(compiled)
+    total = len(instructions(sass))
+    row = {}
+    body = main_loop(fn, sass)
+    if body:
+        ops = collections.Counter(opcode(t).split(".")[0] for t in body)
+        row.update(loop_instructions=len(body), per_weight=round(len(body) / per_thread, 2), top_ops=dict(ops.most_common(6)),
+                   main_loop_ops={op: ops.get(op, 0) for op in _MAIN_LOOP_OPS},
+                   async_mma_wait=any(_ASYNC_WAIT.search(t) for t in body))
+    else:  # one tile per program: the whole kernel is the per-tile work
+        row.update(loop_instructions=None, per_weight=round(total / per_thread, 2))
+    row.update(total_instructions=total, values_per_thread_per_step=per_thread, **resources(compiled, sass))
+    return row
 
 
 def hot_path(sass: str) -> int:
@@ -178,6 +223,8 @@ def form_case(cfg, scale_bf16: bool):
                       HAS_KS=True, EVEN_K=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_KS=64,
                       GROUP_M=8, PREFETCH=cfg.prefetch, INTERP=False)
         return fn, ptrs, consts, cfg.num_warps, cfg.num_stages, 0, cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+    if form == "StreamConfig":
+        return stream_case(cfg, stream_decode_m(cfg))
     if form == "DequantConfig":
         fn = _kernel("dequant", "_dequant_weight_kernel")
         ptrs = {"wp_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "wf_ptr": "*i32", "sf_ptr": "*i16",
@@ -220,25 +267,177 @@ def gemm_rows() -> list[dict]:
                 row["error"] = "form unknown to this script"
                 rows.append(row)
                 continue
-            fn, ptrs, consts, nw, ns, maxnreg, per_thread = case
             try:
-                sass = sass_of(compile_sm90(fn, ptrs, consts, nw, ns, maxnreg))
+                row.update(measure(*case))
             except Exception as e:  # noqa: BLE001 - recorded, a failed compile is a finding
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                rows.append(row)
-                continue
-            found = loop_counts(sass)
-            total = len(instructions(sass))
-            if found:
-                n_loop, ops = found[0]
-                row.update(loop_instructions=n_loop, per_weight=round(n_loop / per_thread, 2),
-                           top_ops=dict(ops.most_common(6)))
-            else:  # one tile per program: the whole kernel is the per-tile work
-                row.update(loop_instructions=None, per_weight=round(total / per_thread, 2))
-            row.update(total_instructions=total, values_per_thread_per_step=per_thread)
+                row["error"] = _error_text(e)
             rows.append(row)
             print(f"  {lst:16s} {str(cfg):40s} {row.get('per_weight')}", flush=True)
     return rows
+
+
+def _error_text(e: Exception) -> str:
+    """A failed compile, for the JSON: the exception and the first line of its message, and for a
+    Triton ``CompilationError`` the underlying cause (e.g. a Gluon API that this Triton removed)."""
+    text = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    cause = e.__cause__
+    if cause is not None:
+        text += f" (caused by {type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''})"
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# the register-streaming Gluon form (kernels/gluon_stream.py)
+# --------------------------------------------------------------------------------------------
+
+#: the decode launch every ``STREAM_CONFIGS`` row is compiled for: a W4A4 8192 x 8192 layer with 128 BF16
+#: columns on a 132-SM Hopper GPU (H100 SXM, H200), M = 1 for a block_m 8 tile, M = block_m otherwise
+STREAM_LAUNCH = {"n": 8192, "k": 8192, "kk": 128, "sms": 132}
+
+_STREAM_PTRS = {"a_ptr": "*bf16", "wf_ptr": "*i32", "sf_ptr": "*i16", "a_gs_ptr": "*fp32", "x_ptr": "*bf16",
+                "ch_ptr": "*i32", "w_gs_ptr": "*fp32", "wb_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                "ws_ptr": "*fp32", "cnt_ptr": "*i32", "xs_ptr": "*bf16"}
+
+
+#: Gluon names the kernels use (Triton 3.6) -> their names in later Tritons (3.9): (module, old, new)
+GLUON_RENAMES = (("triton.experimental.gluon.language.nvidia.ampere.async_copy", "async_copy_global_to_shared", "async_load"),
+                 ("triton.experimental.gluon.language", "thread_barrier", "barrier"))
+
+
+def apply_gluon_renames() -> list[str]:
+    """Point each old name of :data:`GLUON_RENAMES` at its new builtin where this Triton has the new one
+    (and has dropped or disabled the old); returns the renames applied. Compiles then go to a private
+    Triton cache: Triton's cache key does not see the renames, so a shared cache would later hand these
+    kernels to a run without them (and hide its compile error)."""
+    import atexit
+    import importlib
+    import shutil
+    import tempfile
+
+    cache = tempfile.mkdtemp(prefix="sass-gluon-renames-")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    os.environ["TRITON_CACHE_DIR"] = cache
+    done = []
+    for module, old, new in GLUON_RENAMES:
+        mod = importlib.import_module(module)
+        if hasattr(mod, new):
+            setattr(mod, old, getattr(mod, new))
+            done.append(f"{module}.{old} -> {new}")
+    return done
+
+
+def stream_decode_m(cfg) -> int:
+    """The decode M a register-streaming tile stands for here: 1 for block_m 8, else its block_m."""
+    return 1 if cfg.block_m == 8 else cfg.block_m
+
+
+def stream_launch_plan(cfg, m: int) -> dict:
+    """``gluon_stream.stream_plan`` of ``cfg``'s launch at M = ``m`` on :data:`STREAM_LAUNCH`, as the GPU
+    plans it: the prepared weight is a stand-in holding the fragment form's shapes as meta tensors, and the
+    device's SM count is patched in (on the CPU the plan assumes 8 program slots, not the GPU's)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+    from foursight.kernels import gluon_stream as gs
+
+    n, k = STREAM_LAUNCH["n"], STREAM_LAUNCH["k"]
+    pw = SimpleNamespace(out_features=n, in_features=k, num_channels=STREAM_LAUNCH["kk"],
+                         fragment=SimpleNamespace(words=torch.empty((n, k // 8), dtype=torch.int32, device="meta")),
+                         weight_global_scale=torch.empty(n, device="meta"))
+    sm = SimpleNamespace(multi_processor_count=STREAM_LAUNCH["sms"])
+    with mock.patch.object(gs, "on_cuda", lambda _pw: True), mock.patch.object(gs.torch.cuda, "get_device_properties", lambda _d: sm):
+        return gs.stream_plan(cfg, m, pw)
+
+
+def stream_case(cfg, m: int):
+    """:func:`form_case`'s tuple for a ``StreamConfig`` at its decode launch at M = ``m``: the constexprs
+    ``gluon_stream.stream_launch`` passes for a W4A4 layer whose quantizer wrote the dense ``X[:, S]``."""
+    from foursight.kernels import gluon_stream as gs
+
+    if gs.gluon is None:
+        raise RuntimeError(f"Gluon is not importable with this Triton ({gs.GLUON_IMPORT_ERROR})")
+    plan = stream_launch_plan(cfg, m)
+    a_layout, xs_layout = gs.stream_layouts(cfg.block_m, plan["segp"])
+    consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=STREAM_LAUNCH["kk"] > 0, SPLIT=plan["splits"] > 1, XS_DENSE=True,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, SEGP=plan["segp"], DEPTH=cfg.depth,
+                  MMA_ASYNC=cfg.mma_async, A_LAYOUT=a_layout, XS_LAYOUT=xs_layout)
+    # num_stages as a launch leaves it (Triton's default; Gluon does not pipeline)
+    return gs._stream_kernel, _STREAM_PTRS, consts, cfg.num_warps, 3, cfg.max_regs, cfg.block_n * 256 / (32 * cfg.num_warps)
+
+
+def stream_rows() -> list[dict]:
+    """One row per ``STREAM_CONFIGS`` tile: its launch plan, constexprs (layouts by name) and figures."""
+    from foursight.kernels import configs
+
+    rows = []
+    for cfg in getattr(configs, "STREAM_CONFIGS", ()):
+        m = stream_decode_m(cfg)
+        row = {"list": "STREAM_CONFIGS", "config": str(cfg), "m": m}
+        try:
+            row["plan"] = stream_launch_plan(cfg, m)
+            case = stream_case(cfg, m)
+            row["constexprs"] = {k: (v if isinstance(v, (bool, int)) else repr(v)) for k, v in case[2].items()}
+            row.update(measure(*case))
+        except Exception as e:  # noqa: BLE001 - recorded, a failed compile is a finding
+            row["error"] = _error_text(e)
+        rows.append(row)
+        print(f"  {str(cfg):60s} M={m}: " + (row["error"] if "error" in row else
+              f"{row['per_weight']} per weight value, {row['registers']} registers, {row['shared_bytes']} B shared, "
+              f"loop {row['main_loop_ops']}, async wait {row['async_mma_wait']}"), flush=True)
+    return rows
+
+
+def _header(label: str) -> dict:
+    """The provenance every JSON of this script starts with."""
+    return {"label": label, "commit": os.environ.get("SASS_COMMIT") or git_commit(), "kernels_sha256": kernels_sha256(),
+            "triton": triton.__version__, "target": "sm_90a (GPUTarget cuda 90)"}
+
+
+def stream_table(label: str, out: str, renames: list[str]) -> None:
+    """``--stream``: the Gluon tiles alone -> ``<out>/<label>.json`` and ``<out>/stream_table.md``."""
+    os.makedirs(out, exist_ok=True)
+    print(f"[{label}] register-streaming Gluon form (every STREAM_CONFIGS tile), Triton {triton.__version__}:", flush=True)
+    res = {**_header(label), "gluon_renames": renames, "stream_launch": STREAM_LAUNCH, "stream": stream_rows()}
+    path = os.path.join(out, f"{label}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path}")
+    runs = []
+    for p in sorted(Path(out).glob("*.json")):
+        with open(p) as f:
+            d = json.load(f)
+        if d.get("stream"):
+            runs.append(d)
+    path = os.path.join(out, "stream_table.md")
+    with open(path, "w") as f:
+        f.write("\n".join(["# SASS offline: the register-streaming Gluon form (sm_90a, compiled on the CPU machine)", "",
+                           "Written by `benchmarks/kernels/sass_offline.py --stream` (its docstring defines every metric). "
+                           "Static SASS counts, a guide to issue cost, not a timing.", ""]
+                          + [line for d in runs for line in stream_md(d)]) + "\n")
+    print(f"wrote {path}")
+
+
+def stream_md(d: dict) -> list[str]:
+    """The markdown lines of one run's ``stream`` rows."""
+    L = STREAM_LAUNCH
+    lines = [f"## Triton {d['triton']} (`{d['label']}`)", "",
+             f"Commit `{d['commit'][:12]}`, kernels sha256 `{d['kernels_sha256'][:16]}`. Launch: W4A4 {L['n']} x {L['k']}, "
+             f"k = {L['kk']}, {L['sms']} SMs."
+             + (f" **Compiled with these Gluon renames applied (not the shipped kernel's API):** {'; '.join(d['gluon_renames'])}."
+                if d.get("gluon_renames") else ""), "",
+             "| configuration | M | splits · STEPS · SEGP | registers | spills (STL/LDL, local B) | shared B | main loop instructions "
+             "| per weight value | LDG | LDS | STS | BAR | HGMMA | DEPBAR.LE gsb0, 0x1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["stream"]:
+        if "error" in r:
+            lines.append(f"| `{r['config']}` | {r['m']} | compile failed: {r['error']} |||||||||||")
+            continue
+        c, ops = r["constexprs"], r.get("main_loop_ops", {})
+        lines.append(f"| `{r['config']}` | {r['m']} | {r['plan']['splits']} · {c['STEPS']} · {c['SEGP']} | {r['registers']} | "
+                     f"{r['spill_instructions']} ({r['local_bytes']}) | {r['shared_bytes']} | {r['loop_instructions']} | {r['per_weight']} | "
+                     + " | ".join(str(ops.get(op, "")) for op in _MAIN_LOOP_OPS) + f" | {'yes' if r.get('async_mma_wait') else 'no'} |")
+    return lines + [""]
 
 
 def act_rows() -> list[dict]:
@@ -320,13 +519,14 @@ def table(label: str, out: str, before: str | None, decode1: str, decode16: str,
 
     print(f"[{label}] GEMM forms (every default configuration):", flush=True)
     g = gemm_rows()
+    print(f"[{label}] register-streaming Gluon form (STREAM_CONFIGS at their decode launch):", flush=True)
+    st = stream_rows()
     print(f"[{label}] activation quantizer:", flush=True)
     a = act_rows()
     print(f"[{label}] launches per linear (interpreter):", flush=True)
     launches = launch_rows(decode1, decode16, prefill)
     print(json.dumps(launches, indent=1), flush=True)
-    res = {"label": label, "commit": os.environ.get("SASS_COMMIT") or git_commit(), "kernels_sha256": kernels_sha256(),
-           "triton": triton.__version__, "target": "sm_90a (GPUTarget cuda 90)", "gemm": g, "act_quant": a, "launches": launches}
+    res = {**_header(label), "gemm": g, "stream_launch": STREAM_LAUNCH, "stream": st, "act_quant": a, "launches": launches}
     path = os.path.join(out, f"{label}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
@@ -382,6 +582,8 @@ def write_md(b: dict, a: dict, path: str) -> None:
     for side, d in (("before", b), ("after", a)):
         for r in d["gemm"]:
             lines.append(f"| {r['list']} | `{r['config']}` | {side} | {r.get('per_weight', r.get('error', ''))} | {r.get('loop_instructions', '')} | {r.get('total_instructions', '')} |")
+    if a.get("stream"):
+        lines += ["", "## The register-streaming Gluon form (after)", ""] + stream_md(a)[2:]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
@@ -391,6 +593,7 @@ CASES = {  # the plain print mode: name -> (form config builder)
     "fragment": lambda c: c.FragmentConfig(16, 64, 128, 3),
     "fragment256": lambda c: c.FragmentConfig(16, 64, 256, 3),
     "dequant": lambda c: c.DequantConfig(64, 256),
+    "gluon_stream": lambda c: c.STREAM_CONFIGS[0],
 }
 
 
@@ -398,6 +601,8 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*")
     ap.add_argument("--table", action="store_true")
+    ap.add_argument("--stream", action="store_true", help="the register-streaming Gluon tiles alone (see the docstring)")
+    ap.add_argument("--gluon-renames", action="store_true", help="apply GLUON_RENAMES first (see the docstring)")
     ap.add_argument("--label", default="after")
     ap.add_argument("--out", default="benchmarks/results/sass_v3")
     ap.add_argument("--before", default=None)
@@ -405,6 +610,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--decode16", default="first(configs.DECODE_CONFIGS, 'FragmentConfig')")
     ap.add_argument("--prefill", default="first(configs.PREFILL_CONFIGS, 'DequantConfig')")
     args = ap.parse_args(argv)
+    renames = apply_gluon_renames() if args.gluon_renames else []
+    if args.stream:
+        stream_table(args.label, args.out, renames)
+        return
     if args.table:
         table(args.label, args.out, args.before, args.decode1, args.decode16, args.prefill)
         return
@@ -415,10 +624,12 @@ def main(argv: list[str]) -> None:
             act_rows()
             continue
         fn, ptrs, consts, nw, ns, maxnreg, per_thread = form_case(CASES[name](configs), _scale_bf16())
-        sass = sass_of(compile_sm90(fn, ptrs, consts, nw, ns, maxnreg))
-        print(f"== {name}: {len(instructions(sass))} instructions; constexprs {consts}, {nw} warps")
-        for i, (n, ops) in enumerate(loop_counts(sass)):
-            extra = f" = {n / per_thread:.2f} per weight value per thread" if i == 0 else ""
+        compiled = compile_sm90(fn, ptrs, consts, nw, ns, maxnreg)
+        sass = sass_of(compiled)
+        print(f"== {name}: {len(instructions(sass))} instructions; {resources(compiled, sass)}; constexprs {consts}, {nw} warps")
+        main = main_loop(fn, sass)
+        for i, (body, (n, ops)) in enumerate(zip(loop_texts(sass), loop_counts(sass))):
+            extra = f" = {n / per_thread:.2f} per weight value per thread (main loop)" if body == main else ""
             print(f"   loop {i}: {n} instructions{extra}; {ops.most_common(12)}")
 
 
