@@ -278,12 +278,24 @@ def gemm_rows() -> list[dict]:
 
 def _error_text(e: Exception) -> str:
     """A failed compile, for the JSON: the exception and the first line of its message, and for a
-    Triton ``CompilationError`` the underlying cause (e.g. a Gluon API that this Triton removed)."""
-    text = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    cause = e.__cause__
-    if cause is not None:
-        text += f" (caused by {type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''})"
-    return text
+    Triton ``CompilationError`` (nested once per ``@jit`` function called) the innermost error and the
+    source line it points at (e.g. a Gluon API that this Triton removed)."""
+    def first(x: BaseException) -> str:
+        return f"{type(x).__name__}: {str(x).splitlines()[0][:200] if str(x) else ''}"
+
+    inner, where = e, ""
+    while True:
+        lines = str(inner).splitlines()
+        marks = [i for i, ln in enumerate(lines) if ln.strip() == "^"]
+        if marks and marks[-1] > 0:  # the source line above the deepest ``^`` marker
+            where = lines[marks[-1] - 1].strip()
+        if inner.__cause__ is None:
+            break
+        inner = inner.__cause__
+    what = getattr(inner, "error_message", None) or inner  # a CompilationError without a cause keeps its error here
+    if inner is e and not where:
+        return first(e)
+    return f"{first(e)} (innermost: {first(what) if isinstance(what, BaseException) else what}" + (f"; at `{where}`" if where else "") + ")"
 
 
 # --------------------------------------------------------------------------------------------
