@@ -45,13 +45,18 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_ws import ws_epilogue, ws_scale, ws_tile
+    from .gluon_ws import cta_barrier, ws_epilogue, ws_scale, ws_tile
+
+    #: global -> shared asynchronous copy: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before
+    async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 #: shared memory a program may give its activation slice (the split plan adds splits until it fits);
 #: two programs of 4 warps then still share an SM by shared memory
 STREAM_SMEM_BYTES: int = 64 * 1024
-#: registers per thread the plan assumes for a program without ``max_regs`` (occupancy estimate)
+#: registers per thread the plan assumes for a program without ``max_regs`` (occupancy estimate), without
+#: and with the asynchronous MMA (offline sm_90a, Triton 3.6: 135-167 and 192-196, benchmarks/results/sass_stream)
 STREAM_REGS_GUESS: int = 168
+STREAM_REGS_GUESS_ASYNC: int = 200
 
 
 def max_steps(block_m: int) -> int:
@@ -63,7 +68,7 @@ def stream_programs_per_sm(cfg) -> int:
     """Programs of ``cfg`` resident on one Hopper SM, by the CUDA occupancy rule (threads, registers at
     ``max_regs`` or :data:`STREAM_REGS_GUESS`, shared memory at the largest activation slice)."""
     threads = 32 * cfg.num_warps
-    by_regs = 65536 // (threads * (cfg.max_regs or STREAM_REGS_GUESS))
+    by_regs = 65536 // (threads * (cfg.max_regs or (STREAM_REGS_GUESS_ASYNC if cfg.mma_async else STREAM_REGS_GUESS)))
     smem = max_steps(cfg.block_m) * cfg.block_m * WS_BLOCK_K * 2 + 128 * cfg.block_m * 2 + 1024
     return max(1, min(by_regs, 232448 // smem, 2048 // threads))
 
@@ -170,8 +175,7 @@ if gluon is not None:
         a_ptrs = a_ptr + gl.expand_dims(am.to(gl.int64) * stride_am, 1) + gl.expand_dims(ak, 0)
         a_rmask = gl.expand_dims(am < M, 1)
         for j in range(n_steps):
-            async_copy.async_copy_global_to_shared(a_smem.index(j), a_ptrs + j * 256,
-                                                   mask=a_rmask & gl.expand_dims(ak + j * 256 < K, 0))
+            async_load(a_smem.index(j), a_ptrs + j * 256, mask=a_rmask & gl.expand_dims(ak + j * 256 < K, 0))
         async_copy.commit_group()
 
         # 2. the first DEPTH steps of weight words and scale pairs -> registers
@@ -209,7 +213,7 @@ if gluon is not None:
 
         async_copy.wait_group(0)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
 
         # 4. the FP4 loop: step i decodes while steps i+1 .. i+DEPTH are in flight
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)

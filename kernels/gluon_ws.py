@@ -58,6 +58,11 @@ try:  # Gluon is optional (Triton >= 3.5 on CUDA); the package must import witho
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    #: the CTA-wide barrier: ``gl.barrier`` from Triton 3.9, ``gl.thread_barrier`` before
+    cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    #: TMA global -> shared copy: ``tma.async_load`` from Triton 3.9, ``tma.async_copy_global_to_shared`` before
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
     GLUON_IMPORT_ERROR: str = ""
 except Exception as _e:  # noqa: BLE001 - any import failure means "no Gluon here"
     gluon = None
@@ -123,8 +128,8 @@ if gluon is not None:
             mbarrier.wait(empty.index(s), ph ^ 1)  # a fresh barrier passes parity 1 at once
             mbarrier.expect(ready.index(s), nbytes)
             c = c_start + 2 * i
-            tma.async_copy_global_to_shared(w_desc, [off_n, c * 16], ready.index(s), w_smem.index(s))
-            tma.async_copy_global_to_shared(a_desc, [off_m, c * 128], ready.index(s), a_smem.index(s))
+            tma_load(w_desc, [off_n, c * 16], ready.index(s), w_smem.index(s))
+            tma_load(a_desc, [off_m, c * 128], ready.index(s), a_smem.index(s))
 
     @gluon.jit
     def _ws_consumer(a_smem, w_smem, ready, empty, sf_ptr, stride_sfn, NP, off_n, c_start, n_steps,
@@ -273,7 +278,7 @@ if gluon is not None:
         if SPLIT:
             offs = gl.expand_dims(offs_m.to(gl.int64) * N, 0) + gl.expand_dims(offs_n.to(gl.int64), 1)
             gl.store(ws_ptr + pid_k.to(gl.int64) * M * N + offs, acc, mask=omask)
-            gl.thread_barrier()
+            cta_barrier()
             arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLITS - 1:
                 tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
