@@ -129,10 +129,10 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     cands = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
-    # the register-streaming Gluon form (issue 36 item 3): decode candidates where Gluon runs on sm_90, after
-    # the measured tiles (first-candidate rule); FOURSIGHT_STREAM=0 leaves it out, =only makes every
-    # STREAM_CONFIGS tile the only decode candidates
-    stream = os.environ.get("FOURSIGHT_STREAM", "1")
+    # the register-streaming Gluon form (issue 36 item 3), measured slower than the fragment tiles: opt-in
+    # (FOURSIGHT_STREAM=1 adds its tiles after the others, =only makes every STREAM_CONFIGS tile the only
+    # decode candidates), where Gluon runs on sm_90
+    stream = os.environ.get("FOURSIGHT_STREAM", "0")
     if stream != "0" and path == "decode":
         if form_module("gluon_stream").available():
             if stream == "only":
@@ -152,11 +152,10 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
 
 
 def stream_candidates(m: int) -> list:
-    """The register-streaming tiles the autotuner times by default at M = ``m`` (decode): the depth-2
-    tiles whose token tile is the smallest that holds M (8 or 16 rows), with and without the
-    asynchronous MMA."""
+    """The register-streaming tiles the autotuner times at M = ``m`` (decode) with ``FOURSIGHT_STREAM=1``:
+    those whose token tile is the smallest that holds M (8 or 16 rows)."""
     bm = 8 if m <= 8 else 16
-    return [c for c in STREAM_CONFIGS if c.block_m == bm and c.depth == 2]
+    return [c for c in STREAM_CONFIGS if c.block_m == bm]
 
 
 def _interp_config(path: str, m: int, bf16: bool = True, form: str = "linear") -> KernelConfig:

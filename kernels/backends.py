@@ -145,7 +145,7 @@ EXPERIMENTAL_FORMS: dict[str, ExperimentalForm] = {
         else f"the Gluon warp-specialized form needs sm_90 and triton.experimental.gluon; this is {sm(cap)}",
         "foursight.kernels.gluon_ws", "foursight.kernels.gluon_ws_twin"),
     "gluon_stream": ExperimentalForm(
-        "on by default where it runs (FOURSIGHT_STREAM=0 off, only)",
+        "FOURSIGHT_STREAM=1 (or only)",
         lambda cap: None if cap is not None and cap[0] == 9 and gluon_available()
         else f"the Gluon register-streaming form needs sm_90 and triton.experimental.gluon; this is {sm(cap)}",
         "foursight.kernels.gluon_stream", "foursight.kernels.gluon_ws_twin"),

@@ -202,9 +202,6 @@ class StreamConfig(_Config):
     num_warps: int = 4
     #: programs per row of the activation quantizer before it (W4A4), as :class:`FragmentConfig`'s
     q_split: int = 8
-    #: leave each step's ``wgmma`` in flight while the next step decodes (its register operand stays live
-    #: one step longer: about 64 more registers a thread)
-    mma_async: bool = False
 
     def __post_init__(self):
         if (self.block_m not in (8, 16, 32) or self.depth not in (1, 2) or self.block_n != 64 or self.num_warps != 4
@@ -314,16 +311,16 @@ WS_CONFIGS: dict = {
         WSConfig(64, 128, 3, 8),
     ),
 }
-#: Register-streaming Gluon tiles (:class:`StreamConfig`, :mod:`.gluon_stream`, issue 36 item 3). Where Gluon
-#: runs on sm_90 the depth-2 tiles whose token tile fits M join the decode candidates after the measured
-#: tiles (:func:`.api.stream_candidates`); ``FOURSIGHT_STREAM=0`` leaves them out, ``only`` makes this whole
-#: list the only decode candidates.
+#: Register-streaming Gluon tiles (:class:`StreamConfig`, :mod:`.gluon_stream`, issue 36 item 3): **not
+#: candidates by default** (measured slower than the fragment tiles in every decode cell of the H100 grid,
+#: benchmarks/results/h100-2026-12-06e-v4/). ``FOURSIGHT_STREAM=1`` adds the tiles whose token tile fits M to
+#: the decode candidates where Gluon runs (:func:`.api.stream_candidates`); ``only`` makes this whole list
+#: the only decode candidates.
 STREAM_CONFIGS: tuple = (
     StreamConfig(8, 2),
-    StreamConfig(8, 2, mma_async=True),
     StreamConfig(8, 1),
     StreamConfig(16, 2),
-    StreamConfig(16, 2, mma_async=True),
+    StreamConfig(16, 1),
 )
 #: fp16 activations (and ``splice_gemm`` on an fp16 ``q*s``): the fragment and dequant forms take
 #: bf16 only, so fp16 models run the forms that read the compressed-tensors packed layout, which the

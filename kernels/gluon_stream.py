@@ -19,7 +19,7 @@ words go global → shared → registers, and every K step waits on a CTA-wide b
   being decoded, with no shared-memory hop and no barrier in the loop;
 * each step decodes in registers (the fragment form's word decode and layout chain, shared with
   :mod:`.gluon_ws`; the conversion to the wgmma operand layout is asserted trivial) and issues one
-  ``warpgroup_mma``; with ``num_warps`` 8 two warpgroups stream their own 64 rows each;
+  ``warpgroup_mma``, waited for before the next step;
 * after the loop: the global scales and ``2^7`` on the fp32 accumulator, then this split's share of the
   BF16 columns as one more ``wgmma`` (``W[:, S]`` loaded from global straight into the register operand,
   ``X[:, S]`` from shared memory), then the ordered split-K reduction of :mod:`.gluon_ws`'s epilogue:
@@ -53,10 +53,9 @@ if gluon is not None:
 #: shared memory a program may give its activation slice (the split plan adds splits until it fits);
 #: two programs of 4 warps then still share an SM by shared memory
 STREAM_SMEM_BYTES: int = 64 * 1024
-#: registers per thread the plan assumes for a program without ``max_regs`` (occupancy estimate), without
-#: and with the asynchronous MMA (offline sm_90a, Triton 3.6: 135-167 and 192-196, benchmarks/results/sass_stream)
+#: registers per thread the plan assumes for a program without ``max_regs`` (occupancy estimate; offline sm_90a,
+#: Triton 3.6: 135-167, benchmarks/results/sass_stream)
 STREAM_REGS_GUESS: int = 168
-STREAM_REGS_GUESS_ASYNC: int = 200
 
 
 def max_steps(block_m: int) -> int:
@@ -68,7 +67,7 @@ def stream_programs_per_sm(cfg) -> int:
     """Programs of ``cfg`` resident on one Hopper SM, by the CUDA occupancy rule (threads, registers at
     ``max_regs`` or :data:`STREAM_REGS_GUESS`, shared memory at the largest activation slice)."""
     threads = 32 * cfg.num_warps
-    by_regs = 65536 // (threads * (cfg.max_regs or (STREAM_REGS_GUESS_ASYNC if cfg.mma_async else STREAM_REGS_GUESS)))
+    by_regs = 65536 // (threads * (cfg.max_regs or STREAM_REGS_GUESS))
     smem = max_steps(cfg.block_m) * cfg.block_m * WS_BLOCK_K * 2 + 128 * cfg.block_m * 2 + 1024
     return max(1, min(by_regs, 232448 // smem, 2048 // threads))
 
@@ -103,19 +102,14 @@ def stream_plan(cfg, m: int, pw) -> dict:
 if gluon is not None:
 
     @gluon.jit
-    def _stream_step_mma(wq, pr, b_smem, acc, w_prev, BLOCK_N: gl.constexpr, dot_layout: gl.constexpr,
-                         MMA_ASYNC: gl.constexpr):
-        """Decode one step's words in registers and multiply-accumulate them with its activation slot.
-        ``MMA_ASYNC``: leave this step's ``wgmma`` in flight (the next step's decode overlaps it) and wait
-        for the previous one, whose register operand ``w_prev`` stays live until then; otherwise wait for
-        this one. Returns the accumulator and this step's operand."""
+    def _stream_step_mma(wq, pr, b_smem, acc, BLOCK_N: gl.constexpr, dot_layout: gl.constexpr):
+        """Decode one step's words in registers and multiply-accumulate them with its activation slot. The
+        ``wgmma`` is waited for before the registers of its operand can be reused: leaving it in flight
+        across steps (the operand carried to the next step's wait) raced on the H100, the loop-carried
+        copy freeing the registers the MMA still read (NaN in repeated calls, docs/kernels.md)."""
         w = gl.convert_layout(ws_tile(wq, pr, BLOCK_N), dot_layout, assert_trivial=True)
         acc = warpgroup_mma(w, b_smem.permute((1, 0)), acc, is_async=True)
-        if MMA_ASYNC:
-            acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return acc, w
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
     @gluon.jit
     def _stream_kernel(
@@ -145,7 +139,6 @@ if gluon is not None:
         STEPS: gl.constexpr,  # 256-column steps of the largest split (the activation slice's slots)
         SEGP: gl.constexpr,  # the BF16 columns' MMA width (>= SEG_PER_SPLIT, a power of two >= 16)
         DEPTH: gl.constexpr,  # K steps of weight words in flight ahead of the one decoded: 1 or 2
-        MMA_ASYNC: gl.constexpr,  # one wgmma left in flight across steps
         A_LAYOUT: gl.constexpr,  # NVMMA shared layout of one [BLOCK_M, 256] activation slot
         XS_LAYOUT: gl.constexpr,  # NVMMA shared layout of the [BLOCK_M, SEGP] BF16 columns
     ):
@@ -217,13 +210,12 @@ if gluon is not None:
 
         # 4. the FP4 loop: step i decodes while steps i+1 .. i+DEPTH are in flight
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
-        w_prev = gl.zeros([BLOCK_N, 256], gl.bfloat16, dot_layout)
         if DEPTH == 1:
             for i in range(n_steps):
                 j = gl.minimum(i + 1, last)
                 wqn = gl.load(w_ptrs + j * 32, mask=wmask, other=0)
                 prn = gl.load(s_ptrs + j * 8, mask=wmask, other=0).to(gl.int32)
-                acc, w_prev = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, w_prev, BLOCK_N, dot_layout, MMA_ASYNC)
+                acc = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, BLOCK_N, dot_layout)
                 wq0 = wqn
                 pr0 = prn
         else:
@@ -231,14 +223,12 @@ if gluon is not None:
                 j = gl.minimum(i + 2, last)
                 wq2 = gl.load(w_ptrs + j * 32, mask=wmask, other=0)
                 pr2 = gl.load(s_ptrs + j * 8, mask=wmask, other=0).to(gl.int32)
-                acc, w_prev = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, w_prev, BLOCK_N, dot_layout, MMA_ASYNC)
+                acc = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, BLOCK_N, dot_layout)
                 wq0 = wq1
                 pr0 = pr1
                 wq1 = wq2
                 pr1 = pr2
 
-        if MMA_ASYNC:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))[0]
         # 5. the reference's order: scales, then the BF16 columns (one MMA), then the ordered reduction
         acc = ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
         if HAS_KS:
@@ -290,7 +280,6 @@ def stream_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
         splits, m, n, k_dim, kk, fw.words.shape[0], plan["kcp"], plan["cps"], plan["seg"],
         A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, XS_DENSE=xs_dense,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, SEGP=plan["segp"], DEPTH=cfg.depth,
-        MMA_ASYNC=cfg.mma_async,
         A_LAYOUT=a_layout, XS_LAYOUT=xs_layout, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
     )

@@ -50,14 +50,6 @@ def _cases():
     out = []
     grid = ((("decode", DECODE_CONFIGS, (1, 16)), ("mid", MID_CONFIGS, (64,)), ("prefill", PREFILL_CONFIGS, (1024,))) if QUICK
             else (("decode", DECODE_CONFIGS, (1, 4, 16)), ("mid", MID_CONFIGS, (64, 128)), ("prefill", PREFILL_CONFIGS, (1024, 4096))))
-    try:  # the register-streaming Gluon tiles the autotuner offers at decode, where they can run
-        from foursight.kernels import gluon_stream
-        from foursight.kernels.api import stream_candidates
-
-        if gluon_stream.available():
-            grid = (*grid, *(("decode", tuple(stream_candidates(m)), (m,)) for m in (1, 16)))
-    except ImportError:  # kernels without that form
-        pass
     for path, cfgs, ms in grid:
         for cfg in cfgs:
             for m in ms:

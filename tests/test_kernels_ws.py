@@ -127,7 +127,7 @@ def test_ws_config_and_dispatch_rules():
 # ---------------------------------------------------------------------------------------------
 
 # block_m, depth, split_k: one-row tile without a split, a fixed split, automatic with 16 rows
-_STREAM = [StreamConfig(8, 2, 1), StreamConfig(8, 1, 3), StreamConfig(16, 2, 0, mma_async=True)]
+_STREAM = [StreamConfig(8, 2, 1), StreamConfig(8, 1, 3), StreamConfig(16, 2, 0)]
 
 
 @pytest.mark.parametrize("cfg", _STREAM, ids=str)
@@ -169,7 +169,7 @@ def test_stream_config_and_dispatch_rules(monkeypatch):
     for bad in (dict(block_m=12), dict(depth=3), dict(block_n=128), dict(num_warps=8), dict(q_split=3)):
         with pytest.raises(ValueError, match="StreamConfig"):
             StreamConfig(**bad)
-    cfg = StreamConfig(16, 1, 3, 128, mma_async=True)
+    cfg = StreamConfig(16, 1, 3, 128)
     assert config_from_str(str(cfg)) == cfg
     for value in ("1", "only", None):
         if value is None:
@@ -177,5 +177,5 @@ def test_stream_config_and_dispatch_rules(monkeypatch):
         else:
             monkeypatch.setenv("FOURSIGHT_STREAM", value)
         assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
-    assert [c.block_m for c in api.stream_candidates(1)] == [8, 8] and [c.block_m for c in api.stream_candidates(9)] == [16, 16]
-    assert all(c.depth == 2 for c in api.stream_candidates(16)) and {c.mma_async for c in api.stream_candidates(16)} == {False, True}
+    assert {c.block_m for c in api.stream_candidates(1)} == {8} and {c.block_m for c in api.stream_candidates(9)} == {16}
+    assert {c.depth for c in api.stream_candidates(16)} == {1, 2}

@@ -24,9 +24,9 @@ import sass_offline
 renames = sass_offline.apply_gluon_renames()
 from foursight.kernels import configs
 rows = []
-for cfg in (next(c for c in configs.STREAM_CONFIGS if not c.mma_async), next(c for c in configs.STREAM_CONFIGS if c.mma_async)):
+for cfg in configs.STREAM_CONFIGS[:2]:
     row = sass_offline.measure(*sass_offline.stream_case(cfg, sass_offline.stream_decode_m(cfg)))
-    rows.append({"config": str(cfg), "mma_async": cfg.mma_async, **row})
+    rows.append({"config": str(cfg), **row})
 print("ROWS " + json.dumps(rows))
 """
 
@@ -34,8 +34,8 @@ print("ROWS " + json.dumps(rows))
 def test_sass_offline_compiles_the_stream_kernel_for_sm90a():
     """Its main loop (the loop that issues HGMMA) streams the weight from global memory (LDG) with no
     shared-memory hop or barrier (no LDS, STS, BAR), issues one bf16 wgmma per 256-column step (256/16 = 16
-    HGMMA of K 16), does not spill, and waits with ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` exactly in the
-    asynchronous-MMA tile."""
+    HGMMA of K 16), does not spill, and waits for each step's wgmma before the next (no
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x1``: an MMA left in flight raced on the H100)."""
     pytest.importorskip("triton.experimental.gluon")
     from foursight.kernels import gluon_stream
 
@@ -51,6 +51,6 @@ def test_sass_offline_compiles_the_stream_kernel_for_sm90a():
         assert ops["LDG"] > 0 and ops["LDS"] == ops["STS"] == ops["BAR"] == 0, row
         assert ops["HGMMA"] == 256 // 16, row
         assert row["spill_instructions"] == 0 and row["local_bytes"] == 0, row
-        assert row["async_mma_wait"] == row["mma_async"], row
+        assert not row["async_mma_wait"], row
         assert row["per_weight"] == round(row["loop_instructions"] / 128, 2), row  # 64 rows x 256 columns / 128 threads
         assert 0 < row["registers"] <= 255 and row["shared_bytes"] > 0, row

@@ -54,6 +54,8 @@
 #              category (quantizer, FourSight GEMM, cuBLAS, attention, norm, other), BF16 / W4A4 k=128 / k=0
 #   streamtest (opt-in) pytest -v tests/test_kernels_stream_gpu.py: the register-streaming Gluon form (issue 36
 #              item 3) against the reference, 10 repeats bit-identical, the autotuner with FOURSIGHT_STREAM=1
+#   ncustream  (opt-in) the ncu step's profile with FOURSIGHT_STREAM=only: the register-streaming tiles at
+#              8192², M 1/16 (the autotuner's pick among them); writes ncu_stream.csv
 #   stream     (opt-in) benchmarks/kernels/probe_stream.py: that form's tiles forced against the autotuned default
 #              and cuBLAS (before and after), the three 8B shapes, M 1/16, k 0/128; writes stream.json (+ stream.md)
 # Carry .devcarry/a on a bare machine: the pydantic wheels are installed from it.
@@ -155,9 +157,9 @@ if want probe; then
   run_step probe "$CAP_PROBE" $PY benchmarks/kernels/probe_v4.py --out "$W" --shapes 8192x8192,14336x4096 --ms 1,16,64 --k 128 \
     --budget-s "$(budget "$CAP_PROBE" 35)" $DRY
 fi
+NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats"
+NCU_METRICS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum.per_second,smsp__warps_active.avg.per_cycle_active,smsp__warps_eligible.avg.per_cycle_active"
 if want ncu; then
-  NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats"
-  NCU_METRICS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,dram__bytes_read.sum.per_second,smsp__warps_active.avg.per_cycle_active,smsp__warps_eligible.avg.per_cycle_active"
   if [ "$DRY_RUN" = "1" ]; then
     say "ncu: dry run: $(command -v ncu || echo 'ncu not on this machine'); target: $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --configs-from $W/probe_v4.json"
     $PY benchmarks/kernels/probe_v4.py --help >/dev/null && say "ncu: target parses its arguments"
@@ -171,6 +173,16 @@ if want ncu; then
       run_step ncu_sections "$CAP_NCU_SECTIONS" "$NCU" --profile-from-start off $NCU_SECTIONS --csv --page raw --log-file "$W/ncu.csv" \
         $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16,64 --k 128 --configs-from "$W/probe_v4.json"
     fi
+  fi
+fi
+if want ncustream; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ "$DRY_RUN" = "1" ] || [ -z "$NCU" ]; then say "ncustream: dry run or no ncu here"
+  else
+    export FOURSIGHT_STREAM=only
+    run_step ncustream "$CAP_NCU" "$NCU" --profile-from-start off $NCU_SECTIONS --metrics "$NCU_METRICS" --csv --page raw \
+      --log-file "$W/ncu_stream.csv" $PY benchmarks/kernels/probe_v4.py --ncu-target --shapes 8192x8192 --ms 1,16 --k 128
+    unset FOURSIGHT_STREAM
   fi
 fi
 if want graph; then
@@ -232,6 +244,8 @@ say "done in $(( $(date +%s) - T0 ))s; packing"
   for f in probe_v4 splice_gemm breakdown bench_decode columns baseline_values decode_step stream; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
 for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json stream.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
+want ncustream && { echo "# $HDR"; echo "# Nsight Compute, FOURSIGHT_STREAM=only: the register-streaming tiles (probe_v4.py --ncu-target), --page raw"
+  cat "$W/ncu_stream.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stream.csv"
 want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stalls.csv"
 { want graph || want repeat || want streamtest; } && { echo "# $HDR"
