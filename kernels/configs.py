@@ -202,14 +202,17 @@ class StreamConfig(_Config):
     num_warps: int = 4
     #: programs per row of the activation quantizer before it (W4A4), as :class:`FragmentConfig`'s
     q_split: int = 8
+    #: activation slots of a ring in shared memory (one barrier a step; the split plan is then free of the
+    #: slice's size); 0 = the program's whole activation slice, loaded once
+    ring: int = 0
 
     def __post_init__(self):
         if (self.block_m not in (8, 16, 32) or self.depth not in (1, 2) or self.block_n != 64 or self.num_warps != 4
                 or self.split_k < 0 or self.max_regs not in (0, *range(64, 257, 8))
-                or self.q_split not in (1, 2, 4, 8, 16)):
+                or self.q_split not in (1, 2, 4, 8, 16) or self.ring not in (0, 2, 3, 4, 6, 8)):
             raise ValueError(
                 f"StreamConfig: block_m 8, 16 or 32, depth 1 or 2, block_n 64 and num_warps 4 (one warpgroup), split_k >= 0, "
-                f"max_regs 0 or a multiple of 8 in 64..256 and q_split 1..16 (a power of two), got {self}"
+                f"max_regs 0 or a multiple of 8 in 64..256, q_split 1..16 (a power of two) and ring 0, 2, 3, 4, 6 or 8, got {self}"
             )
 
 
@@ -321,6 +324,8 @@ STREAM_CONFIGS: tuple = (
     StreamConfig(8, 1),
     StreamConfig(16, 2),
     StreamConfig(16, 1),
+    StreamConfig(16, 1, ring=4),
+    StreamConfig(16, 2, ring=4),
 )
 #: fp16 activations (and ``splice_gemm`` on an fp16 ``q*s``): the fragment and dequant forms take
 #: bf16 only, so fp16 models run the forms that read the compressed-tensors packed layout, which the

@@ -19,7 +19,9 @@ words go global → shared → registers, and every K step waits on a CTA-wide b
   being decoded, with no shared-memory hop and no barrier in the loop;
 * each step decodes in registers (the fragment form's word decode and layout chain, shared with
   :mod:`.gluon_ws`; the conversion to the wgmma operand layout is asserted trivial) and issues one
-  ``warpgroup_mma``, waited for before the next step;
+  ``warpgroup_mma``, waited for before the next step; with ``StreamConfig.ring`` the activation comes
+  through a ring of that many shared-memory slots instead (one copy group a step, one barrier a step), so
+  the split plan is free of the slice's size;
 * after the loop: the global scales and ``2^7`` on the fp32 accumulator, then this split's share of the
   BF16 columns as one more ``wgmma`` (``W[:, S]`` loaded from global straight into the register operand,
   ``X[:, S]`` from shared memory), then the ordered split-K reduction of :mod:`.gluon_ws`'s epilogue:
@@ -54,8 +56,17 @@ if gluon is not None:
 #: two programs of 4 warps then still share an SM by shared memory
 STREAM_SMEM_BYTES: int = 64 * 1024
 #: registers per thread the plan assumes for a program without ``max_regs`` (occupancy estimate; offline sm_90a,
-#: Triton 3.6: 135-167, benchmarks/results/sass_stream)
+#: Triton 3.6: 135-168, benchmarks/results/sass_stream), and for the 16-row depth-2 ring tile (181: its copies'
+#: address tensor stays live across the loop)
 STREAM_REGS_GUESS: int = 168
+STREAM_REGS_GUESS_RING16: int = 184
+
+
+def regs_guess(cfg) -> int:
+    """Registers per thread of ``cfg``'s program, for the occupancy estimate."""
+    if cfg.max_regs:
+        return cfg.max_regs
+    return STREAM_REGS_GUESS_RING16 if cfg.ring and cfg.block_m >= 16 and cfg.depth == 2 else STREAM_REGS_GUESS
 
 
 def max_steps(block_m: int) -> int:
@@ -67,8 +78,8 @@ def stream_programs_per_sm(cfg) -> int:
     """Programs of ``cfg`` resident on one Hopper SM, by the CUDA occupancy rule (threads, registers at
     ``max_regs`` or :data:`STREAM_REGS_GUESS`, shared memory at the largest activation slice)."""
     threads = 32 * cfg.num_warps
-    by_regs = 65536 // (threads * (cfg.max_regs or STREAM_REGS_GUESS))
-    smem = max_steps(cfg.block_m) * cfg.block_m * WS_BLOCK_K * 2 + 128 * cfg.block_m * 2 + 1024
+    by_regs = 65536 // (threads * regs_guess(cfg))
+    smem = (cfg.ring or max_steps(cfg.block_m)) * cfg.block_m * WS_BLOCK_K * 2 + 128 * cfg.block_m * 2 + 1024
     return max(1, min(by_regs, 232448 // smem, 2048 // threads))
 
 
@@ -86,7 +97,7 @@ def stream_plan(cfg, m: int, pw) -> dict:
     if on_cuda(pw):
         slots = torch.cuda.get_device_properties(pw.weight_global_scale.device).multi_processor_count * stream_programs_per_sm(cfg)
     steps = triton.cdiv(kcp, step)
-    least = triton.cdiv(steps, max_steps(bm))
+    least = 1 if cfg.ring else triton.cdiv(steps, max_steps(bm))
     split = cfg.split_k
     if split == 0:
         splits, cps, _ = split_plan(m, n, kcp, pw.num_channels, bm, bn, step, 0, slots)
@@ -110,6 +121,26 @@ if gluon is not None:
         w = gl.convert_layout(ws_tile(wq, pr, BLOCK_N), dot_layout, assert_trivial=True)
         acc = warpgroup_mma(w, b_smem.permute((1, 0)), acc, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    @gluon.jit
+    def _stream_step(wq, pr, a_smem, a_ptrs, a_rmask, ak, i, n_steps, K, acc, BLOCK_N: gl.constexpr,
+                     dot_layout: gl.constexpr, RING: gl.constexpr):
+        """Step ``i``: its activation slot (the whole slice's ``i``, or with a ring, slot ``i % RING`` once this
+        thread's copy group of step i is done and every thread's is visible: one barrier), the MMA, then with a
+        ring the copy of step ``i + RING`` into the slot just read (the MMA has completed for the warpgroup)."""
+        if RING > 0:
+            async_copy.wait_group(RING - 1)
+            fence_async_shared()
+            cta_barrier()
+            slot = a_smem.index(i % RING)
+        else:
+            slot = a_smem.index(i)
+        acc = _stream_step_mma(wq, pr, slot, acc, BLOCK_N, dot_layout)
+        if RING > 0:
+            nxt = i + RING
+            async_load(slot, a_ptrs + nxt * 256, mask=a_rmask & gl.expand_dims(ak + nxt * 256 < K, 0) & (nxt < n_steps))
+            async_copy.commit_group()
+        return acc
 
     @gluon.jit
     def _stream_kernel(
@@ -137,6 +168,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         STEPS: gl.constexpr,  # 256-column steps of the largest split (the activation slice's slots)
+        RING: gl.constexpr,  # 0: the whole slice in shared memory; else a ring of this many activation slots
         SEGP: gl.constexpr,  # the BF16 columns' MMA width (>= SEG_PER_SPLIT, a power of two >= 16)
         DEPTH: gl.constexpr,  # K steps of weight words in flight ahead of the one decoded: 1 or 2
         A_LAYOUT: gl.constexpr,  # NVMMA shared layout of one [BLOCK_M, 256] activation slot
@@ -161,15 +193,23 @@ if gluon is not None:
         w_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
         a_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
 
-        # 1. the activation slice -> shared memory, asynchronously (rows past M, columns past K: zeros)
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BLOCK_M, 256], A_LAYOUT)
+        # 1. the activation slice -> shared memory, asynchronously (rows past M, columns past K: zeros): the
+        #    whole slice in one copy group, or the first RING steps, a group each
         am = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_ld))
         ak = c_start * 128 + gl.arange(0, 256, layout=gl.SliceLayout(0, a_ld))
         a_ptrs = a_ptr + gl.expand_dims(am.to(gl.int64) * stride_am, 1) + gl.expand_dims(ak, 0)
         a_rmask = gl.expand_dims(am < M, 1)
-        for j in range(n_steps):
-            async_load(a_smem.index(j), a_ptrs + j * 256, mask=a_rmask & gl.expand_dims(ak + j * 256 < K, 0))
-        async_copy.commit_group()
+        if RING > 0:
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [RING, BLOCK_M, 256], A_LAYOUT)
+            for r in gl.static_range(RING):
+                async_load(a_smem.index(r), a_ptrs + r * 256,
+                           mask=a_rmask & gl.expand_dims(ak + r * 256 < K, 0) & (r < n_steps))
+                async_copy.commit_group()
+        else:
+            a_smem = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BLOCK_M, 256], A_LAYOUT)
+            for j in range(n_steps):
+                async_load(a_smem.index(j), a_ptrs + j * 256, mask=a_rmask & gl.expand_dims(ak + j * 256 < K, 0))
+            async_copy.commit_group()
 
         # 2. the first DEPTH steps of weight words and scale pairs -> registers
         rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_layout))
@@ -204,7 +244,8 @@ if gluon is not None:
                 xv = gl.load(x_ptr + gl.expand_dims(xm.to(gl.int64) * stride_xm, 1) + gl.expand_dims(ch, 0), mask=xmask, other=0.0)
             xs_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, SEGP], XS_LAYOUT, xv.to(gl.bfloat16))
 
-        async_copy.wait_group(0)
+        if RING == 0:
+            async_copy.wait_group(0)
         fence_async_shared()
         cta_barrier()
 
@@ -215,7 +256,7 @@ if gluon is not None:
                 j = gl.minimum(i + 1, last)
                 wqn = gl.load(w_ptrs + j * 32, mask=wmask, other=0)
                 prn = gl.load(s_ptrs + j * 8, mask=wmask, other=0).to(gl.int32)
-                acc = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, BLOCK_N, dot_layout)
+                acc = _stream_step(wq0, pr0, a_smem, a_ptrs, a_rmask, ak, i, n_steps, K, acc, BLOCK_N, dot_layout, RING)
                 wq0 = wqn
                 pr0 = prn
         else:
@@ -223,7 +264,7 @@ if gluon is not None:
                 j = gl.minimum(i + 2, last)
                 wq2 = gl.load(w_ptrs + j * 32, mask=wmask, other=0)
                 pr2 = gl.load(s_ptrs + j * 8, mask=wmask, other=0).to(gl.int32)
-                acc = _stream_step_mma(wq0, pr0, a_smem.index(i), acc, BLOCK_N, dot_layout)
+                acc = _stream_step(wq0, pr0, a_smem, a_ptrs, a_rmask, ak, i, n_steps, K, acc, BLOCK_N, dot_layout, RING)
                 wq0 = wq1
                 pr0 = pr1
                 wq1 = wq2
@@ -279,7 +320,7 @@ def stream_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
         xs if xs_dense else dummy,
         splits, m, n, k_dim, kk, fw.words.shape[0], plan["kcp"], plan["cps"], plan["seg"],
         A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, XS_DENSE=xs_dense,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, SEGP=plan["segp"], DEPTH=cfg.depth,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, RING=cfg.ring, SEGP=plan["segp"], DEPTH=cfg.depth,
         A_LAYOUT=a_layout, XS_LAYOUT=xs_layout, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
     )

@@ -127,7 +127,7 @@ def test_ws_config_and_dispatch_rules():
 # ---------------------------------------------------------------------------------------------
 
 # block_m, depth, split_k: one-row tile without a split, a fixed split, automatic with 16 rows
-_STREAM = [StreamConfig(8, 2, 1), StreamConfig(8, 1, 3), StreamConfig(16, 2, 0)]
+_STREAM = [StreamConfig(8, 2, 1), StreamConfig(8, 1, 3), StreamConfig(16, 2, 0), StreamConfig(8, 2, 2, ring=2)]
 
 
 @pytest.mark.parametrize("cfg", _STREAM, ids=str)
@@ -155,18 +155,20 @@ def test_stream_plan_fits_the_activation_slice_and_splits_whole_steps():
     has an even number of 128-column chunks and none is empty, and the columns' MMA width covers the share."""
     g = torch.Generator().manual_seed(8)
     pw = fk.prepare_weight(_layer(64, 9216, 96, g, per_row_gs=False))  # 36 steps of 256 columns
-    for cfg in (StreamConfig(8, 2, 0), StreamConfig(16, 2, 1), StreamConfig(32, 1, 2), StreamConfig(8, 2, 40)):
+    for cfg in (StreamConfig(8, 2, 0), StreamConfig(16, 2, 1), StreamConfig(32, 1, 2), StreamConfig(8, 2, 40),
+                StreamConfig(16, 2, 0, ring=4)):
         plan = gluon_stream.stream_plan(cfg, 3, pw)
-        assert plan["cps"] % 2 == 0 and plan["cps"] // 2 <= gluon_stream.max_steps(cfg.block_m), (cfg, plan)
+        assert plan["cps"] % 2 == 0 and (cfg.ring or plan["cps"] // 2 <= gluon_stream.max_steps(cfg.block_m)), (cfg, plan)
         assert plan["splits"] * plan["cps"] >= plan["kcp"] == 72 and (plan["splits"] - 1) * plan["cps"] < plan["kcp"]
         assert plan["segp"] >= plan["seg"] and plan["segp"] >= 16 and plan["segp"] & (plan["segp"] - 1) == 0
     assert gluon_stream.stream_plan(StreamConfig(16, 2, 1), 3, pw)["splits"] == 5  # 36 steps, 8 a split at most
+    assert gluon_stream.stream_plan(StreamConfig(16, 2, 1, ring=4), 3, pw)["splits"] == 1  # a ring: any share fits
 
 
 def test_stream_config_and_dispatch_rules(monkeypatch):
     """Bad tiles are refused when built, tags round-trip, and the form is no candidate where Gluon
     cannot run (here: the interpreter), even when switched on."""
-    for bad in (dict(block_m=12), dict(depth=3), dict(block_n=128), dict(num_warps=8), dict(q_split=3)):
+    for bad in (dict(block_m=12), dict(depth=3), dict(block_n=128), dict(num_warps=8), dict(q_split=3), dict(ring=5)):
         with pytest.raises(ValueError, match="StreamConfig"):
             StreamConfig(**bad)
     cfg = StreamConfig(16, 1, 3, 128)

@@ -372,7 +372,7 @@ def stream_case(cfg, m: int):
     plan = stream_launch_plan(cfg, m)
     a_layout, xs_layout = gs.stream_layouts(cfg.block_m, plan["segp"])
     consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=STREAM_LAUNCH["kk"] > 0, SPLIT=plan["splits"] > 1, XS_DENSE=True,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, SEGP=plan["segp"], DEPTH=cfg.depth,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, RING=cfg.ring, SEGP=plan["segp"], DEPTH=cfg.depth,
                   A_LAYOUT=a_layout, XS_LAYOUT=xs_layout)
     # num_stages as a launch leaves it (Triton's default; Gluon does not pipeline)
     return gs._stream_kernel, _STREAM_PTRS, consts, cfg.num_warps, 3, cfg.max_regs, cfg.block_n * 256 / (32 * cfg.num_warps)
