@@ -56,10 +56,9 @@ if gluon is not None:
 #: two programs of 4 warps then still share an SM by shared memory
 STREAM_SMEM_BYTES: int = 64 * 1024
 #: registers per thread the plan assumes for a program without ``max_regs`` (occupancy estimate; offline sm_90a,
-#: Triton 3.6: 135-168, benchmarks/results/sass_stream), and for the 16-row depth-2 ring tile (181: its copies'
-#: address tensor stays live across the loop)
+#: Triton 3.6: 125-167, benchmarks/results/sass_stream), and for the 16-row depth-2 ring tile (171 there)
 STREAM_REGS_GUESS: int = 168
-STREAM_REGS_GUESS_RING16: int = 184
+STREAM_REGS_GUESS_RING16: int = 176
 
 
 def regs_guess(cfg) -> int:
@@ -121,6 +120,16 @@ if gluon is not None:
         w = gl.convert_layout(ws_tile(wq, pr, BLOCK_N), dot_layout, assert_trivial=True)
         acc = warpgroup_mma(w, b_smem.permute((1, 0)), acc, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    @gluon.jit
+    def _stream_wcols(wb_ptr, stride_wbn, off_n, seg_lo, seg_hi, N, BLOCK_N: gl.constexpr, SEGP: gl.constexpr,
+                      dot_layout: gl.constexpr):
+        """This split's ``W[:, S]`` columns ``[seg_lo, seg_hi)`` of the tile's rows, straight from global memory
+        into the wgmma register operand (zeros past the share and past N)."""
+        wn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dot_layout))
+        wc = seg_lo + gl.arange(0, SEGP, layout=gl.SliceLayout(0, dot_layout))
+        return gl.load(wb_ptr + gl.expand_dims((wn % N).to(gl.int64) * stride_wbn, 1) + gl.expand_dims(wc, 0),
+                       mask=gl.expand_dims(wn < N, 1) & gl.expand_dims(wc < seg_hi, 0), other=0.0)
 
     @gluon.jit
     def _stream_step(wq, pr, a_smem, a_ptrs, a_rmask, ak, i, n_steps, K, acc, BLOCK_N: gl.constexpr,
@@ -229,10 +238,8 @@ if gluon is not None:
         if HAS_KS:
             seg_lo = pid_k * SEG_PER_SPLIT
             seg_hi = gl.minimum(KS, seg_lo + SEG_PER_SPLIT)
-            wn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dot_layout))
-            wc = seg_lo + gl.arange(0, SEGP, layout=gl.SliceLayout(0, dot_layout))
-            wcols = gl.load(wb_ptr + gl.expand_dims((wn % N).to(gl.int64) * stride_wbn, 1) + gl.expand_dims(wc, 0),
-                            mask=gl.expand_dims(wn < N, 1) & gl.expand_dims(wc < seg_hi, 0), other=0.0)
+            if RING == 0:  # before the loop; a ring tile loads them after it (its registers are short)
+                wcols = _stream_wcols(wb_ptr, stride_wbn, off_n, seg_lo, seg_hi, N, BLOCK_N, SEGP, dot_layout)
             x_ld: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
             xm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_ld))
             xc = seg_lo + gl.arange(0, SEGP, layout=gl.SliceLayout(0, x_ld))
@@ -273,6 +280,8 @@ if gluon is not None:
         # 5. the reference's order: scales, then the BF16 columns (one MMA), then the ordered reduction
         acc = ws_scale(acc, off_m, off_n, a_gs_ptr, w_gs_ptr, M, N, A_QUANT, BLOCK_M, BLOCK_N, NW)
         if HAS_KS:
+            if RING > 0:
+                wcols = _stream_wcols(wb_ptr, stride_wbn, off_n, seg_lo, seg_hi, N, BLOCK_N, SEGP, dot_layout)
             acc = warpgroup_mma(wcols, xs_smem.permute((1, 0)), acc)
         ws_epilogue(acc, pid, pid_k, off_m, off_n, a_gs_ptr, x_ptr, stride_xm, ch_ptr, w_gs_ptr, wb_ptr, stride_wbn,
                      bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, xs_ptr, SPLITS, M, N, KS, SEG_PER_SPLIT,
