@@ -21,7 +21,7 @@ if torch.cuda.is_available():
     import foursight.kernels.api as fk
     from foursight.kernels import api, gluon_ws, tuning
     from foursight.kernels.configs import WS_CONFIGS, WSConfig
-    from foursight.layer import quantize_weight, reference_linear
+    from foursight.layer import reference_linear
 
     _AVAILABLE = gluon_ws.available()
     _WHY = f"Gluon form not available here (gluon import: {gluon_ws.GLUON_IMPORT_ERROR or 'ok'}, " \
@@ -29,7 +29,7 @@ if torch.cuda.is_available():
 else:
     _AVAILABLE, _WHY = False, "no CUDA"
 
-DEV = "cuda"
+from helpers.gpu_kernels import DEV, activation, cached_layer, check_fp32, repeat_identical
 REPEATS = int(os.environ.get("FOURSIGHT_WS_REPEATS", "10"))
 #: the three Llama-3.1-8B linear shapes (N x K) and two of SmolLM2-135M's
 SHAPES = [(8192, 8192), (14336, 4096), (4096, 14336), (576, 576), (1536, 576)]
@@ -47,41 +47,16 @@ def _cfg_for(m: int):
     return WSConfig(128, 64, 2, 4)
 
 
-_LAYERS: dict = {}
-
-
 def _layer(n: int, k_dim: int, k: int):
-    key = (n, k_dim, k)
-    if key not in _LAYERS:
-        _LAYERS.clear()  # one layer at a time on the device (the 8B shapes are large)
-        g = torch.Generator(device=DEV).manual_seed(n + k_dim + k)
-        w = torch.randn(n, k_dim, generator=g, device=DEV) * 0.02
-        ch = torch.sort(torch.randperm(k_dim, generator=g, device=DEV)[:k]).values.to(torch.int32)
-        qw = quantize_weight(w, ch)
-        _LAYERS[key] = (qw, fk.prepare_weight(qw))
-    return _LAYERS[key]
+    return cached_layer(n, k_dim, k)
 
 
 def _act(m: int, k_dim: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(m, k_dim, generator=g, device=DEV) * torch.exp(torch.randn(1, k_dim, generator=g, device=DEV))
-    x[:, :: max(1, k_dim // 7)] *= 30.0
-    return x.bfloat16()
-
-
-def _check_fp32(y, ref, tol: float = 1e-5):
-    assert torch.isfinite(y).all()
-    rel = ((y.float() - ref).norm() / ref.norm()).item()
-    err = (y.float() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    assert rel <= tol and err <= 20 * tol * scale, f"rel {rel:.3e}, max abs err {err:.3e} (output scale {scale:.3e})"
+    return activation(m, k_dim, seed)
 
 
 def _repeat_identical(fn, first: torch.Tensor, what: str):
-    for i in range(REPEATS - 1):
-        y = fn()
-        assert torch.equal(y, first), f"{what}: call {i + 2} of {REPEATS} differs from the first " \
-                                      f"(max |diff| {(y.float() - first.float()).abs().max().item():.3e})"
+    repeat_identical(fn, first, what, REPEATS)
 
 
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
@@ -105,7 +80,7 @@ def test_gluon_ws_matches_reference_and_repeats_gpu(N, K, k, M, mode):
         def run():
             return fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
         y = run()
-        _check_fp32(y, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
+        check_fp32(y, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
     _repeat_identical(run, y, f"{cfg} {mode} {N}x{K} k={k} M={M}")
 
 
