@@ -96,14 +96,10 @@ def stream_plan(cfg, m: int, pw) -> dict:
     if on_cuda(pw):
         slots = torch.cuda.get_device_properties(pw.weight_global_scale.device).multi_processor_count * stream_programs_per_sm(cfg)
     steps = triton.cdiv(kcp, step)
-    least = 1 if cfg.ring else triton.cdiv(steps, max_steps(bm))
-    split = cfg.split_k
-    if split == 0:
-        splits, cps, _ = split_plan(m, n, kcp, pw.num_channels, bm, bn, step, 0, slots)
-        if splits < least:
-            split = least
-    if split:
-        splits, cps, _ = split_plan(m, n, kcp, pw.num_channels, bm, bn, step, max(split, least), slots)
+    least = 1 if cfg.ring else triton.cdiv(steps, max_steps(bm))  # the fewest splits whose slices fit
+    splits, cps, _ = split_plan(m, n, kcp, pw.num_channels, bm, bn, step, max(cfg.split_k, least) if cfg.split_k else 0, slots)
+    if not cfg.split_k and splits < least:  # the whole-wave plan's slices would not fit
+        splits, cps, _ = split_plan(m, n, kcp, pw.num_channels, bm, bn, step, least, slots)
     _, seg = segment_plan(pw.num_channels, splits)
     segp = max(16, triton.next_power_of_2(seg)) if pw.num_channels else 16
     return dict(splits=splits, cps=cps, seg=seg, segp=segp, tiles=tiles, kcp=kcp)

@@ -33,26 +33,14 @@ REPEATS = int(os.environ.get("FOURSIGHT_STREAM_REPEATS", "10"))
 SHAPES = [(8192, 8192), (14336, 4096), (4096, 14336), (576, 576), (1536, 576)]
 MS = [1, 5, 16]
 
-def _layer(n: int, k_dim: int, k: int):
-    return cached_layer(n, k_dim, k)
-
-
-def _act(m: int, k_dim: int, seed: int) -> torch.Tensor:
-    return activation(m, k_dim, seed)
-
-
-def _repeat_identical(fn, first: torch.Tensor, what: str):
-    repeat_identical(fn, first, what, REPEATS)
-
-
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("k", [0, 128])
 @pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("N,K", SHAPES, ids=lambda v: str(v))
 def test_gluon_stream_matches_reference_and_repeats_gpu(N, K, k, M, mode):
-    qw, pw = _layer(N, K, k)
-    x = _act(M, K, N + K + k + M)
+    qw, pw = cached_layer(N, K, k)
+    x = activation(M, K, N + K + k + M)
     cfg = StreamConfig(8 if M <= 8 else 16, 2)
     bias = torch.randn(N, generator=torch.Generator(device=DEV).manual_seed(M), device=DEV).bfloat16()
     if mode == "w4a4":
@@ -67,7 +55,7 @@ def test_gluon_stream_matches_reference_and_repeats_gpu(N, K, k, M, mode):
             return fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
         y = run()
         check_fp32(y, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
-    _repeat_identical(run, y, f"{cfg} {mode} {N}x{K} k={k} M={M}")
+    repeat_identical(run, y, f"{cfg} {mode} {N}x{K} k={k} M={M}", REPEATS)
 
 
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
@@ -75,8 +63,8 @@ def test_gluon_stream_matches_reference_and_repeats_gpu(N, K, k, M, mode):
 def test_every_stream_candidate_matches_reference_gpu(M):
     """Every configuration of ``STREAM_CONFIGS``, W4A4 dynamic and static, on 4096 x 4096 with k = 128,
     split-K automatic (M = 40: several token tiles), repeated calls bit-identical."""
-    qw, pw = _layer(4096, 4096, 128)
-    x = _act(M, 4096, M)
+    qw, pw = cached_layer(4096, 4096, 128)
+    x = activation(M, 4096, M)
     failures = []
     for cfg in STREAM_CONFIGS:
         for gs in (None, torch.tensor([23.0], device=DEV)):
@@ -84,7 +72,7 @@ def test_every_stream_candidate_matches_reference_gpu(M):
                 y = fk.splice_linear(x, pw, input_global_scale=gs, config=cfg)
                 ref = reference_linear(x, qw, input_global_scale=gs, out_dtype=torch.float32)
                 torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
-                _repeat_identical(lambda: fk.splice_linear(x, pw, input_global_scale=gs, config=cfg), y, str(cfg))
+                repeat_identical(lambda: fk.splice_linear(x, pw, input_global_scale=gs, config=cfg), y, str(cfg), REPEATS)
             except Exception as e:  # collect, so one run reports every broken candidate
                 failures.append(f"{cfg} static={gs is not None}: {type(e).__name__}: {str(e)[:400]}")
     assert not failures, "\n".join(failures)
@@ -99,11 +87,11 @@ def test_autotuner_offers_and_checks_the_stream_candidates_gpu(monkeypatch):
     assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
     monkeypatch.setenv("FOURSIGHT_STREAM", "1")
     assert not isinstance(api.candidates("decode", 1, "linear")[0], StreamConfig)
-    qw, pw = _layer(4096, 4096, 128)
+    qw, pw = cached_layer(4096, 4096, 128)
     for m in (1, 16):
         assert any(isinstance(c, StreamConfig) for c in api.candidates("decode", m, "linear"))
         tuning.TUNED.clear()
-        x = _act(m, 4096, 7 + m)
+        x = activation(m, 4096, 7 + m)
         y = fk.splice_linear(x, pw)
         ref = reference_linear(x, qw, out_dtype=torch.float32)
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())

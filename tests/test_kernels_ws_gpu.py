@@ -47,26 +47,14 @@ def _cfg_for(m: int):
     return WSConfig(128, 64, 2, 4)
 
 
-def _layer(n: int, k_dim: int, k: int):
-    return cached_layer(n, k_dim, k)
-
-
-def _act(m: int, k_dim: int, seed: int) -> torch.Tensor:
-    return activation(m, k_dim, seed)
-
-
-def _repeat_identical(fn, first: torch.Tensor, what: str):
-    repeat_identical(fn, first, what, REPEATS)
-
-
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("k", [0, 128])
 @pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("N,K", SHAPES, ids=lambda v: str(v))
 def test_gluon_ws_matches_reference_and_repeats_gpu(N, K, k, M, mode):
-    qw, pw = _layer(N, K, k)
-    x = _act(M, K, N + K + k + M)
+    qw, pw = cached_layer(N, K, k)
+    x = activation(M, K, N + K + k + M)
     cfg = _cfg_for(M)
     bias = torch.randn(N, generator=torch.Generator(device=DEV).manual_seed(M), device=DEV).bfloat16()
     if mode == "w4a4":
@@ -81,7 +69,7 @@ def test_gluon_ws_matches_reference_and_repeats_gpu(N, K, k, M, mode):
             return fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)
         y = run()
         check_fp32(y, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
-    _repeat_identical(run, y, f"{cfg} {mode} {N}x{K} k={k} M={M}")
+    repeat_identical(run, y, f"{cfg} {mode} {N}x{K} k={k} M={M}", REPEATS)
 
 
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
@@ -90,16 +78,16 @@ def test_every_gluon_candidate_matches_reference_gpu(path):
     """Every configuration of ``WS_CONFIGS`` (the autotuner's Gluon candidates), W4A4, on 4096 x 4096
     with k = 128, at an M of its datapath, split-K automatic, repeated calls bit-identical (W4A16 is
     covered per tile by the test above; one compile per variant is the cost on the device)."""
-    qw, pw = _layer(4096, 4096, 128)
+    qw, pw = cached_layer(4096, 4096, 128)
     m = {"decode": 13, "mid": 100, "prefill": 256}[path]
-    x = _act(m, 4096, m)
+    x = activation(m, 4096, m)
     failures = []
     for cfg in WS_CONFIGS[path]:
         try:
             y = fk.splice_linear(x, pw, config=cfg)
             ref = reference_linear(x, qw, out_dtype=torch.float32)
             torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
-            _repeat_identical(lambda: fk.splice_linear(x, pw, config=cfg), y, str(cfg))
+            repeat_identical(lambda: fk.splice_linear(x, pw, config=cfg), y, str(cfg), REPEATS)
         except Exception as e:  # collect, so one run reports every broken candidate
             failures.append(f"{cfg}: {type(e).__name__}: {str(e)[:400]}")
     assert not failures, "\n".join(failures)
@@ -111,12 +99,12 @@ def test_autotuner_offers_and_checks_the_gluon_candidates_gpu(monkeypatch):
     and mid candidate lists include the Gluon tiles, and the autotuner times each only after it matched
     the reference (TUNE_LOG has a time for each)."""
     monkeypatch.setenv("FOURSIGHT_WS", "1")
-    qw, pw = _layer(4096, 4096, 128)
+    qw, pw = cached_layer(4096, 4096, 128)
     for m, path in ((16, "decode"), (64, "mid")):
         cands = api.candidates(path, m, "linear")
         assert any(isinstance(c, WSConfig) for c in cands)
         tuning.TUNED.clear()
-        x = _act(m, 4096, 7 + m)
+        x = activation(m, 4096, 7 + m)
         y = fk.splice_linear(x, pw)
         ref = reference_linear(x, qw, out_dtype=torch.float32)
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())

@@ -15,8 +15,9 @@ Every figure is a time measured in this process on this GPU, or a ratio of two s
 cuBLAS BF16 is timed twice per (shape, M): first, after an untimed warm-up of about ``--warmup-ms`` of
 GPU work (cuBLAS on the rotated copies), and again after that M's FourSight rows (``cublas_after_ms``).
 The ratios use the faster of the two (:func:`cublas_ref_ms`), the conservative figure for FourSight. Why:
-at M = 1 the first timing follows the shape's build, an idle spell in which the GPU's clocks may drop,
-and a timing of a millisecond or so may meet them still ramping (docs/kernels.md).
+at M = 1 the first timing read 15–17 % slower than the second on an H100, and the warm-up, which rules out
+clocks still ramping after the shape's build, did not remove the gap; its cause is not found
+(benchmarks/results/h100-2026-12-06e-v4/, docs/kernels.md).
 
 Timing: the package's timer (:func:`foursight.kernels.tuning.time_gpu`, CUDA-graph replays with the
 L2 flushed before each pass; :func:`common.ms_per_call`), each pass running the op on R rotating
