@@ -278,6 +278,16 @@ MID_CONFIGS: tuple = (
     FragmentConfig(64, 256, 128, 3, max_regs=128, num_warps=8, persistent=True),
     COLUMNS_LATE_CONFIGS[1],
 )
+#: Two warpgroups on every SM at M = 256 (issue 36 item 4). Offline sm_90a (Triton 3.6, docs/kernels.md):
+#: the v3 prefill tile ``FragmentConfig(128, 64)`` asks 117 KB of shared memory, so one 4-warp program
+#: runs per SM and nothing overlaps its in-register decode with its ``wgmma``; with 2 stages it asks 80 KB
+#: (254 registers, no spill), so two programs share an SM. The 8-warp tile runs two warpgroups in one
+#: program over ``block_n`` 128 (half the activation re-reads of block_n 64), 2 stages, 252 registers,
+#: no spill (the 3-stage one capped at 128 registers spills). Unmeasured: candidates after the measured tiles.
+PREFILL_TWO_WG_CONFIGS: tuple = (
+    FragmentConfig(128, 64, 128, 2),
+    FragmentConfig(128, 128, 128, 2, num_warps=8),
+)
 #: Prefill datapath (M > 128), bf16 activations.
 PREFILL_CONFIGS: tuple = (
     FragmentConfig(128, 64),
@@ -285,6 +295,7 @@ PREFILL_CONFIGS: tuple = (
     DequantConfig(128, 256, 8),
     FragmentConfig(128, 128, 128, 3, max_regs=128, num_warps=8, persistent=True),
     FragmentConfig(128, 256, 128, 3, num_warps=8, persistent=True),
+    *PREFILL_TWO_WG_CONFIGS,
 )
 #: Warp-specialized Gluon tiles (:class:`WSConfig`, :mod:`.experimental.gluon_ws`): **not candidates by
 #: default** (measured slower than the fragment form in every cell on the H200:
