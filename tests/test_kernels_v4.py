@@ -91,6 +91,25 @@ def test_new_fragment_forms_equal_the_plain_tile(layer, cfg, m):
     assert torch.equal(y16, fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=plain))
 
 
+@pytest.mark.parametrize("cfg", configs.PREFILL_TWO_WG_CONFIGS, ids=str)
+def test_two_warpgroup_prefill_tiles(layer, cfg):
+    """Issue 36 item 4's prefill tiles (2 stages, 8 warps, 256 tokens a tile): within tolerance of the
+    reference with their automatic split plan, and with one split bit-identical to the plain 16-row tile
+    with one split (each output's K order is the same whatever the tile's shape), at M below, at and
+    above one tile's rows; W4A4 k = 128 (the BF16 columns after the FP4 part) and W4A16."""
+    qw, pw, g = layer
+    one = FragmentConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, 1, num_warps=cfg.num_warps)
+    plain = FragmentConfig(16, 64, 128, 1, 1)
+    for m in (3, cfg.block_m + 5):
+        x = _act(m, g)
+        bias = torch.randn(N, generator=g).bfloat16()
+        y = fk.splice_linear(x, pw, bias=bias, config=cfg)
+        _close(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32))
+        assert torch.equal(fk.splice_linear(x, pw, bias=bias, config=one), fk.splice_linear(x, pw, bias=bias, config=plain)), (cfg, m)
+    assert torch.equal(fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=one),
+                       fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=plain))
+
+
 def test_quant_in_runs_no_quantizer_launch(layer, monkeypatch):
     """With a static scale at M <= 4 the ``quant_in`` tile quantizes inside the GEMM: the standalone
     quantizer is not launched (and with a dynamic scale, or M > 4, it is)."""
