@@ -95,8 +95,8 @@ def test_new_fragment_forms_equal_the_plain_tile(layer, cfg, m):
 def test_two_warpgroup_prefill_tiles(layer, cfg):
     """Issue 36 item 4's prefill tiles (2 stages, 8 warps, 256 tokens a tile): within tolerance of the
     reference with their automatic split plan, and with one split bit-identical to the plain 16-row tile
-    with one split (each output's K order is the same whatever the tile's shape), at M below, at and
-    above one tile's rows; W4A4 k = 128 (the BF16 columns after the FP4 part) and W4A16."""
+    with one split (each output's K order is the same whatever the tile's shape), at M below one tile's
+    rows and above them; W4A4 k = 128 (the BF16 columns after the FP4 part) and W4A16."""
     qw, pw, g = layer
     one = FragmentConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, 1, num_warps=cfg.num_warps)
     plain = FragmentConfig(16, 64, 128, 1, 1)
