@@ -44,6 +44,7 @@
 #   decode     benchmarks/kernels/bench_decode.py: 8B-shaped decoder, BF16, FourSight W4A4 k=128 and k=0, FP8
 #              rowwise; batch 1/16/64 (no prefill)
 #   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64
+#              (BREAKDOWN_SHAPES, BREAKDOWN_MS override: e.g. BREAKDOWN_MS=256 for the prefill tile)
 #   columns    (opt-in, not in the default STEPS) benchmarks/kernels/probe_columns.py: the BF16 columns' cost at
 #              8192², M 16/64, the H100 grid's tiles forced, k = 0 vs k = 128, the columns before the FP4 loop
 #              vs after it (cols_late) and gathered vs dense X[:, S]; writes columns.json (+ columns.md into
@@ -94,6 +95,8 @@ CAP_VALUES=${CAP_VALUES:-60}
 CAP_STEPPROF=${CAP_STEPPROF:-170}
 CAP_STREAMTEST=${CAP_STREAMTEST:-200}
 CAP_STREAM=${CAP_STREAM:-240}
+BREAKDOWN_SHAPES=${BREAKDOWN_SHAPES:-8192x8192}
+BREAKDOWN_MS=${BREAKDOWN_MS:-1,64}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -210,7 +213,7 @@ if want decode; then
     --batches 1,16,64 --prefill-tokens 0 --budget-s "$(budget "$CAP_DECODE" 30)" $DRY
 fi
 if want breakdown; then
-  run_step breakdown "$CAP_BREAKDOWN" $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes 8192x8192 --ms 1,64 \
+  run_step breakdown "$CAP_BREAKDOWN" $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes "$BREAKDOWN_SHAPES" --ms "$BREAKDOWN_MS" \
     --budget-s "$(budget "$CAP_BREAKDOWN" 15)" $DRY
 fi
 if want columns; then
