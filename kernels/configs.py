@@ -278,19 +278,18 @@ MID_CONFIGS: tuple = (
     FragmentConfig(64, 256, 128, 3, max_regs=128, num_warps=8, persistent=True),
     COLUMNS_LATE_CONFIGS[1],
 )
-#: Two warpgroups on every SM at M >= 256 (issue 36 item 4). Offline sm_90a (Triton 3.6, docs/kernels.md):
-#: the v3 prefill tile ``FragmentConfig(128, 64)`` asks 105 KB of shared memory at k = 0 but 117 KB with
-#: the BF16 columns' preload, so at k > 0 one 4-warp program runs per SM and nothing overlaps its
-#: in-register decode with its ``wgmma``. With 2 stages it asks 80 KB (254 registers, no spill): two
-#: programs per SM at k > 0 too. The 8-warp tiles run two warpgroups in one program: ``block_n`` 128 (half
-#: the activation re-reads of block_n 64; 252 registers, no spill), and over 256 tokens, cuBLAS's 128 x 256
-#: tile, where each decoded weight fragment serves all 256 rows (half the decode per token of
-#: ``block_m`` 128; no spill in the loop, some in the epilogue). The 3-stage 8-warp tile capped at 128
-#: registers spills (454 spill instructions at k > 0). Unmeasured: candidates after the measured tiles.
+#: Two warpgroups on every SM at M >= 256 with the BF16 columns (issue 36 item 4). Offline sm_90a (Triton
+#: 3.6, docs/kernels.md): the v3 prefill tile ``FragmentConfig(128, 64)`` asks 105 KB of shared memory at
+#: k = 0 but 117 KB with the columns preloaded before its FP4 loop, so at k > 0 one program runs per SM
+#: instead of two (on the H100, 4096 x 14336, M = 256: the GEMM 85.5 µs against 62.5 at k = 0). Loaded
+#: after the loop (``cols_late``) the columns reuse the pipeline's buffers: 105 KB, two programs; with
+#: 2 stages, 80 KB (measured: chosen at 14336 x 4096, k = 128). ``q_split`` 8 spreads the quantizer, 7-15 µs
+#: at M = 256, over 8 programs a row. The 8-warp 2-stage tiles (128 x 128 and 256 x 128) measured slower
+#: than the v3 tile in all six M = 256 cells and left (benchmarks/results/h100-2026-12-06f-v4/).
 PREFILL_TWO_WG_CONFIGS: tuple = (
     FragmentConfig(128, 64, 128, 2),
-    FragmentConfig(128, 128, 128, 2, num_warps=8),
-    FragmentConfig(256, 128, 128, 2, num_warps=8),
+    FragmentConfig(128, 64, cols_late=True),
+    FragmentConfig(128, 64, q_split=8, cols_late=True),
 )
 #: Prefill datapath (M > 128), bf16 activations.
 PREFILL_CONFIGS: tuple = (

@@ -23,6 +23,7 @@ Small shapes: the whole file takes about a minute in the interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -93,13 +94,14 @@ def test_new_fragment_forms_equal_the_plain_tile(layer, cfg, m):
 
 @pytest.mark.parametrize("cfg", configs.PREFILL_TWO_WG_CONFIGS, ids=str)
 def test_two_warpgroup_prefill_tiles(layer, cfg):
-    """Issue 36 item 4's prefill tiles (2 stages, 8 warps, 256 tokens a tile): within tolerance of the
-    reference with their automatic split plan, and with one split bit-identical to the plain 16-row tile
-    with one split (each output's K order is the same whatever the tile's shape), at M below one tile's
+    """Issue 36 item 4's prefill tiles (2 stages; the columns after the loop; the quantizer over 8 programs a
+    row): within tolerance of the reference with their automatic split plan, and with one split
+    bit-identical to the plain 16-row tile with one split and the same column plan (each output's K order
+    is the same whatever the tile's shape, and the split quantizer is bit-exact), at M below one tile's
     rows and above them; W4A4 k = 128 (the BF16 columns after the FP4 part) and W4A16."""
     qw, pw, g = layer
-    one = FragmentConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, 1, num_warps=cfg.num_warps)
-    plain = FragmentConfig(16, 64, 128, 1, 1)
+    one = dataclasses.replace(cfg, split_k=1)
+    plain = FragmentConfig(16, 64, 128, 1, 1, cols_late=cfg.cols_late)  # one split: the same column steps
     for m in (3, cfg.block_m + 5):
         x = _act(m, g)
         bias = torch.randn(N, generator=g).bfloat16()
