@@ -105,3 +105,17 @@ def test_probe_lines_that_do_not_match_the_launches_are_an_error(tmp_path):
     log.write_text(PROBE)
     with pytest.raises(ValueError, match=r"1 launch groups .* but 2 \[probe_v4 ncu\] lines .*cannot map"):
         ns.group(ls, ns.probe_lines([log]))
+
+
+def test_gluon_gemm_kernels_count_as_the_w4a4_gemm(tmp_path):
+    """The register-streaming (``_stream_kernel``) and warp-specialized (``_ws_kernel``) Gluon forms are the
+    W4A4 call's GEMM too (``device_v4.sh``'s ``ncustream`` step): their time enters the per-M sum."""
+    rows = [ROWS[0], _launch(1, "_stream_kernel", "24.9", "1,610", ["0.70", "0.93", "1", "0.90", "0.5"]), ROWS[2]]
+    csv_path = _write(tmp_path / "ncu_stream.csv", rows)
+    log = tmp_path / "ncustream.out"
+    log.write_text("[probe_v4 ncu] M=1 8192x8192 k=128 tile gluon_stream/16/1/0/0/64/4/8/4\n")
+    assert [la.role for la in ns.launches(csv_path)][:2] == ["W4A4 quantizer", "W4A4 GEMM"]
+    assert ns.ROLES["_ws_kernel"] == "W4A4 GEMM"
+    out = tmp_path / "ncu_stream_summary.md"
+    ns.main([str(csv_path), "--probe-log", str(log), "--out", str(out)])
+    assert "| 1 | 5.2 | 24.9 | 30.1 | 50.6 | 1.68 |" in out.read_text()

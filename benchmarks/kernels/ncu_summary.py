@@ -2,7 +2,8 @@
 """Nsight Compute's raw CSV (``ncu --csv --page raw``) as one markdown table row per kernel launch.
 
 ``device_v4.sh``'s ``ncu`` step profiles ``probe_v4.py --ncu-target``: per M, one W4A4 call (the
-quantizer ``_act_quant_kernel``, then ``_fragment_gemm_kernel``) and one cuBLAS BF16 call (``nvjet_*``),
+quantizer ``_act_quant_kernel``, then ``_fragment_gemm_kernel``, or a Gluon form's ``_stream_kernel`` /
+``_ws_kernel``) and one cuBLAS BF16 call (``nvjet_*``),
 and writes every metric of every launch into one wide CSV (577 columns). Nobody reads that by eye; this
 picks the columns issue 36 asks about: duration, DRAM read bandwidth, warps active and eligible per
 scheduler, achieved occupancy, registers per thread, and the three largest stall reasons.
@@ -45,7 +46,8 @@ PROBE_LINE = re.compile(r"\[probe_v4 ncu\] M=(?P<M>\d+) (?P<shape>\S+) k=(?P<k>\
 TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 #: ncu's decimal byte prefixes
 BYTE_PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-ROLES = {"_act_quant_kernel": "W4A4 quantizer", "_fragment_gemm_kernel": "W4A4 GEMM"}
+ROLES = {"_act_quant_kernel": "W4A4 quantizer", "_fragment_gemm_kernel": "W4A4 GEMM", "_stream_kernel": "W4A4 GEMM",
+         "_ws_kernel": "W4A4 GEMM"}
 
 
 @dataclass
