@@ -44,7 +44,8 @@
 #   decode     benchmarks/kernels/bench_decode.py: 8B-shaped decoder, BF16, FourSight W4A4 k=128 and k=0, FP8
 #              rowwise; batch 1/16/64 (no prefill)
 #   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64
-#              (BREAKDOWN_SHAPES, BREAKDOWN_MS override: e.g. BREAKDOWN_MS=256 for the prefill tile)
+#              (BREAKDOWN_SHAPES, BREAKDOWN_MS override: e.g. BREAKDOWN_MS=256 for the prefill tile; GRID_SHAPES,
+#              GRID_MS do the same for the grid, e.g. GRID_MS=256 after a change to the prefill list alone)
 #   columns    (opt-in, not in the default STEPS) benchmarks/kernels/probe_columns.py: the BF16 columns' cost at
 #              8192², M 16/64, the H100 grid's tiles forced, k = 0 vs k = 128, the columns before the FP4 loop
 #              vs after it (cols_late) and gathered vs dense X[:, S]; writes columns.json (+ columns.md into
@@ -96,6 +97,8 @@ CAP_STEPPROF=${CAP_STEPPROF:-170}
 CAP_STREAMTEST=${CAP_STREAMTEST:-200}
 CAP_STREAM=${CAP_STREAM:-240}
 BREAKDOWN_SHAPES=${BREAKDOWN_SHAPES:-8192x8192}
+GRID_SHAPES=${GRID_SHAPES:-8192x8192,14336x4096,4096x14336}
+GRID_MS=${GRID_MS:-1,16,64,256}
 BREAKDOWN_MS=${BREAKDOWN_MS:-1,64}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
@@ -205,8 +208,8 @@ if want repeat; then
   fi
 fi
 if want grid; then
-  run_step grid "$CAP_GRID" $PY benchmarks/kernels/bench_splice_gemm.py --out "$W" --shapes 8192x8192,14336x4096,4096x14336 \
-    --ms 1,16,64,256 --ks 0,128 --skip-config-check --budget-s "$(budget "$CAP_GRID" 30)" $DRY
+  run_step grid "$CAP_GRID" $PY benchmarks/kernels/bench_splice_gemm.py --out "$W" --shapes "$GRID_SHAPES" \
+    --ms "$GRID_MS" --ks 0,128 --skip-config-check --budget-s "$(budget "$CAP_GRID" 30)" $DRY
 fi
 if want decode; then
   run_step decode "$CAP_DECODE" $PY benchmarks/kernels/bench_decode.py --out "$W" --modes bf16,foursight-w4a4,foursight-w4a4-k0,fp8 \
