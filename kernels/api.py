@@ -6,6 +6,8 @@
   :func:`foursight.layer.quantize_activation`.
 * :func:`splice_gemm` — the GEMM on an already-quantized activation (lower level).
 * :func:`splice_linear` — activation quantization + SpliceGEMM; ``act_quant=False`` is W4A16.
+* :func:`rms_norm`, :func:`silu_mul` — a linear's producer with the activation quantizer fused into it
+  (:mod:`.producers`); :func:`splice_linear` takes their :class:`ProducedInput` for ``x``.
 
 The datapath is chosen by M (:func:`datapath_for`): ``decode`` (M <= :data:`DECODE_MAX_M`),
 ``mid`` (<= 128) or ``prefill``; within a datapath the autotuner (:mod:`.tuning`) picks a kernel
@@ -17,6 +19,7 @@ Forms: the fragment tile (:mod:`.fragment`), the one-row GEMV (:mod:`.gemv`), th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -47,6 +50,7 @@ from .configs import (
 from .dequant import dequant_linear
 from .fragment import QUANT_IN_MAX_M, fragment_launch
 from .gemv import gemv_launch
+from .producers import RMSNORM, SILU_MUL, ProducedInput, producer_launch, reference_rms_norm, reference_silu_mul
 from .prepared import OP_HANDLES, PreparedWeight, linear_operands, prepare_weight, resident_bytes
 from .runtime import interpreting, pdl_supported
 from .ss import ss_launch
@@ -59,8 +63,8 @@ DECODE_MAX_M: int = 16
 
 __all__ = [
     "DECODE_MAX_M", "TUNED", "TUNE_LOG", "PreparedWeight", "KernelConfig", "GemvConfig", "SwapConfig", "SSConfig",
-    "DequantConfig", "FragmentConfig", "datapath_for", "prepare_weight", "quantize_activation", "resident_bytes", "splice_gemm",
-    "splice_linear",
+    "DequantConfig", "FragmentConfig", "ProducedInput", "datapath_for", "prepare_weight", "quantize_activation", "resident_bytes",
+    "rms_norm", "silu_mul", "splice_gemm", "splice_linear",
 ]
 
 
@@ -262,6 +266,156 @@ def linear_key(path: str, m: int, prepared: PreparedWeight, act_quant: bool, sta
 
 
 # --------------------------------------------------------------------------------------------
+# producers with the quantizer fused (issue 36 item 2)
+# --------------------------------------------------------------------------------------------
+
+
+def _fuses(consumer, m: int, x: torch.Tensor) -> bool:
+    """Whether a producer quantizes for ``consumer`` in its own launch: CUDA or the interpreter, outside
+    torch.compile's trace, and a datapath whose tiles read the quantizer's operands (decode and mid; at
+    prefill the autotuner also times forms that quantize for themselves, so the producer writes the row)."""
+    return (consumer is not None and not torch.compiler.is_compiling() and datapath_for(m) != "prefill"
+            and (x.is_cuda or interpreting()))
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    consumer: PreparedWeight | None = None,
+    input_global_scale: torch.Tensor | None = None,
+) -> tuple:
+    """RMSNorm of ``x + residual`` in one launch; with ``consumer`` also the NVFP4 activation of that linear.
+
+    Args:
+        x: [M, K] bf16 (unit stride along K).
+        weight: [K] bf16 RMSNorm weight.
+        residual: optional [M, K] bf16 added before the norm (engines' fused add-norm).
+        consumer: the prepared linear that reads the output; its BF16 channels and ``input_global_scale``
+            (None: dynamic per row) decide the quantization.
+    Returns:
+        ``(ProducedInput, x + residual)`` (the sum None without ``residual``). Pass the first to
+        :func:`splice_linear` of ``consumer`` (or of a layer with the same channel set); its quantized operands
+        are bit-identical to :func:`quantize_activation` of its bf16 row.
+    """
+    _check_producer_in(x, "x")
+    m, k_dim = x.shape
+    if weight.shape != (k_dim,):
+        raise NVFP4Error(f"weight: expected [{k_dim}], got shape {tuple(weight.shape)}")
+    if residual is not None:
+        _check_producer_in(residual, "residual", x.shape)
+    quant = _fuses(consumer, m, x)
+    if quant:
+        _check_consumer(consumer, k_dim)
+    if torch.compiler.is_compiling() or not (x.is_cuda or interpreting()):
+        y, s = reference_rms_norm(x, weight, eps, residual)
+        return ProducedInput(y), s
+    y, s, deq, gs, xs = producer_launch(RMSNORM, x, k_dim, weight=weight, residual=residual, eps=eps,
+                                        mask=consumer.channel_mask if quant else None,
+                                        channels=consumer.bf16_channels if quant else None,
+                                        global_scale=input_global_scale, quant=quant, write_y=not quant)
+    return ProducedInput(y, deq, gs, xs, consumer if quant else None, input_global_scale is not None), s
+
+
+def silu_mul(
+    gate_up: torch.Tensor,
+    consumer: PreparedWeight | None = None,
+    input_global_scale: torch.Tensor | None = None,
+) -> ProducedInput:
+    """``silu(g) · u`` of ``gate_up = [g | u]`` [M, 2K] in one launch; with ``consumer`` (the down
+    projection) also its NVFP4 activation (see :func:`rms_norm`)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise NVFP4Error(f"gate_up: expected [M, 2K], got shape {tuple(gate_up.shape)}")
+    _check_producer_in(gate_up, "gate_up")
+    m, k_dim = gate_up.shape[0], gate_up.shape[1] // 2
+    quant = _fuses(consumer, m, gate_up)
+    if quant:
+        _check_consumer(consumer, k_dim)
+    if torch.compiler.is_compiling() or not (gate_up.is_cuda or interpreting()):
+        return ProducedInput(reference_silu_mul(gate_up))
+    y, _, deq, gs, xs = producer_launch(SILU_MUL, gate_up, k_dim, mask=consumer.channel_mask if quant else None,
+                                        channels=consumer.bf16_channels if quant else None,
+                                        global_scale=input_global_scale, quant=quant, write_y=not quant)
+    return ProducedInput(y, deq, gs, xs, consumer if quant else None, input_global_scale is not None)
+
+
+def _check_producer_in(t: torch.Tensor, name: str, shape: tuple | None = None) -> None:
+    if t.dim() != 2 or (shape is not None and tuple(t.shape) != tuple(shape)):
+        raise NVFP4Error(f"{name}: expected {list(shape) if shape else '[M, K]'}, got shape {tuple(t.shape)}")
+    if t.dtype != torch.bfloat16:
+        raise NVFP4Error(f"{name}: the fused producers take bf16, got {t.dtype}")
+    if t.shape[1] and t.stride(1) != 1:
+        raise NVFP4Error(f"{name}: needs unit stride along its last dimension, got strides {tuple(t.stride())}")
+
+
+def _check_consumer(consumer: PreparedWeight, k_dim: int) -> None:
+    if not isinstance(consumer, PreparedWeight):
+        raise NVFP4Error(f"consumer: expected a PreparedWeight, got {type(consumer).__name__}")
+    if consumer.in_features != k_dim:
+        raise NVFP4Error(f"consumer: in_features {consumer.in_features} != the producer's width {k_dim}")
+
+
+def _same_channels(a: PreparedWeight, b: PreparedWeight) -> bool:
+    """Whether an activation quantized for ``a`` is the one ``b`` reads (the same BF16 channel set)."""
+    if a is b or a.bf16_channels is b.bf16_channels:
+        return True
+    if a.in_features != b.in_features or a.num_channels != b.num_channels:
+        return False
+    if _capturing():
+        return False  # comparing the index tensors would synchronize inside a CUDA-graph capture
+    return bool(torch.equal(a.bf16_channels, b.bf16_channels))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _produced_linear(p: ProducedInput, prepared: PreparedWeight, bias, input_global_scale, act_quant: bool, path, config):
+    """:func:`splice_linear` on a producer's quantized operands: the GEMM alone, autotuned among the fragment
+    tiles (the forms that read ``q · s``, its global scales and the dense ``X[:, S]``)."""
+    if not act_quant:
+        raise NVFP4Error("x: a ProducedInput quantized for a consumer is W4A4 input; call the producer without "
+                         "a consumer for W4A16 (act_quant=False)")
+    if not _same_channels(p.consumer, prepared):
+        raise NVFP4Error("x: the ProducedInput was quantized for a layer with another BF16 channel set "
+                         f"({p.consumer.num_channels} channels of {p.consumer.in_features}) than this one "
+                         f"({prepared.num_channels} of {prepared.in_features})")
+    if (input_global_scale is not None) != p.static_gs:
+        raise NVFP4Error("input_global_scale: the producer quantized with "
+                         f"{'a static' if p.static_gs else 'the dynamic'} scale; pass the same to splice_linear")
+    if bias is not None and bias.shape != (prepared.out_features,):
+        raise NVFP4Error(f"layer.bias: expected [{prepared.out_features}], got {tuple(bias.shape)}")
+    deq, gs = p.deq, p.gs
+    m = deq.shape[0]
+    out = torch.empty((m, prepared.out_features), dtype=torch.bfloat16, device=deq.device)
+    if m == 0:
+        return out
+    path = path or datapath_for(m)
+    xs = p.xs if prepared.num_channels > 0 else None
+    key = ("produced", path, _m_bucket(path, m), prepared.out_features, prepared.in_features, prepared.num_channels > 0,
+           p.static_gs, bias is not None)
+
+    def run(cfg):
+        fragment_launch(cfg, deq, gs, deq, prepared, bias, out, True, xs=xs)
+
+    cands, seen = [], set()
+    for c in candidates(path, m, "linear", True):
+        if isinstance(c, FragmentConfig) and not c.quant_in:
+            c = dataclasses.replace(c, q_split=1)  # the quantizer's split: nothing to split here
+            if c not in seen:
+                seen.add(c)
+                cands.append(c)
+    interp = _interp_config(path, m)
+    if not isinstance(interp, FragmentConfig):
+        interp = next(iter(cands))
+    reference = (lambda: reference_output(prepared, p.y, bias, input_global_scale, True)) if p.y is not None else None
+    cfg = config or pick_config(key, run, cands, interp, out, reference)
+    run(cfg)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # GEMM entry points
 # --------------------------------------------------------------------------------------------
 
@@ -335,7 +489,8 @@ def splice_linear(
     """FourSight linear: fused activation quantization + SpliceGEMM.
 
     Args:
-        x: [..., K] bf16 or fp16 (fp32 is accepted in W4A4 mode only).
+        x: [..., K] bf16 or fp16 (fp32 is accepted in W4A4 mode only), or a :class:`ProducedInput` of
+            :func:`rms_norm` / :func:`silu_mul` (quantized for this layer's channel set: then only the GEMM runs).
         prepared: from :func:`prepare_weight`.
         bias: optional [N].
         input_global_scale: static activation global scale (float32 scalar/[1]) or None (dynamic,
@@ -348,6 +503,12 @@ def splice_linear(
         accumulation order (the dequantize-then-cuBLAS form: up to the bf16 rounding of its
         operands, see :mod:`foursight.kernels.dequant`).
     """
+    if isinstance(x, ProducedInput):
+        if x.consumer is not None:
+            return _produced_linear(x, prepared, bias, input_global_scale, act_quant, path, config)
+        if x.y is None:
+            raise NVFP4Error("x: a ProducedInput with neither a row nor a consumer's operands")
+        x = x.y
     if torch.compiler.is_compiling() and not COMPILE_OP_ERRORS:
         # under torch.compile (vLLM compiles the model with fullgraph=True) the call is one opaque
         # custom op: the autotuner, the launches and their Python control flow stay out of the trace

@@ -278,16 +278,15 @@ MID_CONFIGS: tuple = (
     FragmentConfig(64, 256, 128, 3, max_regs=128, num_warps=8, persistent=True),
     COLUMNS_LATE_CONFIGS[1],
 )
-#: Two warpgroups on every SM at M >= 256 with the BF16 columns (issue 36 item 4). Offline sm_90a (Triton
-#: 3.6, docs/kernels.md): the v3 prefill tile ``FragmentConfig(128, 64)`` asks 105 KB of shared memory at
-#: k = 0 but 117 KB with the columns preloaded before its FP4 loop, so at k > 0 one program runs per SM
-#: instead of two (on the H100, 4096 x 14336, M = 256: the GEMM 85.5 µs against 62.5 at k = 0). Loaded
-#: after the loop (``cols_late``) the columns reuse the pipeline's buffers: 105 KB, two programs; with
-#: 2 stages, 80 KB (measured: chosen at 14336 x 4096, k = 128). ``q_split`` 8 spreads the quantizer, 7-15 µs
-#: at M = 256, over 8 programs a row. The 8-warp 2-stage tiles (128 x 128 and 256 x 128) measured slower
-#: than the v3 tile in all six M = 256 cells and left (benchmarks/results/h100-2026-12-06f-v4/).
-PREFILL_TWO_WG_CONFIGS: tuple = (
-    FragmentConfig(128, 64, 128, 2),
+#: The v3 prefill tile with its BF16 columns loaded after the FP4 loop (``cols_late``), so that two programs
+#: (two warpgroups) share every SM at k > 0 as they do at k = 0 (issue 36 item 4). Offline sm_90a (Triton
+#: 3.6, docs/kernels.md): ``FragmentConfig(128, 64)`` asks 105 KB of shared memory at k = 0 but 117 KB with
+#: the columns preloaded before its loop, so at k > 0 one program runs per SM (on the H100, 4096 x 14336,
+#: M = 256: the GEMM 85.5 µs against 62.5 at k = 0); after the loop they reuse the pipeline's buffers
+#: (105 KB). ``q_split`` 8 spreads the quantizer, 7-15 µs at M = 256, over 8 programs a row. Measured
+#: (benchmarks/results/h100-2026-12-06f-v4/): chosen for k = 128 in all three M = 256 cells; the 2-stage
+#: tile and the 8-warp 2-stage tiles tried beside it were never chosen and left.
+PREFILL_COLS_LATE_CONFIGS: tuple = (
     FragmentConfig(128, 64, cols_late=True),
     FragmentConfig(128, 64, q_split=8, cols_late=True),
 )
@@ -298,7 +297,7 @@ PREFILL_CONFIGS: tuple = (
     DequantConfig(128, 256, 8),
     FragmentConfig(128, 128, 128, 3, max_regs=128, num_warps=8, persistent=True),
     FragmentConfig(128, 256, 128, 3, num_warps=8, persistent=True),
-    *PREFILL_TWO_WG_CONFIGS,
+    *PREFILL_COLS_LATE_CONFIGS,
 )
 #: Warp-specialized Gluon tiles (:class:`WSConfig`, :mod:`.experimental.gluon_ws`): **not candidates by
 #: default** (measured slower than the fragment form in every cell on the H200:

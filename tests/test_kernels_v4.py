@@ -92,9 +92,9 @@ def test_new_fragment_forms_equal_the_plain_tile(layer, cfg, m):
     assert torch.equal(y16, fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=plain))
 
 
-@pytest.mark.parametrize("cfg", configs.PREFILL_TWO_WG_CONFIGS, ids=str)
-def test_two_warpgroup_prefill_tiles(layer, cfg):
-    """Issue 36 item 4's prefill tiles (2 stages; the columns after the loop; the quantizer over 8 programs a
+@pytest.mark.parametrize("cfg", configs.PREFILL_COLS_LATE_CONFIGS, ids=str)
+def test_cols_late_prefill_tiles(layer, cfg):
+    """Issue 36 item 4's prefill tiles (the columns after the loop; with the quantizer over 8 programs a
     row): within tolerance of the reference with their automatic split plan, and with one split
     bit-identical to the plain 16-row tile with one split and the same column plan (each output's K order
     is the same whatever the tile's shape, and the split quantizer is bit-exact), at M below one tile's
