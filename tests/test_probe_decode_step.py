@@ -18,6 +18,7 @@ _spec.loader.exec_module(pds)
 
 @pytest.mark.parametrize("name,cat", [
     ("_act_quant_kernel", "quantizer"),
+    ("_producer_kernel", "producer"),  # the fused add + RMSNorm / SiLU·mul (and quantizer): not "norm"
     ("_fragment_gemm_kernel", "foursight_gemm"),
     ("_split_reduce_kernel", "foursight_gemm"),
     ("_dequant_weight_kernel", "foursight_gemm"),
@@ -48,7 +49,8 @@ def test_summarize_divides_by_steps_and_ranks_kernels():
 def test_cpu_smoke_writes_both_files(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, str(_P), "--tiny", "--device", "cpu", "--out", str(tmp_path),
-                        "--modes", "bf16,foursight-w4a4", "--batches", "1", "--steps", "1"],
+                        "--modes", "bf16,foursight-w4a4", "--batches", "1", "--steps", "1",
+                        "--producers", "torch"],  # eager RMSNorm: CPU ops the profiler sees (the interpreter's kernels it does not)
                        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     import json

@@ -21,6 +21,12 @@ stay BF16 in every mode. Modes (``--modes``):
 * ``gemlite-a16w4`` (optional, not in the default list) — GemLite 0.6.0.post2 int4, group 64,
   BF16 activations: benchmarks/kernels/baselines.py (needs the gemlite package).
 
+Producers (``--producers``): the residual add + RMSNorm before qkv and gate_up and SiLU·mul before down run
+as FourSight's one-launch producers (``fused``, the default, in every mode alike: an engine fuses the add
+into the norm), which in the W4A4 modes also quantize their row for the linear that reads it (issue 36
+item 2: no standalone quantizer launch for three of a layer's four linears); ``torch`` keeps the eager
+PyTorch ops and the quantizer inside each linear, as every run before 2026-12-07.
+
 Decode: for each batch B (``--batches``), one decode step with a ``--context``-token context
 already in a static BF16 KV cache (preallocated for the largest batch, filled with random values;
 no prefill is run for it) — embedding, 32 layers (RMSNorm, fused qkv, RoPE by position tensors,
@@ -79,6 +85,12 @@ from foursight.channels import relative_error  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 ALL_MODES = ("bf16", "foursight-w4a4", "foursight-w4a16", "foursight-w4a4-k0", "fp8", "gemlite-a16w4")
 DEFAULT_MODES = "bf16,foursight-w4a4,foursight-w4a16,fp8"
+#: how the decoder runs each linear's producer (the residual add + RMSNorm, SiLU·mul), the same for every mode
+PRODUCERS = ("fused", "torch")
+PRODUCERS_HELP = ("fused (default): FourSight's one-launch producers (foursight.kernels.api.rms_norm with the residual "
+                  "add, silu_mul) in every mode, which in the W4A4 modes also quantize for the next linear; torch: eager "
+                  "PyTorch (x + delta, F.rms_norm, F.silu(g) * u) and the standalone quantizer inside each W4A4 linear "
+                  "(the runs before 2026-12-07)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +168,12 @@ def _nbytes(obj) -> int:
 class Decoder:
     """Random-weight Llama-style decoder; ``self.linears[l][name]`` is a callable x2d -> y2d."""
 
-    def __init__(self, cfg: ModelConfig, dev: torch.device, max_batch: int, context: int, max_pos: int, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, dev: torch.device, max_batch: int, context: int, max_pos: int, seed: int = 0,
+                 producers: str = "fused"):
+        if producers not in PRODUCERS:
+            raise ValueError(f"producers: {producers!r} is not one of {', '.join(PRODUCERS)}")
         self.cfg, self.dev, self.max_batch, self.context = cfg, dev, max_batch, context
+        self.producers = producers
         g = torch.Generator(device=dev).manual_seed(seed)
         bf = torch.bfloat16
 
@@ -201,6 +217,20 @@ class Decoder:
     def _norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.eps)
 
+    def _add_norm(self, x, delta, w, consumer):
+        """``(x + delta, RMSNorm(x + delta))`` (no add when ``delta`` is None). ``torch``: two eager ops. ``fused``:
+        one launch of FourSight's producer (``foursight.kernels.api.rms_norm``), which also quantizes the
+        normed row for ``consumer`` when it is a FourSight W4A4 linear (then the linear gets a ProducedInput)."""
+        if self.producers == "torch":
+            if delta is not None:
+                x = x + delta
+            return x, self._norm(x, w)
+        import foursight.kernels.api as fk  # noqa: PLC0415
+
+        pw = getattr(consumer, "quantizes_for", None)
+        p, s = fk.rms_norm(x, w, self.cfg.eps, residual=delta, consumer=pw)
+        return (s if delta is not None else x), (p if pw is not None else p.y)
+
     @staticmethod
     def _rope(x, cos, sin):
         """x [T, heads, head_dim] bf16; cos/sin [T, 1, head_dim/2] fp32."""
@@ -209,6 +239,12 @@ class Decoder:
 
     def _mlp(self, lins, x):
         gu = lins["gate_up"](x)
+        if self.producers == "fused":
+            import foursight.kernels.api as fk  # noqa: PLC0415
+
+            pw = getattr(lins["down"], "quantizes_for", None)
+            p = fk.silu_mul(gu, consumer=pw)
+            return lins["down"](p if pw is not None else p.y)
         gate, up = gu.split(self.cfg.intermediate, dim=-1)
         return lins["down"](F.silu(gate) * up)
 
@@ -225,18 +261,19 @@ class Decoder:
         tok, pos, bi = self.tokens[:b], self.positions[:b], self.bidx[:b]
         x = F.embedding(tok, self.embed)
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+        delta = None  # the MLP's output, added to the residual stream by the next norm
         for li in range(c.layers):
             w, lins, kv = self.weights[li], self.linears[li], self.kv[li]
-            h = self._norm(x, w["attn_norm"])
+            x, h = self._add_norm(x, delta, w["attn_norm"], lins["qkv"])
             q, k, v = self._split_qkv(lins["qkv"](h), b)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             kc, vc = kv[0], kv[1]
             kc[bi, :, pos] = k  # [b, kv_heads, head_dim] at each sequence's position
             vc[bi, :, pos] = v.to(vc.dtype)
             attn = F.scaled_dot_product_attention(q.unsqueeze(2), kc[:b], vc[:b], enable_gqa=True)  # [b, heads, 1, hd]
-            x = x + lins["o"](attn.reshape(b, c.q_dim))
-            x = x + self._mlp(lins, self._norm(x, w["mlp_norm"]))
-        hf = self._norm(x, self.final_norm)
+            x, h = self._add_norm(x, lins["o"](attn.reshape(b, c.q_dim)), w["mlp_norm"], lins["gate_up"])
+            delta = self._mlp(lins, h)
+        _, hf = self._add_norm(x, delta, self.final_norm, None)
         return hf, F.linear(hf, self.lm_head)
 
     def prefill(self, tokens: torch.Tensor):
@@ -245,18 +282,20 @@ class Decoder:
         s = tokens.shape[0]
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[:s][:, None, :], self.sin[:s][:, None, :]
+        delta = None
         for li in range(c.layers):
             w, lins = self.weights[li], self.linears[li]
-            h = self._norm(x, w["attn_norm"])
+            x, h = self._add_norm(x, delta, w["attn_norm"], lins["qkv"])
             q, k, v = self._split_qkv(lins["qkv"](h), s)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                 is_causal=True, enable_gqa=True,
             )  # [1, heads, S, hd]
-            x = x + lins["o"](attn[0].transpose(0, 1).reshape(s, c.q_dim))
-            x = x + self._mlp(lins, self._norm(x, w["mlp_norm"]))
-        return F.linear(self._norm(x[-1:], self.final_norm), self.lm_head)
+            x, h = self._add_norm(x, lins["o"](attn[0].transpose(0, 1).reshape(s, c.q_dim)), w["mlp_norm"], lins["gate_up"])
+            delta = self._mlp(lins, h)
+        _, hf = self._add_norm(x[-1:], delta[-1:], self.final_norm, None)
+        return F.linear(hf, self.lm_head)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,13 +361,22 @@ def kernel_check(prepared0: dict, ref: dict, act_quant: bool, ms: list, dev, see
     return out
 
 
+class FourSightLinear:
+    """One FourSight linear of the decoder: ``splice_linear`` on a bf16 row or on a fused producer's
+    ``ProducedInput``; ``quantizes_for`` (W4A4 only) is the prepared weight a producer quantizes for."""
+
+    def __init__(self, pw, act_quant: bool):
+        self.pw, self.act_quant = pw, act_quant
+        self.quantizes_for = pw if act_quant else None
+
+    def __call__(self, x):
+        import foursight.kernels.api as fk  # noqa: PLC0415
+
+        return fk.splice_linear(x, self.pw, bias=None, input_global_scale=None, act_quant=self.act_quant)
+
+
 def foursight_linears(prepared: list, act_quant: bool) -> list:
-    import foursight.kernels.api as fk  # noqa: PLC0415
-
-    def make(pw):
-        return lambda x: fk.splice_linear(x, pw, bias=None, input_global_scale=None, act_quant=act_quant)
-
-    return [{name: make(pw) for name, pw in layer.items()} for layer in prepared]
+    return [{name: FourSightLinear(pw, act_quant) for name, pw in layer.items()} for layer in prepared]
 
 
 def build_linears(mode: str, model: Decoder, args, cache: dict) -> tuple[list, dict]:
@@ -524,6 +572,7 @@ def run(args) -> dict:
         "model": dict(dataclasses.asdict(cfg), name="tiny" if args.tiny else "llama-3.1-8b-shaped (random weights)"),
         "settings": {"modes": modes, "batches": batches, "context": args.context, "prefill_tokens": args.prefill_tokens,
                      "channels_per_linear": args.channels, "seed": args.seed, "budget_s": args.budget_s,
+                     "producers": args.producers,
                      "cuda_graphs": dev.type == "cuda" and not args.no_graph},
         "method": ("decode: one step (embedding, all layers, final norm, lm_head) captured in a CUDA graph with static "
                    "inputs, timed by foursight.kernels.tuning.time_gpu (L2 flushed before each step), tokens/s = batch / step time; static BF16 KV cache "
@@ -551,7 +600,7 @@ def run(args) -> dict:
           f"batches {batches}, context {args.context}", flush=True)
     max_pos = max(args.context + 1, args.prefill_tokens, 1)
     try:
-        model = Decoder(cfg, dev, max(batches), args.context, max_pos, seed=args.seed)
+        model = Decoder(cfg, dev, max(batches), args.context, max_pos, seed=args.seed, producers=args.producers)
         _sync(dev)
     except Exception as e:  # noqa: BLE001 - nothing can run
         res["error"] = f"building the model: {_err(e)}"
@@ -787,6 +836,7 @@ def main() -> None:
     ap.add_argument("--cpu-reps", type=int, default=1, help="timed eager runs per measurement on CPU (after the warm-up run)")
     ap.add_argument("--no-graph", action="store_true", help="time eagerly on CUDA too")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--producers", choices=PRODUCERS, default="fused", help=PRODUCERS_HELP)
     ap.add_argument("--dry-run", action="store_true", help="no timing: write the result file's environment and arguments only")
     args = ap.parse_args()
     if args.dry_run:

@@ -36,13 +36,16 @@
 #              the W4A4 call (quantizer + GEMM) and cuBLAS at M = 1/16/64, 8192², the probe's tiles (run it
 #              after probe, in the same call: without probe_v4.json the target autotunes under the profiler)
 #   graph      pytest -v tests/test_kernels_graph_gpu.py (torch.compile + CUDA graphs = eager, bit for bit; its
-#              autotuner's choices printed as they are made)
+#              autotuner's choices printed as they are made) and tests/test_producers_gpu.py (the fused
+#              producers against the oracle, the linear on their output = the unfused one, a CUDA graph; GRAPH_TESTS)
 #   repeat     FOURSIGHT_REPEAT_REPS=50 FOURSIGHT_REPEAT_QUICK=1 pytest -v tests/test_kernels_repeat_gpu.py (every
 #              candidate at M 1/16/64/1024, static scale too where quant_in; 50 calls)
 #   grid       benchmarks/kernels/bench_splice_gemm.py: the three 8B shapes, M 1/16/64/256, k 0/128, W4A4/W4A16,
 #              cuBLAS BF16 and FP8 rowwise, rotated weights, one process
 #   decode     benchmarks/kernels/bench_decode.py: 8B-shaped decoder, BF16, FourSight W4A4 k=128 and k=0, FP8
-#              rowwise; batch 1/16/64 (no prefill)
+#              rowwise; batch 1/16/64 (no prefill); the fused producers (its default --producers fused)
+#   decodetorch (opt-in) the same with --producers torch (eager add/RMSNorm/SiLU·mul, the quantizer in each
+#              linear: the runs before 2026-12-07), BF16 / W4A4 k=128 / k=0; writes torch_producers/ (in v4_rest)
 #   breakdown  benchmarks/kernels/probe_breakdown.py: quantizer / GEMM / BF16 columns, 8192², M 1/64
 #              (BREAKDOWN_SHAPES, BREAKDOWN_MS override: e.g. BREAKDOWN_MS=256 for the prefill tile; GRID_SHAPES,
 #              GRID_MS do the same for the grid, e.g. GRID_MS=256 after a change to the prefill list alone)
@@ -53,7 +56,7 @@
 #   values     (opt-in) benchmarks/kernels/probe_baseline_values.py: cuBLAS BF16's time on weights ~N(0,1), ~N(0,0.02²)
 #              and zeros, interleaved rounds (the probe's and the grid's cuBLAS differed by ~17 % in 06d)
 #   stepprof   (opt-in) benchmarks/kernels/probe_decode_step.py: the 8B-shaped decode step's kernel time by
-#              category (quantizer, FourSight GEMM, cuBLAS, attention, norm, other), BF16 / W4A4 k=128 / k=0
+#              category (quantizer, producer, FourSight GEMM, cuBLAS, attention, norm, other), BF16 / W4A4 k=128 / k=0
 #   streamtest (opt-in) pytest -v tests/test_kernels_stream_gpu.py: the register-streaming Gluon form (issue 36
 #              item 3) against the reference, 10 repeats bit-identical, the autotuner with FOURSIGHT_STREAM=1
 #   ncustream  (opt-in) the ncu step's profile with FOURSIGHT_STREAM=only: the register-streaming tiles at
@@ -82,6 +85,8 @@ esac
 TOTAL_S=${TOTAL_S:-565}
 RESERVE_S=${RESERVE_S:-10}
 STEPS=${STEPS:-probe,ncu,graph,repeat,grid,decode,breakdown}
+# the graph step's tests: the linear as vLLM calls it, and the fused producers (tests/test_producers_gpu.py)
+GRAPH_TESTS=${GRAPH_TESTS:-tests/test_kernels_graph_gpu.py tests/test_producers_gpu.py}
 # each step's cap in seconds (the header says where the defaults come from); CAP_<STEP> overrides
 CAP_PROBE=${CAP_PROBE:-130}
 CAP_NCU=${CAP_NCU:-60}
@@ -194,10 +199,10 @@ if want ncustream; then
 fi
 if want graph; then
   if [ "$DRY_RUN" = "1" ]; then
-    $PY -m pytest tests/test_kernels_graph_gpu.py $PYTEST_V -s > "$W/graph.out" 2>&1  # on the CPU: collects, skips
+    $PY -m pytest $GRAPH_TESTS $PYTEST_V -s > "$W/graph.out" 2>&1  # on the CPU: collects, skips
     grep -E "passed|skipped|failed|error" "$W/graph.out" | tail -1 | sed 's/^/[graph dry] /' | tee -a "$LOG"
   else
-    run_step graph "$CAP_GRAPH" $PY -m pytest tests/test_kernels_graph_gpu.py $PYTEST_V -s
+    run_step graph "$CAP_GRAPH" $PY -m pytest $GRAPH_TESTS $PYTEST_V -s
   fi
 fi
 if want repeat; then
@@ -215,6 +220,11 @@ fi
 if want decode; then
   run_step decode "$CAP_DECODE" $PY benchmarks/kernels/bench_decode.py --out "$W" --modes bf16,foursight-w4a4,foursight-w4a4-k0,fp8 \
     --batches 1,16,64 --prefill-tokens 0 --budget-s "$(budget "$CAP_DECODE" 30)" $DRY
+fi
+if want decodetorch; then
+  mkdir -p "$W/torch_producers"
+  run_step decodetorch "$CAP_DECODE" $PY benchmarks/kernels/bench_decode.py --out "$W/torch_producers" --producers torch \
+    --modes bf16,foursight-w4a4,foursight-w4a4-k0 --batches 1,16,64 --prefill-tokens 0 --budget-s "$(budget "$CAP_DECODE" 30)" $DRY
 fi
 if want breakdown; then
   run_step breakdown "$CAP_BREAKDOWN" $PY benchmarks/kernels/probe_breakdown.py --out "$W" --shapes "$BREAKDOWN_SHAPES" --ms "$BREAKDOWN_MS" \
@@ -248,7 +258,7 @@ fi
 # pack: 7 files into $OUT (8 with the columns step)
 say "done in $(( $(date +%s) - T0 ))s; packing"
 { echo "# SpliceGEMM v4 device run (issue 36)"; echo; echo "$HDR"; echo; echo '```'; cat "$LOG"; echo '```'
-  for f in probe_v4 splice_gemm breakdown bench_decode columns baseline_values decode_step stream; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
+  for f in probe_v4 splice_gemm breakdown bench_decode torch_producers/bench_decode columns baseline_values decode_step stream; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
 for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json stream.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
 want ncustream && { echo "# $HDR"; echo "# Nsight Compute, FOURSIGHT_STREAM=only: the register-streaming tiles (probe_v4.py --ncu-target), --page raw"

@@ -12,6 +12,8 @@ category:
   ``_dequant*``, ``_splice*``, ``_split_reduce*``, …),
 * ``cublas`` — cuBLAS / cuBLASLt GEMMs (``nvjet*``, ``*gemm*``, ``cutlass*``, ``sm90_xmma*``),
 * ``attention`` — SDPA's kernels (``*flash*``, ``*fmha*``, ``*attention*``),
+* ``producer`` — FourSight's fused producers (``_producer_kernel``: the residual add + RMSNorm or SiLU·mul,
+  with the activation quantizer in the W4A4 modes; ``--producers fused``),
 * ``norm`` — RMSNorm (``*rms*``, ``*norm*``),
 * ``other`` — everything else (RoPE, SiLU·mul, residual adds, KV-cache writes, copies, …).
 
@@ -49,11 +51,12 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.p
 import bench_decode as bd  # noqa: E402  (benchmarks/kernels/bench_decode.py: the model and its linears)
 from common import git_commit, kernels_sha256  # noqa: E402  (benchmarks/common.py)
 
-CATEGORIES = ("quantizer", "foursight_gemm", "cublas", "attention", "norm", "other")
+CATEGORIES = ("quantizer", "producer", "foursight_gemm", "cublas", "attention", "norm", "other")
 
 # first match wins, in this order (a quantizer name may also contain "quant"; FourSight's GEMMs start with "_")
 _RULES = (
     ("quantizer", re.compile(r"_act_quant", re.I)),
+    ("producer", re.compile(r"^_producer_kernel", re.I)),
     ("foursight_gemm", re.compile(r"^_(fragment|dequant|splice|split_reduce|ws_twin)|^dot_scaled_kernel|gluon_ws", re.I)),
     ("cublas", re.compile(r"nvjet|gemm|cutlass|sm90_xmma|xmma_|cublas", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
@@ -179,9 +182,9 @@ def run(args) -> dict:
     res = {"env": bd.environment(dev), "commit": git_commit(), "kernels_sha256": kernels_sha256(),
            "model": "tiny" if args.tiny else "llama-3.1-8b-shaped (random weights)",
            "settings": {"batches": batches, "modes": modes, "context": args.context, "channels": args.channels,
-                        "steps": args.steps, "reps": args.reps}, "modes": {}}
+                        "steps": args.steps, "reps": args.reps, "producers": args.producers}, "modes": {}}
     t0 = time.time()
-    model = bd.Decoder(cfg, dev, max(batches), args.context, args.context + 1, seed=args.seed)
+    model = bd.Decoder(cfg, dev, max(batches), args.context, args.context + 1, seed=args.seed, producers=args.producers)
     cache: dict = {}
     for mode in modes:
         rows = res["modes"].setdefault(mode, [])
@@ -222,6 +225,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="bench_decode's tiny model (CPU smoke test)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--producers", choices=bd.PRODUCERS, default="fused", help=bd.PRODUCERS_HELP)
     ap.add_argument("--budget-s", type=float, default=150.0, help="start no new mode or batch after this many seconds")
     args = ap.parse_args()
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
