@@ -468,6 +468,38 @@ def act_rows() -> list[dict]:
         rows.append({"case": name, "per_element_hot": round(hot / per_thread, 2), "per_element_total": round(total / per_thread, 2),
                      "hot_instructions": hot, "total_instructions": total, "elements_per_thread": per_thread})
         print(f"  act_quant {name}: {rows[-1]['per_element_hot']} hot, {rows[-1]['per_element_total']} total", flush=True)
+    return rows + producer_rows()
+
+
+_PRODUCER_PTRS = {"a_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "s_out_ptr": "*bf16", "y_ptr": "*bf16",
+                  "smask_ptr": "*u8", "ch_ptr": "*i32", "gs_in_ptr": "*fp32", "deq_ptr": "*bf16", "gs_out_ptr": "*fp32",
+                  "xs_ptr": "*bf16", "eps": "fp32"}
+
+
+def producer_rows() -> list[dict]:
+    """The fused producers (:mod:`foursight.kernels.producers`) at the 8B decoder's decode launches: the residual
+    add + RMSNorm (K = 4096) and SiLU·mul (K = 14336) quantizing for a k = 128 consumer (32 warps, as launched
+    at M <= 128), and the same producers alone (the BF16 path). Per-element figures as the quantizer's."""
+    fn = _kernel("producers", "_producer_kernel")
+    if fn is None:
+        return []
+    rows = []
+    for name, kind, block_k, nw, res, quant in (
+            ("producer add+RMSNorm+quant K=4096 (decode)", 0, 4096, 32, True, True),
+            ("producer SiLU·mul+quant K=14336 (decode)", 1, 16384, 32, False, True),
+            ("producer add+RMSNorm alone K=4096", 0, 4096, 8, True, False),
+            ("producer SiLU·mul alone K=14336", 1, 16384, 16, False, False)):
+        consts = dict(KIND=kind, HAS_RES=res, WRITE_Y=not quant, QUANT=quant, HAS_CH=quant, STATIC_GS=False,
+                      BLOCK_K=block_k, BLOCK_KS=128, DIV6_RECIP=True)
+        compiled = compile_sm90(fn, _PRODUCER_PTRS, consts, nw, 1)
+        sass = sass_of(compiled)
+        per_thread = block_k / (32 * nw)
+        total, hot = len(instructions(sass)), hot_path(sass)
+        rows.append({"case": name, "per_element_hot": round(hot / per_thread, 2), "per_element_total": round(total / per_thread, 2),
+                     "hot_instructions": hot, "total_instructions": total, "elements_per_thread": per_thread,
+                     **resources(compiled, sass)})
+        print(f"  {name}: {rows[-1]['per_element_hot']} hot, {rows[-1]['per_element_total']} total, "
+              f"{rows[-1]['registers']} registers, {rows[-1]['spill_instructions']} spills", flush=True)
     return rows
 
 
