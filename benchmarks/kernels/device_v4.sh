@@ -57,6 +57,9 @@
 #              and zeros, interleaved rounds (the probe's and the grid's cuBLAS differed by ~17 % in 06d)
 #   stepprof   (opt-in) benchmarks/kernels/probe_decode_step.py: the 8B-shaped decode step's kernel time by
 #              category (quantizer, producer, FourSight GEMM, cuBLAS, attention, norm, other), BF16 / W4A4 k=128 / k=0
+#   producers  (opt-in) benchmarks/kernels/probe_producers.py: the fused producers alone (add + RMSNorm K = 4096,
+#              SiLU·mul K = 14336; M 1/16/64; k 0/128) against the eager producer + standalone quantizer, and by
+#              warps; writes producers.json (+ producers.md)
 #   streamtest (opt-in) pytest -v tests/test_kernels_stream_gpu.py: the register-streaming Gluon form (issue 36
 #              item 3) against the reference, 10 repeats bit-identical, the autotuner with FOURSIGHT_STREAM=1
 #   ncustream  (opt-in) the ncu step's profile with FOURSIGHT_STREAM=only: the register-streaming tiles at
@@ -99,6 +102,7 @@ CAP_BREAKDOWN=${CAP_BREAKDOWN:-35}
 CAP_COLUMNS=${CAP_COLUMNS:-60}
 CAP_VALUES=${CAP_VALUES:-60}
 CAP_STEPPROF=${CAP_STEPPROF:-170}
+CAP_PRODUCERS=${CAP_PRODUCERS:-120}
 CAP_STREAMTEST=${CAP_STREAMTEST:-200}
 CAP_STREAM=${CAP_STREAM:-240}
 # the grid's and the breakdown's cells (the header's defaults)
@@ -250,6 +254,9 @@ if want values; then
   if [ "$DRY_RUN" = "1" ]; then $PY benchmarks/kernels/probe_baseline_values.py --help > /dev/null && say "values: parses its arguments"
   else run_step values "$CAP_VALUES" $PY benchmarks/kernels/probe_baseline_values.py --out "$W"; fi
 fi
+if want producers; then
+  run_step producers "$CAP_PRODUCERS" $PY benchmarks/kernels/probe_producers.py --out "$W" --budget-s "$(budget "$CAP_PRODUCERS" 25)" $DRY
+fi
 if want stepprof; then
   if [ "$DRY_RUN" = "1" ]; then $PY benchmarks/kernels/probe_decode_step.py --help > /dev/null && say "stepprof: parses its arguments"
   else run_step stepprof "$CAP_STEPPROF" $PY benchmarks/kernels/probe_decode_step.py --out "$W" --budget-s "$(budget "$CAP_STEPPROF" 45)"; fi
@@ -258,9 +265,9 @@ fi
 # pack: 7 files into $OUT (8 with the columns step)
 say "done in $(( $(date +%s) - T0 ))s; packing"
 { echo "# SpliceGEMM v4 device run (issue 36)"; echo; echo "$HDR"; echo; echo '```'; cat "$LOG"; echo '```'
-  for f in probe_v4 splice_gemm breakdown bench_decode torch_producers/bench_decode columns baseline_values decode_step stream; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
+  for f in probe_v4 splice_gemm breakdown bench_decode torch_producers/bench_decode columns baseline_values decode_step producers stream; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
-for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json stream.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
+for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json producers.json stream.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
 want ncustream && { echo "# $HDR"; echo "# Nsight Compute, FOURSIGHT_STREAM=only: the register-streaming tiles (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu_stream.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stream.csv"
 want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
