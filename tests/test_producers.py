@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET before the kernels are imported
 
 import foursight.kernels.api as fk  # noqa: E402
-from foursight.layer import quantize_activation, quantize_weight, reference_linear  # noqa: E402
-from foursight.nvfp4 import NVFP4Error, e2m1_values, unpack_fp4  # noqa: E402
+from foursight.layer import quantize_weight, reference_linear  # noqa: E402
+from foursight.nvfp4 import NVFP4Error  # noqa: E402
+from helpers.producers import assert_quantized_like_oracle  # noqa: E402
 
 pytestmark = interpreted_only
 
@@ -44,19 +45,6 @@ def _layer(n: int, k: int, ks: int, seed: int):
     ch = torch.sort(torch.randperm(k, generator=g)[:ks]).values.to(torch.int32)
     qw = quantize_weight(w, ch)
     return qw, fk.prepare_weight(qw, name="layer")
-
-
-def _q_times_s(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q · s`` (without the global scale) of the oracle's codes and E4M3 block scales, fp32."""
-    q = e2m1_values(unpack_fp4(packed))
-    return q * scale.float().repeat_interleave(16, dim=1)
-
-
-def _assert_quantized_like_oracle(p, y: torch.Tensor, ch: torch.Tensor, gs_static=None):
-    qa = quantize_activation(y, ch, gs_static)
-    assert torch.equal(p.deq.float(), _q_times_s(qa.packed, qa.scale)), "q·s differs from the oracle's"
-    assert torch.equal(p.gs, qa.global_scale), "global scale differs from the oracle's"
-    assert torch.equal(p.xs, qa.x_bf16), "X[:, S] differs from the bf16 row at the channels"
 
 
 @pytest.mark.parametrize(("m", "k", "ks", "residual", "static"), [
@@ -88,7 +76,7 @@ def test_rms_norm_quantized_for_its_consumer(poisoned, m, k, ks, residual, stati
     assert p.y is None and p.consumer is pw
     if residual:
         assert torch.equal(s, s_ref)
-    _assert_quantized_like_oracle(p, row.y, pw.bf16_channels, gs_static)
+    assert_quantized_like_oracle(p, row.y, pw.bf16_channels, gs_static)
 
 
 @pytest.mark.parametrize(("m", "k", "ks"), [(2, 256, 40), (1, 144, 5)])
@@ -101,7 +89,7 @@ def test_silu_mul_quantized_for_its_consumer(poisoned, m, k, ks):
     y_ref = F.silu(gate) * up
     assert (row.y.float() - y_ref).abs().max() <= 2 ** -7 * y_ref.abs().max()
     p = fk.silu_mul(gu, consumer=pw)
-    _assert_quantized_like_oracle(p, row.y, pw.bf16_channels)
+    assert_quantized_like_oracle(p, row.y, pw.bf16_channels)
 
 
 @pytest.mark.parametrize(("m", "ks"), [(1, 32), (5, 0), (20, 16)])  # decode, decode k = 0, mid

@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 
 import foursight.kernels.api as fk  # noqa: E402
 from foursight.kernels.configs import FragmentConfig  # noqa: E402
-from foursight.layer import quantize_activation, quantize_weight  # noqa: E402
-from foursight.nvfp4 import e2m1_values, unpack_fp4  # noqa: E402
+from foursight.layer import quantize_weight  # noqa: E402
+from helpers.producers import assert_quantized_like_oracle  # noqa: E402
 
 DEV = torch.device("cuda")
 H, I = 4096, 14336  # the 8B decoder's hidden and intermediate widths
@@ -35,17 +35,6 @@ def _layer(n: int, k: int, ks: int, seed: int):
     w = (torch.randn(n, k, device=DEV, generator=g) * k ** -0.5).bfloat16()
     ch = torch.sort(torch.randperm(k, device=DEV, generator=g)[:ks]).values.to(torch.int32)
     return fk.prepare_weight(quantize_weight(w, ch), name=f"layer{seed}")
-
-
-def _q_times_s(packed, scale):
-    return e2m1_values(unpack_fp4(packed)) * scale.float().repeat_interleave(16, dim=1)
-
-
-def _check_like_oracle(p, y, pw, gs_static=None):
-    qa = quantize_activation(y, pw.bf16_channels, gs_static)
-    assert torch.equal(p.deq.float(), _q_times_s(qa.packed, qa.scale))
-    assert torch.equal(p.gs, qa.global_scale)
-    assert torch.equal(p.xs, qa.x_bf16)
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])
@@ -65,13 +54,13 @@ def test_producers_quantize_like_the_oracle(m, ks, static):
     assert (row.y.float() - y_ref).abs().max() <= 2 ** -7 * y_ref.abs().max()
     p, s = fk.rms_norm(x, w, 1e-5, residual=r, consumer=pw_h, input_global_scale=gs_static)
     assert torch.equal(s, s_row)
-    _check_like_oracle(p, row.y, pw_h, gs_static)
+    assert_quantized_like_oracle(p, row.y, pw_h.bf16_channels, gs_static)
 
     act = fk.silu_mul(gu)
     gate, up = gu.float().chunk(2, dim=-1)
     a_ref = F.silu(gate) * up
     assert (act.y.float() - a_ref).abs().max() <= 2 ** -7 * a_ref.abs().max()
-    _check_like_oracle(fk.silu_mul(gu, consumer=pw_i, input_global_scale=gs_static), act.y, pw_i, gs_static)
+    assert_quantized_like_oracle(fk.silu_mul(gu, consumer=pw_i, input_global_scale=gs_static), act.y, pw_i.bf16_channels, gs_static)
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])

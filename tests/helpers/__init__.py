@@ -8,6 +8,7 @@ imports them as ``from helpers.logprobs import ...``; both the main and the SGLa
 - :mod:`helpers.sglang_engine`: SGLang engine settings on CPU, servers, logprobs and the noise-floor rule.
 - :mod:`helpers.weights`: a new policy's BF16 weights and the reference model that holds them.
 - :mod:`helpers.scripts`: benchmarks and scripts loaded as modules by name.
+- :mod:`helpers.producers`: the fused producers' quantized operands against the PyTorch oracle.
 
 Nothing here ships with the product: ``foursight`` never imports it.
 """
