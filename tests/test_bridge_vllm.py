@@ -92,7 +92,11 @@ def test_rollouts_stream_per_sample(client, tiny_llama_dir):
     arrivals = []
     for r in client.stream(prompts, {"temperature": 1.0, "ignore_eos": True, "seed": 3}, n=2):
         arrivals.append((time.monotonic() - t0, r))
-    assert [(r.prompt_index, len(r.token_ids)) for _, r in arrivals] == [(0, 2), (0, 2), (1, 800), (1, 800)]
+    got = [(r.prompt_index, len(r.token_ids)) for _, r in arrivals]
+    # every sample once, a 2-token one first; the exact order of the rest is vLLM's scheduling, not the
+    # bridge's: under the fresh-clone CI's load (2026-12-06) vLLM answered the second 2-token request only
+    # after an 800-token one (0,2), (1,800), (0,2), (1,800). The lag check below measures the bridge
+    assert sorted(got) == [(0, 2), (0, 2), (1, 800), (1, 800)] and got[0] == (0, 2), got
     long_first = min(t for t, r in arrivals if r.prompt_index == 1)
     # streamed, not batched at the end: a 2-token sample reaches the client as soon as the engine has
     # answered it (queued_s + engine_s, the bridge's clock), not when the 800-token ones end. The
