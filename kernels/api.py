@@ -305,17 +305,7 @@ def rms_norm(
         raise NVFP4Error(f"weight: expected [{k_dim}], got shape {tuple(weight.shape)}")
     if residual is not None:
         _check_producer_in(residual, "residual", x.shape)
-    quant = _fuses(consumer, m, x)
-    if quant:
-        _check_consumer(consumer, k_dim)
-    if torch.compiler.is_compiling() or not (x.is_cuda or interpreting()):
-        y, s = reference_rms_norm(x, weight, eps, residual)
-        return ProducedInput(y), s
-    y, s, deq, gs, xs = producer_launch(RMSNORM, x, k_dim, weight=weight, residual=residual, eps=eps,
-                                        mask=consumer.channel_mask if quant else None,
-                                        channels=consumer.bf16_channels if quant else None,
-                                        global_scale=input_global_scale, quant=quant, write_y=not quant)
-    return ProducedInput(y, deq, gs, xs, consumer if quant else None, input_global_scale is not None), s
+    return _produce(RMSNORM, x, k_dim, consumer, input_global_scale, weight=weight, residual=residual, eps=eps)
 
 
 def silu_mul(
@@ -328,16 +318,27 @@ def silu_mul(
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise NVFP4Error(f"gate_up: expected [M, 2K], got shape {tuple(gate_up.shape)}")
     _check_producer_in(gate_up, "gate_up")
-    m, k_dim = gate_up.shape[0], gate_up.shape[1] // 2
-    quant = _fuses(consumer, m, gate_up)
+    return _produce(SILU_MUL, gate_up, gate_up.shape[1] // 2, consumer, input_global_scale)[0]
+
+
+def _produce(kind: int, x: torch.Tensor, k_dim: int, consumer, input_global_scale, weight=None, residual=None,
+             eps: float = 1e-6) -> tuple:
+    """The producers' one road: quantize for ``consumer`` in the producer's launch where :func:`_fuses` says so,
+    else write the row; under torch.compile or off CUDA (without the interpreter) the PyTorch reference.
+    Returns ``(ProducedInput, x + residual or None)``."""
+    quant = _fuses(consumer, x.shape[0], x)
     if quant:
         _check_consumer(consumer, k_dim)
-    if torch.compiler.is_compiling() or not (gate_up.is_cuda or interpreting()):
-        return ProducedInput(reference_silu_mul(gate_up))
-    y, _, deq, gs, xs = producer_launch(SILU_MUL, gate_up, k_dim, mask=consumer.channel_mask if quant else None,
+    if torch.compiler.is_compiling() or not (x.is_cuda or interpreting()):
+        if kind == RMSNORM:
+            y, s = reference_rms_norm(x, weight, eps, residual)
+            return ProducedInput(y), s
+        return ProducedInput(reference_silu_mul(x)), None
+    y, s, deq, gs, xs = producer_launch(kind, x, k_dim, weight=weight, residual=residual, eps=eps,
+                                        mask=consumer.channel_mask if quant else None,
                                         channels=consumer.bf16_channels if quant else None,
                                         global_scale=input_global_scale, quant=quant, write_y=not quant)
-    return ProducedInput(y, deq, gs, xs, consumer if quant else None, input_global_scale is not None)
+    return ProducedInput(y, deq, gs, xs, consumer if quant else None, input_global_scale is not None), s
 
 
 def _check_producer_in(t: torch.Tensor, name: str, shape: tuple | None = None) -> None:

@@ -185,10 +185,12 @@ class WSConfig(_Config):
 @dataclass(frozen=True)
 class StreamConfig(_Config):
     """Register-streaming fragment tile in Gluon (:mod:`.gluon_stream`; its plain-Triton twin
-    :mod:`.gluon_ws_twin` with ``cols_mma`` under the interpreter): ``Yᵀ[64, block_m]`` per program of one
-    warpgroup, the program's activation slice in shared memory once, the weight words streamed from
-    global memory into registers ``depth`` 256-column steps ahead (1 or 2); ``split_k`` 0 = automatic.
-    CUDA sm_90 with Gluon only (:func:`.gluon_ws.available`); BF16 activations; decode (M <= 16 rows a tile)."""
+    :mod:`.gluon_ws_twin` with ``cols_mma`` under the interpreter): ``Yᵀ[block_n, block_m]`` per program of
+    one or two consumer warpgroups (64 output rows each), the program's activation slice in shared memory
+    once, the weight words streamed from global memory into registers ``depth`` 256-column steps ahead (1 or
+    2); ``split_k`` 0 = automatic; ``mma_async``: the steps unrolled with one ``wgmma`` in flight across the
+    next step's decode. CUDA sm_90 with Gluon only (:func:`.gluon_ws.available`); BF16 activations; decode
+    (M <= 16 rows a tile)."""
 
     form: ClassVar[str] = "gluon_stream"
     block_m: int = 8
@@ -196,23 +198,28 @@ class StreamConfig(_Config):
     split_k: int = 0
     #: register cap per thread (Triton's ``maxnreg``; 0 = the compiler's choice)
     max_regs: int = 0
-    #: output rows per program: one warpgroup's 64 (the stored block); fixed, so the words' load layout
-    #: converts to the wgmma operand without a shared-memory hop
+    #: output rows per program: 64 per consumer warpgroup (the stored block), so ``16 · num_warps``; the words'
+    #: load layout (:func:`.gluon_stream.words_layout`) then converts to the wgmma operand without data movement
     block_n: int = 64
+    #: 4 (one warpgroup) or 8 (two consumer warpgroups, each its own 64 rows and its own wgmma)
     num_warps: int = 4
     #: programs per row of the activation quantizer before it (W4A4), as :class:`FragmentConfig`'s
     q_split: int = 8
     #: activation slots of a ring in shared memory (one barrier a step; the split plan is then free of the
     #: slice's size); 0 = the program's whole activation slice, loaded once
     ring: int = 0
+    #: one ``wgmma`` left in flight across the next step's decode (the steps unrolled; not with a ring)
+    mma_async: bool = False
 
     def __post_init__(self):
-        if (self.block_m not in (8, 16, 32) or self.depth not in (1, 2) or self.block_n != 64 or self.num_warps != 4
-                or self.split_k < 0 or self.max_regs not in (0, *range(64, 257, 8))
-                or self.q_split not in (1, 2, 4, 8, 16) or self.ring not in (0, 2, 3, 4, 6, 8)):
+        if (self.block_m not in (8, 16, 32) or self.depth not in (1, 2) or self.num_warps not in (4, 8)
+                or self.block_n != 16 * self.num_warps or self.split_k < 0 or self.max_regs not in (0, *range(64, 257, 8))
+                or self.q_split not in (1, 2, 4, 8, 16) or self.ring not in (0, 2, 3, 4, 6, 8)
+                or (self.mma_async and self.ring)):
             raise ValueError(
-                f"StreamConfig: block_m 8, 16 or 32, depth 1 or 2, block_n 64 and num_warps 4 (one warpgroup), split_k >= 0, "
-                f"max_regs 0 or a multiple of 8 in 64..256, q_split 1..16 (a power of two) and ring 0, 2, 3, 4, 6 or 8, got {self}"
+                f"StreamConfig: block_m 8, 16 or 32, depth 1 or 2, num_warps 4 or 8 (one or two warpgroups) with block_n "
+                f"16 x num_warps, split_k >= 0, max_regs 0 or a multiple of 8 in 64..256, q_split 1..16 (a power of two), "
+                f"ring 0, 2, 3, 4, 6 or 8, and mma_async only without a ring, got {self}"
             )
 
 
@@ -339,6 +346,17 @@ STREAM_CONFIGS: tuple = (
     StreamConfig(16, 1),
     StreamConfig(16, 1, ring=4),
     StreamConfig(16, 2, ring=4),
+    # issue 36 item 3 in full (offline sm_90a, Triton 3.6, benchmarks/results/sass_stream_v2/): two consumer
+    # warpgroups (8 warps, 128 rows), capped at 128 registers (2 programs a SM) or not (163-175, one);
+    # one wgmma in flight with the steps unrolled (244-255 registers); and both
+    StreamConfig(8, 1, max_regs=128, block_n=128, num_warps=8),
+    StreamConfig(8, 2, block_n=128, num_warps=8),
+    StreamConfig(8, 2, mma_async=True),
+    StreamConfig(8, 2, block_n=128, num_warps=8, mma_async=True),
+    StreamConfig(16, 1, max_regs=128, block_n=128, num_warps=8),
+    StreamConfig(16, 2, block_n=128, num_warps=8),
+    StreamConfig(16, 2, mma_async=True),
+    StreamConfig(16, 1, block_n=128, num_warps=8, mma_async=True),
 )
 #: fp16 activations (and ``splice_gemm`` on an fp16 ``q*s``): the fragment and dequant forms take
 #: bf16 only, so fp16 models run the forms that read the compressed-tensors packed layout, which the

@@ -22,6 +22,12 @@ words go global → shared → registers, and every K step waits on a CTA-wide b
   ``warpgroup_mma``, waited for before the next step; with ``StreamConfig.ring`` the activation comes
   through a ring of that many shared-memory slots instead (one copy group a step, one barrier a step), so
   the split plan is free of the slice's size;
+* with 8 warps, two consumer warpgroups each decode and multiply their own 64 of the program's 128 rows
+  (the words' load layout, :func:`words_layout`, is a linear layout so that the conversion stays trivial),
+  so one warpgroup's decode can issue while the other's ``wgmma`` runs;
+* with ``StreamConfig.mma_async`` the steps are unrolled and one ``wgmma`` stays in flight across the next
+  step's decode (:func:`_stream_steps_async`; each step's operand is its own value, so nothing is carried
+  around a loop while an MMA reads it);
 * after the loop: the global scales and ``2^7`` on the fp32 accumulator, then this split's share of the
   BF16 columns as one more ``wgmma`` (``W[:, S]`` loaded from global straight into the register operand,
   ``X[:, S]`` from shared memory), then the ordered split-K reduction of :mod:`.gluon_ws`'s epilogue:
@@ -59,12 +65,16 @@ STREAM_SMEM_BYTES: int = 64 * 1024
 #: Triton 3.6: 125-167, benchmarks/results/sass_stream), and for the 16-row depth-2 ring tile (171 there)
 STREAM_REGS_GUESS: int = 168
 STREAM_REGS_GUESS_RING16: int = 176
+#: ... and with one wgmma in flight (two decoded operands live; offline 244-255)
+STREAM_REGS_GUESS_ASYNC: int = 248
 
 
 def regs_guess(cfg) -> int:
     """Registers per thread of ``cfg``'s program, for the occupancy estimate."""
     if cfg.max_regs:
         return cfg.max_regs
+    if cfg.mma_async:
+        return STREAM_REGS_GUESS_ASYNC
     return STREAM_REGS_GUESS_RING16 if cfg.ring and cfg.block_m >= 16 and cfg.depth == 2 else STREAM_REGS_GUESS
 
 
@@ -148,6 +158,40 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _stream_steps_async(wq0, pr0, wq1, pr1, w_ptrs, s_ptrs, wmask, a_smem, n_steps, acc, BLOCK_N: gl.constexpr,
+                            STEPS: gl.constexpr, DEPTH: gl.constexpr, dot_layout: gl.constexpr):
+        """The FP4 loop with one ``wgmma`` in flight: step i's MMA runs while step i + 1 decodes, and is waited
+        for (``num_outstanding=1``) once step i + 1's MMA is issued. The words stream ``DEPTH`` steps ahead as in
+        the synchronous loop (``wq0``/``wq1``: steps 0 and 1, step 1 masked to zeros past ``n_steps``). The steps
+        are unrolled (all ``STEPS`` of the largest split; past this split's ``n_steps`` the words load as zeros
+        and the activation slots hold zeros, so those MMAs add exact zeros), so no operand is carried around a
+        loop: each step's decoded operand is its own SSA value, kept live up to the wait that covers its MMA
+        (``deps``). The carried form (the operand passed around ``scf.for`` to the next step's wait) raced on
+        the H100 (docs/kernels.md)."""
+        w_prev = gl.zeros([BLOCK_N, 256], gl.bfloat16, dot_layout)
+        for i in gl.static_range(STEPS):
+            if DEPTH == 2:
+                wq2 = gl.load(w_ptrs + (i + 2) * 32, mask=wmask & (i + 2 < n_steps), other=0)
+                pr2 = gl.load(s_ptrs + (i + 2) * 8, mask=wmask & (i + 2 < n_steps), other=0).to(gl.int32)
+            else:
+                wq2 = gl.load(w_ptrs + (i + 1) * 32, mask=wmask & (i + 1 < n_steps), other=0)
+                pr2 = gl.load(s_ptrs + (i + 1) * 8, mask=wmask & (i + 1 < n_steps), other=0).to(gl.int32)
+            w = gl.convert_layout(ws_tile(wq0, pr0, BLOCK_N), dot_layout, assert_trivial=True)
+            acc = warpgroup_mma(w, a_smem.index(i).permute((1, 0)), acc, is_async=True)
+            if i > 0:
+                acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))
+            w_prev = w
+            if DEPTH == 2:
+                wq0 = wq1
+                pr0 = pr1
+                wq1 = wq2
+                pr1 = pr2
+            else:
+                wq0 = wq2
+                pr0 = pr2
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))[0]
+
+    @gluon.jit
     def _stream_kernel(
         a_ptr, stride_am,  # A bf16 [M, K] (q*s for W4A4, X for W4A16), unit stride along K
         wf_ptr, stride_wfn,  # fragment codes int32 [Np, Kp/8]
@@ -178,6 +222,8 @@ if gluon is not None:
         DEPTH: gl.constexpr,  # K steps of weight words in flight ahead of the one decoded: 1 or 2
         A_LAYOUT: gl.constexpr,  # NVMMA shared layout of one [BLOCK_M, 256] activation slot
         XS_LAYOUT: gl.constexpr,  # NVMMA shared layout of the [BLOCK_M, SEGP] BF16 columns
+        W_LAYOUT: gl.constexpr,  # register layout of a step's [BLOCK_N, 32] words (words_layout)
+        MMA_ASYNC: gl.constexpr,  # the steps unrolled, one wgmma in flight across the next step's decode
     ):
         NW: gl.constexpr = gl.num_warps()
         pid = gl.program_id(0)
@@ -195,7 +241,7 @@ if gluon is not None:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                              instr_shape=[16, BLOCK_M, 16])
         dot_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-        w_layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [1, 0])
+        w_layout: gl.constexpr = W_LAYOUT
         a_ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
 
         # 1. the activation slice -> shared memory, asynchronously (rows past M, columns past K: zeros): the
@@ -212,8 +258,13 @@ if gluon is not None:
                 async_copy.commit_group()
         else:
             a_smem = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BLOCK_M, 256], A_LAYOUT)
-            for j in range(n_steps):
-                async_load(a_smem.index(j), a_ptrs + j * 256, mask=a_rmask & gl.expand_dims(ak + j * 256 < K, 0))
+            if MMA_ASYNC:  # every slot: the unrolled loop multiplies all STEPS (zeros past this split's steps)
+                for j in gl.static_range(STEPS):
+                    async_load(a_smem.index(j), a_ptrs + j * 256,
+                               mask=a_rmask & gl.expand_dims(ak + j * 256 < K, 0) & (j < n_steps))
+            else:
+                for j in range(n_steps):
+                    async_load(a_smem.index(j), a_ptrs + j * 256, mask=a_rmask & gl.expand_dims(ak + j * 256 < K, 0))
             async_copy.commit_group()
 
         # 2. the first DEPTH steps of weight words and scale pairs -> registers
@@ -226,9 +277,13 @@ if gluon is not None:
         s_ptrs = sf_ptr + gl.expand_dims(rows.to(gl.int64) * stride_sfn, 1) + gl.expand_dims(c_start * 4 + pcol, 0)
         wq0 = gl.load(w_ptrs, mask=wmask, other=0)
         pr0 = gl.load(s_ptrs, mask=wmask, other=0).to(gl.int32)
-        j1 = gl.minimum(1, last)
-        wq1 = gl.load(w_ptrs + j1 * 32, mask=wmask, other=0)
-        pr1 = gl.load(s_ptrs + j1 * 8, mask=wmask, other=0).to(gl.int32)
+        if MMA_ASYNC:  # the unrolled loop takes every step once: step 1 is zeros past n_steps
+            wq1 = gl.load(w_ptrs + 32, mask=wmask & (1 < n_steps), other=0)
+            pr1 = gl.load(s_ptrs + 8, mask=wmask & (1 < n_steps), other=0).to(gl.int32)
+        else:
+            j1 = gl.minimum(1, last)
+            wq1 = gl.load(w_ptrs + j1 * 32, mask=wmask, other=0)
+            pr1 = gl.load(s_ptrs + j1 * 8, mask=wmask, other=0).to(gl.int32)
 
         # 3. this split's BF16 columns: W[:, S] straight into the register operand, X[:, S] -> shared memory
         if HAS_KS:
@@ -254,7 +309,10 @@ if gluon is not None:
 
         # 4. the FP4 loop: step i decodes while steps i+1 .. i+DEPTH are in flight
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma_layout)
-        if DEPTH == 1:
+        if MMA_ASYNC:
+            acc = _stream_steps_async(wq0, pr0, wq1, pr1, w_ptrs, s_ptrs, wmask, a_smem, n_steps, acc, BLOCK_N, STEPS,
+                                      DEPTH, dot_layout)
+        elif DEPTH == 1:
             for i in range(n_steps):
                 j = gl.minimum(i + 1, last)
                 wqn = gl.load(w_ptrs + j * 32, mask=wmask, other=0)
@@ -291,6 +349,33 @@ def stream_layouts(block_m: int, segp: int):
             gl.NVMMASharedLayout.get_default_for([block_m, segp], gl.bfloat16))
 
 
+def words_layout(num_warps: int):
+    """Register layout of one step's words ``[BN, 32]`` int32 (``BN = 16 · num_warps``, stored row order),
+    chosen so that the decode's layout chain (:func:`.gluon_ws.ws_tile`) ends in the wgmma register operand
+    with no data movement. A thread holds 4 adjacent words (16-byte loads); 4 lanes span a row's 16 words
+    and 8 lanes 8 stored rows; the stored row ``s = 64·b + 32·i + 8·j + k`` is real row
+    ``64·b + 16·j + 8·i + k`` (:mod:`.fragment_layout`), so ``i`` goes to registers (real rows 8 apart, as
+    in wgmma's fragment), ``j`` to warps 0–1 and ``b`` to warp 2: each warp then holds the 16 real rows wgmma
+    gives it. For 4 warps (``b`` = 0) this is the blocked layout ``[1, 4] × [8, 4] × [4, 1]``; for 8 warps
+    (two consumer warpgroups, 64 rows each) no blocked layout has it, hence the linear form."""
+    if num_warps not in (4, 8):
+        raise ValueError(f"gluon_stream.words_layout: 4 or 8 warps (one or two warpgroups), got {num_warps}")
+    warps = [[8, 0], [16, 0]] + ([[64, 0]] if num_warps == 8 else [])
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 16], [32, 0]],
+                                      lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=warps, block_bases=[], shape=[16 * num_warps, 32])
+
+
+def stream_constexprs(cfg, plan: dict, a_quant: bool, has_bias: bool, xs_dense: bool, kk: int) -> dict:
+    """The constexprs of ``cfg``'s launch under ``plan`` (:func:`stream_plan`): what the launch passes and the
+    offline SASS tool compiles."""
+    a_layout, xs_layout = stream_layouts(cfg.block_m, plan["segp"])
+    return dict(A_QUANT=a_quant, HAS_BIAS=has_bias, HAS_KS=kk > 0, SPLIT=plan["splits"] > 1, XS_DENSE=xs_dense,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, RING=cfg.ring, SEGP=plan["segp"],
+                DEPTH=cfg.depth, A_LAYOUT=a_layout, XS_LAYOUT=xs_layout, W_LAYOUT=words_layout(cfg.num_warps),
+                MMA_ASYNC=cfg.mma_async)
+
+
 def stream_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
     """Launch the Gluon kernel (one launch; with split-K the last split of each tile reduces). Arguments
     as :func:`.gluon_ws.ws_launch` (``a`` bf16 ``q*s`` or X, unit stride along K)."""
@@ -308,7 +393,6 @@ def stream_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
         raise ValueError(f"gluon_stream: the activation operand must be bf16 with unit stride along K, got {a.dtype}, {a.stride()}")
     plan = stream_plan(cfg, m, pw)
     splits = plan["splits"]
-    a_layout, xs_layout = stream_layouts(cfg.block_m, plan["segp"])
     dummy = pw.weight_global_scale
     xs_dense = xs is not None and kk > 0
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=out.device) if splits > 1 else dummy
@@ -324,9 +408,7 @@ def stream_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, xs=None):
         out, out.stride(0), ws, cnt,
         xs if xs_dense else dummy,
         splits, m, n, k_dim, kk, fw.words.shape[0], plan["kcp"], plan["cps"], plan["seg"],
-        A_QUANT=a_quant, HAS_BIAS=bias is not None, HAS_KS=kk > 0, SPLIT=splits > 1, XS_DENSE=xs_dense,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, RING=cfg.ring, SEGP=plan["segp"], DEPTH=cfg.depth,
-        A_LAYOUT=a_layout, XS_LAYOUT=xs_layout, num_warps=cfg.num_warps,
+        **stream_constexprs(cfg, plan, a_quant, bias is not None, xs_dense, kk), num_warps=cfg.num_warps,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}),
     )
     return out

@@ -57,11 +57,6 @@ class ProducedInput:
     consumer: object = None
     static_gs: bool = False
 
-    @property
-    def shape(self) -> tuple:
-        t = self.y if self.y is not None else self.deq
-        return tuple(t.shape)
-
 
 @triton.jit
 def _residual_sum(a_row, r_row, offs, mask, HAS_RES: tl.constexpr):
@@ -139,16 +134,6 @@ def _producer_kernel(
                 ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
                 yc = _produce(a_row, r_row, w_ptr, ch, cmask, rstd, K, KIND, HAS_RES)
                 tl.store(xs_ptr + row * KS + c0 + offs_c, yc.to(tl.bfloat16), mask=cmask)
-
-
-def _check_row_input(t: torch.Tensor, name: str, k: int, m: int | None = None) -> None:
-    if t.dim() != 2 or t.shape[1] != k or (m is not None and t.shape[0] != m):
-        want = f"[{m if m is not None else 'M'}, {k}]"
-        raise NVFP4Error(f"{name}: expected {want}, got shape {tuple(t.shape)}")
-    if t.dtype != torch.bfloat16:
-        raise NVFP4Error(f"{name}: the fused producers take bf16, got {t.dtype}")
-    if t.stride(1) != 1:
-        raise NVFP4Error(f"{name}: needs unit stride along its last dimension, got strides {t.stride()}")
 
 
 def producer_launch(kind: int, a: torch.Tensor, k_dim: int, *, weight=None, residual=None, eps: float = 1e-6,

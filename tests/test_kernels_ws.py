@@ -127,7 +127,9 @@ def test_ws_config_and_dispatch_rules():
 # ---------------------------------------------------------------------------------------------
 
 # block_m, depth, split_k: one-row tile without a split, a fixed split, automatic with 16 rows
-_STREAM = [StreamConfig(8, 2, 1), StreamConfig(8, 1, 3), StreamConfig(16, 2, 0), StreamConfig(8, 2, 2, ring=2)]
+# two consumer warpgroups (128 rows a program) with one wgmma in flight, and two warpgroups capped at 128 registers
+_STREAM = [StreamConfig(8, 2, 1), StreamConfig(8, 1, 3), StreamConfig(16, 2, 0), StreamConfig(8, 2, 2, ring=2),
+           StreamConfig(8, 2, 2, block_n=128, num_warps=8, mma_async=True), StreamConfig(16, 1, 0, 128, 128, 8)]
 
 
 @pytest.mark.parametrize("cfg", _STREAM, ids=str)
@@ -168,11 +170,16 @@ def test_stream_plan_fits_the_activation_slice_and_splits_whole_steps():
 def test_stream_config_and_dispatch_rules(monkeypatch):
     """Bad tiles are refused when built, tags round-trip, and the form is no candidate where Gluon
     cannot run (here: the interpreter), even when switched on."""
-    for bad in (dict(block_m=12), dict(depth=3), dict(block_n=128), dict(num_warps=8), dict(q_split=3), dict(ring=5)):
+    for bad in (dict(block_m=12), dict(depth=3), dict(block_n=128), dict(num_warps=8), dict(q_split=3), dict(ring=5),
+                dict(num_warps=2, block_n=32), dict(ring=4, mma_async=True)):
         with pytest.raises(ValueError, match="StreamConfig"):
             StreamConfig(**bad)
     cfg = StreamConfig(16, 1, 3, 128)
     assert config_from_str(str(cfg)) == cfg
+    for cfg in (StreamConfig(8, 2, block_n=128, num_warps=8, mma_async=True), StreamConfig(8, 2, mma_async=True)):
+        assert config_from_str(str(cfg)) == cfg
+    # a tag written before mma_async existed still reads back (the field defaults to False)
+    assert config_from_str("gluon_stream/16/1/3/128/64/4/8/0") == StreamConfig(16, 1, 3, 128)
     for value in ("1", "only", None):
         if value is None:
             monkeypatch.delenv("FOURSIGHT_STREAM", raising=False)

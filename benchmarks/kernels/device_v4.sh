@@ -65,7 +65,8 @@
 #   ncustream  (opt-in) the ncu step's profile with FOURSIGHT_STREAM=only: the register-streaming tiles at
 #              8192², M 1/16 (the autotuner's pick among them); writes ncu_stream.csv
 #   stream     (opt-in) benchmarks/kernels/probe_stream.py: that form's tiles forced against the autotuned default
-#              and cuBLAS (before and after), the three 8B shapes, M 1/16, k 0/128; writes stream.json (+ stream.md)
+#              and cuBLAS (before and after), the three 8B shapes, M 1/16, k 0/128 (STREAM_SHAPES, STREAM_MS,
+#              STREAM_KS override); writes stream.json (+ stream.md)
 # Carry .devcarry/a on a bare machine: the pydantic wheels are installed from it.
 # The pytest steps print one line per test as it ends (-v), so a cut run still says what passed; tests.log
 # keeps those lines (path prefix dropped), the autotuner's lines and each run's last lines.
@@ -110,6 +111,10 @@ GRID_SHAPES=${GRID_SHAPES:-8192x8192,14336x4096,4096x14336}
 GRID_MS=${GRID_MS:-1,16,64,256}
 BREAKDOWN_SHAPES=${BREAKDOWN_SHAPES:-8192x8192}
 BREAKDOWN_MS=${BREAKDOWN_MS:-1,64}
+# the stream step's cells (probe_stream.py's defaults)
+STREAM_SHAPES=${STREAM_SHAPES:-8192x8192,14336x4096,4096x14336}
+STREAM_MS=${STREAM_MS:-1,16}
+STREAM_KS=${STREAM_KS:-0,128}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -248,7 +253,8 @@ if want streamtest; then
   fi
 fi
 if want stream; then
-  run_step stream "$CAP_STREAM" $PY benchmarks/kernels/probe_stream.py --out "$W" --budget-s "$(budget "$CAP_STREAM" 30)" $DRY
+  run_step stream "$CAP_STREAM" $PY benchmarks/kernels/probe_stream.py --out "$W" --budget-s "$(budget "$CAP_STREAM" 30)" \
+    --shapes "$STREAM_SHAPES" --ms "$STREAM_MS" --ks "$STREAM_KS" $DRY
 fi
 if want values; then
   if [ "$DRY_RUN" = "1" ]; then $PY benchmarks/kernels/probe_baseline_values.py --help > /dev/null && say "values: parses its arguments"

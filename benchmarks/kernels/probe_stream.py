@@ -9,7 +9,8 @@ activation scale (quantizer + GEMM):
 * ``cublas``: ``F.linear`` in BF16, timed before and after the FourSight rows (the minimum is the baseline);
 * ``auto``: ``splice_linear`` with the autotuner's choice among the default candidates (the configuration is
   recorded);
-* one column per :data:`~foursight.kernels.configs.STREAM_CONFIGS` tile, forced;
+* one column per :data:`~foursight.kernels.configs.STREAM_CONFIGS` tile the autotuner offers at that M
+  (:func:`foursight.kernels.api.stream_candidates`), forced;
 * ``quant``: the quantizer alone (8 programs per row, with the ``X[:, S]`` copy where k > 0), so that the
   GEMM's own time and streaming rate can be estimated (call minus quantizer, an upper bound on the rate:
   the two overlap only across calls).
@@ -66,7 +67,7 @@ def row_for(N: int, K: int, M: int, k: int, qw, pws, rounds: int) -> dict:
     y = fns["auto"][0]()  # autotunes with the package timer
     row["auto_config"] = str(fk_tuning.TUNED.get(fk.linear_key(fk.datapath_for(M), M, pws[0], True, False, x.dtype, False)))
     row["auto_rel_err"] = relative_error(y, ref)
-    for cfg in STREAM_CONFIGS:
+    for cfg in fk.stream_candidates(M):  # the tiles the autotuner offers at this M
         tag = str(cfg)
         try:
             y1 = fk.splice_linear(x, pws[0], config=cfg)
@@ -114,8 +115,8 @@ def markdown(res: dict) -> str:
             continue
 
         def c(v):
-            if f"{v}_us" not in r:
-                return "error"
+            if f"{v}_us" not in r:  # failed, or a tile not offered at this M
+                return "error" if f"{v}_error" in r else "—"
             return f"{r[f'{v}_us']:.1f} ({r[f'{v}_x_cublas']:.2f}x, {r[f'{v}_gemm_tbps']})"
         errs = " / ".join(f"{r[f'{t}_rel_err']:.1e}" for t in tags if f"{t}_rel_err" in r)
         reps = ", ".join(str(r.get(f"{t}_repeat_identical", "-")) for t in tags)

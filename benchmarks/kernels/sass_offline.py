@@ -127,6 +127,24 @@ def main_loop(fn, sass: str) -> list[str] | None:
     return bodies[0] if bodies else None
 
 
+def unrolled_steps(sass: str, steps: int, per_thread: float) -> dict:
+    """The main-loop figures of a Gluon kernel whose K steps are unrolled (``MMA_ASYNC``): a step is the span
+    from one step's first ``HGMMA`` to the next's (16 ``HGMMA`` of K 16 a 256-column step), averaged over the
+    ``steps - 1`` spans from step 0's first to the last step's first; ``loop_instructions`` is one step's
+    average, and ``async_mma_wait`` looks in the whole span."""
+    texts = [t for _a, t in instructions(sass)]
+    h = [i for i, t in enumerate(texts) if opcode(t).startswith("HGMMA")]
+    if len(h) < 16 * steps:
+        raise RuntimeError(f"unrolled_steps: {len(h)} HGMMA for {steps} steps of 16")
+    span = texts[h[0]:h[16 * (steps - 1)]]
+    ops = collections.Counter(opcode(t).split(".")[0] for t in span)
+    per_step = len(span) / (steps - 1)
+    return dict(loop_instructions=round(per_step, 1), per_weight=round(per_step / per_thread, 2), unrolled=True,
+                top_ops={k: round(v / (steps - 1), 1) for k, v in ops.most_common(6)},
+                main_loop_ops={op: round(ops.get(op, 0) / (steps - 1), 1) for op in _MAIN_LOOP_OPS},
+                async_mma_wait=any(_ASYNC_WAIT.search(t) for t in span))
+
+
 def measure(fn, ptrs: dict, consts: dict, nw: int, ns: int, maxnreg: int, per_thread: float) -> dict:
     """Compile one case for sm_90a and return its figures (the module docstring's metrics)."""
     compiled = compile_sm90(fn, ptrs, consts, nw, ns, maxnreg)
@@ -139,6 +157,8 @@ def measure(fn, ptrs: dict, consts: dict, nw: int, ns: int, maxnreg: int, per_th
         row.update(loop_instructions=len(body), per_weight=round(len(body) / per_thread, 2), top_ops=dict(ops.most_common(6)),
                    main_loop_ops={op: ops.get(op, 0) for op in _MAIN_LOOP_OPS},
                    async_mma_wait=any(_ASYNC_WAIT.search(t) for t in body))
+    elif is_gluon(fn) and consts.get("MMA_ASYNC") and consts["STEPS"] > 1:
+        row.update(unrolled_steps(sass, consts["STEPS"], per_thread))
     else:  # one tile per program: the whole kernel is the per-tile work
         row.update(loop_instructions=None, per_weight=round(total / per_thread, 2))
     row.update(total_instructions=total, values_per_thread_per_step=per_thread, **resources(compiled, sass))
@@ -370,10 +390,7 @@ def stream_case(cfg, m: int):
     if gs.gluon is None:
         raise RuntimeError(f"Gluon is not importable with this Triton ({gs.GLUON_IMPORT_ERROR})")
     plan = stream_launch_plan(cfg, m)
-    a_layout, xs_layout = gs.stream_layouts(cfg.block_m, plan["segp"])
-    consts = dict(A_QUANT=True, HAS_BIAS=False, HAS_KS=STREAM_LAUNCH["kk"] > 0, SPLIT=plan["splits"] > 1, XS_DENSE=True,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STEPS=plan["cps"] // 2, RING=cfg.ring, SEGP=plan["segp"], DEPTH=cfg.depth,
-                  A_LAYOUT=a_layout, XS_LAYOUT=xs_layout)
+    consts = gs.stream_constexprs(cfg, plan, a_quant=True, has_bias=False, xs_dense=True, kk=STREAM_LAUNCH["kk"])
     # num_stages as a launch leaves it (Triton's default; Gluon does not pipeline)
     return gs._stream_kernel, _STREAM_PTRS, consts, cfg.num_warps, 3, cfg.max_regs, cfg.block_n * 256 / (32 * cfg.num_warps)
 
