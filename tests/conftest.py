@@ -11,8 +11,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Triton's CPU interpreter computes tl.dot with numpy's matmul (OpenBLAS, DYNAMIC_ARCH). On FMA CPUs
+# OpenBLAS picks a kernel (Haswell, Zen, ...) whose summation order along K depends on the matrix shape,
+# so the same outputs computed by tiles of 16 and of 128 rows differ in the last bit (a fresh clone on an
+# AMD EPYC, 2026-12-07: test_kernels_v4.py::test_cols_late_prefill_tiles, which passed on the earlier
+# machines). The kernels' bit-identity across tile shapes is a claim about one K order; the Sandybridge
+# kernel keeps one order for every shape here, so the interpreter tests check that claim and not
+# OpenBLAS's kernel choice. Set before numpy (imported by torch) loads OpenBLAS; a user's own setting wins.
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Engines on CPU: small KV cache, in-process engine core, no inductor compile (see docs/vllm.md).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
