@@ -60,8 +60,10 @@ CASES: list[Case] = [
     Case("medium", "an abandoned non-streamed OpenAI request kept running in the engine (n = 4, 900 tokens: 4 requests still running "
          "6 s after the client left, and an update got 409)", "fixed",
          (f"{OV}::test_a_client_that_leaves_cancels_its_engine_requests",),
-         "the OpenAI routes cancel their engine requests when the client disconnects, streamed or not: vLLM's running count reaches 0 "
-         "and the bridge holds no stream within 4 s", "38"),
+         "the OpenAI routes cancel their engine requests when the client disconnects, streamed or not: vLLM's running count reaches 0, "
+         "the bridge holds no stream, and vLLM generated under 90 % of the requested tokens (the client leaves after 0.2 s; at 1 s a "
+         "warm engine had finished all of them first, so the earlier check passed without a cancellation; its 4 s bound failed once "
+         "under a loaded CI, 2026-12-07, and is 20 s now, the time printed)", "38"),
     Case("medium", "`foursight rl --resume` unpickled whatever checkpoint it was given (torch.load(weights_only=False))", "fixed",
          ("tests/test_rl.py::test_resume_refuses_a_checkpoint_that_would_run_code",),
          "checkpoints load with weights_only=True; a file that is not one is refused by name before any of it runs", "38"),
