@@ -119,6 +119,14 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
     def shutdown(self) -> None:
         self._session = None
 
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """vLLM 0.26 declares this abstract (the trainer-side sender of NCCL/IPC backends), so the class could not be
+        built there without it; 0.32 moved senders to ``TrainerWeightTransferEngine``. This backend has no sender: the
+        trainer writes a safetensors file (or the bridge's upload route does) and passes its path to ``update_weights``."""
+        raise NotImplementedError("foursight_file has no trainer-side sender: write the tensors to a safetensors file in the engine's "
+                                  "weights folder and pass its path in update_info (docs/weight-sync.md)")
+
 
 def register() -> bool:
     """Register the backend with vLLM's weight-transfer factory (idempotent). False when this

@@ -23,9 +23,12 @@ os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Engines on CPU: small KV cache, in-process engine core, no inductor compile (see docs/vllm.md).
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# Engines on CPU: small KV cache, no inductor compile (see docs/vllm.md). Not on a GPU machine: there the GPU
+# tests run vLLM with its defaults (torch.compile and CUDA graphs), and TORCHDYNAMO_DISABLE would turn every
+# torch.compile, vLLM's and the kernel tests' own, into eager code without a word.
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

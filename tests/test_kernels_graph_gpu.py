@@ -192,11 +192,21 @@ def test_cuda_graph_matches_eager(states):
     _capture_and_compare(states, lambda x: _forward(states, x))
 
 
+def _compiled_graphs() -> int:
+    """How many graphs dynamo compiled so far: 0 means torch.compile ran the function eagerly (with
+    ``TORCHDYNAMO_DISABLE=1`` in the environment, as the CPU suite's conftest once set it on GPU machines too)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def test_torch_compile_and_cuda_graph_match_eager(states):
     """torch.compile as a user writes it (graph breaks allowed), then CUDA graphs."""
     torch._dynamo.reset()
     fn = torch.compile(lambda x: _forward(states, x), dynamic=False)
+    before = _compiled_graphs()
     _capture_and_compare(states, fn)
+    assert _compiled_graphs() > before, "torch.compile compiled nothing: dynamo is disabled in this process"
 
 
 def test_torch_compile_fullgraph_dynamic_batch_and_cuda_graph_match_eager(states):
@@ -204,4 +214,6 @@ def test_torch_compile_fullgraph_dynamic_batch_and_cuda_graph_match_eager(states
     custom op under compilation), then CUDA graphs per size."""
     torch._dynamo.reset()
     fn = torch.compile(lambda x: _forward(states, x), dynamic=True, fullgraph=True)
+    before = _compiled_graphs()
     _capture_and_compare(states, fn)
+    assert _compiled_graphs() > before, "torch.compile compiled nothing: dynamo is disabled in this process"
