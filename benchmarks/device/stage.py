@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) and e.code not in (0, 1) else 2
     pp = os.pathsep.join(str(p) for p in paths)
     print(f'export FOURSIGHT_STAGE="{STAGE}"')
+    # FlashInfer is left out of the parts (prepare.py); vLLM 0.26's V2 model runner imports it unguarded to ask whether
+    # its top-k/top-p sampler is supported, unless this says no (it then samples with PyTorch, as without FlashInfer)
+    print("export VLLM_USE_FLASHINFER_SAMPLER=0")
     print(f'export FOURSIGHT_PARTS_COMMIT="{manifest["commit"]}"')
     print(f'export PYTHONPATH="{pp}${{PYTHONPATH:+:$PYTHONPATH}}"')
     say(f"ready: {', '.join(complete)} (parts commit {manifest['commit'][:12]})")
