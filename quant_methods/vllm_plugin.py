@@ -18,6 +18,13 @@ def register() -> None:
     Idempotent (a second call re-registers the same class, which vLLM allows).
     """
     _request_amx()
+    from foursight.quant_methods.vllm_compat import check_version
+
+    warning = check_version()
+    if warning:
+        import logging
+
+        logging.getLogger("foursight.quant_methods").warning(warning)
     from foursight.quant_methods.vllm_method import install_load_check  # its import registers the method
 
     install_load_check()  # wraps vLLM's checkpoint loader (why: foursight.quant_methods.engine_hooks)

@@ -214,7 +214,7 @@ def pack(items: dict[str, Path], out: Path, budget: int, commit: str) -> list[Pa
         data = path.read_bytes()
         chunks, pos, i = [], 0, 0
         while pos < len(data):
-            if room < 64 * 1024:  # not worth a chunk: next part
+            if room < min(64 * 1024, budget // 8):  # not worth a chunk: next part
                 parts.append({})
                 room = budget
             take = min(room, len(data) - pos)

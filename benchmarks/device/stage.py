@@ -163,10 +163,15 @@ def prune_image_dists(deps: Path) -> list[str]:
         have, ours = image.get(name), dist.version
         if have is None or version_key(have) < version_key(ours):
             continue
+        root = deps.resolve()
         for f in dist.files or []:
             p = (deps / f).resolve()
-            if p.is_file() and str(p).startswith(str(deps.resolve())):
+            if p.is_file() and p.is_relative_to(root):
                 p.unlink()
+                for d in p.parents:  # the folders it leaves empty (a package's own folder)
+                    if d == root or any(d.iterdir()):
+                        break
+                    d.rmdir()
         shutil.rmtree(info, ignore_errors=True)
         removed.append(f"{name} {ours} (image {have})")
     return removed
@@ -278,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     # FlashInfer is left out of the parts (prepare.py); vLLM 0.26's V2 model runner imports it unguarded to ask whether
     # its top-k/top-p sampler is supported, unless this says no (it then samples with PyTorch, as without FlashInfer)
     print("export VLLM_USE_FLASHINFER_SAMPLER=0")
+    # vLLM 0.26 starts its engine core by fork unless CUDA is initialized; on the H100 (2026-12-07) the forked engine
+    # core stopped after "Using V2 Model Runner" and never went on (BF16 and FourSight alike); spawned, it starts
+    print("export VLLM_WORKER_MULTIPROC_METHOD=spawn")
     print(f'export FOURSIGHT_PARTS_COMMIT="{manifest["commit"]}"')
     print(f'export PYTHONPATH="{pp}${{PYTHONPATH:+:$PYTHONPATH}}"')
     say(f"ready: {', '.join(complete)} (parts commit {manifest['commit'][:12]})")
