@@ -20,6 +20,10 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The kernel benchmarks measure the autotuner: its choices are timed afresh, never read from its disk cache
+# (kernels/tuning.py). The engine benchmarks set a folder before importing this module, as users get it.
+os.environ.setdefault("FOURSIGHT_TUNE_CACHE", "0")
+
 
 def git_commit(short: bool = False) -> str:
     """The commit of the tree: ``FOURSIGHT_COMMIT`` when set (a device copy has no git), else

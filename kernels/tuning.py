@@ -6,11 +6,20 @@ time or the reason it was skipped. A candidate is timed only after its output ma
 reference on the device and was bit-identical on a second call. Times are medians of CUDA-graph
 replays with the operands out of the L2 (:func:`time_gpu`, a read flush: why not a memset is in its
 docstring), so small decode kernels are not timed as Python launch overhead.
+
+The choices are also kept on disk (:class:`DiskCache`), per card, kernels source, Triton and torch: an engine
+times its candidates once, at its first start on a card, instead of at every start. On the H100 vLLM's CUDA-graph
+capture of an 8B-shaped FourSight model spent 20-27 s on some batch sizes timing candidates, about 90 s in all
+(benchmarks/results/engine-h100-2026-12-07). ``FOURSIGHT_TUNE_CACHE`` names the folder (default
+``~/.cache/foursight/autotune``); ``0`` turns it off (the test suite and the kernel benchmarks do, to time afresh).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -123,6 +132,12 @@ def pick_config(key: tuple, run, cands: list, interp_cfg, out: torch.Tensor | No
         return interp_cfg
     if key in TUNED:
         return TUNED[key]
+    disk = DiskCache.for_this_device()
+    hit = disk.get(key, cands) if disk is not None else None
+    if hit is not None:  # chosen, after the reference checks below, by an earlier process on this card and code
+        TUNED[key] = hit
+        TUNE_LOG.setdefault(key, []).append((hit, None, f"from the disk cache {disk.path}"))
+        return hit
     if os.environ.get("FOURSIGHT_KERNELS_AUTOTUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
         # no timing runs inside a CUDA-graph capture (an engine capturing a batch size it never ran
         # eagerly): take the first candidate, and keep it so eager and graph calls agree
@@ -156,7 +171,69 @@ def pick_config(key: tuple, run, cands: list, interp_cfg, out: torch.Tensor | No
     if best is None:
         raise RuntimeError(f"foursight.kernels: no tile configuration compiled and matched the reference for {key}: {log}")
     TUNED[key] = best
+    if disk is not None:
+        disk.put(key, best)
     return best
+
+
+class DiskCache:
+    """The autotuner's choices on disk: one JSON file per (card, kernels source, Triton, torch), ``repr(key)`` ->
+    ``repr(config)`` (the configurations are frozen dataclasses, so their repr is their identity). A stored choice is
+    used only if it is still one of the candidates offered for that key. Writes are atomic (a temporary file, then
+    a rename); two processes tuning at once may each drop the other's newest entry, which only costs a re-timing."""
+
+    _files: dict = {}
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.table = {}
+
+    @classmethod
+    def for_this_device(cls) -> "DiskCache | None":
+        folder = os.environ.get("FOURSIGHT_TUNE_CACHE", str(Path.home() / ".cache" / "foursight" / "autotune"))
+        if folder in ("", "0"):
+            return None
+        dev = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(dev)
+        import triton
+
+        ident = f"{props.name}|{props.major}.{props.minor}|{props.multi_processor_count}|{_kernels_hash()}|{triton.__version__}|{torch.__version__}"
+        name = hashlib.sha256(ident.encode()).hexdigest()[:20] + ".json"
+        path = Path(folder) / name
+        if path not in cls._files:
+            cls._files[path] = cls(path)
+        return cls._files[path]
+
+    def get(self, key: tuple, cands: list):
+        want = self.table.get(repr(key))
+        return next((c for c in cands if repr(c) == want), None) if want is not None else None
+
+    def put(self, key: tuple, cfg) -> None:
+        self.table[repr(key)] = repr(cfg)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.table, indent=0, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError:  # a read-only home: the in-process cache still holds it
+            pass
+
+
+_KERNELS_HASH: list = []
+
+
+def _kernels_hash() -> str:
+    """sha256 of the kernels' source (every module of this package): a changed kernel is tuned again."""
+    if not _KERNELS_HASH:
+        h = hashlib.sha256()
+        for f in sorted(Path(__file__).parent.rglob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        _KERNELS_HASH.append(h.hexdigest())
+    return _KERNELS_HASH[0]
 
 
 class Rejected(Exception):

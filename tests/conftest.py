@@ -30,6 +30,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The kernel tests time the autotuner's candidates afresh in every run (its disk cache is for engines: kernels/tuning.py)
+os.environ.setdefault("FOURSIGHT_TUNE_CACHE", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

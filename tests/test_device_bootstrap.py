@@ -10,10 +10,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import io
-import json
 import lzma
 import struct
 import subprocess

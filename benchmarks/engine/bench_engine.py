@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# an engine as users run it: the autotuner's choices kept on disk, so that a second start on this card skips the timing
+os.environ.setdefault("FOURSIGHT_TUNE_CACHE", str(Path.home() / ".cache" / "foursight" / "autotune"))
 sys.path.insert(0, str(HERE.parent))
 from common import git_commit, kernels_sha256  # noqa: E402
 
@@ -180,8 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--gpu-util", type=float, default=0.9)
-    ap.add_argument("--budget-s", type=float, default=240, help="per row: workloads not started by then are skipped")
-    ap.add_argument("--timeout-s", type=float, default=420, help="per row: the process is killed after this")
+    ap.add_argument("--budget-s", type=float, default=360, help="per row: workloads not started by then are skipped")
+    ap.add_argument("--timeout-s", type=float, default=450, help="per row: the process is killed after this")
     ap.add_argument("--out", required=False, default="out/engine")
     ap.add_argument("--dry-run", action="store_true", help="write the models and an empty table, start no engine")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -200,36 +202,50 @@ def main(argv: list[str] | None = None) -> None:
               f"{kernels_sha256()[:16]}; Llama-3.1-8B-shaped, dummy weights; prompts {args.prompt_len}, outputs {args.output_len}, "
               f"gpu_memory_utilization {args.gpu_util}")
     results = []
-    with tempfile.TemporaryDirectory() as work:
-        for row in args.rows.split(","):
-            if args.dry_run:
-                if not ROWS[row].get("ct_nvfp4"):  # compressed-tensors may be absent on the CPU side
-                    model_dir(row, Path(work))
-                results.append({"row": row, "label": ROWS[row]["label"], "workloads": {}})
-                continue
-            js, log = Path(work) / f"{row}.json", out / f"{row}.log"
-            cmd = [sys.executable, __file__, "--child", row, "--json", str(js), "--work", work, "--workloads", ",".join(args.workloads),
-                   "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--gpu-util", str(args.gpu_util),
-                   "--budget-s", str(args.budget_s)]
-            t = time.time()
-            print(f"[bench_engine] {row}: {' '.join(cmd[1:])}", flush=True)
-            with open(log, "w") as f:
-                try:
-                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
-            text = log.read_text(errors="replace")
-            res = json.loads(js.read_text()) if js.exists() else {"row": row, "label": ROWS[row]["label"],
-                                                                     "error": f"exit {rc}: " + " ".join(text.strip().splitlines()[-3:])}
-            res.update(parse_log(text))
-            res["process_s"] = round(time.time() - t, 1)
-            results.append(res)
-            print(f"[bench_engine] {row}: {json.dumps({k: v for k, v in res.items() if k != 'workloads'})}", flush=True)
-            (out / "engine.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
-            (out / "engine.md").write_text(table(results, header, args.workloads))
+    # one fixed folder per row: vLLM's compile cache is keyed by the model's path, so a second start reuses it
+    work = str(Path(tempfile.gettempdir()) / "foursight-engine-models")
+    Path(work).mkdir(parents=True, exist_ok=True)
+    for row in args.rows.split(","):
+        if args.dry_run:
+            if not ROWS[row].get("ct_nvfp4"):  # compressed-tensors may be absent on the CPU side
+                model_dir(row, Path(work))
+            results.append({"row": row, "label": ROWS[row]["label"], "workloads": {}})
+            continue
+        js, log = out / f"{row}.json", out / f"{row}.log"
+        js.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--child", row, "--json", str(js), "--work", work, "--workloads", ",".join(args.workloads),
+               "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--gpu-util", str(args.gpu_util),
+               "--budget-s", str(args.budget_s)]
+        t = time.time()
+        print(f"[bench_engine] {row}: {' '.join(cmd[1:])}", flush=True)
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = log.read_text(errors="replace")
+        res = json.loads(js.read_text()) if js.exists() else {"row": row, "label": ROWS[row]["label"],
+                                                                 "error": f"exit {rc}: " + " ".join(text.strip().splitlines()[-3:])}
+        res.update(parse_log(text))
+        res["process_s"] = round(time.time() - t, 1)
+        results.append(res)
+        print(f"[bench_engine] {row}: {json.dumps({k: v for k, v in res.items() if k != 'workloads'})}", flush=True)
+        (out / "engine.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
+        (out / "engine.md").write_text(table(results, header, args.workloads))
     (out / "engine.json").write_text(json.dumps({"header": header, "rows": results}, indent=1))
     (out / "engine.md").write_text(table(results, header, args.workloads))
     print((out / "engine.md").read_text())
+
+
+def merge(paths: list[str], out: str) -> None:
+    """One table from the engine.json of several calls (rows measured on one warm machine, one call each)."""
+    rows, headers = [], []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        headers.append(d["header"])
+        rows += d["rows"]
+    names = [w for w in WORKLOADS if any(w in r.get("workloads", {}) for r in rows)]
+    Path(out).write_text(table(rows, "\n".join(sorted(set(headers))), names))
 
 
 if __name__ == "__main__":

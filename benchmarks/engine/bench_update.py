@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# an engine as users run it: the autotuner's choices kept on disk, so that a second start on this card skips the timing
+os.environ.setdefault("FOURSIGHT_TUNE_CACHE", str(Path.home() / ".cache" / "foursight" / "autotune"))
 sys.path.insert(0, str(HERE.parent))
 from common import git_commit, kernels_sha256  # noqa: E402
 
