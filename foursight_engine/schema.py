@@ -72,6 +72,9 @@ ENV_CHANNEL_BUDGET = "FOURSIGHT_CHANNEL_BUDGET"
 ENV_ACTIVATION_DTYPE = "FOURSIGHT_ACTIVATION_DTYPE"
 ENV_ACTIVATION_SCALE = "FOURSIGHT_ACTIVATION_SCALE"
 ENV_IGNORE = "FOURSIGHT_IGNORE"
+#: "0": an online layer frees its BF16 weights once quantized (a serving engine: the memory goes to the KV cache);
+#: it then refuses weight updates, which re-quantize from them. Default "1" (RL: the trainer syncs weights)
+ENV_ONLINE_KEEP_BF16 = "FOURSIGHT_ONLINE_KEEP_BF16"
 #: the start of every message with which an engine refuses a weight update before loading any of it
 #: (vLLM's worker and native route, SGLang's plugin): the bridge answers 422, the engine stays in sync
 REFUSED_PREFIX = "FourSight refused the weight update, nothing loaded: "

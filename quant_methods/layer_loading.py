@@ -16,7 +16,7 @@ import torch
 
 from foursight.quant_methods.layer_layout import WEIGHT, ParamSpec
 from foursight.quant_methods.sharding import shard_index
-from foursight.schema import BF16_CHANNELS, INPUT_GLOBAL_SCALE, WEIGHT_BF16, WEIGHT_PACKED, WEIGHT_SCALE, CheckpointError
+from foursight.schema import BF16_CHANNELS, ENV_ONLINE_KEEP_BF16, INPUT_GLOBAL_SCALE, WEIGHT_BF16, WEIGHT_PACKED, WEIGHT_SCALE, CheckpointError
 
 
 @dataclass
@@ -44,6 +44,8 @@ class LayerLoading:
             None while they hold their values. :meth:`restore_released` rebuilds them from it before
             anything writes into them or reads them.
         released_bytes: the storage size of each freed parameter (what :meth:`restore_released` gives back).
+        bf16_released: online mode with ``FOURSIGHT_ONLINE_KEEP_BF16=0``: the BF16 ``weight`` was freed after
+            quantization (``LayerPlan.release``); its loader then refuses every write, naming the setting.
     """
 
     loaded: set[tuple[str, int]] = field(default_factory=set)
@@ -54,6 +56,7 @@ class LayerLoading:
     requantized: set[int] = field(default_factory=set)
     released: Any = None
     released_bytes: dict[str, int] = field(default_factory=dict)
+    bf16_released: bool = False
 
     # ---- loading --------------------------------------------------------------------------
 
@@ -71,6 +74,10 @@ class LayerLoading:
         plan = self
 
         def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None, *args: Any, **kw: Any) -> None:
+            if plan.bf16_released:
+                raise CheckpointError(f"{plan.prefix}: this engine freed its BF16 weights after quantizing them "
+                                      f"({ENV_ONLINE_KEEP_BF16}=0, a serving engine), so it takes no weight update; start it "
+                                      f"without that setting (the default keeps them) to sync weights")
             if plan.released is not None:
                 # the first write after a release: the whole layer gets its checkpoint tensors back first, so
                 # the shards this update does not (or not yet) write keep their values, not zeros

@@ -15,7 +15,7 @@ import torch
 from foursight.channels import select_channels
 from foursight.channels_file import ChannelsFile
 from foursight.quant_methods.sharding import TPContext
-from foursight.schema import (ENV_ACTIVATION_DTYPE, ENV_ACTIVATION_SCALE, ENV_CHANNEL_BUDGET, ENV_CHANNELS_FILE, ENV_IGNORE,
+from foursight.schema import (ENV_ACTIVATION_DTYPE, ENV_ACTIVATION_SCALE, ENV_CHANNEL_BUDGET, ENV_CHANNELS_FILE, ENV_IGNORE, ENV_ONLINE_KEEP_BF16,
                               CheckpointError, FourSightConfig)
 
 logger = logging.getLogger("foursight.quant_methods")
@@ -35,6 +35,10 @@ class OnlineSettings:
         act_quant: W4A4 (True) or W4A16 (False).
         static_act_scale: use ``input_amax`` of the channels file as a static activation scale.
         ignore: module names / suffixes / ``re:`` patterns left unquantized.
+        keep_bf16: keep each layer's BF16 weights after quantizing them (``FOURSIGHT_ONLINE_KEEP_BF16``, default
+            on): a weight update re-quantizes from them. Off, a serving engine gives their memory to the KV cache
+            (an 8B-shaped model held 23.24 GiB with them against BF16's 15.00 on the H100, docs/gpu.md) and refuses
+            updates.
     """
 
     channels_file: ChannelsFile | None = None
@@ -42,6 +46,7 @@ class OnlineSettings:
     act_quant: bool = True
     static_act_scale: bool = False
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    keep_bf16: bool = True
 
     @classmethod
     def from_env(cls, channels_file: str | None = None) -> "OnlineSettings":
@@ -58,7 +63,10 @@ class OnlineSettings:
             raise CheckpointError(f"{ENV_ACTIVATION_SCALE}=static needs a channels file with 'input_amax' (format_version 2, from `foursight calibrate`)")
         ignore = [s for s in os.environ.get(ENV_IGNORE, "lm_head").split(",") if s]
         budget = os.environ.get(ENV_CHANNEL_BUDGET, DEFAULT_ONLINE_BUDGET)
-        return cls(cf, budget, act == "nvfp4", sc == "static", ignore)
+        keep = os.environ.get(ENV_ONLINE_KEEP_BF16, "1")
+        if keep not in ("0", "1"):
+            raise CheckpointError(f"{ENV_ONLINE_KEEP_BF16}={keep!r}: expected '1' (keep the BF16 weights for weight updates) or '0'")
+        return cls(cf, budget, act == "nvfp4", sc == "static", ignore, keep == "1")
 
     def as_config(self) -> FourSightConfig:
         """A :class:`FourSightConfig` describing these settings (``channels`` filled lazily)."""

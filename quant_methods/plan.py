@@ -66,6 +66,7 @@ from foursight.quant_methods.sharding import TPContext, concat_shards, localize_
 from foursight.schema import (
     BF16_CHANNELS,
     ENV_CHANNELS_FILE,
+    ENV_ONLINE_KEEP_BF16,
     INPUT_GLOBAL_SCALE,
     WEIGHT_BF16,
     WEIGHT_GLOBAL_SCALE,
@@ -136,6 +137,9 @@ class LayerPlan(LayerLoading, LayerLayout):
         """
         tp = tp or TPContext(self.tp_rank, self.tp_size)
         self.restore_released(params)  # nothing reads a freed parameter
+        if self.bf16_released:
+            raise CheckpointError(f"{self.prefix}: its BF16 weights were freed after quantization ({ENV_ONLINE_KEEP_BF16}=0), so it cannot be "
+                                  "quantized again; start the engine without that setting to load or update weights")
         self.generation += 1
         if self.mode == "online":
             qw, igs, channels = self._quantize_online(params[WEIGHT], tp)
@@ -156,7 +160,9 @@ class LayerPlan(LayerLoading, LayerLayout):
         from foursight.kernels.backends import rebuilds_checkpoint  # plain Python: no Triton import
 
         form = state.prepared.state
-        if self.keep_checkpoint or self.mode != "checkpoint" or self.released is not None or not rebuilds_checkpoint(form):
+        if self.mode == "online":
+            return self._release_online_bf16(params, form)
+        if self.keep_checkpoint or self.released is not None or not rebuilds_checkpoint(form):
             return 0
         held: list[torch.Tensor] = []
         _state_tensors(form, held, set())
@@ -171,6 +177,22 @@ class LayerPlan(LayerLoading, LayerLayout):
             st.resize_(0)
         self.released = form
         return sum(self.released_bytes.values())
+
+    def _release_online_bf16(self, params: dict[str, torch.Tensor], form: Any) -> int:
+        """Online mode with ``keep_bf16`` off (``FOURSIGHT_ONLINE_KEEP_BF16=0``): free the BF16 ``weight``'s storage
+        once the execution form holds the quantized layer (it keeps its own copy of ``W[:, S]``); the parameter
+        object and its shape stay, and its loader refuses further writes (:meth:`LayerLoading.make_loader`)."""
+        if self.online is None or self.online.keep_bf16 or self.keep_checkpoint or self.bf16_released:
+            return 0
+        held: list[torch.Tensor] = []
+        _state_tensors(form, held, set())
+        st = params[WEIGHT].untyped_storage()
+        if st.data_ptr() in {t.untyped_storage().data_ptr() for t in held} or not st.resizable():
+            return 0  # the execution form reads it, or the engine mapped it itself
+        n = st.nbytes()
+        st.resize_(0)
+        self.bf16_released = True
+        return n
 
     def _from_checkpoint(self, params: dict[str, torch.Tensor]) -> tuple[QuantizedWeight, torch.Tensor | None, torch.Tensor]:
         packed, scale, wbf = params[WEIGHT_PACKED].data, params[WEIGHT_SCALE].data, params[WEIGHT_BF16].data

@@ -113,3 +113,38 @@ def test_trl_sync_into_a_released_engine_equals_a_fresh_load(tiny_ckpt, tiny_lla
     finally:
         del llm
         gc.collect()
+
+
+def test_a_serving_engine_frees_its_bf16_weights_and_refuses_updates(tiny_llama_dir, monkeypatch):
+    """Online mode with ``FOURSIGHT_ONLINE_KEEP_BF16=0`` (a serving engine; docs/gpu.md: the 8B-shaped online engine
+    held 23.24 GiB against BF16's 15.00 with them): every FourSight layer's BF16 ``weight`` has no storage left, the
+    engine scores exactly as the default engine (which keeps them), and a trainer's ``load_weights`` is refused
+    naming the setting, with nothing changed. Before: the setting did not exist and the weights stayed."""
+    from foursight.calibration import builtin_texts
+    from foursight.quant_methods.config import foursight_layers
+    from helpers.logprobs import engine_prompt_logprobs, fixed_sequences
+    from transformers import AutoTokenizer
+
+    seqs = fixed_sequences(AutoTokenizer.from_pretrained(tiny_llama_dir), builtin_texts()[:3], 24)
+    monkeypatch.setenv("FOURSIGHT_CHANNEL_BUDGET", "16")
+    runs = {}
+    for keep in ("1", "0"):
+        monkeypatch.setenv("FOURSIGHT_ONLINE_KEEP_BF16", keep)
+        llm = make_llm(tiny_llama_dir, quantization="foursight")
+        try:
+            layers = foursight_layers(engine_model(llm))
+            sizes = {n: m.weight.untyped_storage().nbytes() for n, m in layers.items()}
+            lps = engine_prompt_logprobs(llm, seqs)
+            if keep == "0":
+                new = perturbed_state(tiny_llama_dir, seed=4)
+                name = "model.layers.0.mlp.down_proj.weight"
+                with pytest.raises(Exception, match="FOURSIGHT_ONLINE_KEEP_BF16=0"):
+                    llm.apply_model(lambda model: model.load_weights([(name, new[name])]))
+                assert all(torch.equal(a, b) for a, b in zip(lps, engine_prompt_logprobs(llm, seqs)))
+            runs[keep] = (sizes, lps)
+        finally:
+            del llm
+            gc.collect()
+    kept, freed = runs["1"][0], runs["0"][0]
+    assert kept and all(v > 0 for v in kept.values()) and all(v == 0 for v in freed.values()), (kept, freed)
+    assert all(torch.equal(a, b) for a, b in zip(runs["1"][1], runs["0"][1]))

@@ -12,7 +12,9 @@ tokenizer: token-id prompts) and quantized there by each row's method:
 * ``nvfp4``: vLLM's own NVFP4 (a compressed-tensors ``nvfp4-pack-quantized`` config, as FourSight's export writes
   it; on Hopper vLLM serves it with Marlin, W4A16); the dummy loader leaves its packed weights as allocated;
 * ``fs0`` / ``fs128``: ``quantization="foursight"`` (online, weight-based channels, ``FOURSIGHT_CHANNEL_BUDGET``
-  0 or 128 BF16 channels per input).
+  0 or 128 BF16 channels per input), as a serving engine: ``FOURSIGHT_ONLINE_KEEP_BF16=0`` frees the BF16 weights
+  once quantized, as a FourSight checkpoint would hold them;
+* ``fs128keep``: the same with the BF16 weights kept (the default, what an RL engine that takes weight syncs holds).
 
 vLLM's defaults otherwise: ``torch.compile`` and CUDA graphs on, prefix caching on, ``gpu_memory_utilization``
 0.9, ``max_num_seqs`` 512 (the largest workload), ``max_model_len`` 1024.
@@ -52,9 +54,11 @@ ROWS = {
     "bf16": {"label": "vLLM BF16", "quantization": None},
     "fp8": {"label": "vLLM FP8 (dynamic)", "quantization": "fp8"},
     "nvfp4": {"label": "vLLM NVFP4 (compressed-tensors; Marlin on Hopper)", "quantization": None, "ct_nvfp4": True},
-    "fs0": {"label": "FourSight W4A4, k = 0", "quantization": "foursight", "budget": "0"},
-    "fs128": {"label": "FourSight W4A4, k = 128", "quantization": "foursight", "budget": "128"},
+    "fs0": {"label": "FourSight W4A4, k = 0", "quantization": "foursight", "budget": "0", "env": {"FOURSIGHT_ONLINE_KEEP_BF16": "0"}},
+    "fs128": {"label": "FourSight W4A4, k = 128", "quantization": "foursight", "budget": "128", "env": {"FOURSIGHT_ONLINE_KEEP_BF16": "0"}},
+    "fs128keep": {"label": "FourSight W4A4, k = 128, BF16 weights kept for syncs", "quantization": "foursight", "budget": "128"},
 }
+DEFAULT_ROWS = "bf16,fp8,nvfp4,fs0,fs128"
 #: name -> (prompts, samples per prompt); concurrency = prompts x n, one wave
 WORKLOADS = {"c1": (1, 1), "c16": (2, 8), "c64": (8, 8), "c256": (32, 8), "c512": (64, 8)}
 
@@ -85,6 +89,7 @@ def child(args: argparse.Namespace) -> None:
     row = ROWS[args.child]
     if row.get("budget") is not None:
         os.environ["FOURSIGHT_CHANNEL_BUDGET"] = row["budget"]
+    os.environ.update(row.get("env", {}))
     t0 = time.time()
     mdir = model_dir(args.child, Path(args.work))
     kw = dict(model=str(mdir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
@@ -177,7 +182,7 @@ def table(results: list[dict], header: str, workloads: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated, from {', '.join(ROWS)} (default {DEFAULT_ROWS})")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=512)
