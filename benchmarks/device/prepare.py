@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
           " within the 30 s the machine stays warm after the last (docs/gpu.md):")
     for i, d in enumerate(dirs, 1):
         rel = d.relative_to(ROOT) if d.is_relative_to(ROOT) else d
-        print(f'  call {i}: run(command="source benchmarks/device/stage.sh && <your command>", carry=["{rel}"])')
+        flags = f"--need {args.profile}" if i == len(dirs) else "--receive-only"
+        print(f'  call {i}: run(command="source benchmarks/device/stage.sh {flags} && <your command>", carry=["{rel}"])')
 
 
 if __name__ == "__main__":
