@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole test suite: the main suite in .venv (format, calibration, checkpoints, Triton
-# kernels under TRITON_INTERPRET=1, vLLM CPU engine, trainer bridge, compare), then the SGLang
-# suite in .venv-sglang. GPU-only tests are marked `gpu` and skip on a machine without CUDA.
+# kernels under TRITON_INTERPRET=1, vLLM CPU engine, trainer bridge, compare) and, beside it, the
+# SGLang suite in .venv-sglang. Every run names its slowest tests (--durations). GPU-only tests
+# are marked `gpu` and skip on a machine without CUDA.
 # Extra arguments go to both pytest runs (e.g. -x, -k expr).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,10 +18,20 @@ KERNEL_TESTS=(tests/test_kernels.py tests/test_kernels_actq.py tests/test_act_qu
 IGNORE=()
 for t in "${KERNEL_TESTS[@]}"; do IGNORE+=("--ignore=$t"); done
 KLOG=$(mktemp /tmp/foursight-kernel-tests.XXXX)
-"$VENV/bin/python" -m pytest "${KERNEL_TESTS[@]}" -p no:cacheprovider --timeout=900 "$@" >"$KLOG" 2>&1 &
+"$VENV/bin/python" -m pytest "${KERNEL_TESTS[@]}" -p no:cacheprovider --timeout=900 --durations=10 "$@" >"$KLOG" 2>&1 &
 kpid=$!
+# The SGLang suite runs beside the main suite too (its own venv and engines; it took 6-7 minutes after the main
+# suite, which spends most of its time waiting on engine subprocesses); its output is printed once it ends.
+SLOG=$(mktemp /tmp/foursight-sglang-tests.XXXX)
+spid=""
+if [ "${FOURSIGHT_SKIP_SGLANG:-0}" = "1" ]; then
+    echo "[test] SGLang suite skipped (FOURSIGHT_SKIP_SGLANG=1)" >"$SLOG"
+else
+    "$SGL_VENV/bin/python" -m pytest tests/sglang -p no:cacheprovider --timeout=900 --durations=10 "$@" >"$SLOG" 2>&1 &
+    spid=$!
+fi
 "$VENV/bin/python" -m pytest tests "${IGNORE[@]}" --ignore=tests/sglang --ignore=tests/sglang_harness \
-    -p no:cacheprovider --timeout=1800 "$@"
+    -p no:cacheprovider --timeout=1800 --durations=30 "$@"
 rc_main=$?
 wait "$kpid"
 rc_kernels=$?
@@ -30,11 +41,12 @@ rm -f "$KLOG"
 [ "$rc_kernels" -eq 0 ] || rc_main=$rc_kernels
 
 rc_sgl=0
-if [ "${FOURSIGHT_SKIP_SGLANG:-0}" = "1" ]; then
-    echo "[test] SGLang suite skipped (FOURSIGHT_SKIP_SGLANG=1)"
-else
-    "$SGL_VENV/bin/python" -m pytest tests/sglang -p no:cacheprovider --timeout=900 "$@"
+if [ -n "$spid" ]; then
+    wait "$spid"
     rc_sgl=$?
 fi
+echo "[test] SGLang suite, run beside the main suite:"
+cat "$SLOG"
+rm -f "$SLOG"
 echo "[test] main suite exit $rc_main, SGLang suite exit $rc_sgl"
 [ "$rc_main" -eq 0 ] && [ "$rc_sgl" -eq 0 ]
