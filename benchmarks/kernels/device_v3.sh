@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The H200 run of issue 26 for SpliceGEMM v3, in ONE command on a bare GPU machine (torch + Triton
-# preinstalled, no editable install of this package), inside a time budget.
+# preinstalled; FourSight staged by benchmarks/device/stage.sh --need base), inside a time budget.
 #
-#   bash benchmarks/kernels/device_v3.sh                 # on the device: results into $OUT (default /tmp/out_v3)
-#   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/kernels/device_v3.sh   # on a CPU machine: every step's argument
-#                                                # handling and JSON provenance, no GPU, no timing
+#   .venv/bin/python benchmarks/device/prepare.py --profile base   # on the CPU first: the part(s) to carry
+#   bash benchmarks/kernels/device_v3.sh                 # on the device, carry [".devcarry/p1"]: results into $OUT
+#                                                # (default /tmp/out_v3)
+#   DRY_RUN=1 PY=.venv/bin/python OUT=/tmp/dry bash benchmarks/kernels/device_v3.sh   # on a CPU machine: every
+#                                                # step's argument handling and JSON provenance, no GPU, no timing
 #
 # Steps (STEPS, comma-separated, in this order by default), each under a `timeout` that is the smaller
 # of its cap and the time left before TOTAL_S (default 530 s) minus a reserve:
@@ -35,21 +37,17 @@ if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
 fi
 export FOURSIGHT_COMMIT
 
-# the package as `foursight` without an install (pyproject's package-dir mapping, by copies)
-if [ "$DRY_RUN" = "1" ] && [ -n "${DRY_PYTHONPATH:-}" ]; then
-  export PYTHONPATH=$DRY_PYTHONPATH
+# the package: on the device, the one staging step (benchmarks/device/stage.sh: the carried parts of
+# `prepare.py --profile base`, FourSight installed from this tree with its dependencies); the CPU dry run
+# imports the venv's installed package (or DRY_PYTHONPATH)
+if [ "$DRY_RUN" = "1" ]; then
+  [ -n "${DRY_PYTHONPATH:-}" ] && export PYTHONPATH=$DRY_PYTHONPATH
 else
-  PP=$(mktemp -d /tmp/pp.XXXX)
-  mkdir -p "$PP/foursight"
-  cp -r foursight_engine/* "$PP/foursight/"
-  cp -r kernels "$PP/foursight/kernels"
-  cp foursight_autoload.py "$PP/"
-  SITE="$PP/site"
-  mkdir -p "$SITE"
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl >/dev/null 2>&1 || echo "[device_v3] carried wheels did not install"
+  source benchmarks/device/stage.sh --need base || exit $?
+  if ls .whl/*.whl >/dev/null 2>&1; then  # GemLite's wheel, when .whl/ carries it (the grid's optional baseline)
+    $PY -m pip install -q --no-index --no-deps --target "$FOURSIGHT_STAGE/whl" .whl/*.whl >/dev/null 2>&1 \
+      && export PYTHONPATH=$PYTHONPATH:$FOURSIGHT_STAGE/whl || echo "[device_v3] carried wheels did not install"
   fi
-  export PYTHONPATH=$PP:$SITE
 fi
 KSHA=$($PY -c "
 import hashlib, pathlib

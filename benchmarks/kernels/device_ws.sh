@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The warp-specialized Gluon SpliceGEMM form (issue 26, item 4) on the H200, in ONE command on a bare
-# GPU machine (torch + Triton 3.6 preinstalled, no editable install of this package), inside a budget.
+# GPU machine (torch + Triton 3.6 preinstalled; FourSight staged by benchmarks/device/stage.sh --need base),
+# inside a budget.
 #
-#   bash benchmarks/kernels/device_ws.sh                      # on the device: results into $OUT (default /tmp/out_ws)
+#   .venv/bin/python benchmarks/device/prepare.py --profile base   # on the CPU first: the part(s) to carry
+#   bash benchmarks/kernels/device_ws.sh                      # on the device, carry [".devcarry/p1"]: results into
+#                                                             # $OUT (default /tmp/out_ws)
 #   DRY_RUN=1 PY=.venv/bin/python OUT=/tmp/dry bash benchmarks/kernels/device_ws.sh   # CPU machine: arguments and
 #                                                             # JSON provenance, no GPU, no timing
 #
@@ -34,13 +37,11 @@ if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
 fi
 export FOURSIGHT_COMMIT
 
-# the package as `foursight` without an install (pyproject's package-dir mapping, by copies)
-PP=$(mktemp -d /tmp/pp.XXXX)
-mkdir -p "$PP/foursight"
-cp -r foursight_engine/* "$PP/foursight/"
-cp -r kernels "$PP/foursight/kernels"
-[ -f foursight_autoload.py ] && cp foursight_autoload.py "$PP/"
-export PYTHONPATH=$PP
+# the package: on the device, the one staging step (benchmarks/device/stage.sh: the carried parts of
+# `prepare.py --profile base`, FourSight installed from this tree); the CPU dry run imports the venv's package
+if [ "$DRY_RUN" != "1" ]; then
+  source benchmarks/device/stage.sh --need base || exit $?
+fi
 KSHA=$($PY -c "
 import hashlib, pathlib
 h = hashlib.sha256()
