@@ -6,6 +6,7 @@
 * ``stage.py``'s checks: a part missing although a later one arrived means the machine went back (exit 3); a part
   still to come is named (exit 4); ``--receive-only`` waits; a distribution the image has at the same or a newer
   version is removed from the staged dependencies, an older one is kept.
+* the device scripts stage through ``stage.sh`` (issue 56) and none lays the package out by hand any more.
 """
 
 from __future__ import annotations
@@ -227,3 +228,30 @@ def test_prepare_and_stage_scripts_answer_help():
         assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr[-500:]
     r = subprocess.run(["bash", "-n", str(DEVICE / "stage.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+#: the device scripts and the profile each stages (the kernel scripts: base; the RL study: model, for SmolLM2)
+STAGED = {"benchmarks/kernels/device_v3.sh": "base", "benchmarks/kernels/device_v4.sh": "base",
+          "benchmarks/kernels/device_ws.sh": "base", "benchmarks/rl/rl_device.sh": "model"}
+
+
+@pytest.mark.parametrize("script", sorted(STAGED))
+def test_device_scripts_stage_through_stage_sh(script):
+    text = (REPO / script).read_text()
+    assert "source benchmarks/device/stage.sh" in text and f"--need {STAGED[script]}" in text, script
+    assert "foursight_engine" not in text and ".devcarry/a" not in text and ".whl --target /tmp/site" not in text, script
+    r = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_no_benchmark_copies_the_package_folders():
+    """The hand-made layouts (``cp -r foursight_engine``, ``copytree(... "foursight_engine" ...)``) are gone from benchmarks/;
+    gpu_requant.py names the staging step when FourSight is not importable."""
+    for f in sorted((REPO / "benchmarks").rglob("*")):
+        if f.suffix in (".sh", ".py") and "results" not in f.parts:
+            text = f.read_text()
+            assert "cp -r foursight_engine" not in text and '"foursight_engine")' not in text, f
+    r = subprocess.run([sys.executable, "-I", "-S", str(REPO / "benchmarks/weight_sync/gpu_requant.py"), "--out", "/nonexistent"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "benchmarks/device/stage.sh --need base" in r.stderr, r.stderr[-500:]
+
