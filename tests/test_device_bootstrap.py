@@ -6,7 +6,8 @@
 * ``stage.py``'s checks: a part missing although a later one arrived means the machine went back (exit 3); a part
   still to come is named (exit 4); ``--receive-only`` waits; a distribution the image has at the same or a newer
   version is removed from the staged dependencies, an older one is kept.
-* the device scripts stage through ``stage.sh`` (issue 56) and none lays the package out by hand any more.
+* the device scripts stage through ``stage.sh`` (the kernel scripts by ``device_prelude.sh``; issue 56) and none
+  lays the package out by hand any more.
 """
 
 from __future__ import annotations
@@ -230,16 +231,19 @@ def test_prepare_and_stage_scripts_answer_help():
     assert r.returncode == 0, r.stderr
 
 
-#: the device scripts and the profile each stages (the kernel scripts: base; the RL study: model, for SmolLM2)
-STAGED = {"benchmarks/kernels/device_v3.sh": "base", "benchmarks/kernels/device_v4.sh": "base",
-          "benchmarks/kernels/device_ws.sh": "base", "benchmarks/rl/rl_device.sh": "model"}
+#: the kernel device scripts start with device_prelude.sh, which stages with profile base; the RL study stages model
+KERNEL_SCRIPTS = ["benchmarks/kernels/device_v3.sh", "benchmarks/kernels/device_v4.sh", "benchmarks/kernels/device_ws.sh"]
+STAGED = {"benchmarks/kernels/device_prelude.sh": "base", "benchmarks/rl/rl_device.sh": "model"}
 
 
-@pytest.mark.parametrize("script", sorted(STAGED))
+@pytest.mark.parametrize("script", KERNEL_SCRIPTS + sorted(STAGED))
 def test_device_scripts_stage_through_stage_sh(script):
     text = (REPO / script).read_text()
-    assert "source benchmarks/device/stage.sh" in text and f"--need {STAGED[script]}" in text, script
-    assert "foursight_engine" not in text and ".devcarry/a" not in text and ".whl --target /tmp/site" not in text, script
+    if script in KERNEL_SCRIPTS:
+        assert "source benchmarks/kernels/device_prelude.sh" in text, script
+    else:
+        assert "source benchmarks/device/stage.sh" in text and f"--need {STAGED[script]}" in text, script
+    assert "foursight_engine" not in text and ".devcarry/a" not in text and "--target /tmp/site" not in text, script
     r = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

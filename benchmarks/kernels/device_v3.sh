@@ -32,29 +32,13 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"
 
-if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
-  FOURSIGHT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+# FOURSIGHT_COMMIT, the package (on the device the one staging step, benchmarks/device/stage.sh --need base;
+# the dry run: the interpreter's installed package) and KSHA: device_prelude.sh
+source benchmarks/kernels/device_prelude.sh
+if [ "$DRY_RUN" != "1" ] && ls .whl/*.whl >/dev/null 2>&1; then  # GemLite's wheel, when .whl/ carries it (the grid's optional baseline)
+  $PY -m pip install -q --no-index --no-deps --target "$FOURSIGHT_STAGE/whl" .whl/*.whl >/dev/null 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:$FOURSIGHT_STAGE/whl || echo "[device_v3] carried wheels did not install"
 fi
-export FOURSIGHT_COMMIT
-
-# the package: on the device, the one staging step (benchmarks/device/stage.sh: the carried parts of
-# `prepare.py --profile base`, FourSight installed from this tree with its dependencies); the CPU dry run
-# imports the venv's installed package (or DRY_PYTHONPATH)
-if [ "$DRY_RUN" = "1" ]; then
-  [ -n "${DRY_PYTHONPATH:-}" ] && export PYTHONPATH=$DRY_PYTHONPATH
-else
-  source benchmarks/device/stage.sh --need base || exit $?
-  if ls .whl/*.whl >/dev/null 2>&1; then  # GemLite's wheel, when .whl/ carries it (the grid's optional baseline)
-    $PY -m pip install -q --no-index --no-deps --target "$FOURSIGHT_STAGE/whl" .whl/*.whl >/dev/null 2>&1 \
-      && export PYTHONPATH=$PYTHONPATH:$FOURSIGHT_STAGE/whl || echo "[device_v3] carried wheels did not install"
-  fi
-fi
-KSHA=$($PY -c "
-import hashlib, pathlib
-h = hashlib.sha256()
-for f in sorted(pathlib.Path('kernels').glob('*.py')):
-    h.update(f.name.encode()); h.update(f.read_bytes())
-print(h.hexdigest())")
 echo "[device_v3] commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, steps $STEPS, total ${TOTAL_S}s, dry run $DRY_RUN"
 $PY -c "import torch, triton; print('[device_v3] torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
 

@@ -124,23 +124,9 @@ mkdir -p "$OUT"
 W=$(mktemp -d /tmp/v4work.XXXX)   # full outputs; packed into $OUT at the end
 LOG="$W/steps.log"
 
-if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
-  FOURSIGHT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-fi
-export FOURSIGHT_COMMIT
-
-# the package: on the device, the one staging step (benchmarks/device/stage.sh: the carried parts of
-# `prepare.py --profile base`, FourSight installed from this tree with pydantic and its other dependencies);
-# the CPU dry run imports the venv's installed package
-if [ "$DRY_RUN" != "1" ]; then
-  source benchmarks/device/stage.sh --need base || exit $?
-fi
-KSHA=$($PY -c "
-import hashlib, pathlib
-h = hashlib.sha256()
-for f in sorted(pathlib.Path('kernels').glob('*.py')):
-    h.update(f.name.encode()); h.update(f.read_bytes())
-print(h.hexdigest())")
+# FOURSIGHT_COMMIT, the package (on the device the one staging step, benchmarks/device/stage.sh --need base;
+# the dry run: the interpreter's installed package) and KSHA: device_prelude.sh
+source benchmarks/kernels/device_prelude.sh
 CARD=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
 CARD=${CARD:-no GPU (dry run)}
 HDR="commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, card: $CARD"

@@ -32,22 +32,9 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"
 
-if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
-  FOURSIGHT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-fi
-export FOURSIGHT_COMMIT
-
-# the package: on the device, the one staging step (benchmarks/device/stage.sh: the carried parts of
-# `prepare.py --profile base`, FourSight installed from this tree); the CPU dry run imports the venv's package
-if [ "$DRY_RUN" != "1" ]; then
-  source benchmarks/device/stage.sh --need base || exit $?
-fi
-KSHA=$($PY -c "
-import hashlib, pathlib
-h = hashlib.sha256()
-for f in sorted(pathlib.Path('kernels').glob('*.py')):
-    h.update(f.name.encode()); h.update(f.read_bytes())
-print(h.hexdigest())")
+# FOURSIGHT_COMMIT, the package (on the device the one staging step, benchmarks/device/stage.sh --need base;
+# the dry run: the interpreter's installed package) and KSHA: device_prelude.sh
+source benchmarks/kernels/device_prelude.sh
 echo "[device_ws] commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, steps $STEPS, total ${TOTAL_S}s, dry run $DRY_RUN"
 $PY -c "import torch, triton; print('[device_ws] torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
 $PY -c "import foursight.kernels.gluon_ws as g; print('[device_ws] gluon available:', g.available(), g.GLUON_IMPORT_ERROR)"
