@@ -6,6 +6,8 @@
 * ``stage.py``'s checks: a part missing although a later one arrived means the machine went back (exit 3); a part
   still to come is named (exit 4); ``--receive-only`` waits; a distribution the image has at the same or a newer
   version is removed from the staged dependencies, an older one is kept.
+* the device scripts stage through ``stage.sh`` (the kernel scripts by ``device_prelude.sh``; issue 56) and none
+  lays the package out by hand any more.
 """
 
 from __future__ import annotations
@@ -227,3 +229,33 @@ def test_prepare_and_stage_scripts_answer_help():
         assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr[-500:]
     r = subprocess.run(["bash", "-n", str(DEVICE / "stage.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+#: the kernel device scripts start with device_prelude.sh, which stages with profile base; the RL study stages model
+KERNEL_SCRIPTS = ["benchmarks/kernels/device_v3.sh", "benchmarks/kernels/device_v4.sh", "benchmarks/kernels/device_ws.sh"]
+STAGED = {"benchmarks/kernels/device_prelude.sh": "base", "benchmarks/rl/rl_device.sh": "model"}
+
+
+@pytest.mark.parametrize("script", KERNEL_SCRIPTS + sorted(STAGED))
+def test_device_scripts_stage_through_stage_sh(script):
+    text = (REPO / script).read_text()
+    if script in KERNEL_SCRIPTS:
+        assert "source benchmarks/kernels/device_prelude.sh" in text, script
+    else:
+        assert "source benchmarks/device/stage.sh" in text and f"--need {STAGED[script]}" in text, script
+    assert "foursight_engine" not in text and ".devcarry/a" not in text and "--target /tmp/site" not in text, script
+    r = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_no_benchmark_copies_the_package_folders():
+    """The hand-made layouts (``cp -r foursight_engine``, ``copytree(... "foursight_engine" ...)``) are gone from benchmarks/;
+    gpu_requant.py names the staging step when FourSight is not importable."""
+    for f in sorted((REPO / "benchmarks").rglob("*")):
+        if f.suffix in (".sh", ".py") and "results" not in f.parts:
+            text = f.read_text()
+            assert "cp -r foursight_engine" not in text and '"foursight_engine")' not in text, f
+    r = subprocess.run([sys.executable, "-I", "-S", str(REPO / "benchmarks/weight_sync/gpu_requant.py"), "--out", "/nonexistent"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "benchmarks/device/stage.sh --need base" in r.stderr, r.stderr[-500:]
+

@@ -282,8 +282,10 @@ def main(argv: list[str] | None = None) -> None:
           " within the 30 s the machine stays warm after the last (docs/gpu.md):")
     for i, d in enumerate(dirs, 1):
         rel = d.relative_to(ROOT) if d.is_relative_to(ROOT) else d
-        flags = f"--need {args.profile}" if i == len(dirs) else "--receive-only"
+        flags = f"--need {args.profile}" + ("" if i == len(dirs) else " --receive-only")
         print(f'  call {i}: run(command="source benchmarks/device/stage.sh {flags} && <your command>", carry=["{rel}"])')
+    print("prepare: a device script that stages itself (benchmarks/kernels/device_*.sh, benchmarks/rl/rl_device.sh: its header"
+          " says which calls) runs in place of the source step")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def load_gemlite():
     except Exception as e:  # noqa: BLE001 - ImportError, or its import-time device queries failing
         raise BaselineUnavailable(
             f"gemlite is not importable ({type(e).__name__}: {str(e)[:200]}); install the carried wheel: "
-            f"python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site"
+            f"python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site"
         ) from e
     GEMLITE_INFO.update(version=getattr(gemlite, "__version__", "?"), file=os.path.dirname(gemlite.__file__))
     if GEMLITE_INFO["version"] != GEMLITE_VERSION:

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The H200 run of issue 26 for SpliceGEMM v3, in ONE command on a bare GPU machine (torch + Triton
-# preinstalled, no editable install of this package), inside a time budget.
+# preinstalled; FourSight staged by benchmarks/device/stage.sh --need base), inside a time budget.
 #
-#   bash benchmarks/kernels/device_v3.sh                 # on the device: results into $OUT (default /tmp/out_v3)
-#   DRY_RUN=1 OUT=/tmp/dry bash benchmarks/kernels/device_v3.sh   # on a CPU machine: every step's argument
-#                                                # handling and JSON provenance, no GPU, no timing
+#   .venv/bin/python benchmarks/device/prepare.py --profile base   # on the CPU first: the part(s) to carry
+#   bash benchmarks/kernels/device_v3.sh                 # on the device, carry [".devcarry/p1"]: results into $OUT
+#                                                # (default /tmp/out_v3)
+#   DRY_RUN=1 PY=.venv/bin/python OUT=/tmp/dry bash benchmarks/kernels/device_v3.sh   # on a CPU machine: every
+#                                                # step's argument handling and JSON provenance, no GPU, no timing
 #
 # Steps (STEPS, comma-separated, in this order by default), each under a `timeout` that is the smaller
 # of its cap and the time left before TOTAL_S (default 530 s) minus a reserve:
@@ -30,33 +32,13 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"
 
-if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
-  FOURSIGHT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+# FOURSIGHT_COMMIT, the package (on the device the one staging step, benchmarks/device/stage.sh --need base;
+# the dry run: the interpreter's installed package) and KSHA: device_prelude.sh
+source benchmarks/kernels/device_prelude.sh
+if [ "$DRY_RUN" != "1" ] && ls .whl/*.whl >/dev/null 2>&1; then  # GemLite's wheel, when .whl/ carries it (the grid's optional baseline)
+  $PY -m pip install -q --no-index --no-deps --target "$FOURSIGHT_STAGE/whl" .whl/*.whl >/dev/null 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:$FOURSIGHT_STAGE/whl || echo "[device_v3] carried wheels did not install"
 fi
-export FOURSIGHT_COMMIT
-
-# the package as `foursight` without an install (pyproject's package-dir mapping, by copies)
-if [ "$DRY_RUN" = "1" ] && [ -n "${DRY_PYTHONPATH:-}" ]; then
-  export PYTHONPATH=$DRY_PYTHONPATH
-else
-  PP=$(mktemp -d /tmp/pp.XXXX)
-  mkdir -p "$PP/foursight"
-  cp -r foursight_engine/* "$PP/foursight/"
-  cp -r kernels "$PP/foursight/kernels"
-  cp foursight_autoload.py "$PP/"
-  SITE="$PP/site"
-  mkdir -p "$SITE"
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl >/dev/null 2>&1 || echo "[device_v3] carried wheels did not install"
-  fi
-  export PYTHONPATH=$PP:$SITE
-fi
-KSHA=$($PY -c "
-import hashlib, pathlib
-h = hashlib.sha256()
-for f in sorted(pathlib.Path('kernels').glob('*.py')):
-    h.update(f.name.encode()); h.update(f.read_bytes())
-print(h.hexdigest())")
 echo "[device_v3] commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, steps $STEPS, total ${TOTAL_S}s, dry run $DRY_RUN"
 $PY -c "import torch, triton; print('[device_v3] torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SpliceGEMM v4 (issue 36) on one H100 or H200 (a bare GPU machine: torch + Triton preinstalled, ncu, no
-# install of this package), every step in a fresh process under its own time cap.
+# SpliceGEMM v4 (issue 36) on one H100 or H200 (a bare GPU machine: torch + Triton preinstalled, ncu;
+# FourSight staged by benchmarks/device/stage.sh --need base), every step in a fresh process under its own time cap.
 #
 # The issue's must-shows in TWO device calls of at most 570 s each (H100 80GB HBM3; caps from its runs,
 # benchmarks/results/h100-2026-12-06-v4/, h100-2026-12-06b-v4/ and h100-2026-12-06c-v4/):
@@ -67,7 +67,8 @@
 #   stream     (opt-in) benchmarks/kernels/probe_stream.py: that form's tiles forced against the autotuned default
 #              and cuBLAS (before and after), the three 8B shapes, M 1/16, k 0/128 (STREAM_SHAPES, STREAM_MS,
 #              STREAM_KS override); writes stream.json (+ stream.md)
-# Carry .devcarry/a on a bare machine: the pydantic wheels are installed from it.
+# On a bare machine: `.venv/bin/python benchmarks/device/prepare.py --profile base` on the CPU first, then carry
+# its part (.devcarry/p1) with the call: the script stages FourSight with benchmarks/device/stage.sh --need base.
 # The pytest steps print one line per test as it ends (-v), so a cut run still says what passed; tests.log
 # keeps those lines (path prefix dropped), the autotuner's lines and each run's last lines.
 # $OUT gets at most 7 files (the device tool returns 8; one is left for an appended script):
@@ -123,29 +124,9 @@ mkdir -p "$OUT"
 W=$(mktemp -d /tmp/v4work.XXXX)   # full outputs; packed into $OUT at the end
 LOG="$W/steps.log"
 
-if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
-  FOURSIGHT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-fi
-export FOURSIGHT_COMMIT
-
-# the package as `foursight` without an install (pyproject's package-dir mapping, by copies)
-PP=$(mktemp -d /tmp/pp.XXXX)
-mkdir -p "$PP/foursight"
-cp -r foursight_engine/* "$PP/foursight/"
-cp -r kernels "$PP/foursight/kernels"
-cp -r quant_methods "$PP/foursight/quant_methods"
-cp foursight_autoload.py "$PP/"
-export PYTHONPATH=$PP:/tmp/site:$ROOT  # /tmp/site: the pydantic wheels rl_device.sh stage installs (foursight.schema needs pydantic); $ROOT: foursight_autoload
-# a bare machine without that stage: install the carried pydantic wheels (.devcarry/a, rl_prepare_carry.py) here
-if ! $PY -c "import pydantic" 2>/dev/null && ls .devcarry/a/pydantic-*.whl > /dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devcarry/a/*.whl 2>&1 | tail -2  # as rl_device.sh's stage
-fi
-KSHA=$($PY -c "
-import hashlib, pathlib
-h = hashlib.sha256()
-for f in sorted(pathlib.Path('kernels').glob('*.py')):
-    h.update(f.name.encode()); h.update(f.read_bytes())
-print(h.hexdigest())")
+# FOURSIGHT_COMMIT, the package (on the device the one staging step, benchmarks/device/stage.sh --need base;
+# the dry run: the interpreter's installed package) and KSHA: device_prelude.sh
+source benchmarks/kernels/device_prelude.sh
 CARD=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
 CARD=${CARD:-no GPU (dry run)}
 HDR="commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, card: $CARD"
@@ -293,5 +274,5 @@ want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM
 tar -C "$W" -czf "$OUT/v4_rest.tar.gz" . 2>/dev/null
 ls -la "$OUT"
 tail -40 "$OUT/v4_summary.md" | grep -v '^$' | tail -25
-[ "$DRY_RUN" = "1" ] && rm -rf "$W" "$PP"
+[ "$DRY_RUN" = "1" ] && rm -rf "$W"
 exit 0

