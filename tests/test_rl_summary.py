@@ -171,3 +171,45 @@ def test_timing_medians_and_sync_share(tmp_path):
     t = rl_summary.timing(rl_summary.load_runs(tmp_path, rl_summary._TIMING))["fs_comp"]
     assert t["steps"] == 3 and t["t_sync"] == pytest.approx(0.6) and t["t_step"] == pytest.approx(3.05)
     assert t["sync_share"] == pytest.approx(0.6 / 3.05)
+
+
+def test_t_quantile_and_interval_against_tables():
+    """Student's t quantiles against printed tables (df 5: 2.5706, df 13: 2.1604, df 1: 12.706), and the
+    t interval of a mean as mean ± t · sd / sqrt(n) (study v3's six seeds under-cover with the bootstrap)."""
+    q = rl_summary.t_quantile
+    assert q(0.975, 5) == pytest.approx(2.570582, abs=1e-5)
+    assert q(0.975, 13) == pytest.approx(2.160369, abs=1e-5)
+    assert q(0.975, 1) == pytest.approx(12.7062, abs=1e-3)
+    assert q(0.5, 7) == pytest.approx(0.0, abs=1e-6) and q(0.025, 5) == pytest.approx(-2.570582, abs=1e-5)
+    xs = [0.1, 0.3, -0.2, 0.05, 0.4, 0.0]
+    m = sum(xs) / 6
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / 5)
+    lo, hi = rl_summary.t_interval(xs)
+    assert lo == pytest.approx(m - 2.570582 * sd / math.sqrt(6), abs=1e-6)
+    assert hi == pytest.approx(m + 2.570582 * sd / math.sqrt(6), abs=1e-6)
+    assert rl_summary.t_interval([0.3]) == (None, None) and rl_summary.t_interval([]) == (None, None)
+
+
+def test_holm_adjusted_p_by_hand():
+    """Holm's step-down adjustment: the smallest p times m, the next times m-1, kept monotone, capped at 1."""
+    h = rl_summary.holm
+    assert h({"a": 0.01, "b": 0.04}) == {"a": pytest.approx(0.02), "b": pytest.approx(0.04)}
+    assert h({"a": 0.03, "b": 0.02}) == {"a": pytest.approx(0.04), "b": pytest.approx(0.04)}  # monotone: a >= b's 0.04
+    assert h({"a": 0.6, "b": 0.7, "c": 0.01}) == {"a": pytest.approx(1.0), "b": pytest.approx(1.0), "c": pytest.approx(0.03)}
+    assert h({"a": None, "b": 0.02}) == {"a": None, "b": pytest.approx(0.02)}  # an untestable contrast is not counted
+
+
+def test_sign_flip_power_six_seeds_in_closed_form_and_detectable_effect():
+    """With 6 seeds the exact sign-flip test rejects at 0.05 only when all six agree, so its power to detect
+    an effect in its own direction under normal differences is Phi(|d|)^6 (d = effect / sd); the Monte
+    Carlo power matches it, and 80 % power needs d of about 1.79."""
+    phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))  # noqa: E731
+    for d in (0.5, 1.0, 1.8, -1.0):
+        exact = phi(abs(d)) ** 6
+        assert rl_summary.sign_flip_power_closed6(d) == pytest.approx(exact)
+        mc = rl_summary.sign_flip_power(d, 1.0, 6, 0.05, reps=4000)
+        assert mc == pytest.approx(exact, abs=0.03)
+    d80 = rl_summary.detectable_effect(1.0, 6, 0.05, power=0.8, reps=4000)
+    assert d80 == pytest.approx(1.79, abs=0.06)
+    # more seeds detect smaller effects; a larger alpha too
+    assert rl_summary.detectable_effect(1.0, 14, 0.025, reps=2000) < d80
