@@ -140,7 +140,9 @@ def audit(folder: Path) -> dict:
     bf_correct = [round(step_rec(runs["bf16"][sd], 1)["accuracy"] * 128) for sd in seeds]  # 16 x 8 samples per step
     out["start"] = {"greedy_step0_values": ev0, "greedy_step0_questions": [round(x * QUESTIONS) for x in ev0],
                     "bf16_sampled_step1_per_seed": s1["bf16"]["accuracy"]["per_seed"], "bf16_sampled_step1_mean": s1["bf16"]["accuracy"]["mean"],
-                    "bf16_sampled_step1_correct": sum(bf_correct), "bf16_sampled_step1_samples": 128 * len(seeds)}
+                    "bf16_sampled_step1_correct": sum(bf_correct), "bf16_sampled_step1_samples": 128 * len(seeds),
+                    # the share of the 16 groups of 8 with a reward signal (not every sample equal) at step 1
+                    "bf16_groups_with_signal_step1": 1 - sum(step_rec(runs["bf16"][sd], 1)["adv_zero_groups"] for sd in seeds) / len(seeds)}
     auc30 = {a: [rs.auc(runs[a][sd]["evals"], 30) for sd in seeds] for a in ARMS}
     out["ceiling"] = {
         "bf16_min_eval_from_step9": min(a for r in runs["bf16"].values() for s, a in r["evals"] if s >= 9),
@@ -204,7 +206,8 @@ def markdown(r: dict) -> str:
           f"({', '.join(str(x) for x in st['greedy_step0_questions'])} of 128).",
           f"- BF16's sampled accuracy at step 1 (T = 1, 16 x 8 samples): {st['bf16_sampled_step1_mean']:.1%} "
           f"({st['bf16_sampled_step1_correct']} of {st['bf16_sampled_step1_samples']}; per seed "
-          f"{' / '.join(f'{x:.1%}' for x in st['bf16_sampled_step1_per_seed'])}).",
+          f"{' / '.join(f'{x:.1%}' for x in st['bf16_sampled_step1_per_seed'])}); groups of 8 with a reward signal at step 1: "
+          f"{st['bf16_groups_with_signal_step1']:.1%}.",
           f"- BF16's lowest eval from step 9 on, over all seeds: {ce['bf16_min_eval_from_step9']:.3f}. BF16 - NVFP4 AUC 0-30: "
           f"{ce['bf16_minus_nvfp4_auc30']:.3f}.",
           "- Mean AUC 0-30 / mean of evals 15-30 / late collapses (>= 0.97 earlier, < 0.9 at step 30; seeds):"]
