@@ -225,3 +225,38 @@ def test_v3_audit_file_is_what_the_script_computes():
     for r in (committed, fresh):
         r.pop("commit"), r.pop("command")
     assert fresh == committed
+
+
+def test_the_printed_summary_commands_regenerate_the_committed_files(tmp_path):
+    """Issue 53: every summary command docs/rl.md prints rewrites the committed summary.md, summary.json, curves.png
+    and step_time.png byte for byte: study v3's with today's rl_summary.py, the older folders' with the script of
+    the commit that wrote them (``git show C:benchmarks/rl_summary.py``). Run on a copy with those files removed,
+    so a command that writes nothing fails too."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "rl.md").read_text()
+    old = re.findall(r"git show (\w+):benchmarks/rl_summary\.py > (\S+) && \.venv/bin/python \2 (benchmarks/results/rl/[\w.-]+)", doc)
+    new = re.findall(r"\.venv/bin/python benchmarks/rl/rl_summary\.py (benchmarks/results/rl/study-v3)\b", doc)
+    assert len(old) == 3 and new, (old, new)
+    if shutil.which("git") is None or subprocess.run(["git", "cat-file", "-e", old[0][0]], cwd=root, capture_output=True).returncode:
+        pytest.skip("needs the git history of the repository")
+    jobs = []
+    for commit, _, folder in old:
+        script = tmp_path / f"rl_summary_{commit}.py"
+        script.write_text(subprocess.run(["git", "show", f"{commit}:benchmarks/rl_summary.py"], cwd=root, capture_output=True,
+                                         text=True, check=True).stdout)
+        jobs.append((script, folder))
+    jobs += [(root / "benchmarks" / "rl" / "rl_summary.py", f) for f in set(new)]
+    for script, folder in jobs:
+        copy = tmp_path / Path(folder).name
+        shutil.copytree(root / folder, copy)
+        names = ("summary.md", "summary.json", "curves.png", "step_time.png")
+        for n in names:
+            (copy / n).unlink()
+        subprocess.run([sys.executable, str(script), str(copy)], check=True, capture_output=True)
+        for n in names:
+            assert (copy / n).read_bytes() == (root / folder / n).read_bytes(), f"{folder}/{n} differs"
