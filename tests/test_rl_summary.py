@@ -260,3 +260,63 @@ def test_the_printed_summary_commands_regenerate_the_committed_files(tmp_path):
         subprocess.run([sys.executable, str(script), str(copy)], check=True, capture_output=True)
         for n in names:
             assert (copy / n).read_bytes() == (root / folder / n).read_bytes(), f"{folder}/{n} differs"
+
+
+def _write_v4(folder: Path, name: str, accs: list[float], extra: dict | None = None, step1: dict | None = None) -> None:
+    """A finished v4 log: evals at 0, 3, ..., 30 with ``accs`` (and ``extra`` fields per eval), step 1's record."""
+    lines = [{"type": "config"}]
+    for i, a in enumerate(accs):
+        s = 3 * i
+        if s:
+            lines.append({"type": "step", "step": s - 2, **(step1 or {}), "filtered_fraction": 0.0})
+        lines.append({"type": "eval", "step": s, "eval_acc": a, **{k: v[i] for k, v in (extra or {}).items()}})
+    lines.append({"type": "done", "step": 30})
+    (folder / f"{name}.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_v4_primary_p1_p2_holm_and_readings(tmp_path):
+    """Study v4's pre-registered analysis on synthetic logs: P1 (fs_filter - nvfp4, AUC 0-30) positive in all 14
+    seeds -> exact p 2/2^14, Holm's adjusted p 2x that, supported; P2 (fs_filter - nvfp4_carve, AUC 0-12) a wash ->
+    not resolved, with the 97.5 % t interval's upper end as the bound; AUCs by hand."""
+    base = [0.5] * 11
+    for sd in range(6, 20):
+        fs = [0.5] + [0.8] * 10
+        nv = [0.5] + [0.7] * 10
+        cv = [0.5] + ([0.9] * 10 if sd % 2 else [0.7] * 10)
+        _write_v4(tmp_path, f"fs_filter_s{sd}", fs)
+        _write_v4(tmp_path, f"nvfp4_s{sd}", nv)
+        _write_v4(tmp_path, f"nvfp4_carve_s{sd}", cv)
+    _write_v4(tmp_path, "bf16_s6", base)
+    runs = rl_summary.load_runs(tmp_path, finished_only=True)
+    p = rl_summary.primary_v4(runs)
+    p1, p2 = p["contrasts"]["P1"], p["contrasts"]["P2"]
+    # AUC 0-30 of (0, .5), (3, .8), ..., (30, .8): (3 * (.5 + .8) / 2 + 27 * .8) / 30; the difference of two such: .1 * 28.5 / 30
+    assert p1["n"] == 14 and p1["per_seed"]["6"] == pytest.approx(0.1 * 28.5 / 30) and p1["positive_seeds"] == 14
+    assert p1["p"] == pytest.approx(2 / 2**14) and p1["p_holm"] == pytest.approx(2 * 2 / 2**14)
+    assert p1["reading"] == "supported"
+    # P2 over 0-12: odd seeds fs - carve = -.1 * 10.5 / 12, even seeds +.1 * 10.5 / 12: mean 0
+    assert p2["upto"] == 12 and p2["per_seed"]["7"] == pytest.approx(-0.1 * 10.5 / 12) and p2["mean"] == pytest.approx(0, abs=1e-12)
+    assert p2["p_holm"] == pytest.approx(1.0)
+    hi = p2["ci"][1]
+    assert hi == pytest.approx(rl_summary.t_quantile(0.9875, 13) * p2["sd"] / math.sqrt(14))
+    assert p2["reading"] == f"not resolved (the effect is at most {hi:+.3f} AUC)"
+    md = rl_summary.v4_markdown(p, rl_summary.secondary_v4(runs))
+    assert "| P1: fs_filter - nvfp4, AUC 0-30 | 14 |" in md and "supported" in md
+
+
+def test_v4_secondaries_by_hand(tmp_path):
+    """Late mean over evals 15-30, drops (an eval >= 0.10 below the run's best earlier one), late collapses, step 1's
+    mismatch and filter dose, and the engine's and the sampled accuracy's AUC and step-30 value."""
+    drop = [0.5, 0.6, 0.98, 0.97, 0.99, 0.85, 0.9, 0.95, 0.97, 0.96, 0.85]  # drop at step 15 (0.99 -> 0.85), collapse at 30
+    steady = [0.5, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.92]
+    eng = {"engine_eval_acc": [0.4] * 11, "eval_sampled_acc": [0.1] * 10 + [0.4]}
+    s1 = {"tim/abs_log_ratio_mean": 0.4, "tim/k3_mean": 0.2, "tim/tail_seq_fraction": 0.7, "tim/tail_share_worst_5pct": 0.25,
+          "filter/tau": 0.6}
+    _write_v4(tmp_path, "fs_filter_s6", drop, eng, s1)
+    _write_v4(tmp_path, "fs_filter_s7", steady, eng, s1)
+    sec = rl_summary.secondary_v4(rl_summary.load_runs(tmp_path))["fs_filter"]
+    assert sec["drop_seeds"] == [6] and sec["late_collapse_seeds"] == [6]
+    assert sec["late_mean"] == pytest.approx((sum(drop[5:]) / 6 + sum(steady[5:]) / 6) / 2)
+    assert sec["step1_abs_r"] == 0.4 and sec["step1_tau"] == 0.6 and sec["step1_filtered"] == 0.0
+    assert sec["engine_auc"] == pytest.approx(0.4) and sec["engine_at_30"] == 0.4
+    assert sec["sampled_auc"] == pytest.approx((27 * 0.1 + 3 * 0.25) / 30) and sec["sampled_at_30"] == 0.4

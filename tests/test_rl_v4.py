@@ -176,3 +176,86 @@ def test_fitted_tau_stays_fixed_and_survives_a_resume(tmp_path, tiny_llama_dir):
     for a, b in zip(st, rs):
         assert a["filter/tau"] == b["filter/tau"] and a["filtered_fraction"] == b["filtered_fraction"]
         assert a["reward"] == b["reward"] and a["tim/num_tokens"] == b["tim/num_tokens"]
+
+
+# ------------------------------------------------------------------------------- the v4 design (benchmarks/rl/rl_study.py)
+def test_v4_design_is_the_preregistered_one():
+    """`--study v4`: nvfp4, nvfp4_carve, fs_filter x seeds 6-19 and bf16 x 6-7 (44 runs, no v3 seed); every run has v3's
+    settings and objective, plus the two eval metrics; fs_filter fits τ online (0.9) instead of the committed τ; v3's
+    commands are unchanged; a seed or arm outside the design is refused."""
+    from pathlib import Path
+
+    from helpers.scripts import load_benchmark
+
+    st = load_benchmark("rl_study")
+    runs = st.STUDIES["v4"]["runs"]
+    assert len(runs) == len(set(runs)) == 44
+    by_arm = {}
+    for n in runs:
+        arm, seed = n.rsplit("_s", 1)
+        by_arm.setdefault(arm, []).append(int(seed))
+    assert by_arm == {"nvfp4": list(range(6, 20)), "nvfp4_carve": list(range(6, 20)), "fs_filter": list(range(6, 20)), "bf16": [6, 7]}
+    assert not {int(n.rsplit("_s", 1)[1]) for n in runs} & set(st.SEEDS)  # never pooled with v3's seeds
+    common = dict(st.COMMON, **st.STUDIES["v4"]["common"])
+    for n in runs:
+        cmd = st.command(n, "M", Path("/s"), 0, common, "cuda", study="v4")
+        args = cmd[cmd.index("rl"):]
+        for k, v in st.COMMON.items():  # v3's regime unchanged
+            assert args[args.index(f"--{k}") + 1] == str(v), (n, k)
+        assert args[args.index("--eval-sampled") + 1] == "4" and "--eval-engine" in args and "--no-follow" in args
+        assert "--engine" not in args  # the HF rollout engine, as in v3 (the default)
+        if n.startswith("fs_filter"):
+            assert args[-4:] == ["--filter", "mean_abs", "--filter-tau-fit", "0.9"] and "--filter-tau" not in args
+        if n.startswith("nvfp4_carve"):
+            assert args[-4:] == st.CARVE
+    v3 = st.command("fs_filter_s0", "M", Path("/s"), 0, st.COMMON, "cuda")
+    assert v3[-4:-2] == ["--filter", "mean_abs"] and "--eval-engine" not in v3 and "--filter-tau-fit" not in v3
+    assert st.study_names("v4", ["fs_filter"], (6, 7)) == ["fs_filter_s6", "fs_filter_s7"]
+    assert st.study_names("v4", None, (6,)) == ["bf16_s6", "nvfp4_s6", "nvfp4_carve_s6", "fs_filter_s6"]
+    for arms, seeds in ((None, (0,)), (["fs_comp"], None)):
+        with pytest.raises(SystemExit, match="not in its design"):
+            st.study_names("v4", arms, seeds)
+    assert st.study_names("v3", None, None) == st.run_names(st.MAIN_ARMS, st.SEEDS)
+
+
+@pytest.mark.slow
+def test_v4_cpu_dry_run_and_its_summary(tmp_path):
+    """The v4 design end to end on the CPU (RL_DRY=1: the tiny model, 2 steps): seed 6's four runs through the real
+    command lines, then rl_summary.py reads the folder as v4 (its manifest) and writes the pre-registered tables. A
+    second call on the same state skips the finished runs; a v3 call on it is refused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    state, out = tmp_path / "state", tmp_path / "out"
+    env = dict(os.environ, RL_DRY="1")
+    cmd = [sys.executable, str(root / "benchmarks/rl/rl_study.py"), "--study", "v4", "--seeds", "6", "--state", str(state),
+           "--out", str(out), "--deadline-s", "900", "--slots", "2"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "4/4 runs done" in r.stdout
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["study"] == "v4" and "--eval-engine" in man["switches"]
+    logs = {n: _read(out / f"{n}_s6.jsonl") for n in ("bf16", "nvfp4", "nvfp4_carve", "fs_filter")}
+    for n, recs in logs.items():
+        assert recs[-1] == {"type": "done", "step": 2}, n
+        assert recs[0]["seed"] == 6 and recs[0]["eval_sampled"] == 4 and recs[0]["eval_engine"] is True
+        for e in (x for x in recs if x["type"] == "eval"):
+            assert {"eval_acc", "eval_sampled_acc", "engine_eval_acc"} <= set(e), n
+    fs = logs["fs_filter"]
+    assert fs[0]["filter"] == "mean_abs" and fs[0]["filter_tau_fit"] == 0.9 and fs[0]["filter_tau"] is None
+    steps = [x for x in fs if x["type"] == "step"]
+    assert steps[0]["filter/tau_fitted"] == 1.0 and steps[0]["filter/tau"] == steps[1]["filter/tau"] > 0
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "4/4 runs done" in again.stdout and "(0 not started" in again.stdout
+    v3 = subprocess.run([c if c != "v4" else "v3" for c in cmd if c not in ("--seeds", "6")], env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert v3.returncode != 0 and "holds study v4" in v3.stdout + v3.stderr
+    s = subprocess.run([sys.executable, str(root / "benchmarks/rl/rl_summary.py"), str(out), "--no-plot", "--upto", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert s.returncode == 0, s.stdout + s.stderr
+    md = (out / "summary.md").read_text()
+    assert "Primary (pre-registered, docs/rl.md \"Study v4\")" in md and "| P1: fs_filter - nvfp4, AUC 0-30 |" in md
+    assert json.loads((out / "summary.json").read_text())["study"] == "v4"
