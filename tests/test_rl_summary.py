@@ -320,3 +320,21 @@ def test_v4_secondaries_by_hand(tmp_path):
     assert sec["step1_abs_r"] == 0.4 and sec["step1_tau"] == 0.6 and sec["step1_filtered"] == 0.0
     assert sec["engine_auc"] == pytest.approx(0.4) and sec["engine_at_30"] == 0.4
     assert sec["sampled_auc"] == pytest.approx((27 * 0.1 + 3 * 0.25) / 30) and sec["sampled_at_30"] == 0.4
+
+
+def test_v4_power_holm_matches_the_scalar_rule():
+    """rl_v4_power's vectorised Holm decision equals rl_summary.holm draw by draw, and with no effect each contrast is
+    detected at about its share of alpha (a check that can fail: a Bonferroni-free test would detect ~2.5 % each)."""
+    import numpy as np
+
+    pw = load_benchmark("rl_v4_power")
+    rng = np.random.default_rng(1)
+    z = rng.standard_normal((300, 14, 2))
+    p = np.stack([rl_summary.sign_flip_p_batch(z[..., k]) for k in range(2)], 1)
+    lo, hi = p.min(1, keepdims=True), p.max(1, keepdims=True)
+    vec = np.where(p == lo, 2 * lo, np.maximum(2 * lo, hi))
+    for row, v in zip(p, vec):
+        h = rl_summary.holm({"a": float(row[0]), "b": float(row[1])})
+        assert [h["a"], h["b"]] == pytest.approx(np.minimum(1.0, v).tolist())
+    null = pw.holm_power(np.zeros(2), np.ones(2), 0.3, 14, 0.05, 4000)
+    assert all(x < 0.03 for x in null["power"])  # one direction of two, Holm at 0.05: about 0.0125-0.025 each
