@@ -313,13 +313,14 @@ def test_v4_secondaries_by_hand(tmp_path):
     s1 = {"tim/abs_log_ratio_mean": 0.4, "tim/k3_mean": 0.2, "tim/tail_seq_fraction": 0.7, "tim/tail_share_worst_5pct": 0.25,
           "filter/tau": 0.6}
     _write_v4(tmp_path, "fs_filter_s6", drop, eng, s1)
-    _write_v4(tmp_path, "fs_filter_s7", steady, eng, s1)
+    _write_v4(tmp_path, "fs_filter_s7", steady, dict(eng, **{"mem/peak_reserved_gib": [7.5] * 10 + [9.25]}), s1)
     sec = rl_summary.secondary_v4(rl_summary.load_runs(tmp_path))["fs_filter"]
     assert sec["drop_seeds"] == [6] and sec["late_collapse_seeds"] == [6]
     assert sec["late_mean"] == pytest.approx((sum(drop[5:]) / 6 + sum(steady[5:]) / 6) / 2)
     assert sec["step1_abs_r"] == 0.4 and sec["step1_tau"] == 0.6 and sec["step1_filtered"] == 0.0
     assert sec["engine_auc"] == pytest.approx(0.4) and sec["engine_at_30"] == 0.4
     assert sec["sampled_auc"] == pytest.approx((27 * 0.1 + 3 * 0.25) / 30) and sec["sampled_at_30"] == 0.4
+    assert sec["peak_reserved_gib_max"] == 9.25  # an eval's peak counts
 
 
 def test_v4_power_holm_matches_the_scalar_rule():

@@ -102,6 +102,7 @@ def test_eval_extras_are_logged_and_leave_the_training_steps_unchanged(tmp_path,
         assert round(r["eval_sampled_acc"] * 6, 9) == round(r["eval_sampled_acc"] * 6) and 0 <= r["eval_sampled_acc"] <= 1
         assert round(r["engine_eval_acc"] * 3, 9) == round(r["engine_eval_acc"] * 3) and 0 <= r["engine_eval_acc"] <= 1
         assert r["time/eval_sampled"] > 0 and r["time/eval_engine"] > 0
+        assert r["mem/peak_reserved_gib"] is None and r["mem/max_rss_gib"] > 0  # the eval's memory (GPU peak: None on the CPU)
     assert all("engine_eval_acc" not in r for r in _read(plain) if r["type"] == "eval")
     skip = lambda k: k.startswith(("time/", "mem/")) or k == "wall_s"  # noqa: E731
     a = [{k: v for k, v in r.items() if not skip(k)} for r in _read(plain) if r["type"] == "step"]

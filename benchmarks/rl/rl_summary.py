@@ -452,7 +452,7 @@ def secondary_v4(runs: dict[str, dict[int, dict]]) -> dict:
     (an eval >= 0.10 below the run's best earlier eval) and with a late collapse (>= 0.97 earlier, < 0.9 at step 30),
     the mismatch at step 1 (identical weights in every arm: the study's TIM figure), the filter's dose at step 1 and
     over the run with its τ, the engine's own greedy accuracy and the learner's sampled accuracy (AUC 0-30 and at
-    step 30), and the peak GPU memory of any run."""
+    step 30), and the peak GPU memory of any run (its steps' and its evals' peaks)."""
     out = {}
     for cfg, seeds in runs.items():
         late, drops, collapses = [], [], []
@@ -476,7 +476,8 @@ def secondary_v4(runs: dict[str, dict[int, dict]]) -> dict:
             ser = [_series(r, key) for r in seeds.values()]
             row[f"{name}_auc"] = mean_spread([auc(x, 30) for x in ser])[0]
             row[f"{name}_at_30"] = mean_spread([dict(x).get(30) for x in ser])[0]
-        peaks = [x.get("mem/peak_reserved_gib") for r in seeds.values() for x in r["steps"] if x.get("mem/peak_reserved_gib") is not None]
+        peaks = [x.get("mem/peak_reserved_gib") for r in seeds.values() for x in r["steps"] + list(r["eval_recs"].values())
+                 if x.get("mem/peak_reserved_gib") is not None]
         row["peak_reserved_gib_max"] = max(peaks) if peaks else None
         out[cfg] = row
     return out

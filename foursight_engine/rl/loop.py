@@ -351,6 +351,8 @@ def eval_and_log(run: RLRun, step: int, log: Callable[[str], None]) -> float:
     and the rollout engine's own greedy accuracy (``cfg.eval_engine``: the engine is synced to the learner first, so it
     holds the weights the learner was just evaluated at; ``engine_eval_acc``). None of them touches the training RNG
     or the weights, so the run's steps are the same with or without them (``tests/test_rl_v4.py``)."""
+    if run.dev.type == "cuda":  # the eval's own peak (a step's peak is reset when the step starts)
+        torch.cuda.reset_peak_memory_stats(run.dev)
     t0 = time.perf_counter()
     cfg = run.cfg
     kw = dict(style=cfg.prompt_style, prefill=cfg.prefill)
@@ -369,6 +371,8 @@ def eval_and_log(run: RLRun, step: int, log: Callable[[str], None]) -> float:
         rec.update(evaluate_engine(run.engine, run.tok, run.evals, cfg.max_new_tokens, **kw))
         rec["time/eval_engine"] = _now(run.dev) - t1
         extra += f" engine={rec['engine_eval_acc']:.3f}"
+    if cfg.eval_sampled or cfg.eval_engine:  # the extra generations' memory, for the study's per-run memory bound
+        rec.update(memory_record(run.dev))
     run.emit(rec)
     log(f"  step {step:4d} eval_acc={ev['eval_acc']:.3f} format={ev['eval_format']:.2f}{extra}")
     return ev["eval_acc"]
