@@ -1,8 +1,15 @@
-"""The RL study (v3: issue 35, docs/rl.md): rollout precisions x seeds, the same number of steps each,
+"""The RL study (v3: issue 35; v4: issue 51; docs/rl.md): rollout precisions x seeds, the same number of steps each,
 spread over every visible GPU, in resumable chunks of one device call (run by ``benchmarks/rl/rl_device.sh run``).
 
     python benchmarks/rl/rl_study.py --model DIR --state /tmp/fsrl_state --out $OUT [--deadline-s 480]
-        [--arms bf16,nvfp4,...] [--seeds 0,1] [--steps 60]
+        [--study v3|v4] [--arms bf16,nvfp4,...] [--seeds 0,1] [--steps 60]
+    RL_STUDY=v4 RL_SEEDS=6,7 bash benchmarks/rl/rl_device.sh run   # the device script passes RL_STUDY through
+    RL_DRY=1 python benchmarks/rl/rl_study.py --study v4 --seeds 6 --state /tmp/dry4 --out /tmp/dry4_out   # v4's CPU dry run
+
+Studies (:data:`STUDIES`): ``v3`` (the default; six arms x seeds 0-5, any arm of :data:`ARMS` with ``--arms``) and
+``v4`` (the pre-registered confirmatory design: ``nvfp4``, ``nvfp4_carve``, ``fs_filter`` x seeds 6-19 and ``bf16`` x
+seeds 6-7; the evals add the learner's sampled accuracy and the engine's own greedy accuracy, and the filter's τ is
+fitted online at step 1). A state folder holds one study (``manifest.json`` names it).
     python benchmarks/rl/rl_study.py --model DIR --state S --out O --timing [--arms ...]   # isolated step times
     RL_DRY=1 python benchmarks/rl/rl_study.py --state /tmp/dry --out /tmp/dry_out   # CPU dry run, tiny model
 
@@ -72,11 +79,21 @@ ARMS: dict[str, tuple[str, list[str] | str]] = {
 #: the arms of a plain call (the paper's 2 x 2 ablation + BF16 + the equal-byte carve-out), in launch order
 MAIN_ARMS = ("bf16", "nvfp4", "nvfp4_carve", "nvfp4_filter", "fs_comp", "fs_filter")
 SEEDS = (0, 1, 2, 3, 4, 5)
+#: study v4 (issue 51, pre-registered in docs/rl.md "Study v4"): fresh seeds, never pooled with v3's; three arms on every
+#: seed and BF16 on the first two as a ceiling anchor
+V4_ARMS = ("nvfp4", "nvfp4_carve", "fs_filter")
+V4_SEEDS = tuple(range(6, 20))
+V4_ANCHOR_SEEDS = (6, 7)
 
 
-def arm_flags(arm: str) -> tuple[str, list[str]]:
+def arm_flags(arm: str, study: str = "v3") -> tuple[str, list[str]]:
+    """``--rollout-precision`` and the extra flags of ``arm`` in ``study``: a filter arm's τ comes from the committed
+    file (v3) or is fitted online at step 1 by the same quantile rule (v4: ``--filter-tau-fit``)."""
     prec, extra = ARMS[arm]
-    return prec, (filter_flags(extra.split(":", 1)[1]) if isinstance(extra, str) else list(extra))
+    if not isinstance(extra, str):
+        return prec, list(extra)
+    q = STUDIES[study]["tau_fit"]
+    return prec, (["--filter", "mean_abs", "--filter-tau-fit", f"{q:g}"] if q else filter_flags(extra.split(":", 1)[1]))
 
 
 #: objective name -> flags added to every run: ``rollout`` = the engine's log-probs as π_old (the
@@ -116,6 +133,33 @@ def run_names(arms=MAIN_ARMS, seeds=SEEDS, sep: str = "_s") -> list[str]:
     return [f"{c}{sep}{s}" for s in seeds for c in arms]
 
 
+#: the named studies (``--study``, or RL_STUDY in the environment, so ``rl_device.sh`` passes it through unchanged):
+#: ``runs`` the runs that make the study, ``common`` settings added to :data:`COMMON` (or :data:`DRY`), ``switches``
+#: flags added to every run, ``tau_fit`` the quantile of the filter's online τ (None: τ from FILTER_TAU_FILE).
+#: v4 = v3's regime (task, steps, batch, eval, learning rate, objective, HF engine) with the evals' two new metrics
+#: (no effect on training, tests/test_rl_v4.py) and the filter's τ fitted online at step 1 (issue 51 item 3).
+STUDIES: dict[str, dict] = {
+    "v3": {"runs": run_names(MAIN_ARMS, SEEDS), "common": {}, "switches": [], "tau_fit": None},
+    "v4": {"runs": [n for s in V4_SEEDS for n in (["bf16_s%d" % s] if s in V4_ANCHOR_SEEDS else []) + run_names(V4_ARMS, (s,))],
+           "common": {"eval-sampled": 4}, "switches": ["--eval-engine"], "tau_fit": 0.9},
+}
+
+
+def study_names(study: str, arms: list[str] | None, seeds: tuple[int, ...] | None) -> list[str]:
+    """The runs of ``study`` a call may start: all of them, or those of the given arms and seeds. v3 keeps its
+    open form (any arm of :data:`ARMS` x any seed); another study refuses an arm or seed outside its design, so
+    that no run of another design lands among its logs."""
+    if study == "v3":
+        return run_names(arms or MAIN_ARMS, seeds if seeds is not None else SEEDS)
+    runs = STUDIES[study]["runs"]
+    have_arms = {n.rsplit("_s", 1)[0] for n in runs}
+    have_seeds = {int(n.rsplit("_s", 1)[1]) for n in runs}
+    bad = sorted(set(arms or ()) - have_arms) + [f"seed {x}" for x in sorted(set(seeds or ()) - have_seeds)]
+    if bad:
+        raise SystemExit(f"study {study}: {bad} not in its design (arms {sorted(have_arms)}, seeds {sorted(have_seeds)})")
+    return [n for n in runs if (not arms or n.rsplit("_s", 1)[0] in arms) and (seeds is None or int(n.rsplit("_s", 1)[1]) in seeds)]
+
+
 #: relative cost of one step per rollout precision, for the launch order (chunk 2 of study v3, eight runs sharing
 #: an H100: 9.3 s BF16, 13.5-15.2 s NVFP4, 15.0-15.3 s FourSight per step, benchmarks/results/rl/study-v3/summary.md;
 #: the FourSight sync is the slowest phase)
@@ -133,9 +177,10 @@ def launch_order(names: list[str], statuses: dict[str, str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def command(name: str, model: str, state: Path, stop_at: float, common: dict, device: str, dry: bool = False) -> list[str]:
+def command(name: str, model: str, state: Path, stop_at: float, common: dict, device: str, dry: bool = False,
+            study: str = "v3") -> list[str]:
     cfg, seed = name.rsplit("_", 1)
-    prec, extra = arm_flags(cfg)
+    prec, extra = arm_flags(cfg, study)
     if dry and extra == CARVE:
         extra = DRY_CARVE
     args = [sys.executable, "-c", "from foursight.cli import main; main()", "rl", "--model", model, "--seed", seed[1:],
@@ -143,7 +188,7 @@ def command(name: str, model: str, state: Path, stop_at: float, common: dict, de
             "--device", device]
     for k, v in common.items():
         args += [f"--{k}", str(v)]
-    return args + COMMON_SWITCHES + extra
+    return args + COMMON_SWITCHES + STUDIES[study]["switches"] + extra
 
 
 def log_status(path: Path) -> dict:
@@ -182,8 +227,10 @@ def main() -> None:
     ap.add_argument("--run-gib", type=float, default=RUN_GIB, help="GPU memory one run may take, for --slots auto")
     ap.add_argument("--latest-start-s", type=float, default=None,
                     help="no run starts later than this after the call starts (default: half of --deadline-s)")
-    ap.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma list of arms, launch order (of {sorted(ARMS)})")
-    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma list of seeds")
+    ap.add_argument("--study", default=os.environ.get("RL_STUDY", "v3"), choices=sorted(STUDIES),
+                    help="the named design (docs/rl.md): its runs and settings; default $RL_STUDY or v3")
+    ap.add_argument("--arms", default="", help=f"comma list of arms (of {sorted(ARMS)}; default: the study's)")
+    ap.add_argument("--seeds", default="", help="comma list of seeds (default: the study's)")
     ap.add_argument("--only", default="", help="comma list of run names (<arm>_s<seed>), a subset of --arms x --seeds")
     ap.add_argument("--steps", type=int, default=None, help=f"steps of every run (default {COMMON['steps']})")
     ap.add_argument("--objective", choices=sorted(OBJECTIVES), default="learner-tis",
@@ -198,6 +245,7 @@ def main() -> None:
     latest_start = t0 + (a.latest_start_s if a.latest_start_s is not None else (a.deadline_s / 2 if a.deadline_s > 120 else a.deadline_s))
     a.state.mkdir(parents=True, exist_ok=True)
     common = dict(DRY if dry else COMMON)
+    common.update(STUDIES[a.study]["common"])
     if a.timing:
         common.update({k: v for k, v in TIMING.items() if not dry or k != "steps"})
     if a.steps is not None:
@@ -222,8 +270,13 @@ def main() -> None:
     bad = [x for x in arms if x not in ARMS]
     if bad:
         raise SystemExit(f"--arms: unknown {bad}; choose from {sorted(ARMS)}")
-    seeds = tuple(int(x) for x in a.seeds.split(",") if x)
-    names = [n for n in run_names(arms, seeds, "_t" if a.timing else "_s") if not a.only or n in a.only.split(",")]
+    seeds = tuple(int(x) for x in a.seeds.split(",") if x) or None
+    if a.timing:
+        names = run_names(arms or MAIN_ARMS, seeds if seeds is not None else SEEDS, "_t")
+    else:
+        names = study_names(a.study, arms, seeds)
+    names = [n for n in names if not a.only or n in a.only.split(",")]
+    arms = list(dict.fromkeys(n.rsplit("_", 1)[0] for n in names))
     if a.timing:
         slots = 1
     elif a.slots == "auto":
@@ -231,16 +284,21 @@ def main() -> None:
     else:
         slots = int(a.slots) or len(names)
     print(f"study: {len(names)} runs, {slots} at a time per GPU ({ngpu} GPUs)", flush=True)
-    manifest = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "deadline_s": a.deadline_s, "gpus": ngpu,
+    manifest = {"study": a.study, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "deadline_s": a.deadline_s, "gpus": ngpu,
                 "gpu_name": gpu_name, "commit": os.environ.get("FOURSIGHT_COMMIT", ""), "slots": slots,
                 "dry_run": dry, "timing": a.timing, "objective": a.objective, "common": common,
-                "arms": {k: {"rollout_precision": arm_flags(k)[0], "extra": arm_flags(k)[1]} for k in arms}, "calls": [], "runs": {}}
+                "switches": COMMON_SWITCHES + STUDIES[a.study]["switches"],
+                "arms": {k: {"rollout_precision": arm_flags(k, a.study)[0], "extra": arm_flags(k, a.study)[1]} for k in arms},
+                "calls": [], "runs": {}}
     old = a.state / "manifest.json"
     if old.exists():  # keep the record of earlier calls
         prev = json.loads(old.read_text())
+        if prev.get("study", "v3") != a.study:  # one state folder, one design: logs of two studies are never pooled
+            raise SystemExit(f"--state {a.state} holds study {prev.get('study', 'v3')}'s runs; use another folder for {a.study}")
         manifest["calls"] = prev.get("calls", [])
         manifest["runs"] = prev.get("runs", {})
-    call = {"started": manifest["started"], "arms": arms, "seeds": list(seeds), "timing": a.timing, "launched": [], "skipped_done": []}
+    call = {"started": manifest["started"], "arms": arms, "seeds": sorted({int(n.rsplit("_", 1)[1][1:]) for n in names}),
+            "timing": a.timing, "launched": [], "skipped_done": []}
     manifest["calls"].append(call)
     pending = []
     statuses = {}
@@ -276,7 +334,7 @@ def main() -> None:
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FOURSIGHT_KERNELS_AUTOTUNE="0")
             if gpu >= 0:
                 env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-            cmd = command(n, model, a.state, stop_at, common, "cpu" if dry else "cuda", dry)
+            cmd = command(n, model, a.state, stop_at, common, "cpu" if dry else "cuda", dry, a.study)
             fh = open(a.state / f"{n}.log", "a")
             procs[n] = (subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT), time.time(), gpu)
             per_gpu[gpu] = per_gpu.get(gpu, 0) + 1

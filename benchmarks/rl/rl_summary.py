@@ -91,12 +91,14 @@ def read_log(path: Path) -> dict:
             if old in r and new not in r:
                 r[new] = r[old]
     evals: dict[int, float] = {}
+    eval_recs: dict[int, dict] = {}
     for r in recs:
         if r.get("type") == "eval":
             evals[int(r["step"])] = float(r["eval_acc"])  # a resumed run re-evaluates: the last one counts
+            eval_recs[int(r["step"])] = r
     return {"config": next((r for r in recs if r.get("type") == "config"), {}),
             "steps": [r for r in recs if r.get("type") == "step"],
-            "evals": sorted(evals.items()),
+            "evals": sorted(evals.items()), "eval_recs": dict(sorted(eval_recs.items())),
             "done": bool(recs) and recs[-1].get("type") == "done"}
 
 
@@ -194,6 +196,135 @@ def sign_flip_p(diffs: list[float]) -> float | None:
     return hits / 2**n
 
 
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (Lentz's method)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)), -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return h
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    lbt = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1) / (a + b + 2):
+        return math.exp(lbt) * _betacf(a, b, x) / a
+    return 1 - math.exp(lbt) * _betacf(b, a, 1 - x) / b
+
+
+def t_cdf(t: float, df: int) -> float:
+    """Student's t distribution function with ``df`` degrees of freedom."""
+    tail = 0.5 * _betai(df / 2, 0.5, df / (df + t * t))
+    return 1 - tail if t > 0 else tail
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Student's t quantile (bisection on :func:`t_cdf`; no SciPy needed)."""
+    lo, hi = -1e4, 1e4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(xs: list[float], ci: float = CI) -> tuple[float | None, float | None]:
+    """The ``ci`` t interval of the mean of ``xs``: mean ± t(n-1) · sd / sqrt(n). With few seeds it is wider than
+    the percentile bootstrap, which under-covers there (issue 51: six points); (None, None) for fewer than 2."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None, None
+    m, sd = mean_spread(xs)
+    half = t_quantile(1 - (1 - ci) / 2, len(xs) - 1) * sd / math.sqrt(len(xs))
+    return m - half, m + half
+
+
+def holm(pvals: dict[str, float | None]) -> dict[str, float | None]:
+    """Holm's step-down adjusted p values over the family ``pvals`` (None: not tested, left out of the family):
+    the i-th smallest p times (m - i), made monotone, capped at 1. A contrast is rejected at family level
+    alpha when its adjusted p <= alpha."""
+    tested = sorted(((p, k) for k, p in pvals.items() if p is not None), key=lambda x: x[0])
+    m, out, run = len(tested), {k: None for k in pvals}, 0.0
+    for i, (p, k) in enumerate(tested):
+        run = max(run, min(1.0, (m - i) * p))
+        out[k] = run
+    return out
+
+
+def _sign_patterns(n: int):
+    """The 2^(n-1) sign assignments with the first sign +: |sum| is the same for a pattern and its negation."""
+    import numpy as np
+
+    rows = np.array(list(itertools.product((1.0, -1.0), repeat=n - 1)), dtype=np.float64).reshape(-1, n - 1)
+    return np.hstack([np.ones((rows.shape[0], 1)), rows])
+
+
+def sign_flip_p_batch(diffs):
+    """:func:`sign_flip_p` of every row of ``diffs`` [reps, n] at once (the same rule: the share of sign
+    assignments whose |sum| is at least the observed |sum|)."""
+    import numpy as np
+
+    d = np.asarray(diffs, dtype=np.float64)
+    s = _sign_patterns(d.shape[1])
+    obs = np.abs(d.sum(1))
+    out = np.empty(d.shape[0])
+    for i in range(0, d.shape[0], 256):
+        sums = np.abs(s @ d[i : i + 256].T)  # [patterns, chunk]
+        out[i : i + 256] = (sums >= obs[i : i + 256] - 1e-12).mean(0)
+    return out
+
+
+def sign_flip_power(effect: float, sd: float, n: int, alpha: float, reps: int = 4000, seed: int = 0) -> float:
+    """Monte Carlo power of the exact two-sided sign-flip test at level ``alpha`` to detect ``effect`` in its own
+    direction: the share of ``reps`` draws of ``n`` normal paired differences (mean ``effect``, sd ``sd``)
+    with p <= alpha and a mean of the effect's sign. Fixed RNG, so it is a function of its arguments."""
+    import numpy as np
+
+    z = np.random.default_rng(seed).standard_normal((reps, n))
+    return _power_of(z, effect, sd, alpha)
+
+
+def _power_of(z, effect: float, sd: float, alpha: float) -> float:
+    d = effect + sd * z
+    p = sign_flip_p_batch(d)
+    sign = 1.0 if effect >= 0 else -1.0
+    return float(((p <= alpha + 1e-12) & (sign * d.mean(1) > 0)).mean())
+
+
+def sign_flip_power_closed6(d: float) -> float:
+    """The power of :func:`sign_flip_power` with 6 seeds at alpha 0.05, in closed form: the test rejects only when
+    all six differences share a sign (p = 2/64; the next value, 4/64, is above 0.05), so the power to detect an
+    effect of ``d`` standard deviations in its own direction is Phi(|d|)^6."""
+    return (0.5 * (1 + math.erf(abs(d) / math.sqrt(2)))) ** 6
+
+
+def detectable_effect(sd: float, n: int, alpha: float, power: float = 0.8, reps: int = 4000, seed: int = 0) -> float:
+    """The smallest effect the exact sign-flip test detects with ``power`` (:func:`sign_flip_power`, the same
+    normal draws for every effect tried, so the power is monotone in it): bisection on [0, 10 sd]."""
+    import numpy as np
+
+    z = np.random.default_rng(seed).standard_normal((reps, n))
+    lo, hi = 0.0, 10.0 * sd
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _power_of(z, mid, sd, alpha) < power else (lo, mid)
+        if hi - lo < 1e-4 * sd:
+            break
+    return hi
+
+
 def reading(mean: float | None, p: float | None, n: int, alpha: float = ALPHA, planned: int = PLANNED_SEEDS) -> str:
     """The pre-registered reading of one contrast: "supported" (mean > 0 and p <= alpha), "contradicted"
     (mean < 0 and p <= alpha), else "not resolved"; "(n of planned seeds)" is appended while seeds are
@@ -269,6 +400,130 @@ def primary_markdown(p: dict, sec: dict, target: float) -> str:
                      f"{f(r['tail_share_worst_5pct'])} | {f(r['reward_kept'])} / {f(r['reward_dropped'])} | "
                      f"{f(r['response_len_kept'], '{:.1f}')} / {f(r['response_len_dropped'], '{:.1f}')} |")
     return "\n".join(lines) + "\n"
+
+
+#: study v4's pre-registered primary contrasts (docs/rl.md, "Study v4"): (name, arm, minus arm, AUC over steps 0..upto)
+V4_PRIMARY = (("P1", "fs_filter", "nvfp4", 30), ("P2", "fs_filter", "nvfp4_carve", 12))
+#: v4: the planned seeds per arm, the family-wise level (Holm over P1 and P2) and the interval of each effect
+#: (97.5 % t: Bonferroni over the two, so the pair covers jointly at >= 95 %)
+V4_SEEDS, V4_ALPHA, V4_CI = 14, 0.05, 0.975
+#: v4's descriptive secondaries: the late window of evals, and a drop = an eval this far below the run's best earlier eval
+V4_LATE, V4_DROP = (15, 30), 0.10
+
+
+def _series(run: dict, key: str) -> list[tuple[int, float]]:
+    """(step, value) of an eval field (``eval_acc``, ``eval_sampled_acc``, ``engine_eval_acc``) where logged."""
+    return [(s, float(r[key])) for s, r in run["eval_recs"].items() if r.get(key) is not None]
+
+
+def primary_v4(runs: dict[str, dict[int, dict]]) -> dict:
+    """Study v4's primary analysis: per contrast, the per-seed paired AUC differences (seeds where both runs finished),
+    their mean, sd, 97.5 % t interval, seeds positive, the exact sign-flip p, Holm's adjusted p over P1 and P2, and the
+    pre-registered reading: supported / contradicted when the adjusted p <= 0.05 with a mean > 0 / < 0, else not
+    resolved, with the interval's upper end as the bound on the effect the data leave room for."""
+    out: dict = {"test": "exact two-sided paired sign-flip over seeds, Holm over P1 and P2", "alpha": V4_ALPHA, "ci": V4_CI,
+                 "planned_seeds": V4_SEEDS, "contrasts": {}}
+    for name, a, b, upto in V4_PRIMARY:
+        d = {}
+        for sd in sorted(set(runs.get(a, {})) & set(runs.get(b, {}))):
+            xa, xb = auc(runs[a][sd]["evals"], upto), auc(runs[b][sd]["evals"], upto)
+            if xa is not None and xb is not None:
+                d[sd] = xa - xb
+        vals = list(d.values())
+        m, sd_ = mean_spread(vals)
+        out["contrasts"][name] = {"arm": a, "minus": b, "upto": upto, "n": len(vals), "per_seed": {str(k): v for k, v in d.items()},
+                                  "mean": m, "sd": sd_, "ci": t_interval(vals, V4_CI), "positive_seeds": sum(v > 0 for v in vals),
+                                  "p": sign_flip_p(vals)}
+    adj = holm({k: c["p"] for k, c in out["contrasts"].items()})
+    for k, c in out["contrasts"].items():
+        c["p_holm"] = adj[k]
+        if not c["n"] or c["mean"] is None or c["p_holm"] is None:
+            c["reading"] = "n/a"
+            continue
+        r = ("supported" if c["mean"] > 0 else "contradicted") if c["p_holm"] <= V4_ALPHA else "not resolved"
+        if r == "not resolved" and c["ci"][1] is not None:
+            r += f" (the effect is at most {c['ci'][1]:+.3f} AUC)"
+        c["reading"] = r if c["n"] >= V4_SEEDS else f"{r} ({c['n']} of {V4_SEEDS} seeds)"
+    return out
+
+
+def secondary_v4(runs: dict[str, dict[int, dict]]) -> dict:
+    """Study v4's descriptive secondaries per arm (means over seeds): the late mean (evals 15-30), the runs with a drop
+    (an eval >= 0.10 below the run's best earlier eval) and with a late collapse (>= 0.97 earlier, < 0.9 at step 30),
+    the mismatch at step 1 (identical weights in every arm: the study's TIM figure), the filter's dose at step 1 and
+    over the run with its τ, the engine's own greedy accuracy and the learner's sampled accuracy (AUC 0-30 and at
+    step 30), and the peak GPU memory of any run (its steps' and its evals' peaks)."""
+    out = {}
+    for cfg, seeds in runs.items():
+        late, drops, collapses = [], [], []
+        for sd, r in seeds.items():
+            ev = r["evals"]
+            w = [x for s, x in ev if V4_LATE[0] <= s <= V4_LATE[1]]
+            late.append(sum(w) / len(w) if w else None)
+            if any(x < max(y for _, y in ev[:i]) - V4_DROP + 1e-12 for i, (_, x) in enumerate(ev) if i):
+                drops.append(sd)
+            a30 = dict(ev).get(30)
+            if a30 is not None and a30 < 0.9 and any(x >= 0.97 for s, x in ev if s < 30):
+                collapses.append(sd)
+        first = {sd: next((x for x in r["steps"] if x.get("step") == 1), {}) for sd, r in seeds.items()}
+        row: dict = {"seeds": sorted(seeds), "late_mean": mean_spread(late)[0], "drop_seeds": sorted(drops), "late_collapse_seeds": sorted(collapses)}
+        for name, key in (("step1_abs_r", "tim/abs_log_ratio_mean"), ("step1_k3", "tim/k3_mean"), ("step1_tail_seq_fraction", "tim/tail_seq_fraction"),
+                          ("step1_tail_share_worst_5pct", "tim/tail_share_worst_5pct"), ("step1_filtered", "filtered_fraction"),
+                          ("step1_tau", "filter/tau")):
+            row[name] = mean_spread([f.get(key) for f in first.values()])[0]
+        row["filtered_run_mean"] = mean_spread([_step_mean(r["steps"], "filtered_fraction") for r in seeds.values()])[0]
+        for name, key in (("engine", "engine_eval_acc"), ("sampled", "eval_sampled_acc")):
+            ser = [_series(r, key) for r in seeds.values()]
+            row[f"{name}_auc"] = mean_spread([auc(x, 30) for x in ser])[0]
+            row[f"{name}_at_30"] = mean_spread([dict(x).get(30) for x in ser])[0]
+        peaks = [x.get("mem/peak_reserved_gib") for r in seeds.values() for x in r["steps"] + list(r["eval_recs"].values())
+                 if x.get("mem/peak_reserved_gib") is not None]
+        row["peak_reserved_gib_max"] = max(peaks) if peaks else None
+        out[cfg] = row
+    return out
+
+
+def v4_markdown(p: dict, sec: dict) -> str:
+    def f(x, fmt="{:.3f}"):
+        return "n/a" if x is None else fmt.format(x)
+
+    lines = [f"Primary (pre-registered, docs/rl.md \"Study v4\"): per-seed paired difference of the AUC of the held-out greedy accuracy "
+             f"(area / steps); mean [{p['ci']:.1%} t interval], seeds positive, exact two-sided sign-flip p and Holm's adjusted p over P1 "
+             f"and P2; supported / contradicted: adjusted p <= {p['alpha']} with a mean > 0 / < 0; not resolved otherwise, with the "
+             f"interval's upper end as the bound on the effect; {p['planned_seeds']} seeds planned.", "",
+             "| contrast | seeds | mean ΔAUC [t interval] | positive | p | Holm p | reading |", "|---|---:|---:|---:|---:|---:|---|"]
+    for k, c in p["contrasts"].items():
+        ci = "" if c["ci"][0] is None else f" [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
+        lines.append(f"| {k}: {c['arm']} - {c['minus']}, AUC 0-{c['upto']} | {c['n']} | {f(c['mean'], '{:+.3f}')}{ci} | "
+                     f"{c['positive_seeds']}/{c['n']} | {f(c['p'])} | {f(c['p_holm'])} | {c['reading']} |")
+    lines += ["", f"Secondary (descriptive): mean of evals {V4_LATE[0]}-{V4_LATE[1]}; seeds with a drop (an eval >= {V4_DROP} below the "
+              "run's best earlier eval) and with a late collapse (>= 0.97 earlier, < 0.9 at step 30); at step 1 (identical weights: the "
+              "TIM figure) mean |r|, k3, sequences with a tail token, the tail share of the worst 5 %, the share the filter dropped and "
+              "its τ; the share dropped over the run; the engine's own greedy accuracy and the learner's sampled accuracy (AUC 0-30 / at "
+              "step 30); the largest peak GPU memory of any run (GiB).", "",
+              "| arm | seeds | late mean | drops | late collapses | \|r\| step 1 | k3 step 1 | tail seqs step 1 | worst-5 % share step 1 | "
+              "dropped step 1 (τ) | dropped, run | engine acc AUC / 30 | sampled acc AUC / 30 | peak GiB |",
+              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for cfg, r in sec.items():
+        tau = "" if r["step1_tau"] is None else f" ({r['step1_tau']:.3f})"
+        lines.append(f"| {LABELS.get(cfg, cfg)} | {len(r['seeds'])} | {f(r['late_mean'])} | {r['drop_seeds'] or 'none'} | "
+                     f"{r['late_collapse_seeds'] or 'none'} | {f(r['step1_abs_r'])} | {f(r['step1_k3'])} | {f(r['step1_tail_seq_fraction'], '{:.1%}')} | "
+                     f"{f(r['step1_tail_share_worst_5pct'], '{:.1%}')} | {f(r['step1_filtered'], '{:.1%}')}{tau} | "
+                     f"{f(r['filtered_run_mean'], '{:.1%}')} | {f(r['engine_auc'])} / {f(r['engine_at_30'])} | "
+                     f"{f(r['sampled_auc'])} / {f(r['sampled_at_30'])} | {f(r['peak_reserved_gib_max'], '{:.2f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def study_of(folder: Path, given: str | None) -> str:
+    """The study a folder holds: ``given`` (``--study``), else its ``manifest.json``'s ``study``, else v3 (whose
+    manifests predate the field)."""
+    if given:
+        return given
+    m = folder / "manifest.json"
+    try:
+        return json.loads(m.read_text()).get("study", "v3") if m.exists() else "v3"
+    except ValueError:
+        return "v3"
 
 
 def bootstrap_ci(xs: list[float], n_boot: int = BOOT, ci: float = CI, seed: int = 0) -> tuple[float | None, float | None]:
@@ -487,7 +742,11 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--upto", type=int, default=30, help="the primary analysis' AUC runs over steps 0..UPTO")
     ap.add_argument("--all-runs", action="store_true", help="also count runs that did not finish (default: finished only)")
+    ap.add_argument("--study", choices=("v3", "v4"), default=None,
+                    help="the analysis: v3's (four contrasts, AUC 0-UPTO) or v4's pre-registered one (P1, P2, Holm); default: "
+                         "the folder's manifest.json, else v3")
     a = ap.parse_args()
+    study = study_of(a.folder, a.study)
     unfinished: list[str] = []
     runs = load_runs(a.folder, finished_only=not a.all_runs, unfinished=unfinished)
     times = load_runs(a.folder, _TIMING)
@@ -498,14 +757,20 @@ def main() -> None:
     if runs:
         s = summarise(runs, a.ref, a.base, a.frac)
         s["unfinished"] = unfinished
-        s["primary"] = primary(runs, a.upto)
-        s["secondary"] = secondary(runs, s)
+        if study == "v4":
+            s["study"] = "v4"
+            s["primary"] = primary_v4(runs)
+            s["secondary"] = secondary_v4(runs)
+        else:
+            s["primary"] = primary(runs, a.upto)
+            s["secondary"] = secondary(runs, s)
         s["stats"] = statistics(runs)
         devices = sorted({str(r["config"].get("device_name")) for seeds in runs.values() for r in seeds.values()})
         commits = sorted({str(r["config"].get("commit")) for seeds in runs.values() for r in seeds.values()})
         md = (f"Runs: {sum(len(v) for v in runs.values())} finished ({', '.join(f'{k} x{len(v)}' for k, v in runs.items())}); "
               f"unfinished, left out: {', '.join(unfinished) or 'none'}. Device: {', '.join(devices)}. Commit: {', '.join(commits)}.\n\n")
-        md += primary_markdown(s["primary"], s["secondary"], s["target_acc"]) + "\n" + to_markdown(s) + "\n" + stats_markdown(s["stats"])
+        first = v4_markdown(s["primary"], s["secondary"]) if study == "v4" else primary_markdown(s["primary"], s["secondary"], s["target_acc"])
+        md += first + "\n" + to_markdown(s) + "\n" + stats_markdown(s["stats"])
     if times:
         s["timing"] = timing(times)
         md += "\n" + timing_markdown(s["timing"])

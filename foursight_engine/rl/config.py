@@ -21,6 +21,8 @@ ENGINES = kinds_for("rl")
 #: (ρ = 1 on the one update per batch: verl's recomputed old_log_prob, TRL's default); with
 #: "learner" the rollout log-probs still feed the TIM metrics, the filter and --tis-cap weights
 OLD_LOGPROBS = ("rollout", "learner")
+#: the filters whose τ thresholds a per-sequence statistic, so that --filter-tau-fit can fit it (mean |r|, max |r|)
+TAU_FIT_FILTERS = ("mean_abs", "max_token")
 
 
 class RLError(ValueError):
@@ -58,6 +60,11 @@ class RLConfig:
     channels: str = option(DEFAULT_CHANNELS, typer_type=ChannelsOption)
     eval_every: int = option(10, help="evaluate every N steps (and at step 0 and after the last)")
     eval_size: int = option(128, help="problems of the held-out evaluation set")
+    eval_sampled: int = option(0, help="also the learner's held-out accuracy under sampling at every eval: this many answers per "
+                                       "question at temperature 1 (eval_sampled_acc; 0: off; study v4: 4)")
+    eval_engine: bool = option(False, flag="--eval-engine/--no-eval-engine",
+                               help="also the rollout engine's own greedy held-out accuracy at every eval, synced to the learner "
+                                    "first (engine_eval_acc: the quantized policy a user deploys)")
     seed: int = option(0, help="seed of the problems, the sampling and the model's init")
     device: str = option("auto", help="auto (CUDA if available) | cpu | cuda[:N]")
     out: str = option("runs/rl.jsonl", help="JSONL log path")
@@ -71,6 +78,10 @@ class RLConfig:
                                                 "learner's detached log-probs, as verl/TRL; use with --tis-cap)")
     filter_tau: Optional[float] = option(None, callback=_zero_is_off, help="τ of max_token/tail_count (0: default ln 3)")
     filter_quantile: Optional[float] = option(None, callback=_zero_is_off, help="q of the quantile filter (0: default)")
+    filter_tau_fit: Optional[float] = option(None, callback=_zero_is_off,
+                                             help="fit τ online (mean_abs/max_token): τ = this quantile of the first step's "
+                                                  "per-sequence statistic of the run's own engine, then fixed, so the filter "
+                                                  "drops 1 - q of step 1 (0: off; study v4: 0.9)")
     error_target: Optional[float] = option(None, callback=_zero_is_off,
                                            help="foursight: per-group k = smallest of 0,16,32,... with relative W4A4 error <= this "
                                                 "(foursight.channels.choose_k; 0: use --channels)")
@@ -131,6 +142,17 @@ class RLConfig:
             raise RLError(f"--bf16-layers: only with --engine {copying}")
         if self.bf16_layers and self.error_target is not None:
             raise RLError("--bf16-layers with --error-target is not supported (the per-group k of a carved group is undefined)")
+        if self.eval_sampled < 0:
+            raise RLError(f"--eval-sampled must be >= 0, got {self.eval_sampled}")
+        if self.eval_engine and not row.rollout_copies_learner:
+            raise RLError(f"--eval-engine: only with --engine {copying} (the engine's model must live in this process)")
+        if self.filter_tau_fit is not None:
+            if self.filter not in TAU_FIT_FILTERS:
+                raise RLError(f"--filter-tau-fit fits the τ of --filter {' or '.join(TAU_FIT_FILTERS)}, got --filter {self.filter}")
+            if not 0 < self.filter_tau_fit < 1:
+                raise RLError(f"--filter-tau-fit is a quantile in (0, 1), got {self.filter_tau_fit}")
+            if self.filter_tau is not None:
+                raise RLError("--filter-tau-fit fits τ; do not pass --filter-tau with it")
         if self.task not in rl_tasks.TASKS:
             raise RLError(f"--task: unknown task {self.task!r}; choose one of {sorted(rl_tasks.TASKS)}")
         for name in ("steps", "prompts_per_step", "micro_batch", "group_size", "max_new_tokens", "eval_every", "eval_size"):

@@ -23,7 +23,7 @@ from torch import nn
 from foursight.channels import calibrate_channel_sets, channel_summary
 from foursight.rl import tasks as rl_tasks
 from foursight.rl.config import CHANNEL_PRECISIONS, ENGINES, RLConfig, RLError
-from foursight.rl.evaluation import evaluate, prompt_ids
+from foursight.rl.evaluation import evaluate, evaluate_engine, evaluate_sampled, prompt_ids
 from foursight.rl.grpo import combine_loss_stats, group_advantages, grpo_loss
 from foursight.rl.records import check_log_path, code_commit, load_checkpoint, memory_record, open_log, read_log, save_checkpoint
 from foursight.trainer_bridge.backends.base import RolloutEngine, RolloutSetup
@@ -56,6 +56,7 @@ class RLRun:
     fcfg: Any = None  # the filter's FilterConfig
     emit: Callable[[dict[str, Any]], None] = print
     t_start: float = 0.0  # perf_counter of step 0 (a resumed run's earlier wall time subtracted)
+    fitted_tau: float | None = None  # τ fitted online at step 1 (cfg.filter_tau_fit), kept in the checkpoint
 
 
 @dataclass
@@ -204,16 +205,43 @@ def score(run: RLRun, batch: Batch) -> None:
     batch.logp_learner = out
 
 
-def filter_batch(run: RLRun, batch: Batch):
+#: τ must be > 0 (FilterConfig); a fit on a batch with no mismatch at all (every statistic 0) keeps everything at this τ
+_MIN_TAU = 1e-12
+
+
+def fit_tau(lt: torch.Tensor, lr_: torch.Tensor, m: torch.Tensor, fcfg, quantile: float) -> float:
+    """τ by the study's rule, online: the ``quantile`` of the per-sequence statistic that ``fcfg``'s policy thresholds
+    (mean |r| for ``mean_abs``, max |r| for ``max_token``) over the batch's non-empty sequences, linear interpolation
+    (``torch.quantile``, as ``benchmarks/rl/rl_filter_tau.py``). The statistic is the filter's own (``apply_filter`` at
+    a τ that keeps everything), so the fitted filter drops exactly the sequences above the quantile."""
+    from foursight.trainer_bridge.filters import apply_filter
+
+    probe = apply_filter(lt, lr_, m, fcfg.model_copy(update={"tau": 1e300}))
+    valid = m.bool().any(dim=1)
+    return max(float(torch.quantile(probe.seq_stat[valid].to(torch.float64), quantile)), _MIN_TAU)
+
+
+def filter_batch(run: RLRun, batch: Batch, step: int = 0):
     """TIM metrics and the filter's loss mask (``apply_filter`` on the rollout and learner
-    logprobs), and the group-relative advantages. Returns the filter result, the padded rollout
-    logprobs and the advantages."""
+    logprobs), and the group-relative advantages. With ``cfg.filter_tau_fit`` the first step of a run fits
+    τ (:func:`fit_tau`) on its own batch, so each engine's filter drops the designed share of it (study v3's τ,
+    fitted on another engine, dropped 5.3 % where 10 % was designed: issue 51); τ then stays fixed, and
+    ``filter/tau`` logs it every step. Returns the filter result, the padded rollout logprobs and the advantages."""
     from foursight.trainer_bridge.filters import apply_filter
     from foursight.trainer_bridge.scoring import pad_rollouts
 
     lens = [len(s.token_ids) for s in batch.samples]
     lt, lr_, m = pad_rollouts(batch.samples, [batch.logp_learner[b, :n] for b, n in enumerate(lens)])
+    fitted = False
+    if run.cfg.filter_tau_fit is not None and run.fitted_tau is None:
+        run.fitted_tau = fit_tau(lt, lr_, m, run.fcfg, run.cfg.filter_tau_fit)
+        run.fcfg = run.fcfg.model_copy(update={"tau": run.fitted_tau})
+        fitted = True
     fres = apply_filter(lt, lr_, m, run.fcfg)
+    if run.cfg.filter != "none":
+        fres.metrics["filter/tau"] = float(run.fcfg.tau)
+    if run.cfg.filter_tau_fit is not None:
+        fres.metrics["filter/tau_fitted"] = 1.0 if fitted else 0.0
     adv = group_advantages(batch.rewards, run.cfg.group_size)
     return fres, lr_, adv
 
@@ -298,7 +326,7 @@ def train_step(run: RLRun, step: int) -> dict[str, Any]:
     times["generate"] = _now(run.dev)
     score(run, batch)
     times["score"] = _now(run.dev)
-    fres, logp_rollout, adv = filter_batch(run, batch)
+    fres, logp_rollout, adv = filter_batch(run, batch, step)
     times["filter"] = _now(run.dev)
     lstats, gnorm = update(run, batch, fres, logp_rollout, adv)
     times["learn"] = _now(run.dev)
@@ -311,14 +339,42 @@ def _now(dev: torch.device) -> float:
     return time.perf_counter()
 
 
+def eval_seed(cfg: RLConfig, step: int) -> int:
+    """The sampled eval's seed at ``step``: rows ``eval_seed + i``, none of which a rollout uses (a step's rollouts
+    take ``seed * 1_000_003 + step + i``, i < prompts x group)."""
+    return cfg.seed * 1_000_003 + 500_000 + 1_000 * step
+
+
 def eval_and_log(run: RLRun, step: int, log: Callable[[str], None]) -> float:
-    """Greedy evaluation on the held-out set; an ``eval`` record."""
+    """The held-out evaluation; an ``eval`` record: the learner's greedy accuracy (``eval_acc``), and when asked for,
+    the learner's accuracy under sampling (``cfg.eval_sampled`` answers per question at T = 1, ``eval_sampled_acc``)
+    and the rollout engine's own greedy accuracy (``cfg.eval_engine``: the engine is synced to the learner first, so it
+    holds the weights the learner was just evaluated at; ``engine_eval_acc``). None of them touches the training RNG
+    or the weights, so the run's steps are the same with or without them (``tests/test_rl_v4.py``)."""
+    if run.dev.type == "cuda":  # the eval's own peak (a step's peak is reset when the step starts)
+        torch.cuda.reset_peak_memory_stats(run.dev)
     t0 = time.perf_counter()
     cfg = run.cfg
-    ev = evaluate(run.learner, run.tok, run.evals, cfg.max_new_tokens, style=cfg.prompt_style, prefill=cfg.prefill)
+    kw = dict(style=cfg.prompt_style, prefill=cfg.prefill)
+    ev = evaluate(run.learner, run.tok, run.evals, cfg.max_new_tokens, **kw)
     _sync_device(run.dev)
-    run.emit({"type": "eval", "step": step, **ev, "time/eval": time.perf_counter() - t0})
-    log(f"  step {step:4d} eval_acc={ev['eval_acc']:.3f} format={ev['eval_format']:.2f}")
+    rec: dict[str, Any] = {"type": "eval", "step": step, **ev, "time/eval": time.perf_counter() - t0}
+    extra = ""
+    if cfg.eval_sampled:
+        t1 = time.perf_counter()
+        rec.update(evaluate_sampled(run.learner, run.tok, run.evals, cfg.max_new_tokens, cfg.eval_sampled, eval_seed(cfg, step), **kw))
+        rec["time/eval_sampled"] = _now(run.dev) - t1
+        extra += f" sampled={rec['eval_sampled_acc']:.3f}"
+    if cfg.eval_engine:
+        t1 = time.perf_counter()
+        run.engine.sync(run.learner, step)
+        rec.update(evaluate_engine(run.engine, run.tok, run.evals, cfg.max_new_tokens, **kw))
+        rec["time/eval_engine"] = _now(run.dev) - t1
+        extra += f" engine={rec['engine_eval_acc']:.3f}"
+    if cfg.eval_sampled or cfg.eval_engine:  # the extra generations' memory, for the study's per-run memory bound
+        rec.update(memory_record(run.dev))
+    run.emit(rec)
+    log(f"  step {step:4d} eval_acc={ev['eval_acc']:.3f} format={ev['eval_format']:.2f}{extra}")
     return ev["eval_acc"]
 
 
@@ -364,6 +420,9 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
     fh = None
     try:  # the engine (and its temporary folder) is released however the run ends
         run.fcfg = fcfg
+        if resume_state is not None and resume_state.get("filter_tau") is not None:  # τ fitted before the pause
+            run.fitted_tau = float(resume_state["filter_tau"])
+            run.fcfg = fcfg.model_copy(update={"tau": run.fitted_tau})
 
         start_step, wall_offset = (int(resume_state["step"]), float(resume_state["wall_s"])) if resume_state is not None else (0, 0.0)
         fh = open_log(out, start_step, resume_state is not None)
@@ -391,7 +450,8 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
         for step in range(start_step + 1, cfg.steps + 1):
             if cfg.stop_at and time.time() > cfg.stop_at:
                 step -= 1
-                save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
+                save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start,
+                                filter_tau=run.fitted_tau)
                 emit({"type": "pause", "step": step, "checkpoint": str(ckpt_path)})
                 log(f"  paused after step {step} (stop_at reached); checkpoint {ckpt_path}")
                 paused = True
@@ -409,7 +469,8 @@ def run_rl(cfg: RLConfig, log: Callable[[str], None] = print) -> Path:
             if step % cfg.eval_every == 0:
                 eval_and_log(run, step, log)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-                save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start)
+                save_checkpoint(ckpt_path, step, run.learner, run.opt, run.channels, time.perf_counter() - run.t_start,
+                                filter_tau=run.fitted_tau)
         if not paused:
             if step and step % cfg.eval_every:
                 eval_and_log(run, step, log)

@@ -63,10 +63,13 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
     return out
 
 
-def save_checkpoint(path: Path, step: int, learner: nn.Module, opt, channels, wall_offset: float) -> None:
+def save_checkpoint(path: Path, step: int, learner: nn.Module, opt, channels, wall_offset: float,
+                    filter_tau: float | None = None) -> None:
+    """The resume checkpoint: learner, optimizer, channel sets, RNG, step, and the filter's τ when it was fitted
+    online (``--filter-tau-fit``: a resumed run keeps step 1's τ instead of fitting a new one on a later batch)."""
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"step": step, "learner": learner.state_dict(), "opt": opt.state_dict(), "channels": channels,
-                "wall_s": wall_offset, "rng": torch.get_rng_state()}, tmp)
+                "wall_s": wall_offset, "rng": torch.get_rng_state(), "filter_tau": filter_tau}, tmp)
     tmp.replace(path)
 
 
