@@ -1,4 +1,4 @@
-"""The cases of issues 14, 28 and 38 (hardening, rounds one to three) and the tests that show each one's status.
+"""The cases of issues 14, 28, 38 and 53 (hardening, rounds one to four) and the tests that show each one's status.
 
 ``scripts/reliability_table.py`` turns this list into the table of docs/reliability.md; it
 fails when a named test does not exist (``pytest --collect-only``), and with ``--run`` it runs
@@ -32,6 +32,17 @@ A, WT = "tests/test_bridge_vllm_authority.py", "tests/test_vllm_weight_transfer.
 OV = "tests/test_bridge_openai_vllm.py"
 
 CASES: list[Case] = [
+    # ---- issue 53 (round four) ----
+    Case("high", "data loss by a flag: `quantize --report SRC/model.safetensors` replaced the source model with the Markdown table, "
+         "`--report OUT/config.json` the new checkpoint's config; `--report` onto any file overwrote it silently; a folder or an "
+         "unwritable path was refused only after 134-489 s of quantizing", "fixed",
+         (f"{PR}::test_report_never_overwrites_the_source_model_or_the_new_checkpoint",
+          f"{PR}::test_report_refuses_an_existing_file_a_folder_and_an_unwritable_path_before_the_model_loads",
+          f"{PR}::test_report_force_replaces_a_layer_report"),
+         "`--report` follows `--out`'s rules, checked before the model loads (`cli.prepare_report_destination`): never a path inside "
+         "the model folder being read, inside `--out`, or the `--calib` file, even with `--force`; an existing file only with "
+         "`--force` and only a layer report written before; a folder or a folder that cannot be written is named; the report is "
+         "written whole (a temporary file renamed over it)", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "
