@@ -113,7 +113,9 @@ class FourSightVLLMClient(VLLMClient):
         return self.last_update
 
     def _push_upload(self, tensors: dict[str, torch.Tensor], name: str) -> dict:
-        """Write the file locally, send it to the bridge in chunks, and apply it by its upload name."""
+        """Write the file locally, send it to the bridge in chunks (the first answers the ``upload_id`` every later
+        chunk carries; the bridge renames the upload when it holds the whole file), and apply it by its name. A
+        failure deletes the upload this client started (the bridge keeps a refused one otherwise, for a retry)."""
         import tempfile
 
         from safetensors.torch import save_file
@@ -121,21 +123,28 @@ class FourSightVLLMClient(VLLMClient):
         with tempfile.TemporaryDirectory(dir=self.weights_dir) as tmp:
             path = Path(tmp) / name
             save_file(tensors, str(path))
+            total = path.stat().st_size
             url = f"{self.base_url}/v1/weights/uploads/{name}"
+            upload_id = None
             try:
                 with open(path, "rb") as f:
-                    offset = 0
-                    while True:  # chunks within the bridge's body limit; the first starts the upload, a short one ends it
+                    offset, answer = 0, {}
+                    while offset < total:  # chunks within the bridge's body limit
                         chunk = f.read(self.upload_chunk_bytes)
-                        r = self.session.put(url, params={"offset": offset}, data=chunk)
+                        params = {"offset": offset, **({"upload_id": upload_id} if upload_id else {})}
+                        r = self.session.put(url, params=params, data=chunk)
                         if r.status_code != 200:
                             raise RuntimeError(f"upload of {name} to {self.base_url}: {r.status_code} {r.text[:300]}")
+                        answer = r.json()
+                        upload_id = answer.get("upload_id", upload_id)
                         offset += len(chunk)
-                        if len(chunk) < self.upload_chunk_bytes:
-                            break
+                if not answer.get("complete"):
+                    raise RuntimeError(f"upload of {name} to {self.base_url}: the bridge holds {answer.get('size')} of {total} bytes "
+                                       "after the last chunk")
                 self.last_update = self._post(f"{self.base_url}/update_weights", json={"update_info": {"upload": name, "names": list(tensors)}})
             except BaseException:
-                self.session.delete(url)
+                if upload_id is not None:
+                    self.session.delete(url)
                 raise
         return self.last_update
 
