@@ -30,6 +30,7 @@ PR = "tests/test_cli_probes.py"
 
 A, WT = "tests/test_bridge_vllm_authority.py", "tests/test_vllm_weight_transfer.py"
 OV = "tests/test_bridge_openai_vllm.py"
+RD = "tests/test_bridge_vllm_road.py"
 
 CASES: list[Case] = [
     # ---- issue 53 (round four) ----
@@ -43,6 +44,43 @@ CASES: list[Case] = [
          "the model folder being read, inside `--out`, or the `--calib` file, even with `--force`; an existing file only with "
          "`--force` and only a layer report written before; a folder or a folder that cannot be written is named; the report is "
          "written whole (a temporary file renamed over it)", "53"),
+    Case("high", "a truncating upload killed its reader: apply a 269 MB upload, then `PUT /v1/weights/uploads/SAME?offset=0` with "
+         "one byte answered 200 and reopened the file with \"wb\" while the bridge's finiteness check had it mapped (SIGBUS, exit "
+         "135) or the engine's worker read it; every stream and the update lost", "fixed",
+         (f"{RD}::test_a_truncating_put_during_an_apply_is_refused_and_both_processes_survive",),
+         "each upload is written to a private `.NAME.ID.part` file and renamed when it holds the size its safetensors header "
+         "declares; a complete upload is never written again, and a new upload of the name, a DELETE or a second apply is 409 "
+         "while it is applied (`trainer_bridge/uploads.py`); the test runs the apply and the truncating PUT concurrently against "
+         "a real vLLM engine behind `foursight bridge serve`: 409, both processes alive, the engine serving exactly the upload", "53"),
+    Case("medium", "two writers on one upload name interleaved (each chunk 200; the applied file half of each, 2.5-3.7 nats "
+         "off); a partial upload could be applied", "fixed",
+         (f"{RD}::test_one_writer_per_name_and_a_partial_upload_is_never_applied",),
+         "offset 0 answers an upload_id that every later chunk must carry; a second writer gets 409 while the first is open; a "
+         "partial upload (by name or by the path of its private file) is 422", "53"),
+    Case("medium", "no bound on an upload's size (768 MiB into one name in 2 s); never-applied and partial uploads kept forever",
+         "fixed", (f"{RD}::test_uploads_are_bounded_and_expire",),
+         "--max-upload-bytes (default: the model's BF16 size from its folder plus 16 MiB of headers), checked from "
+         "Content-Length and from the declared size; --max-uploads-bytes over all kept uploads; 413 naming the flag; an "
+         "upload unwritten or unapplied for --upload-ttl (900 s) is removed", "53"),
+    Case("low", "a link planted in the upload folder was followed on write", "fixed",
+         (f"{RD}::test_a_planted_link_in_the_upload_folder_is_never_followed",),
+         "the folder is opened O_DIRECTORY|O_NOFOLLOW and every open in it is relative to it with O_NOFOLLOW: a planted link "
+         "(or a link as the folder) is refused with 409, its target untouched", "53"),
+    Case("medium", "a refused apply deleted its upload (409 'another update in progress' in a `finally`), so the trainer's "
+         "retry got 422 'not an upload of this bridge'", "fixed",
+         (f"{RD}::test_a_refused_apply_keeps_the_upload_so_a_retry_works",
+          f"{RD}::test_trls_own_retry_applies_the_upload_after_a_failed_apply"),
+         "an upload is removed only after an apply succeeds or by DELETE (or expiry): after a 409 and a 422 it is kept, and "
+         "TRL's own client (FourSightVLLMClient, upload=True) retries a 502 through its session and the update lands", "53"),
+    Case("high", "any web page could reach the engine's RPCs: a form post (Content-Type text/plain, Origin http://evil.example, "
+         "no key) to /collective_rpc got 200; with no key `reset_weights` zeroed the engine and `reload_weights` killed it",
+         "fixed",
+         (f"{RD}::test_the_engines_dev_routes_need_the_weights_token_json_and_no_foreign_origin",
+          "tests/test_bridge_cli.py::test_foursight_serve_mounts_the_dev_route_guard_once"),
+         "`foursight serve` mounts `weight_authority.DevRoutesGuard` (vLLM's --middleware; docs/vllm.md gives the flag for "
+         "`vllm serve`): /collective_rpc, the weight-transfer routes and the other state-changing dev routes answer 401 without "
+         "the weights token (X-FourSight-Weights-Token), 415 for a body that is not JSON, 403 for a foreign Origin; the bridge "
+         "sends the token on every engine call", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "

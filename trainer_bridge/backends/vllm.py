@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX
+from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX, WEIGHTS_TOKEN_HEADER
 from foursight.trainer_bridge.backends.base import EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
@@ -28,6 +28,20 @@ from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 #: extension (any vLLM version), or vLLM's native weight-transfer API with the foursight_file
 #: backend (vLLM >= 0.32); both need VLLM_SERVER_DEV_MODE=1 in vLLM 0.32 (docs/vllm.md)
 WEIGHT_SYNC_ROUTES = ("collective_rpc", "native")
+
+
+class _WeightsTokenHeader(httpx.Auth):
+    """The engine's weights token in :data:`~foursight.schema.WEIGHTS_TOKEN_HEADER` on every call (read at each
+    request): a ``foursight serve`` engine lets its dev routes (``/collective_rpc``, the weight-transfer routes,
+    ``/reset_prefix_cache``) answer only with it (:class:`foursight.quant_methods.weight_authority.DevRoutesGuard`)."""
+
+    def __init__(self, engine: "VLLMHTTPEngine"):
+        self.engine = engine
+
+    def auth_flow(self, request: httpx.Request):
+        if self.engine.weights_token:
+            request.headers[WEIGHTS_TOKEN_HEADER] = self.engine.weights_token
+        yield request
 
 
 class VLLMHTTPEngine(HTTPEngine):
@@ -61,6 +75,7 @@ class VLLMHTTPEngine(HTTPEngine):
 
     async def start(self) -> None:
         await super().start()
+        self.client.auth = _WeightsTokenHeader(self)
         if self.model is None:
             r = await self.client.get("/v1/models", timeout=30.0)
             if r.status_code != 200:
