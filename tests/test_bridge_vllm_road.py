@@ -10,6 +10,9 @@ Before (d00d877):
 * item 1: an ``offset=0`` chunk reopened an upload with ``"wb"`` while the bridge or the engine read it (SIGBUS);
   two writers interleaved on one name; uploads had no bound and no expiry; a planted link was written
   through; a refused apply deleted the upload, so a retry got 422.
+* item 2: a form post from any web page reached ``/collective_rpc`` (200, no key).
+* item 3: ``reload_weights`` killed the engine (``missing tensor lm_head.weight``, layers left on the meta
+  device), also from an unusable path; ``reset_weights`` zeroed the weights and the bridge stayed in sync.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def engine(tied, tmp_path_factory):
     srv = ServerProcess([str(BIN / "foursight"), "serve", str(ckpt), "--port", str(port), "--max-model-len", "512",
                          "--worker-extension-cls", EXT], env, port, tmp_path_factory.mktemp("logs") / "engine.log").start(400)
     try:
-        yield SimpleNamespace(url=srv.url, token=token, policy=policy, model=model, ckpt=ckpt, server=srv)
+        yield SimpleNamespace(url=srv.url, token=token, policy=policy, model=model, ckpt=ckpt, server=srv,
+                              checkpoint_logprobs=server_prompt_logprobs(srv.url, SEQS))
     finally:
         srv.stop()
 
@@ -103,6 +107,13 @@ def policy_bytes(engine, seed: int) -> bytes:
     from safetensors.torch import save
 
     return save(perturbed_state(engine.model, seed=seed))
+
+
+def full_policy_bytes(engine, seed: int) -> bytes:
+    """Every tensor of the model (norms and embeddings too), the linears moved: an update that repairs any state."""
+    from safetensors.torch import load_file, save
+
+    return save({**load_file(str(engine.model / "model.safetensors")), **perturbed_state(engine.model, seed=seed)})
 
 
 def put(url: str, name: str, data: bytes, offset: int = 0, upload_id: str | None = None) -> httpx.Response:
@@ -393,3 +404,190 @@ def test_the_engines_dev_routes_need_the_weights_token_json_and_no_foreign_origi
     r = httpx.post(rpc, json={"method": "foursight_weight_version"}, headers=tok)  # the bridge's road: token and JSON
     assert r.status_code == 200, r.text
     assert httpx.get(engine.url + "/v1/models").status_code == 200
+
+
+# ---- item 3: FourSight survives vLLM's own weight RPCs
+
+
+def rpc(engine, method: str, **kwargs) -> httpx.Response:
+    """vLLM's ``/collective_rpc`` with the token (the authority's own call: the guard lets it through)."""
+    return httpx.post(engine.url + "/collective_rpc", json={"method": method, "kwargs": kwargs},
+                      headers={WEIGHTS_TOKEN_HEADER: engine.token}, timeout=300)
+
+
+def sync(url: str) -> dict:
+    return httpx.get(url + "/v1/health?probe=false", timeout=60).json()["engines"][0]
+
+
+def rollouts_status(url: str) -> int:
+    return httpx.post(url + "/v1/rollouts", json={"prompts": [{"token_ids": [5, 6, 7]}], "sampling": {"max_tokens": 2}},
+                      timeout=120).status_code
+
+
+def test_reload_weights_with_tied_embeddings_works_and_the_bridge_stops_serving_the_engine(engine, bridge):
+    """d00d877: ``reload_weights`` answered 500 and the engine died (``missing tensor lm_head.weight``: the
+    checkpoint ties lm_head to embed_tokens; the reload was left half done). Now it reloads the checkpoint (the
+    logprobs are the engine's at start, bit for bit), and the bridge, which had pushed other weights, sees a
+    weights id it did not push: health and rollouts 503 until the next update."""
+    data = policy_bytes(engine, seed=41)
+    upload(bridge.url, "before-reload.safetensors", data)
+    assert apply(bridge.url, "before-reload.safetensors").status_code == 200
+    assert sync(bridge.url)["sync"] == "in_sync"
+    r = rpc(engine, "reload_weights")
+    assert r.status_code == 200, r.text
+    assert all(torch.equal(a, b) for a, b in zip(server_prompt_logprobs(engine.url, SEQS), engine.checkpoint_logprobs))
+    st = sync(bridge.url)
+    assert st["sync"] == "stale" and "reload_weights" in st["reason"], st
+    assert rollouts_status(bridge.url) == 503
+    upload(bridge.url, "after-reload.safetensors", data)
+    assert apply(bridge.url, "after-reload.safetensors").status_code == 200
+    assert sync(bridge.url)["sync"] == "in_sync" and rollouts_status(bridge.url) == 200
+
+
+def test_reload_weights_from_an_unusable_path_is_refused_before_any_layer_changes(engine, bridge, tmp_path):
+    """An unusable ``weights_path`` (none, a BF16 folder for this FourSight engine, a copy of the checkpoint outside
+    the weights folders, one inside with a NaN) is refused naming why, before vLLM touches a layer: the engine
+    serves the same logprobs, its weights id is unchanged, and the bridge keeps serving it (d00d877: the engine died)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    before = server_prompt_logprobs(engine.url, SEQS)
+    outside = Path(shutil.copytree(engine.ckpt, tmp_path / "outside"))
+    nan = Path(shutil.copytree(engine.ckpt, engine.policy / "nan-ckpt"))
+    t = load_file(str(nan / "model.safetensors"))
+    t["model.norm.weight"][0] = float("nan")
+    save_file(t, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        for path, why in ((tmp_path / "none", "not inside this engine's weights folders"),
+                          (engine.policy / "none", "not a checkpoint folder"),
+                          (outside, "not inside this engine's weights folders"),
+                          (nan, "model.norm.weight")):
+            r = rpc(engine, "reload_weights", weights_path=str(path))
+            assert r.status_code != 200 and "FourSight refused" in r.text and why in r.text, (path, r.text[:400])
+        shutil.copytree(engine.model, engine.policy / "bf16")
+        r = rpc(engine, "reload_weights", weights_path=str(engine.policy / "bf16"))
+        assert r.status_code != 200 and "another quantization_config" in r.text, r.text[:400]
+    finally:
+        shutil.rmtree(nan)
+        shutil.rmtree(engine.policy / "bf16", ignore_errors=True)
+    assert engine.server.proc.poll() is None
+    assert all(torch.equal(a, b) for a, b in zip(server_prompt_logprobs(engine.url, SEQS), before))
+    assert sync(bridge.url)["sync"] == "in_sync" and rollouts_status(bridge.url) == 200
+
+
+def test_reset_weights_makes_the_bridge_stop_serving_the_engine_until_a_good_update(engine, bridge):
+    """d00d877: ``reset_weights`` answered 200 and zeroed every weight while the bridge stayed ``in_sync`` and tagged
+    token-0 rollouts with the trainer's version. Now any RPC that changes the weights gives the engine a new
+    weights id: health and rollouts 503 naming it, until an update brings it back, after which the engine
+    serves exactly that update (FourSight keeps the layers' channel sets through the reset, which a BF16 update
+    cannot give back). vLLM's ``/weight_checker {"action": "reset"}`` likewise."""
+    data = full_policy_bytes(engine, seed=42)
+    r = rpc(engine, "reset_weights")
+    assert r.status_code == 200, r.text
+    st = sync(bridge.url)
+    assert st["sync"] == "stale" and "reset_weights" in st["reason"], st
+    assert httpx.get(bridge.url + "/v1/health?probe=false", timeout=60).status_code == 503
+    assert rollouts_status(bridge.url) == 503
+    upload(bridge.url, "after-reset.safetensors", data)
+    assert apply(bridge.url, "after-reset.safetensors").status_code == 200
+    assert sync(bridge.url)["sync"] == "in_sync"
+    assert served_equals_a_push_of(engine, bridge.url, data)
+    r = httpx.post(engine.url + "/weight_checker", json={"action": "reset"}, headers={WEIGHTS_TOKEN_HEADER: engine.token}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert sync(bridge.url)["sync"] == "stale" and rollouts_status(bridge.url) == 503
+    upload(bridge.url, "after-checker.safetensors", data)
+    assert apply(bridge.url, "after-checker.safetensors").status_code == 200
+    assert sync(bridge.url)["sync"] == "in_sync"
+
+
+# ---- item 4: requests wait during an update; TRL's client against a degraded bridge; engines a bridge cannot update
+
+
+def test_new_requests_wait_at_the_gate_during_an_update_and_none_gets_503(engine, bridge):
+    """d00d877: 200 streams with an update 1.5 s in, 9 answered 503 ('no engine serves the current weights'): a
+    request read the engine's state while the update was being applied (the engine already reported the new
+    version, the bridge had not recorded it yet). Now a new request waits at the version gate first: requests sent
+    back to back by 8 clients through 3 updates all get 200."""
+    data = full_policy_bytes(engine, seed=43)
+    f = engine.policy / "gate.safetensors"
+    f.write_bytes(data)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client():
+        with httpx.Client(timeout=300) as c:
+            while not stop.is_set():
+                statuses.append(c.post(bridge.url + "/v1/rollouts", json={"prompts": [{"token_ids": [5, 6, 7]}],
+                                       "sampling": {"max_tokens": 2}}).status_code)
+
+    workers = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+    try:
+        for w in workers:
+            w.start()
+        time.sleep(1.0)
+        for _ in range(3):
+            v = httpx.get(bridge.url + "/v1/weights", timeout=30).json()["version"]
+            r = httpx.post(bridge.url + "/v1/weights", json={"path": str(f), "version": v + 1}, timeout=300)
+            assert r.status_code == 200, r.text
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(300)
+        f.unlink()
+    print(f"\n{len(statuses)} requests through 3 updates: {sorted(set(statuses))}")
+    assert len(statuses) > 20 and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+
+
+def test_trls_client_honours_its_connection_timeout_and_repairs_a_stale_bridge(engine, bridge):
+    """d00d877: FourSightVLLMClient(..., connection_timeout=60) polled a bridge answering 503 (engine stale) for 8.5
+    min and never returned (TRL's check honours the timeout only on connection errors), so the trainer restarted to
+    repair the bridge hung instead of pushing the update that repairs it. Now it returns against a bridge that is
+    only stale and pushes that update; against one that never gets ready it raises after the timeout."""
+    from transformers import AutoModelForCausalLM
+
+    from foursight.trainer_bridge.trl import FourSightVLLMClient
+
+    assert rpc(engine, "reset_weights").status_code == 200
+    assert httpx.get(bridge.url + "/health", timeout=60).status_code == 503
+    made: dict = {}
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: made.setdefault("c", FourSightVLLMClient(base_url=bridge.url, weights_dir=engine.policy,
+                                                                                 connection_timeout=5)), daemon=True)
+    t.start()
+    t.join(60)
+    assert "c" in made, "FourSightVLLMClient did not return within 60 s against a stale bridge"
+    print(f"\nthe client was ready after {time.monotonic() - t0:.1f} s")
+    c = made["c"]
+    c.init_communicator(device="cpu")
+    from safetensors.torch import load
+
+    model = AutoModelForCausalLM.from_pretrained(engine.model, dtype=torch.bfloat16)
+    model.load_state_dict(load(full_policy_bytes(engine, seed=44)), strict=False)
+    c.update_model_params(model)
+    assert sync(bridge.url)["sync"] == "in_sync" and httpx.get(bridge.url + "/health", timeout=60).status_code == 200
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError):
+        FourSightVLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=2)
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("case", ["native without its flag", "another weights token"])
+def test_bridge_serve_refuses_an_engine_it_could_never_update(engine, case):
+    """d00d877: ``bridge serve --weight-sync native`` in front of an engine without ``--weight-transfer-config``
+    started, its first update was 502 and every route 503 for good; a bridge with another weights token than the
+    engine's started without a word and failed its first update. Now ``bridge serve`` refuses both at start, exit 2,
+    naming the missing flag or the token."""
+    args, env = [], {**os.environ, ENV_WEIGHTS_TOKEN: engine.token}
+    if case == "native without its flag":
+        args, want = ["--weight-sync", "native"], "--weight-transfer-config"
+    else:
+        env[ENV_WEIGHTS_TOKEN], want = "not-" + engine.token, ENV_WEIGHTS_TOKEN
+    env.pop("FOURSIGHT_BRIDGE_API_KEY", None)
+    r = subprocess.run([str(BIN / "foursight"), "bridge", "serve", "--engine", "vllm", "--engine-url", engine.url, "--tokenizer",
+                        str(engine.model), "--port", str(free_port()), "--wait", "60", *args],
+                       env=env, capture_output=True, text=True, timeout=120)
+    print(r.stderr[-600:])
+    assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -242,3 +242,29 @@ def test_report_force_replaces_a_layer_report(tiny_llama_dir, tmp_path):
     r = _run("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "b", "--channels", "0", "--report", rep, "--force")
     assert r.exit_code == 0, r.output
     assert rep.read_text() != first and "| 0 |" in rep.read_text()
+
+
+# ---- round four (issue 53, item 9): the lows
+
+
+def test_a_config_nested_beyond_the_parser_is_named(tmp_path, no_model_load):
+    # d00d877: a RecursionError traceback
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    _refused(_run("quantize", "--model", deep, "--out", tmp_path / "o"), "config.json", "nests deeper")
+
+
+def test_written_folders_get_the_users_umask_not_0700(tmp_path):
+    # d00d877: checkpoints and model folders were 0700 (tempfile.mkdtemp's mode, kept through the rename)
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        r = _run("models", "tiny", "--out", tmp_path / "tiny")
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    assert stat.S_IMODE((tmp_path / "tiny").stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "tiny").iterdir()} == {0o644}
