@@ -29,6 +29,16 @@ trl_version_warning_once()
 from trl.generation.vllm_client import VLLMClient  # noqa: E402 (after the warning filter)
 
 
+def _only_stale(r) -> bool:
+    """A bridge's 503 ``/health`` whose every engine is up and answers, and some are only stale: a weight update repairs it."""
+    try:
+        engines = r.json()["engines"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return bool(engines) and all(e.get("up") and (e.get("probe") or {}).get("ok", True) for e in engines) \
+        and any(e.get("sync") == "stale" for e in engines)
+
+
 class FourSightVLLMClient(VLLMClient):
     """TRL's ``VLLMClient`` for a FourSight bridge (same constructor, plus ``api_key`` and ``weights_dir``).
 
@@ -52,10 +62,32 @@ class FourSightVLLMClient(VLLMClient):
         super().__init__(*args, **kwargs)
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
+        """Wait for the bridge's ``/health``, at most ``total_timeout`` seconds (``connection_timeout``) whatever it
+        answers: TRL's own check honours the timeout only on connection errors, so against a bridge answering 503 it
+        polled forever. A bridge whose engines are up and only stale (they serve weights the bridge did not push,
+        or a failed update's) is ready for this client: the update it pushes is what repairs them. After the timeout,
+        :class:`ConnectionError` with the bridge's last answer."""
+        import time
+
+        import requests
+
         # the base constructor builds its session, then calls this before its first authenticated call
         if self.api_key:
             self.session.headers["Authorization"] = f"Bearer {self.api_key}"
-        return super().check_server(total_timeout, retry_interval)
+        url, deadline, last = f"{self.base_url}/health", time.monotonic() + total_timeout, None
+        while True:
+            try:
+                r = requests.get(url, timeout=max(1.0, min(30.0, total_timeout)))
+            except requests.RequestException as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code == 200 or (r.status_code == 503 and _only_stale(r)):
+                    return
+                last = f"{r.status_code} {r.text[:300]}"
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"the FourSight bridge at {self.base_url} was not ready within connection_timeout="
+                                      f"{total_timeout:g} s; its last /health answer: {last}")
+            time.sleep(max(0.0, min(retry_interval, deadline - time.monotonic())))
 
     def init_communicator(self, device: torch.device | str | int = 0):
         """Check that the server is a FourSight bridge (no NCCL group: weights travel as files)."""
