@@ -197,13 +197,15 @@ def write_report(text: str, report: Path, force: bool, source: Path, out: Path, 
     a temporary file beside it, renamed over it."""
     import tempfile
 
+    from foursight.folder_writer import umask_mode
+
     p = prepare_report_destination(report, force, source=source, out=out, calib=calib)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, umask_mode(0o666))
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -394,6 +394,8 @@ def read_config(model_dir: str | Path) -> dict:
         raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
+    except RecursionError:  # e.g. 100,000 nested lists: Python's JSON parser recurses once per level
+        raise CheckpointError(f"{path}: unreadable config (it nests deeper than a JSON parser follows)") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: unreadable config (not a JSON object)")
     return cfg

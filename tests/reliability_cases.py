@@ -81,6 +81,50 @@ CASES: list[Case] = [
          "`vllm serve`): /collective_rpc, the weight-transfer routes and the other state-changing dev routes answer 401 without "
          "the weights token (X-FourSight-Weights-Token), 415 for a body that is not JSON, 403 for a foreign Origin; the bridge "
          "sends the token on every engine call", "53"),
+    Case("high", "`POST <engine>/collective_rpc {\"method\": \"reload_weights\"}` answered 500 and killed the engine "
+         "(EngineDeadError): vLLM's in-place reload met `missing tensor lm_head.weight` (lm_head tied to embed_tokens) with "
+         "every layer already on the meta device; the same with a weights_path outside FOURSIGHT_WEIGHTS_DIR", "fixed",
+         (f"{RD}::test_reload_weights_with_tied_embeddings_works_and_the_bridge_stops_serving_the_engine",
+          f"{RD}::test_reload_weights_from_an_unusable_path_is_refused_before_any_layer_changes"),
+         "a tied lm_head is not required of the checkpoint during a reload (`config.checked_complete`); a FourSight model's "
+         "reload is checked whole before vLLM touches a layer (`vllm_weight_sync.check_reload`: the tensors the engine "
+         "loaded, finite, a complete folder with the served quantization_config, inside the weights folders): refused "
+         "naming why, the engine serving the same logprobs; a reload of the checkpoint serves it bit for bit", "53"),
+    Case("high", "`reset_weights` through /collective_rpc answered 200 and zeroed every weight while the bridge stayed in_sync "
+         "and tagged rollouts of token 0 with the trainer's version (the weights id did not change)", "fixed",
+         (f"{RD}::test_reset_weights_makes_the_bridge_stop_serving_the_engine_until_a_good_update",),
+         "every vLLM worker method that changes weights (`vllm_weight_sync.WEIGHT_CHANGING_RPCS`, through /collective_rpc or "
+         "/weight_checker) gives the worker a new weights id (and the engine core a new weight version): health and "
+         "rollouts 503 naming it until an update; reset keeps the layers' channel sets, so the next full update serves "
+         "exactly that update", "53"),
+    Case("medium", "an update made new requests fail instead of waiting: 200 streams with an update 1.5 s in, 9 answered 503 "
+         "('no engine serves the current weights'): `admit()` read the engines' state mid-update", "fixed",
+         (f"{RD}::test_new_requests_wait_at_the_gate_during_an_update_and_none_gets_503",),
+         "a request waits at the version gate (`VersionGate.idle`) before it reads what the engines serve; 8 clients sending "
+         "back to back through 3 updates all get 200", "53"),
+    Case("medium", "a trainer hung against a degraded bridge: FourSightVLLMClient(connection_timeout=60) polled /health (503, "
+         "engine stale) 185 times over 8.5 min (TRL's check honours the timeout only on connection errors), so it could "
+         "not push the update that repairs the engine", "fixed",
+         (f"{RD}::test_trls_client_honours_its_connection_timeout_and_repairs_a_stale_bridge",),
+         "the client's check_server waits at most connection_timeout whatever /health answers, then raises ConnectionError "
+         "with the last answer; a bridge whose engines are up and only stale is ready at once, and the client's update "
+         "repairs it", "53"),
+    Case("medium", "a bridge that could never update started anyway (`--weight-sync native` in front of an engine without "
+         "--weight-transfer-config: first update 502, then every route 503); (low) a bridge with another weights token "
+         "than the engine's started without a word", "fixed",
+         (f"{RD}::test_bridge_serve_refuses_an_engine_it_could_never_update",),
+         "`bridge serve` checks each vLLM engine at start (`VLLMHTTPEngine.check_updatable`, from /server_info and a guarded "
+         "route): exit 2 naming the missing flag (--weight-transfer-config, --worker-extension-cls, VLLM_SERVER_DEV_MODE=1) "
+         "or FOURSIGHT_WEIGHTS_TOKEN", "53"),
+    Case("low", "the bridge without --api-key served open weight routes without a warning", "fixed",
+         ("tests/test_bridge_cli.py::test_a_bridge_without_an_api_key_says_its_routes_are_open",),
+         "`bridge serve` warns that every route, weight updates and uploads included, answers anyone who reaches it", "53"),
+    Case("low", "a 100,000-deep config.json hit the recursion limit (a traceback)", "fixed",
+         (f"{PR}::test_a_config_nested_beyond_the_parser_is_named",),
+         "`schema.read_config` (the one reader of config.json) names the file: error, exit 2", "53"),
+    Case("low", "checkpoints were written 0700/0600 (tempfile's private modes kept through the rename)", "fixed",
+         (f"{PR}::test_written_folders_get_the_users_umask_not_0700",),
+         "the one folder writer gives the folder and its files the modes mkdir/open would (the umask) before the rename", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "
@@ -90,7 +134,8 @@ CASES: list[Case] = [
           "tests/test_bridge_cli.py::test_foursight_serve_binds_loopback_and_warns_about_dev_routes_off_it"),
          "every documented engine line binds 127.0.0.1 (foursight serve; run as printed); served engines load only with "
          "FOURSIGHT_WEIGHTS_TOKEN from FOURSIGHT_WEIGHTS_DIR, one answer naming no outside path; each push carries a weights id the "
-         "engine reports, another id makes it stale; vLLM's own dev-mode methods stay unguarded (documented)", "38"),
+         "engine reports, another id makes it stale; vLLM's own dev-mode methods stayed unguarded in this round (guarded since issue 53: "
+         "`weight_authority.DevRoutesGuard`)", "38"),
     Case("high", "vLLM's native route loaded, at finish_weight_update, whatever the file held then (a NaN norm written after the "
          "check was served); a path reused for two buckets loaded the last one twice", "fixed",
          (f"{WT}::test_native_route_loads_the_tensors_it_checked",),
