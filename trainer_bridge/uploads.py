@@ -18,7 +18,7 @@ nothing can corrupt a file being read, fill the disk, or lose an upload a retry 
 * **Bounds.** One upload may hold ``max_upload_bytes`` (checked from ``Content-Length`` before the body is
   read, and against the size the header declares as soon as the header is in), all uploads together
   ``max_uploads_bytes``; 413 beyond either. The bridge's default per-upload bound is the served
-  model's BF16 size plus headers (:func:`model_update_bytes`).
+  model's BF16 size plus headers (:func:`foursight.tensor_io.update_bytes`, ``server.create_app``).
 * **Expiry.** An upload not written for ``ttl_s`` (a killed trainer's partial one) or complete but not
   applied within ``ttl_s`` is removed (checked at every upload request and apply, and for leftovers
   of an earlier bridge process by their file time).
@@ -47,9 +47,6 @@ from typing import Iterator
 UPLOADS = ".foursight-uploads"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
 _PART = ".part"
-#: headroom of the default per-upload bound over the model's tensors: the safetensors header (names,
-#: shapes, offsets) and a few small tensors a learner may send besides the model's own
-HEADER_BYTES = 16 << 20
 #: per-upload bound when the model folder gives no size (no safetensors files there)
 FALLBACK_MAX_UPLOAD_BYTES = 256 << 30
 DEFAULT_UPLOAD_TTL_S = 900.0
@@ -67,39 +64,6 @@ class UploadError(Exception):
 def valid_name(name: str) -> bool:
     """A plain ``*.safetensors`` name of letters, digits, ``.``, ``_`` and ``-`` (no path, not hidden)."""
     return bool(_NAME.fullmatch(name)) and ".." not in name
-
-
-def model_update_bytes(folder: str | os.PathLike | None) -> int | None:
-    """The bytes of a whole BF16 weight update of the model in ``folder`` (a BF16 HF folder or a FourSight
-    checkpoint), from its safetensors headers (nothing else is read), plus :data:`HEADER_BYTES`; None when
-    the folder has no safetensors files. A FourSight layer counts as its BF16 ``weight`` (4 bytes per
-    packed byte of ``weight_packed``; its scales and channels are derived, never sent), every other tensor
-    at 2 bytes a value; a model with tied embeddings counts ``embed_tokens`` twice (a learner may send
-    ``lm_head.weight`` too)."""
-    if folder is None:
-        return None
-    from foursight import schema
-    from foursight.schema import CheckpointError
-    from foursight.tensor_io import read_headers
-
-    try:
-        shapes = read_headers(folder)
-        tied = bool(schema.read_config(folder).get("tie_word_embeddings", False))
-    except (CheckpointError, OSError):
-        return None
-    total = 0
-    for name, shape in shapes.items():
-        n = 1
-        for d in shape:
-            n *= int(d)
-        suffix = name.rsplit(".", 1)[-1]
-        if suffix == schema.WEIGHT_PACKED:
-            total += 4 * n
-        elif suffix in schema.TENSOR_SUFFIXES:
-            continue
-        else:
-            total += 2 * n * (2 if tied and name.endswith("embed_tokens.weight") else 1)
-    return total + HEADER_BYTES if total else None
 
 
 @dataclass

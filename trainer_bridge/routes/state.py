@@ -20,7 +20,7 @@ from foursight.trainer_bridge.backends.base import Engine
 from foursight.trainer_bridge.bridge_config import BridgeConfig
 from foursight.trainer_bridge.guards import WeightsRoots
 from foursight.trainer_bridge.liveness import Liveness
-from foursight.trainer_bridge.uploads import FALLBACK_MAX_UPLOAD_BYTES, UploadStore, model_update_bytes
+from foursight.trainer_bridge.uploads import UploadStore
 
 
 class DrainTimeout(RuntimeError):
@@ -127,7 +127,9 @@ class BridgeState:
         self.engines = list(engines)
         self.config = config
         self.roots = WeightsRoots(config.weights_dirs)
-        self.uploads = upload_store(self.roots, config)
+        #: the weight uploads (:class:`~foursight.trainer_bridge.uploads.UploadStore`; set by ``server.create_app``, None:
+        #: uploads refused)
+        self.uploads: UploadStore | None = None
         self.inflight = {id(e): 0 for e in self.engines}  # keyed by object: a name may change at start()
         self.metrics = BridgeMetrics()
         self.liveness = Liveness(self.engines, probe_timeout_s=config.probe_timeout_s)
@@ -158,16 +160,6 @@ class BridgeState:
     def pick_engine(self, allowed: Sequence[Engine] | None = None) -> Engine:
         """The engine with the fewest calls in flight (first one on ties), among ``allowed``."""
         return min(allowed or self.engines, key=lambda e: self.inflight[id(e)])
-
-
-def upload_store(roots: WeightsRoots, config: BridgeConfig) -> UploadStore | None:
-    """The bridge's weight uploads, in its first ``--weights-dir`` (None without one: uploads are refused), with
-    the configured bounds or their defaults (:func:`~foursight.trainer_bridge.uploads.model_update_bytes` of the
-    model folder)."""
-    if not roots.roots:
-        return None
-    one = config.max_upload_bytes or model_update_bytes(config.model or config.tokenizer) or FALLBACK_MAX_UPLOAD_BYTES
-    return UploadStore(roots.roots[0], one, config.max_uploads_bytes or 2 * one, config.upload_ttl_s)
 
 
 def bridge_state(request: Request) -> BridgeState:
