@@ -92,9 +92,11 @@ CASES: list[Case] = [
          "naming why, the engine serving the same logprobs; a reload of the checkpoint serves it bit for bit", "53"),
     Case("high", "`reset_weights` through /collective_rpc answered 200 and zeroed every weight while the bridge stayed in_sync "
          "and tagged rollouts of token 0 with the trainer's version (the weights id did not change)", "fixed",
-         (f"{RD}::test_reset_weights_makes_the_bridge_stop_serving_the_engine_until_a_good_update",),
+         (f"{RD}::test_reset_weights_makes_the_bridge_stop_serving_the_engine_until_a_good_update",
+          f"{WT}::test_bridge_updates_a_vllm_server_through_the_native_api"),
          "every vLLM worker method that changes weights (`vllm_weight_sync.WEIGHT_CHANGING_RPCS`, through /collective_rpc or "
-         "/weight_checker) gives the worker a new weights id (and the engine core a new weight version): health and "
+         "/weight_checker) gives the worker a new weights id and the engine core a new weight version (the native route's "
+         "state), on both routes: health and "
          "rollouts 503 naming it until an update; reset keeps the layers' channel sets, so the next full update serves "
          "exactly that update", "53"),
     Case("medium", "an update made new requests fail instead of waiting: 200 streams with an update 1.5 s in, 9 answered 503 "
