@@ -9,6 +9,7 @@ wherever a BF16 model is calibrated (``import`` defaults to 0: compensation is o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -98,6 +99,8 @@ def quantize(cfg: QuantizeConfig) -> None:
     from foursight.checkpoint import quantize_model
 
     src = _bf16_source(cfg.model, "quantize")
+    if cfg.report:  # before any work, with --out's rules (issue 53: a report once replaced the source model)
+        prepare_report_destination(cfg.report, cfg.force, source=src, out=cfg.out, calib=cfg.calib)
     kwargs = cfg.quantize_kwargs()
     carve = []
     if cfg.bf16_layers:
@@ -117,8 +120,7 @@ def quantize(cfg: QuantizeConfig) -> None:
         console.print(f"BF16 carve-out: {len(sh['bf16_layers'])} layers; BF16 weight share {sh['bf16_weight_share']:.2%} "
                       f"(whole layers {sh['bf16_layer_share']:.2%}, channels {sh['bf16_channel_share']:.2%})")
     if cfg.report:
-        cfg.report.parent.mkdir(parents=True, exist_ok=True)
-        cfg.report.write_text(markdown_layer_table(res.layers))
+        write_report(markdown_layer_table(res.layers), cfg.report, cfg.force, source=src, out=res.out_dir, calib=cfg.calib)
 
 
 app.command("quantize")(guarded(typer_command(QuantizeConfig, quantize)))
@@ -133,12 +135,82 @@ def print_layer_table(layers, **kw) -> None:
         print(markdown_layer_table(layers), end="", flush=True)
 
 
+#: the first line of the per-layer Markdown table: how ``quantize --report --force`` knows a file is a report it may replace
+REPORT_HEADER = "| layer | K | k | outlier var share | NVFP4 rel. err | FourSight rel. err | reduction |"
+
+
 def markdown_layer_table(layers) -> str:
-    lines = ["| layer | K | k | outlier var share | NVFP4 rel. err | FourSight rel. err | reduction |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [REPORT_HEADER, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in layers:
         lines.append(f"| {r.name} | {r.in_features} | {r.k} | {r.outlier_share:.1%} | {r.err_nvfp4:.4f} | {r.err_foursight:.4f} | {r.reduction:+.1%} |")
     return "\n".join(lines) + "\n"
+
+
+def prepare_report_destination(report: Path, force: bool, source: Path, out: Path, calib: Path | None = None) -> Path:
+    """``quantize --report``'s file, checked with ``--out``'s rules before any work; returns it resolved
+    (:func:`foursight.folder_writer.resolve_out`). Refused (:class:`FileExistsError` naming ``--report``,
+    nothing changed): a path inside the model folder being read, inside the checkpoint folder ``out`` (its
+    files are the writer's), or the ``--calib`` file, even with ``force``; a folder; an existing file without
+    ``force``, and with it anything but a layer report (first line :data:`REPORT_HEADER`) or a link; a path
+    whose folder cannot be written (probed with a temporary file: permissions alone say nothing to root)."""
+    import tempfile
+
+    from foursight.folder_writer import resolve_out
+
+    p, flag = resolve_out(report), f"--report {report}"
+    inputs = [(Path(source).resolve(), "is inside the model folder being read"),
+              (resolve_out(out), f"is inside the checkpoint folder --out {out}, which the checkpoint writer owns")]
+    for folder, what in inputs:
+        if p == folder or folder in p.parents:
+            raise FileExistsError(f"{flag} {what}; write the report elsewhere (nothing was changed)")
+    if calib is not None and p == Path(calib).resolve():
+        raise FileExistsError(f"{flag} is the --calib file being read; write the report elsewhere (nothing was changed)")
+    if p.is_dir():
+        raise FileExistsError(f"{flag} is a folder; the report is a file (e.g. {p / 'layers.md'}); nothing was changed")
+    if p.exists() or p.is_symlink():
+        if not force:
+            raise FileExistsError(f"{flag} exists; pass --force to replace it")
+        if p.is_symlink() or not p.is_file():
+            raise FileExistsError(f"refusing to replace {flag} with --force: it is not a regular file; nothing was changed")
+        with open(p, "rb") as f:
+            first = f.readline(len(REPORT_HEADER) + 2).decode("utf-8", "replace").rstrip("\n")
+        if first != REPORT_HEADER:
+            raise FileExistsError(f"refusing to replace {flag} with --force: it is not a layer report `foursight quantize "
+                                  f"--report` wrote (its first line is not the table's header); nothing was changed, choose "
+                                  "another --report")
+    folder = p.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is not a folder")
+        fd, probe = tempfile.mkstemp(prefix=".foursight-report-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise FileExistsError(f"{flag}: cannot write the report there ({e.strerror or e}); nothing was changed") from None
+    return p
+
+
+def write_report(text: str, report: Path, force: bool, source: Path, out: Path, calib: Path | None = None) -> Path:
+    """Write the report (checked again: another process may have made the file since), whole or not at all:
+    a temporary file beside it, renamed over it."""
+    import tempfile
+
+    from foursight.folder_writer import umask_mode
+
+    p = prepare_report_destination(report, force, source=source, out=out, calib=calib)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, umask_mode(0o666))
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
 
 
 @app.command()

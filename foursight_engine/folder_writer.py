@@ -45,6 +45,27 @@ _PENDING_MARKER = INCOMPLETE_MARKER + ".new"
 CHECKPOINT_VERBS = ("quantize", "import", "export")
 
 
+def umask_mode(mode: int) -> int:
+    """``mode`` less this process's umask: what ``mkdir``/``open`` would give (a writer's temporary folder or file,
+    made private by ``tempfile``, gets it before it is renamed into place; issue 53: checkpoints were 0700/0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
+def _user_modes(folder: Path) -> None:
+    """Every folder and regular file under ``folder`` gets the mode ``mkdir``/``open`` would give it (:func:`umask_mode`):
+    some writers make their files private (transformers' safetensors shards were 0600), the folder is the user's."""
+    for root, dirs, names in os.walk(folder):
+        for n in dirs:
+            if not os.path.islink(os.path.join(root, n)):
+                os.chmod(os.path.join(root, n), umask_mode(0o777))
+        for n in names:
+            f = os.path.join(root, n)
+            if not os.path.islink(f):
+                os.chmod(f, umask_mode(0o666))
+
+
 def resolve_out(out: str | Path) -> Path:
     """``--out`` as every writer uses it, resolved before anything else: an absolute path with its
     parent's ``..`` and symlinks resolved (``CK/sub/..`` is ``CK``, whether ``sub`` exists or not).
@@ -231,10 +252,12 @@ def folder_writer(out_dir: str | Path, force: bool, verb: str):
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + TMP_INFIX, dir=out_dir.parent))
     lock = None
     try:
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes it 0700; the folder it becomes is the user's, as mkdir would make it
         lock = _mark(tmp, verb)
         yield tmp
         files = listing(tmp)
         (tmp / WRITTEN_BY_FILE).write_text(json.dumps({"written_by": f"foursight {verb}", "files": sorted(files)}) + "\n")
+        _user_modes(tmp)
         if out_dir.exists() or out_dir.is_symlink():
             if not force:
                 raise FileExistsError(f"{out_dir} exists; pass --force to replace it")

@@ -164,6 +164,7 @@ def build_tiny_model(
     seed: int = 0,
     outlier_channels: int = 4,
     force: bool = False,
+    tie_word_embeddings: bool = False,
 ):
     """Build and save a tiny random Llama or Qwen2 model (BF16) with an offline tokenizer.
 
@@ -176,6 +177,8 @@ def build_tiny_model(
             (:func:`foursight.folder_writer.folder_writer`): an existing folder is refused, and
             with ``force`` replaced only when a FourSight writer made it.
         arch: ``"llama"`` or ``"qwen2"`` (Qwen2 has q/k/v biases).
+        tie_word_embeddings: ``lm_head`` shares ``embed_tokens``' weight (as SmolLM2's does; the checkpoint then
+            holds no ``lm_head.weight``).
     Returns:
         Path of the saved folder.
     """
@@ -197,7 +200,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

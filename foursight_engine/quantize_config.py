@@ -30,7 +30,8 @@ class QuantizeConfig:
     batch_size: int = option(8, help="Texts per calibration batch.")
     max_length: int = option(256, help="Tokens per calibration text (longer ones are cut).")
     force: bool = option(False, flag="--force/--no-force", help="Replace --out if it is a FourSight checkpoint (anything else is refused).")
-    report: Optional[Path] = option(None, help="Also write the per-layer table as Markdown here.")
+    report: Optional[Path] = option(None, help="Also write the per-layer table as Markdown to this new file (--force replaces a "
+                                                "report written before; never a file of --model, --out or --calib).")
 
     def quantize_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`foursight.checkpoint.quantize_model` these options spell, less the

@@ -62,6 +62,9 @@ CHANNELS_FILE = "foursight_channels.json"
 
 #: the token an engine serving its weight routes over HTTP requires of every weight update
 ENV_WEIGHTS_TOKEN = "FOURSIGHT_WEIGHTS_TOKEN"
+#: the request header that carries that token to the engine's development routes (checked by
+#: :class:`foursight.quant_methods.weight_authority.DevRoutesGuard`, which ``foursight serve`` mounts)
+WEIGHTS_TOKEN_HEADER = "X-FourSight-Weights-Token"
 #: the folders (``os.pathsep``-separated) such an engine loads weight-update files from
 ENV_WEIGHTS_DIR = "FOURSIGHT_WEIGHTS_DIR"
 #: the shared-memory folder weight-update files are written to (default ``/dev/shm``)
@@ -394,6 +397,8 @@ def read_config(model_dir: str | Path) -> dict:
         raise CheckpointError(f"{model_dir} is not a folder (a checkpoint is a folder with config.json)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable config ({type(e).__name__}: {e})") from None
+    except RecursionError:  # e.g. 100,000 nested lists: Python's JSON parser recurses once per level
+        raise CheckpointError(f"{path}: unreadable config (it nests deeper than a JSON parser follows)") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: unreadable config (not a JSON object)")
     return cfg

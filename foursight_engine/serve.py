@@ -11,8 +11,10 @@ it runs is printed first.
 
 It binds ``127.0.0.1`` unless ``--host`` says otherwise (vLLM's own default is every interface). With
 ``VLLM_SERVER_DEV_MODE=1`` vLLM mounts ``/collective_rpc`` and its weight-transfer routes, which its
-``--api-key`` does not cover, so a non-loopback ``--host`` in dev mode is printed as a warning
-(docs/bridge.md, "Who can reach the engine").
+``--api-key`` does not cover: ``foursight serve`` mounts
+:class:`foursight.quant_methods.weight_authority.DevRoutesGuard` (vLLM's ``--middleware``), which lets a request
+to them through only with the weights token, a JSON body and no cross-origin ``Origin``; a non-loopback
+``--host`` in dev mode is still printed as a warning (docs/bridge.md, "Who can reach the engine").
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import shlex
 import sys
 from typing import Mapping, Sequence
 
+#: the ASGI middleware that puts vLLM's development routes behind the weights token (added to every command)
+DEV_GUARD = "foursight.quant_methods.weight_authority.DevRoutesGuard"
 #: environment a CPU build of vLLM needs to start (docs/vllm.md); set only where not already set
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1"}
 
@@ -44,8 +48,9 @@ def vllm_command(model: str, host: str, port: int, extra: Sequence[str], env: Ma
                  cpu: bool | None = None, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` of the vLLM OpenAI server for ``foursight serve``.
 
-    ``--quantization foursight`` is added unless ``extra`` has a ``--quantization`` of its own; on a
-    CPU build (``cpu``; default :func:`is_cpu_vllm`) ``--enforce-eager`` and :data:`CPU_ENV` too.
+    ``--quantization foursight`` is added unless ``extra`` has a ``--quantization`` of its own, and always
+    ``--middleware`` :data:`DEV_GUARD` (vLLM's dev routes behind the weights token); on a CPU build (``cpu``;
+    default :func:`is_cpu_vllm`) ``--enforce-eager`` and :data:`CPU_ENV` too.
     """
     cpu = is_cpu_vllm() if cpu is None else cpu
     extra = list(extra)
@@ -54,6 +59,8 @@ def vllm_command(model: str, host: str, port: int, extra: Sequence[str], env: Ma
         argv += ["--quantization", "foursight"]
     if cpu and not _has_flag(extra, "--enforce-eager"):
         argv.append("--enforce-eager")
+    if DEV_GUARD not in extra:
+        argv += ["--middleware", DEV_GUARD]
     argv += extra
     out_env = dict(os.environ if env is None else env)
     if cpu:

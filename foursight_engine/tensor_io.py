@@ -161,3 +161,37 @@ def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_
     if split.is_sharded:
         (folder / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
     return list(split.filename_to_tensors)
+
+
+#: headroom of :func:`update_bytes` over the model's tensors: the safetensors header (names, shapes, offsets)
+#: and a few small tensors a learner may send besides the model's own
+UPDATE_HEADER_BYTES = 16 << 20
+
+
+def update_bytes(folder: str | os.PathLike | None) -> int | None:
+    """The bytes of a whole BF16 weight update of the model in ``folder`` (a BF16 HF folder or a FourSight
+    checkpoint), from its safetensors headers (nothing else is read), plus :data:`UPDATE_HEADER_BYTES`; None when
+    the folder has no safetensors files. A FourSight layer counts as its BF16 ``weight`` (4 bytes per
+    packed byte of ``weight_packed``; its scales and channels are derived, never sent), every other tensor
+    at 2 bytes a value; a model with tied embeddings counts ``embed_tokens`` twice (a learner may send
+    ``lm_head.weight`` too)."""
+    if folder is None:
+        return None
+    try:
+        shapes = read_headers(folder)
+        tied = bool(schema.read_config(folder).get("tie_word_embeddings", False))
+    except (CheckpointError, OSError):
+        return None
+    total = 0
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= int(d)
+        suffix = name.rsplit(".", 1)[-1]
+        if suffix == schema.WEIGHT_PACKED:
+            total += 4 * n
+        elif suffix in schema.TENSOR_SUFFIXES:
+            continue
+        else:
+            total += 2 * n * (2 if tied and name.endswith("embed_tokens.weight") else 1)
+    return total + UPDATE_HEADER_BYTES if total else None

@@ -80,10 +80,12 @@ def checked_complete(weights, model: torch.nn.Module, where: str = "", packed: d
     "missing tensor", naming it. A fused layer's missing shard is the FourSight layer's own check.
     """
     map_name = packed_name_map(model, packed)
-    params = {n for n, p in model.named_parameters() if p.numel() > 0}
-    allowed = {n for n, _ in model.named_parameters()}
     cfg = getattr(model, "config", None)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    params = {n for n, p in model.named_parameters() if p.numel() > 0}
+    if tied:  # vLLM's in-place reload restores lm_head as a parameter of its own (issue 53); the checkpoint has none
+        params.discard("lm_head.weight")
+    allowed = {n for n, _ in model.named_parameters()}
     seen: set[str] = set()
     for name, t in weights:
         mapped = map_name(name)

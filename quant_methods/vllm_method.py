@@ -104,7 +104,16 @@ def install_load_check() -> None:
                 return
             qc = getattr(model_config.hf_config, "quantization_config", None)
             check_folder(model_config.model)  # an incomplete folder or a truncated file, named before vLLM reads it
-            yield from served_weights(it, qc, f" in {model_config.model}", model=model)
+            loaded: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+
+            def recorded(weights):
+                for name, t in weights:
+                    loaded[name] = (t.dtype, tuple(t.shape))
+                    yield name, t
+                # what a reload must give again, whole (vllm_weight_sync.check_reload)
+                model.foursight_checkpoint_tensors = loaded
+
+            yield from served_weights(recorded(it), qc, f" in {model_config.model}", model=model)
 
         return get_all_weights
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 def register() -> None:
     """Import the module whose ``@register_quantization_config("foursight")`` registers the method,
-    and install the checkpoint-load check (:func:`foursight.quant_methods.vllm_method.install_load_check`).
+    and install the checkpoint-load check (:func:`foursight.quant_methods.vllm_method.install_load_check`) and
+    the guards of vLLM's own weight RPCs (:func:`foursight.quant_methods.vllm_weight_sync.install_worker_guards`).
 
     Idempotent (a second call re-registers the same class, which vLLM allows).
     """
@@ -31,6 +32,9 @@ def register() -> None:
     from foursight.quant_methods.vllm_weight_transfer import register as register_weight_transfer
 
     register_weight_transfer()  # the foursight_file backend of --weight-transfer-config (vLLM >= 0.32)
+    from foursight.quant_methods.vllm_weight_sync import install_worker_guards
+
+    install_worker_guards()  # vLLM's own weight RPCs: reload checked whole, every weight change a new weights id
 
 
 def _request_amx() -> None:

@@ -1,4 +1,4 @@
-"""The cases of issues 14, 28 and 38 (hardening, rounds one to three) and the tests that show each one's status.
+"""The cases of issues 14, 28, 38 and 53 (hardening, rounds one to four) and the tests that show each one's status.
 
 ``scripts/reliability_table.py`` turns this list into the table of docs/reliability.md; it
 fails when a named test does not exist (``pytest --collect-only``), and with ``--run`` it runs
@@ -30,8 +30,103 @@ PR = "tests/test_cli_probes.py"
 
 A, WT = "tests/test_bridge_vllm_authority.py", "tests/test_vllm_weight_transfer.py"
 OV = "tests/test_bridge_openai_vllm.py"
+RD = "tests/test_bridge_vllm_road.py"
 
 CASES: list[Case] = [
+    # ---- issue 53 (round four) ----
+    Case("high", "data loss by a flag: `quantize --report SRC/model.safetensors` replaced the source model with the Markdown table, "
+         "`--report OUT/config.json` the new checkpoint's config; `--report` onto any file overwrote it silently; a folder or an "
+         "unwritable path was refused only after 134-489 s of quantizing", "fixed",
+         (f"{PR}::test_report_never_overwrites_the_source_model_or_the_new_checkpoint",
+          f"{PR}::test_report_refuses_an_existing_file_a_folder_and_an_unwritable_path_before_the_model_loads",
+          f"{PR}::test_report_force_replaces_a_layer_report"),
+         "`--report` follows `--out`'s rules, checked before the model loads (`cli.prepare_report_destination`): never a path inside "
+         "the model folder being read, inside `--out`, or the `--calib` file, even with `--force`; an existing file only with "
+         "`--force` and only a layer report written before; a folder or a folder that cannot be written is named; the report is "
+         "written whole (a temporary file renamed over it)", "53"),
+    Case("high", "a truncating upload killed its reader: apply a 269 MB upload, then `PUT /v1/weights/uploads/SAME?offset=0` with "
+         "one byte answered 200 and reopened the file with \"wb\" while the bridge's finiteness check had it mapped (SIGBUS, exit "
+         "135) or the engine's worker read it; every stream and the update lost", "fixed",
+         (f"{RD}::test_a_truncating_put_during_an_apply_is_refused_and_both_processes_survive",),
+         "each upload is written to a private `.NAME.ID.part` file and renamed when it holds the size its safetensors header "
+         "declares; a complete upload is never written again, and a new upload of the name, a DELETE or a second apply is 409 "
+         "while it is applied (`trainer_bridge/uploads.py`); the test runs the apply and the truncating PUT concurrently against "
+         "a real vLLM engine behind `foursight bridge serve`: 409, both processes alive, the engine serving exactly the upload", "53"),
+    Case("medium", "two writers on one upload name interleaved (each chunk 200; the applied file half of each, 2.5-3.7 nats "
+         "off); a partial upload could be applied", "fixed",
+         (f"{RD}::test_one_writer_per_name_and_a_partial_upload_is_never_applied",),
+         "offset 0 answers an upload_id that every later chunk must carry; a second writer gets 409 while the first is open; a "
+         "partial upload (by name or by the path of its private file) is 422", "53"),
+    Case("medium", "no bound on an upload's size (768 MiB into one name in 2 s); never-applied and partial uploads kept forever",
+         "fixed", (f"{RD}::test_uploads_are_bounded_and_expire",),
+         "--max-upload-bytes (default: the model's BF16 size from its folder plus 16 MiB of headers), checked from "
+         "Content-Length and from the declared size; --max-uploads-bytes over all kept uploads; 413 naming the flag; an "
+         "upload unwritten or unapplied for --upload-ttl (900 s) is removed", "53"),
+    Case("low", "a link planted in the upload folder was followed on write", "fixed",
+         (f"{RD}::test_a_planted_link_in_the_upload_folder_is_never_followed",),
+         "the folder is opened O_DIRECTORY|O_NOFOLLOW and every open in it is relative to it with O_NOFOLLOW: a planted link "
+         "(or a link as the folder) is refused with 409, its target untouched", "53"),
+    Case("medium", "a refused apply deleted its upload (409 'another update in progress' in a `finally`), so the trainer's "
+         "retry got 422 'not an upload of this bridge'", "fixed",
+         (f"{RD}::test_a_refused_apply_keeps_the_upload_so_a_retry_works",
+          f"{RD}::test_trls_own_retry_applies_the_upload_after_a_failed_apply"),
+         "an upload is removed only after an apply succeeds or by DELETE (or expiry): after a 409 and a 422 it is kept, and "
+         "TRL's own client (FourSightVLLMClient, upload=True) retries a 502 through its session and the update lands", "53"),
+    Case("high", "any web page could reach the engine's RPCs: a form post (Content-Type text/plain, Origin http://evil.example, "
+         "no key) to /collective_rpc got 200; with no key `reset_weights` zeroed the engine and `reload_weights` killed it",
+         "fixed",
+         (f"{RD}::test_the_engines_dev_routes_need_the_weights_token_json_and_no_foreign_origin",
+          "tests/test_bridge_cli.py::test_foursight_serve_mounts_the_dev_route_guard_once"),
+         "`foursight serve` mounts `weight_authority.DevRoutesGuard` (vLLM's --middleware; docs/vllm.md gives the flag for "
+         "`vllm serve`): /collective_rpc, the weight-transfer routes and the other state-changing dev routes answer 401 without "
+         "the weights token (X-FourSight-Weights-Token), 415 for a body that is not JSON, 403 for a foreign Origin; the bridge "
+         "sends the token on every engine call", "53"),
+    Case("high", "`POST <engine>/collective_rpc {\"method\": \"reload_weights\"}` answered 500 and killed the engine "
+         "(EngineDeadError): vLLM's in-place reload met `missing tensor lm_head.weight` (lm_head tied to embed_tokens) with "
+         "every layer already on the meta device; the same with a weights_path outside FOURSIGHT_WEIGHTS_DIR", "fixed",
+         (f"{RD}::test_reload_weights_with_tied_embeddings_works_and_the_bridge_stops_serving_the_engine",
+          f"{RD}::test_reload_weights_from_an_unusable_path_is_refused_before_any_layer_changes"),
+         "a tied lm_head is not required of the checkpoint during a reload (`config.checked_complete`); a FourSight model's "
+         "reload is checked whole before vLLM touches a layer (`vllm_weight_sync.check_reload`: the tensors the engine "
+         "loaded, finite, a complete folder with the served quantization_config, inside the weights folders): refused "
+         "naming why, the engine serving the same logprobs; a reload of the checkpoint serves it bit for bit", "53"),
+    Case("high", "`reset_weights` through /collective_rpc answered 200 and zeroed every weight while the bridge stayed in_sync "
+         "and tagged rollouts of token 0 with the trainer's version (the weights id did not change)", "fixed",
+         (f"{RD}::test_reset_weights_makes_the_bridge_stop_serving_the_engine_until_a_good_update",
+          f"{WT}::test_bridge_updates_a_vllm_server_through_the_native_api"),
+         "every vLLM worker method that changes weights (`vllm_weight_sync.WEIGHT_CHANGING_RPCS`, through /collective_rpc or "
+         "/weight_checker) gives the worker a new weights id and the engine core a new weight version (the native route's "
+         "state), on both routes: health and "
+         "rollouts 503 naming it until an update; reset keeps the layers' channel sets, so the next full update serves "
+         "exactly that update", "53"),
+    Case("medium", "an update made new requests fail instead of waiting: 200 streams with an update 1.5 s in, 9 answered 503 "
+         "('no engine serves the current weights'): `admit()` read the engines' state mid-update", "fixed",
+         (f"{RD}::test_new_requests_wait_at_the_gate_during_an_update_and_none_gets_503",),
+         "a request waits at the version gate (`VersionGate.idle`) before it reads what the engines serve; 8 clients sending "
+         "back to back through 3 updates all get 200", "53"),
+    Case("medium", "a trainer hung against a degraded bridge: FourSightVLLMClient(connection_timeout=60) polled /health (503, "
+         "engine stale) 185 times over 8.5 min (TRL's check honours the timeout only on connection errors), so it could "
+         "not push the update that repairs the engine", "fixed",
+         (f"{RD}::test_trls_client_honours_its_connection_timeout_and_repairs_a_stale_bridge",),
+         "the client's check_server waits at most connection_timeout whatever /health answers, then raises ConnectionError "
+         "with the last answer; a bridge whose engines are up and only stale is ready at once, and the client's update "
+         "repairs it", "53"),
+    Case("medium", "a bridge that could never update started anyway (`--weight-sync native` in front of an engine without "
+         "--weight-transfer-config: first update 502, then every route 503); (low) a bridge with another weights token "
+         "than the engine's started without a word", "fixed",
+         (f"{RD}::test_bridge_serve_refuses_an_engine_it_could_never_update",),
+         "`bridge serve` checks each vLLM engine at start (`VLLMHTTPEngine.check_updatable`, from /server_info and a guarded "
+         "route): exit 2 naming the missing flag (--weight-transfer-config, --worker-extension-cls, VLLM_SERVER_DEV_MODE=1) "
+         "or FOURSIGHT_WEIGHTS_TOKEN", "53"),
+    Case("low", "the bridge without --api-key served open weight routes without a warning", "fixed",
+         ("tests/test_bridge_cli.py::test_a_bridge_without_an_api_key_says_its_routes_are_open",),
+         "`bridge serve` warns that every route, weight updates and uploads included, answers anyone who reaches it", "53"),
+    Case("low", "a 100,000-deep config.json hit the recursion limit (a traceback)", "fixed",
+         (f"{PR}::test_a_config_nested_beyond_the_parser_is_named",),
+         "`schema.read_config` (the one reader of config.json) names the file: error, exit 2", "53"),
+    Case("low", "checkpoints were written 0700/0600 (tempfile's private modes kept through the rename)", "fixed",
+         (f"{PR}::test_written_folders_get_the_users_umask_not_0700",),
+         "the one folder writer gives the folder and its files the modes mkdir/open would (the umask) before the rename", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "
@@ -41,7 +136,8 @@ CASES: list[Case] = [
           "tests/test_bridge_cli.py::test_foursight_serve_binds_loopback_and_warns_about_dev_routes_off_it"),
          "every documented engine line binds 127.0.0.1 (foursight serve; run as printed); served engines load only with "
          "FOURSIGHT_WEIGHTS_TOKEN from FOURSIGHT_WEIGHTS_DIR, one answer naming no outside path; each push carries a weights id the "
-         "engine reports, another id makes it stale; vLLM's own dev-mode methods stay unguarded (documented)", "38"),
+         "engine reports, another id makes it stale; vLLM's own dev-mode methods stayed unguarded in this round (guarded since issue 53: "
+         "`weight_authority.DevRoutesGuard`)", "38"),
     Case("high", "vLLM's native route loaded, at finish_weight_update, whatever the file held then (a NaN norm written after the "
          "check was served); a path reused for two buckets loaded the last one twice", "fixed",
          (f"{WT}::test_native_route_loads_the_tensors_it_checked",),

@@ -96,3 +96,26 @@ def test_foursight_serve_binds_loopback_and_warns_about_dev_routes_off_it():
     assert "/collective_rpc" in dev_routes_warning(argv, env)
     argv, env = vllm_command("m", "0.0.0.0", 8000, [], env={}, cpu=True)
     assert dev_routes_warning(argv, env) is None
+
+
+def test_a_bridge_without_an_api_key_says_its_routes_are_open(monkeypatch):
+    """Issue 53 (low): a bridge without --api-key served open weight routes without a word."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--wait", "0"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0 and "no --api-key" in r.output and "weight updates and uploads" in r.output, r.output
+    r = CliRunner().invoke(app, ["serve", "--engine-url", "http://127.0.0.1:1", "--wait", "0", "--api-key", "k"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0 and "no --api-key" not in r.output, r.output
+
+
+def test_foursight_serve_mounts_the_dev_route_guard_once():
+    """Issue 53 item 2: every `foursight serve` command gives vLLM `--middleware` with FourSight's guard of its dev
+    routes (once, also when the user names it)."""
+    from foursight.serve import DEV_GUARD, vllm_command
+
+    guard = "foursight.quant_methods.weight_authority.DevRoutesGuard"
+    assert DEV_GUARD == guard
+    for extra in ([], ["--middleware", guard]):
+        argv, _ = vllm_command("m", "127.0.0.1", 8000, extra, env={}, cpu=False)
+        assert [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"] == [guard]

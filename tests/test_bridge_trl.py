@@ -210,7 +210,7 @@ def test_trl_client_uploads_its_weights_from_another_host(tiny_llama_dir, tmp_pa
 
     from foursight.trainer_bridge.backends.hf import HFEngine
     from foursight.trainer_bridge.launch import BridgeThread
-    from foursight.trainer_bridge.routes.weights import UPLOADS
+    from foursight.trainer_bridge.uploads import UPLOADS
     from foursight.trainer_bridge.server import create_app
     from foursight.trainer_bridge.trl import FourSightVLLMClient
     from helpers.weights import perturbed_state

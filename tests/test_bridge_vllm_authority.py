@@ -124,13 +124,23 @@ def docs_server(tiny_ckpt, tiny_llama_dir, tmp_path_factory):
         run.stop()
 
 
-def _rpc(url: str, path, version: int, **kwargs) -> httpx.Response:
-    return httpx.post(url + "/collective_rpc", json={"method": "foursight_update_weights", "args": [str(path), str(version)],
+def dev(token: str) -> dict:
+    """The header that lets a call through the engine's guard of its dev routes (``foursight serve`` mounts it)."""
+    from foursight.schema import WEIGHTS_TOKEN_HEADER
+
+    return {WEIGHTS_TOKEN_HEADER: token}
+
+
+def _rpc(server: dict, path, version: int, **kwargs) -> httpx.Response:
+    """``foursight_update_weights`` through ``/collective_rpc`` past the route guard (``kwargs``: the worker's own)."""
+    return httpx.post(server["engine"] + "/collective_rpc", headers=dev(server["token"]),
+                      json={"method": "foursight_update_weights", "args": [str(path), str(version)],
                                                      "kwargs": kwargs}, timeout=300)
 
 
-def _state(url: str) -> dict:
-    r = httpx.post(url + "/collective_rpc", json={"method": "foursight_engine_state"}, timeout=60)
+def _state(server: dict) -> dict:
+    r = httpx.post(server["engine"] + "/collective_rpc", headers=dev(server["token"]), json={"method": "foursight_engine_state"},
+                   timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["results"][0]
 
@@ -191,17 +201,17 @@ def test_documented_engine_binds_loopback_and_refuses_updates_without_the_token(
     url = docs_server["engine"]
     assert listening_addresses(docs_server["engine_port"]) == {"127.0.0.1"}
     before = server_prompt_logprobs(url, SEQS)
-    v0 = _state(url)["version"]
+    v0 = _state(docs_server)["version"]
     outside = tmp_path / "outside.safetensors"  # a real, valid update the engine can read, outside its folder
     save_file(perturbed_state(tiny_llama_dir, seed=5), str(outside))
     inside = _shm_file("inside", perturbed_state(tiny_llama_dir, seed=5))
     try:
         answers = {
-            "no token": _rpc(url, inside, v0),
-            "wrong token": _rpc(url, inside, v0, token="not-" + docs_server["token"]),
-            "outside, exists": _rpc(url, outside, v0, token=docs_server["token"]),
-            "outside, missing": _rpc(url, tmp_path / "missing.safetensors", v0, token=docs_server["token"]),
-            "system file": _rpc(url, "/etc/hostname", v0, token=docs_server["token"]),
+            "no token": _rpc(docs_server, inside, v0),
+            "wrong token": _rpc(docs_server, inside, v0, token="not-" + docs_server["token"]),
+            "outside, exists": _rpc(docs_server, outside, v0, token=docs_server["token"]),
+            "outside, missing": _rpc(docs_server, tmp_path / "missing.safetensors", v0, token=docs_server["token"]),
+            "system file": _rpc(docs_server, "/etc/hostname", v0, token=docs_server["token"]),
         }
         for what, r in answers.items():
             assert r.status_code != 200, what
@@ -209,13 +219,13 @@ def test_documented_engine_binds_loopback_and_refuses_updates_without_the_token(
             assert str(tmp_path) not in r.text and "/etc" not in r.text, (what, r.text[:300])
         tails = {what: r.text[r.text.index("FourSight refused"):][:200] for what, r in answers.items() if what.startswith(("outside", "system"))}
         assert len(set(tails.values())) == 1, tails  # one answer: the route tells nothing about the engine's files
-        httpx.post(url + "/reset_prefix_cache", timeout=60)
-        assert _state(url)["version"] == v0
+        httpx.post(url + "/reset_prefix_cache", headers=dev(docs_server["token"]), json={}, timeout=60)
+        assert _state(docs_server)["version"] == v0
         assert all(torch.equal(a, b) for a, b in zip(server_prompt_logprobs(url, SEQS), before))
         # the engine is still alive and takes the same file with the token
-        r = _rpc(url, inside, v0 + 1000, token=docs_server["token"], weights_id="test")
+        r = _rpc(docs_server, inside, v0 + 1000, token=docs_server["token"], weights_id="test")
         assert r.status_code == 200, r.text
-        st = _state(url)
+        st = _state(docs_server)
         assert st["version"] == v0 + 1000 and st["weights_id"] == "test"
     finally:
         inside.unlink(missing_ok=True)
@@ -248,7 +258,7 @@ def test_bridge_goes_stale_on_weights_it_did_not_push(docs_server, tiny_llama_di
             v = c.weight_version() + 1
             c.update_weights(version=v, shm_name=f1.name)
             assert c.health()["engines"][0]["sync"] == "in_sync"
-            r = _rpc(url, f2, v, token=token)  # same version, weights the bridge never pushed
+            r = _rpc(docs_server, f2, v, token=token)  # same version, weights the bridge never pushed
             assert r.status_code == 200, r.text
             h = httpx.get(docs_server["bridge"] + "/v1/health?probe=false", timeout=60)
             assert h.status_code == 503 and h.json()["engines"][0]["sync"] == "stale", h.text

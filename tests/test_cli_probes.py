@@ -194,3 +194,77 @@ def test_calibrate_force_replaces_a_channels_file(tiny_llama_dir, tmp_path):
     r = _run("calibrate", "--model", tiny_llama_dir, "--out", f, "--channels", "32", "--force")
     assert r.exit_code == 0, r.output
     assert {len(v) for v in ChannelsFile.read(f).channels.values()} == {32}
+
+
+# ---- round four (issue 53, item 0): `quantize --report` follows --out's rules, checked before any work
+
+
+def test_report_never_overwrites_the_source_model_or_the_new_checkpoint(tiny_llama_dir, tmp_path, no_model_load):
+    # d00d877: the model loaded and quantized, then the Markdown table replaced the source's model.safetensors
+    # (or the new checkpoint's config.json, so it would not load); --force does not make either allowed
+    src = tiny_llama_dir / "model.safetensors"
+    before = src.read_bytes()
+    out = tmp_path / "ckpt"
+    for force in ((), ("--force",)):
+        _refused(_run("quantize", "--model", tiny_llama_dir, "--out", out, "--report", src, *force),
+                 f"--report {src}", "the model folder being read")
+        _refused(_run("quantize", "--model", tiny_llama_dir, "--out", out, "--report", out / "config.json", *force),
+                 f"--report {out / 'config.json'}", "inside the checkpoint folder --out")
+    assert src.read_bytes() == before and not out.exists()
+
+
+def test_report_refuses_an_existing_file_a_folder_and_an_unwritable_path_before_the_model_loads(tiny_llama_dir, tmp_path,
+                                                                                                no_model_load):
+    # d00d877: an existing file was overwritten silently; a folder or an unwritable path failed after the quantization
+    notes = tmp_path / "notes.md"
+    notes.write_text("the user's notes")
+    base = ("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "o")
+    _refused(_run(*base, "--report", notes), f"--report {notes} exists; pass --force")
+    _refused(_run(*base, "--report", notes, "--force"), f"--report {notes}", "not a layer report")
+    assert notes.read_text() == "the user's notes"
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    _refused(_run(*base, "--report", folder), f"--report {folder} is a folder")
+    _refused(_run(*base, "--report", "/proc/foursight-probe/r.md"), "--report /proc/foursight-probe/r.md", "cannot write")
+    under_a_file = notes / "r.md"
+    _refused(_run(*base, "--report", under_a_file), f"--report {under_a_file}", "cannot write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md", "reports"]
+
+
+def test_report_force_replaces_a_layer_report(tiny_llama_dir, tmp_path):
+    rep = tmp_path / "layers.md"
+    r = _run("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "a", "--channels", "16", "--report", rep)
+    assert r.exit_code == 0, r.output
+    first = rep.read_text()
+    assert first.startswith("| layer | K | k |")
+    _refused(_run("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "b", "--channels", "16", "--report", rep),
+             f"--report {rep} exists; pass --force")
+    r = _run("quantize", "--model", tiny_llama_dir, "--out", tmp_path / "b", "--channels", "0", "--report", rep, "--force")
+    assert r.exit_code == 0, r.output
+    assert rep.read_text() != first and "| 0 |" in rep.read_text()
+
+
+# ---- round four (issue 53, item 9): the lows
+
+
+def test_a_config_nested_beyond_the_parser_is_named(tmp_path, no_model_load):
+    # d00d877: a RecursionError traceback
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    _refused(_run("quantize", "--model", deep, "--out", tmp_path / "o"), "config.json", "nests deeper")
+
+
+def test_written_folders_get_the_users_umask_not_0700(tmp_path):
+    # d00d877: checkpoints and model folders were 0700 (tempfile.mkdtemp's mode, kept through the rename)
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        r = _run("models", "tiny", "--out", tmp_path / "tiny")
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    assert stat.S_IMODE((tmp_path / "tiny").stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "tiny").iterdir()} == {0o644}

@@ -98,7 +98,8 @@ def test_bridge_updates_a_vllm_server_through_the_native_api(tiny_llama_dir, tin
     /v1/completions before and after agree with the bridge's stream). Issue 38: an update the
     engine refuses (int32 norm, checked by the worker) is 422 naming engine and tensor, and the engine
     stays in service (before: 502, then 503 on health and rollouts); ``/update_weights`` without the
-    engine's token, or for a file outside its weights folder, is refused naming no path."""
+    engine's token, or for a file outside its weights folder, is refused naming no path. Issue 53: vLLM's own
+    ``reset_weights`` makes the bridge see the engine stale until its next update."""
     from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient
     from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread, VLLMServer
@@ -149,6 +150,14 @@ def test_bridge_updates_a_vllm_server_through_the_native_api(tiny_llama_dir, tin
         finally:
             outside.unlink()
         assert httpx.get(srv.url + "/weight_info").json()["weight_version"].startswith("3-")
+        # issue 53 item 3 on this route: vLLM's own reset_weights now changes the engine core's weight version, so the
+        # bridge sees the engine stale until its next update (d00d877: in_sync, tagging the zeroed engine's samples 3)
+        assert httpx.post(srv.url + "/collective_rpc", json={"method": "reset_weights"}, timeout=120).status_code == 200
+        h = httpx.get(bridge.url + "/v1/health?probe=false", timeout=120)
+        assert h.status_code == 503 and h.json()["engines"][0]["sync"] == "stale", h.text
+        with RolloutClient(bridge.url) as c:
+            assert c.update_weights(version=5, path=str(whole))["version"] == 5
+        assert httpx.get(bridge.url + "/v1/health?probe=false", timeout=120).json()["engines"][0]["sync"] == "in_sync"
     finally:
         if bridge is not None:
             bridge.stop()

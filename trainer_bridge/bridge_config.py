@@ -49,6 +49,13 @@ class BridgeConfig:
     allowed_hosts: list[str] = option(default_factory=list, flag="--allowed-host",
                                       help="Host/Origin name accepted besides loopback and --host (repeat; '*.example.com' patterns)")
     max_body_bytes: int = option(32 << 20, min=1024, help="request body limit (413 beyond it)")
+    max_upload_bytes: Optional[int] = option(None, min=1, help="largest weight upload (PUT /v1/weights/uploads/NAME; 413 beyond it); "
+                                                               "default: the model's BF16 size from the --model/--tokenizer folder "
+                                                               "plus 16 MiB of headers (256 GiB when that folder has no safetensors)")
+    max_uploads_bytes: Optional[int] = option(None, min=1, help="all weight uploads kept at once, partial and complete (413 beyond "
+                                                                "it); default: twice --max-upload-bytes")
+    upload_ttl_s: float = option(900.0, flag="--upload-ttl", min=0.001,
+                                 help="seconds an upload may go without a chunk, or complete without being applied, before it is removed")
     max_tokens_cap: Optional[int] = option(None, min=1, help="largest max_tokens a request may ask for")
     max_request_tokens: Optional[int] = option(None, min=1, help="per-request token budget: n times the sum of the prompts' max_tokens")
     wait: float = option(300.0, min=0.0, help="seconds to wait for every --engine-url to answer /health before serving (an engine "

@@ -104,10 +104,12 @@ def wait_for_engines(urls: list[str], timeout_s: float, api_key: Optional[str] =
 
 
 def check_engines(engines: list, kind: str) -> None:
-    """Each engine server started once and its weight state read, in a throwaway event loop, then closed
-    again (an engine opens its connections in ``start`` and closes them in ``aclose``, so the server's own
-    start reopens them): a wrong ``--engine`` kind, key or route is one
-    :class:`~foursight.cli_util.OptionError` naming the engine, not a server traceback at startup."""
+    """Each engine server started once, its weight state read and what its weight updates need checked
+    (``Engine.check_updatable``: the server flag ``--weight-sync`` needs, the weights token), in a throwaway event
+    loop, then closed again (an engine opens its connections in ``start`` and closes them in ``aclose``, so the
+    server's own start reopens them): a wrong ``--engine`` kind, key, route, missing flag or token is one
+    :class:`~foursight.cli_util.OptionError` naming the engine, not a server traceback at startup or a 502 at the
+    first update."""
     import asyncio
 
     import httpx
@@ -120,9 +122,14 @@ def check_engines(engines: list, kind: str) -> None:
                 await e.start()
                 await asyncio.wait_for(e.served_state(), 30.0)
             except (EngineError, httpx.HTTPError, asyncio.TimeoutError, TimeoutError) as err:
+                await e.aclose()
                 why = str(err) or f"{type(err).__name__} (no answer within its timeout)"
                 where = "" if e.url in why else f"--engine-url {e.url}: "
                 raise OptionError(f"{where}{why} (is --engine-url a {kind} server, and --engine-api-key right?)") from None
+            try:  # an engine no update could reach would serve until the first update, then be stale for good
+                await e.check_updatable()
+            except (EngineError, httpx.HTTPError) as err:
+                raise OptionError(f"--engine-url {e.url}: the bridge could never update its weights: {err}") from None
             finally:
                 await e.aclose()
 
@@ -139,6 +146,9 @@ def serve(cfg: BridgeConfig) -> None:
         check_engines(engines, cfg.engine)
     if not cfg.weights_dirs:
         typer.echo("warning: no --weights-dir given: a weight update may name any file this process can read", err=True)
+    if not cfg.api_key:
+        typer.echo("warning: no --api-key (FOURSIGHT_BRIDGE_API_KEY): every route, weight updates and uploads included, answers "
+                   f"anyone who reaches {cfg.host}:{cfg.port}, every user and process of this host on loopback", err=True)
     for line in dict.fromkeys(w for e in engines for w in e.startup_warnings()):
         typer.echo(f"warning: {line}", err=True)
     from foursight.trainer_bridge import server

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
@@ -34,12 +35,24 @@ from foursight.trainer_bridge.bridge_config import BridgeConfig
 from foursight.trainer_bridge.guards import add_guards, allowed_hosts_for, check_bind, field_name, invalid_request
 from foursight.trainer_bridge.routes import health, openai, rollouts, trl, weights
 from foursight.trainer_bridge.routes.state import BridgeState
+from foursight.trainer_bridge.uploads import FALLBACK_MAX_UPLOAD_BYTES, UploadStore
 
 
 def bridge_config(config: BridgeConfig | None = None, **options: Any) -> BridgeConfig:
     """``config`` (default: :class:`BridgeConfig`'s defaults) with ``options`` (its field names) replaced; an
     unknown option is a ``TypeError`` naming it."""
     return dataclasses.replace(config or BridgeConfig(), **options)
+
+
+def upload_store(roots: Sequence[Path] | None, config: BridgeConfig) -> UploadStore | None:
+    """The bridge's weight uploads, in its first ``--weights-dir`` (None without one: uploads are refused), with the
+    configured bounds or their defaults (the model folder's :func:`foursight.tensor_io.update_bytes`)."""
+    if not roots:
+        return None
+    from foursight.tensor_io import update_bytes  # torch: only where uploads are taken
+
+    one = config.max_upload_bytes or update_bytes(config.model or config.tokenizer) or FALLBACK_MAX_UPLOAD_BYTES
+    return UploadStore(roots[0], one, config.max_uploads_bytes or 2 * one, config.upload_ttl_s)
 
 
 def create_app(engines: Sequence[Engine], config: BridgeConfig | None = None, **options: Any) -> FastAPI:
@@ -60,6 +73,7 @@ def create_app(engines: Sequence[Engine], config: BridgeConfig | None = None, **
     """
     cfg = bridge_config(config, **options)
     state = BridgeState(engines, cfg)
+    state.uploads = upload_store(state.roots.roots, cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -29,6 +29,16 @@ trl_version_warning_once()
 from trl.generation.vllm_client import VLLMClient  # noqa: E402 (after the warning filter)
 
 
+def _only_stale(r) -> bool:
+    """A bridge's 503 ``/health`` whose every engine is up and answers, and some are only stale: a weight update repairs it."""
+    try:
+        engines = r.json()["engines"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return bool(engines) and all(e.get("up") and (e.get("probe") or {}).get("ok", True) for e in engines) \
+        and any(e.get("sync") == "stale" for e in engines)
+
+
 class FourSightVLLMClient(VLLMClient):
     """TRL's ``VLLMClient`` for a FourSight bridge (same constructor, plus ``api_key`` and ``weights_dir``).
 
@@ -52,10 +62,32 @@ class FourSightVLLMClient(VLLMClient):
         super().__init__(*args, **kwargs)
 
     def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
+        """Wait for the bridge's ``/health``, at most ``total_timeout`` seconds (``connection_timeout``) whatever it
+        answers: TRL's own check honours the timeout only on connection errors, so against a bridge answering 503 it
+        polled forever. A bridge whose engines are up and only stale (they serve weights the bridge did not push,
+        or a failed update's) is ready for this client: the update it pushes is what repairs them. After the timeout,
+        :class:`ConnectionError` with the bridge's last answer."""
+        import time
+
+        import requests
+
         # the base constructor builds its session, then calls this before its first authenticated call
         if self.api_key:
             self.session.headers["Authorization"] = f"Bearer {self.api_key}"
-        return super().check_server(total_timeout, retry_interval)
+        url, deadline, last = f"{self.base_url}/health", time.monotonic() + total_timeout, None
+        while True:
+            try:
+                r = requests.get(url, timeout=max(1.0, min(30.0, total_timeout)))
+            except requests.RequestException as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code == 200 or (r.status_code == 503 and _only_stale(r)):
+                    return
+                last = f"{r.status_code} {r.text[:300]}"
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"the FourSight bridge at {self.base_url} was not ready within connection_timeout="
+                                      f"{total_timeout:g} s; its last /health answer: {last}")
+            time.sleep(max(0.0, min(retry_interval, deadline - time.monotonic())))
 
     def init_communicator(self, device: torch.device | str | int = 0):
         """Check that the server is a FourSight bridge (no NCCL group: weights travel as files)."""
@@ -113,7 +145,9 @@ class FourSightVLLMClient(VLLMClient):
         return self.last_update
 
     def _push_upload(self, tensors: dict[str, torch.Tensor], name: str) -> dict:
-        """Write the file locally, send it to the bridge in chunks, and apply it by its upload name."""
+        """Write the file locally, send it to the bridge in chunks (the first answers the ``upload_id`` every later
+        chunk carries; the bridge renames the upload when it holds the whole file), and apply it by its name. A
+        failure deletes the upload this client started (the bridge keeps a refused one otherwise, for a retry)."""
         import tempfile
 
         from safetensors.torch import save_file
@@ -121,21 +155,28 @@ class FourSightVLLMClient(VLLMClient):
         with tempfile.TemporaryDirectory(dir=self.weights_dir) as tmp:
             path = Path(tmp) / name
             save_file(tensors, str(path))
+            total = path.stat().st_size
             url = f"{self.base_url}/v1/weights/uploads/{name}"
+            upload_id = None
             try:
                 with open(path, "rb") as f:
-                    offset = 0
-                    while True:  # chunks within the bridge's body limit; the first starts the upload, a short one ends it
+                    offset, answer = 0, {}
+                    while offset < total:  # chunks within the bridge's body limit
                         chunk = f.read(self.upload_chunk_bytes)
-                        r = self.session.put(url, params={"offset": offset}, data=chunk)
+                        params = {"offset": offset, **({"upload_id": upload_id} if upload_id else {})}
+                        r = self.session.put(url, params=params, data=chunk)
                         if r.status_code != 200:
                             raise RuntimeError(f"upload of {name} to {self.base_url}: {r.status_code} {r.text[:300]}")
+                        answer = r.json()
+                        upload_id = answer.get("upload_id", upload_id)
                         offset += len(chunk)
-                        if len(chunk) < self.upload_chunk_bytes:
-                            break
+                if not answer.get("complete"):
+                    raise RuntimeError(f"upload of {name} to {self.base_url}: the bridge holds {answer.get('size')} of {total} bytes "
+                                       "after the last chunk")
                 self.last_update = self._post(f"{self.base_url}/update_weights", json={"update_info": {"upload": name, "names": list(tensors)}})
             except BaseException:
-                self.session.delete(url)
+                if upload_id is not None:
+                    self.session.delete(url)
                 raise
         return self.last_update
 

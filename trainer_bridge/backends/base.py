@@ -168,6 +168,11 @@ class Engine(ABC):
     async def health(self) -> bool:
         """True when the engine answers."""
 
+    async def check_updatable(self) -> None:
+        """Raise :class:`EngineError` naming what is missing (a server flag, the weights token) when this bridge
+        could never apply a weight update to the engine; ``bridge serve`` calls it at start and refuses such an
+        engine. Nothing to check by default."""
+
     async def served_state(self) -> dict[str, Any] | None:
         """What the engine itself reports it serves: ``{"boot_id": str, "version": int}`` (the boot
         id changes when the engine process restarts; the version is the one of its last weight

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX
+from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX, WEIGHTS_TOKEN_HEADER
 from foursight.trainer_bridge.backends.base import EngineError, UpdateRefused
 from foursight.trainer_bridge.backends.http import HTTPEngine, sampling_fields
 from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
@@ -28,6 +28,20 @@ from foursight.trainer_bridge.protocol import Prompt, Rollout, SamplingParams
 #: extension (any vLLM version), or vLLM's native weight-transfer API with the foursight_file
 #: backend (vLLM >= 0.32); both need VLLM_SERVER_DEV_MODE=1 in vLLM 0.32 (docs/vllm.md)
 WEIGHT_SYNC_ROUTES = ("collective_rpc", "native")
+
+
+class _WeightsTokenHeader(httpx.Auth):
+    """The engine's weights token in :data:`~foursight.schema.WEIGHTS_TOKEN_HEADER` on every call (read at each
+    request): a ``foursight serve`` engine lets its dev routes (``/collective_rpc``, the weight-transfer routes,
+    ``/reset_prefix_cache``) answer only with it (:class:`foursight.quant_methods.weight_authority.DevRoutesGuard`)."""
+
+    def __init__(self, engine: "VLLMHTTPEngine"):
+        self.engine = engine
+
+    def auth_flow(self, request: httpx.Request):
+        if self.engine.weights_token:
+            request.headers[WEIGHTS_TOKEN_HEADER] = self.engine.weights_token
+        yield request
 
 
 class VLLMHTTPEngine(HTTPEngine):
@@ -61,6 +75,7 @@ class VLLMHTTPEngine(HTTPEngine):
 
     async def start(self) -> None:
         await super().start()
+        self.client.auth = _WeightsTokenHeader(self)
         if self.model is None:
             r = await self.client.get("/v1/models", timeout=30.0)
             if r.status_code != 200:
@@ -163,6 +178,33 @@ class VLLMHTTPEngine(HTTPEngine):
         if not versions or any(v != version for v in versions):
             raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
         return {"engine": self.name, "version": version, "route": "collective_rpc", "workers": results, "seconds": time.monotonic() - t0}
+
+    async def check_updatable(self) -> None:
+        """The server flags this bridge's ``weight_sync`` route needs, read from vLLM's ``GET /server_info`` (a dev
+        route: ``VLLM_SERVER_DEV_MODE=1``): the FourSight worker extension (``collective_rpc``) or the
+        ``foursight_file`` weight-transfer backend (``native``); and, where the engine guards its dev routes
+        (``foursight serve``), that it takes this bridge's weights token. :class:`EngineError` naming the flag."""
+        r = await self.client.get("/server_info", params={"config_format": "json"}, timeout=60.0)
+        if r.status_code == 404:
+            raise EngineError(f"{self.name}: no /server_info: start the engine with VLLM_SERVER_DEV_MODE=1 (vLLM mounts its "
+                              "weight routes only in dev mode; docs/vllm.md)")
+        if r.status_code != 200:
+            raise EngineError(f"{self.name}: GET /server_info -> {r.status_code} {r.text[:200]}")
+        cfg = r.json().get("vllm_config") or {}
+        if self.weight_sync == "native":
+            backend = ((cfg.get("weight_transfer_config") or {}) if isinstance(cfg, dict) else {}).get("backend")
+            if backend != "foursight_file":
+                raise EngineError(f"{self.name} has weight-transfer backend {backend!r}; --weight-sync native needs the engine "
+                                  "started with --weight-transfer-config '{\"backend\": \"foursight_file\"}'")
+        else:
+            ext = ((cfg.get("parallel_config") or {}) if isinstance(cfg, dict) else {}).get("worker_extension_cls") or ""
+            if not str(ext).endswith("FourSightWorkerExtension"):
+                raise EngineError(f"{self.name} has no FourSight worker extension; --weight-sync collective_rpc needs the engine "
+                                  "started with --worker-extension-cls foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension")
+        r = await self.client.post("/reset_prefix_cache", json={})  # a guarded dev route that changes no weights
+        if r.status_code in (401, 403):
+            raise EngineError(f"{self.name} refuses this bridge's {ENV_WEIGHTS_TOKEN} ({r.status_code}: {r.text[:200]}): give the "
+                              "bridge the engine's token")
 
     async def _native_state(self) -> dict[str, Any]:
         """What an engine synced through vLLM's native weight-transfer API serves, from its ``GET /weight_info``:

@@ -117,6 +117,9 @@ async def admit(state: BridgeState, req: RolloutRequest) -> tuple[list[list[int]
     if errs:
         state.metrics.errors.labels(kind="bad_request").inc()
         return unprocessable(errs)
+    # a request that arrives during a weight update waits for it, as new streams do (docs/bridge.md), before it
+    # reads what the engines serve: mid-update an engine already reports the version the bridge has not recorded yet
+    await state.gate.idle()
     # samples are tagged with the bridge's version: refuse engines known to serve other weights
     statuses = await state.liveness.check_all()
     usable = [e for e, st in zip(state.engines, statuses) if st != STALE]

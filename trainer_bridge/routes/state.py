@@ -20,6 +20,7 @@ from foursight.trainer_bridge.backends.base import Engine
 from foursight.trainer_bridge.bridge_config import BridgeConfig
 from foursight.trainer_bridge.guards import WeightsRoots
 from foursight.trainer_bridge.liveness import Liveness
+from foursight.trainer_bridge.uploads import UploadStore
 
 
 class DrainTimeout(RuntimeError):
@@ -56,6 +57,11 @@ class VersionGate:
                 async with self._cond:
                     self.readers -= 1
                     self._cond.notify_all()
+
+    async def idle(self) -> None:
+        """Wait until no weight update is waiting or running."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.writer)
 
     @asynccontextmanager
     async def write(self, drain_timeout_s: float) -> AsyncIterator[None]:
@@ -121,6 +127,9 @@ class BridgeState:
         self.engines = list(engines)
         self.config = config
         self.roots = WeightsRoots(config.weights_dirs)
+        #: the weight uploads (:class:`~foursight.trainer_bridge.uploads.UploadStore`; set by ``server.create_app``, None:
+        #: uploads refused)
+        self.uploads: UploadStore | None = None
         self.inflight = {id(e): 0 for e in self.engines}  # keyed by object: a name may change at start()
         self.metrics = BridgeMetrics()
         self.liveness = Liveness(self.engines, probe_timeout_s=config.probe_timeout_s)

@@ -15,7 +15,7 @@ TRL moves the tensors over an NCCL group (CUDA only). The bridge's weight-transf
 ``foursight_bridge`` instead: :class:`foursight.trainer_bridge.trl_client.FourSightVLLMClient`
 writes the learner's tensors to one safetensors file (``/dev/shm`` by default) and names it in
 ``update_info`` (``shm_name`` or ``path``), or, from another host, uploads it to the bridge
-(``PUT /v1/weights/uploads/{name}``, :mod:`.weights`) and names the upload (``upload``); ``/update_weights`` applies it exactly as
+(``PUT /v1/weights/uploads/{name}``, :mod:`.weights`) and names the complete upload (``upload``); ``/update_weights`` applies it exactly as
 ``POST /v1/weights`` does (the same handler: checked before any engine sees it, streams drained,
 every engine re-quantizes, the version goes up by one). An ``update_info`` without a file (TRL's
 own NCCL client) is refused with a 422 that names the client to use. The routes sit behind the
@@ -32,7 +32,8 @@ from pydantic import ValidationError
 
 from foursight.trainer_bridge.protocol import WeightUpdateRequest
 from foursight.trainer_bridge.routes.state import State
-from foursight.trainer_bridge.routes.weights import consume_upload, push_weights, upload_path
+from foursight.trainer_bridge.routes.weights import push_weights
+from foursight.trainer_bridge.uploads import UploadError
 
 #: the weight-transfer backend the bridge reports in ``/server_info`` and accepts in ``init_info``
 BACKEND = "foursight_bridge"
@@ -90,20 +91,20 @@ async def update_weights(body: dict[str, Any], state: State):
                                       f"not over NCCL; use {CLIENT}")
     uploaded = None
     if "upload" in info:
-        uploaded = upload_path(state, str(info["upload"]))
-        if uploaded is None or not uploaded.is_file() or "path" in info or "shm_name" in info:
-            return _refuse("update_info.upload", "not an upload of this bridge (PUT /v1/weights/uploads/{name} first), "
-                                                 "or given with 'path'/'shm_name'")
+        if "path" in info or "shm_name" in info:
+            return _refuse("update_info.upload", "given with 'path'/'shm_name': name one file")
+        if state.uploads is None:
+            return _refuse("update_info.upload", "this bridge takes no uploads (it has no --weights-dir)")
+        try:
+            uploaded = state.uploads.complete_path(str(info["upload"]))
+        except UploadError as e:
+            return _refuse("update_info.upload", e.message)
     try:
         req = WeightUpdateRequest(path=str(uploaded) if uploaded else info.get("path"), shm_name=info.get("shm_name"),
                                   version=state.gate.version + 1)
     except ValidationError as e:
         return _refuse("update_info", "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
-    try:
-        return await push_weights(state, req)
-    finally:
-        if uploaded is not None:
-            consume_upload(uploaded)
+    return await push_weights(state, req)  # an upload is removed once applied, kept when refused (a retry finds it)
 
 
 @router.post("/reset_prefix_cache")

@@ -6,17 +6,17 @@ update changes nothing; the update then waits until the streams started under th
 have finished (:class:`~.state.VersionGate`), so no stream mixes versions. :func:`push_weights` is
 also what TRL's ``/update_weights`` (:mod:`.trl`) applies.
 
-``PUT /v1/weights/uploads/{name}?offset=N`` takes an update file over HTTP, in chunks (each within
-the body limit), into ``.foursight-uploads/`` of the first ``--weights-dir``: the road of a trainer on
-another host (docs/scale-out.md). The upload is then applied by its name (TRL's ``/update_weights``
-``{"upload": name}``, or ``POST /v1/weights`` with the ``path`` the upload answered) and removed.
+``PUT /v1/weights/uploads/{name}?offset=N&upload_id=ID`` takes an update file over HTTP, in chunks (each
+within the body limit), into ``.foursight-uploads/`` of the first ``--weights-dir``: the road of a trainer
+on another host (docs/scale-out.md). The upload is applied by its name (TRL's ``/update_weights``
+``{"upload": name}``, or ``POST /v1/weights`` with the ``path`` its last chunk answered) and removed once
+an apply succeeds; :mod:`foursight.trainer_bridge.uploads` keeps the rules (private file renamed when
+complete, one writer per name, bounds, expiry, no link followed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import time
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from foursight.trainer_bridge.backends.base import UpdateRefused
 from foursight.trainer_bridge.guards import WeightsRoots, unprocessable
 from foursight.trainer_bridge.protocol import WeightUpdateRequest, WeightUpdateResponse, shm_path
 from foursight.trainer_bridge.routes.state import BridgeState, DrainTimeout, State, UpdateInProgress
+from foursight.trainer_bridge.uploads import UPLOADS, UploadError
 
 router = APIRouter()
 
@@ -41,7 +42,24 @@ async def push_weights(state: BridgeState, req: WeightUpdateRequest):
         # one answer for "outside the weights folders", "does not exist" and "cannot be read"
         state.metrics.errors.labels(kind="bad_request").inc()
         return unprocessable([{"field": field, "message": WeightsRoots.NOT_ALLOWED}], version=state.gate.version)
-    path = str(resolved)
+    store, upload = state.uploads, None
+    if store is not None and req.path is not None:
+        try:
+            upload = store.upload_of(resolved)  # applied only once complete, never a .part file a writer holds
+            if upload is not None:
+                store.claim(upload)  # no new writer, DELETE or second apply of it meanwhile
+        except UploadError as e:
+            return _upload_error(UploadError(e.status, field, e.message), state)
+    response = None
+    try:
+        response = await _checked_push(state, req, field, str(resolved))
+    finally:
+        if upload is not None:
+            store.release(upload, applied=isinstance(response, WeightUpdateResponse))
+    return response
+
+
+async def _checked_push(state: BridgeState, req: WeightUpdateRequest, field: str, path: str):
     # every tensor is read and checked before any engine sees the update: a rejected update changes nothing
     from foursight.schema import CheckpointError
     from foursight.tensor_io import check_safetensors
@@ -99,54 +117,51 @@ async def weight_version(state: State):
     return {"version": state.gate.version, "update_in_progress": state.gate.writer, "streams_open": state.gate.readers}
 
 
-#: the folder, inside the first ``--weights-dir``, that uploads are written to
-UPLOADS = ".foursight-uploads"
-_UPLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.safetensors")
+def _upload_error(e: UploadError, state: BridgeState) -> JSONResponse:
+    state.metrics.errors.labels(kind="bad_request").inc()
+    return JSONResponse(status_code=e.status, content={"error": f"invalid request: {e.field}: {e.message}", "version": state.gate.version,
+                                                       "fields": [{"field": e.field, "message": e.message}]})
 
 
-def upload_path(state: BridgeState, name: str) -> Path | None:
-    """Where upload ``name`` lives (None: no ``--weights-dir``, or a name that is not a plain ``*.safetensors``)."""
-    if state.roots.roots is None or not _UPLOAD_NAME.fullmatch(name) or ".." in name:
-        return None
-    return state.roots.roots[0] / UPLOADS / name
-
-
-def _write_at(path: Path, offset: int, data: bytes) -> int:
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    with open(path, "r+b" if offset else "wb") as f:
-        f.seek(offset)
-        f.write(data)
-        return f.tell()
+def _no_uploads(state: BridgeState) -> JSONResponse:
+    return unprocessable([{"field": "name", "message": "uploads need a --weights-dir (they are written to its "
+                                                        f"{UPLOADS}/ folder)"}], version=state.gate.version)
 
 
 @router.put("/v1/weights/uploads/{name}")
-async def upload_chunk(name: str, request: Request, state: State, offset: int = 0):
-    """Append one chunk (the request body) at ``offset`` of upload ``name``: ``offset`` 0 starts (or restarts)
-    the file, any other must equal its current size. Answers ``{"name", "path", "size"}``."""
-    path = upload_path(state, name)
-    if path is None:
-        return unprocessable([{"field": "name", "message": "uploads need a --weights-dir, and a name of letters, digits, '.', '_' "
-                                                            "and '-' ending in .safetensors"}], version=state.gate.version)
-    size = path.stat().st_size if path.is_file() else 0
-    if offset < 0 or (offset and offset != size):
-        return unprocessable([{"field": "offset", "message": f"must be 0 (a new upload) or the uploaded size {size}"}],
-                             version=state.gate.version)
-    data = await request.body()
-    size = await asyncio.to_thread(_write_at, path, offset, data)
-    return {"name": name, "path": str(path), "size": size}
+async def upload_chunk(name: str, request: Request, state: State, offset: int = 0, upload_id: str | None = None):
+    """Write one chunk (the request body) at ``offset`` of upload ``name`` (the rules: :mod:`foursight.trainer_bridge.uploads`).
+    ``offset`` 0 starts a new upload and answers its ``upload_id``, which every later chunk carries; any other offset
+    must equal the uploaded size. Answers ``{"name", "upload_id", "size", "expected_size", "complete"}``, and ``"path"``
+    once the file holds the size its safetensors header declares (it is then renamed, and takes no more chunks)."""
+    store = state.uploads
+    if store is None:
+        return _no_uploads(state)
+    if offset < 0:
+        return unprocessable([{"field": "offset", "message": "must be >= 0"}], version=state.gate.version)
+    length = request.headers.get("content-length")
+    try:
+        up = store.begin(name, offset, upload_id, int(length) if length and length.isdigit() else None)
+    except UploadError as e:
+        if e.final:
+            store.discard(name)
+        return _upload_error(e, state)
+    try:
+        data = await request.body()
+        return await asyncio.to_thread(store.write, name, up, offset, data)
+    except UploadError as e:
+        return _upload_error(e, state)
+    finally:
+        up.busy = False
 
 
 @router.delete("/v1/weights/uploads/{name}")
 async def delete_upload(name: str, state: State):
-    path = upload_path(state, name)
-    if path is not None:
-        path.unlink(missing_ok=True)
-    return {"name": name, "deleted": True}
-
-
-def consume_upload(path: Path) -> None:
-    """Remove an upload once applied (or refused): an upload is one update."""
+    """Remove upload ``name`` (partial or complete); 409 while it is being applied."""
+    if state.uploads is None:
+        return _no_uploads(state)
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        deleted = state.uploads.delete(name)
+    except UploadError as e:
+        return _upload_error(e, state)
+    return {"name": name, "deleted": deleted}
