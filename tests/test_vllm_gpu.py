@@ -57,13 +57,25 @@ def gpu_llm(model, **kw):
     return llm
 
 
-def close(llm) -> None:
+def run_engine(model, fn, **kw):
+    """``fn(llm)`` on a fresh engine (:func:`gpu_llm`), which is gone before this returns: in one process an engine
+    must be collected before the next one starts, or its shutdown tears down the distributed groups the next one
+    uses (seen on the CPU build: "pipeline model parallel group is not initialized")."""
+    llm = gpu_llm(model, **kw)
+    try:
+        return fn(llm)
+    finally:
+        del llm
+        _cleanup()
+
+
+def _cleanup() -> None:
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    del llm
     gc.collect()
     cleanup_dist_env_and_memory()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def engine_model(llm) -> torch.nn.Module:
@@ -124,20 +136,21 @@ def rows(smol):
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         t = time.time()
-        try:
-            try:
-                llm = gpu_llm(model, **kw)
-            except Exception as e:  # noqa: BLE001 - recorded: stock vLLM may not serve a shape on this card
-                if row != "vllm_nvfp4":
-                    raise
-                out[row] = {"error": f"{type(e).__name__}: {e}"[:800]}
-                continue
+
+        def measure(llm):
             start = time.time() - t
             greedy = greedy_batches(llm, smol["tok"])
             lps = engine_prompt_logprobs(llm, smol["seqs"])
             qm = type(engine_model(llm).model.layers[0].self_attn.qkv_proj.quant_method).__name__
-            out[row] = {"greedy": greedy, "lps": lps, "start_s": start, "linear_method": qm}
-            close(llm)
+            return {"greedy": greedy, "lps": lps, "start_s": start, "linear_method": qm}
+
+        try:
+            out[row] = run_engine(model, measure, **kw)
+        except Exception as e:  # noqa: BLE001 - recorded: stock vLLM may not serve a shape on this card
+            if row != "vllm_nvfp4":
+                raise
+            out[row] = {"error": f"{type(e).__name__}: {e}"[:800]}
+            _cleanup()
         finally:
             for k, v in old.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -276,22 +289,23 @@ def update(smol):
     new = _new_weights(smol["bf16"], 1)
     folder = folder_with(smol["bf16"], smol["tmp"] / "bf16-new", new)
     os.environ["FOURSIGHT_CHANNELS_FILE"] = str(smol["ck"][32] / "foursight_channels.json")
-    llm = gpu_llm(folder, quantization="foursight")
-    fresh = engine_prompt_logprobs(llm, smol["seqs"])
-    close(llm)
-    llm = gpu_llm(smol["bf16"])
-    _trl_sync(llm, new)  # warm-up: the first load pays one-time costs
-    bf16_s = min(_trl_sync(llm, new) for _ in range(3))
-    close(llm)
-    return {"new": new, "fresh": fresh, "bf16_s": bf16_s}
+    fresh = run_engine(folder, lambda llm: engine_prompt_logprobs(llm, smol["seqs"]), quantization="foursight")
+
+    def bf16_sync(llm):
+        _trl_sync(llm, new)  # warm-up: the first load pays one-time costs
+        return min(_trl_sync(llm, new) for _ in range(3))
+
+    return {"new": new, "fresh": fresh, "bf16_s": run_engine(smol["bf16"], bf16_sync)}
 
 
 @pytest.fixture(scope="module")
-def online_engine(smol):
+def online_engine(smol, update):
+    """The FourSight online engine the update tests write into (made after ``update``'s engines are gone: one at a time)."""
     os.environ["FOURSIGHT_CHANNELS_FILE"] = str(smol["ck"][32] / "foursight_channels.json")
-    llm = gpu_llm(smol["bf16"], quantization="foursight")
-    yield llm
-    close(llm)
+    holder = [gpu_llm(smol["bf16"], quantization="foursight")]
+    yield holder[0]
+    holder.clear()
+    _cleanup()
 
 
 def test_trl_sync_on_the_gpu_equals_a_fresh_engine(online_engine, update, smol):
@@ -338,27 +352,28 @@ def test_tiny_online_foursight_under_compile_and_graphs(tiny_llama_dir):
     FourSight in a compiled, graph-captured engine generates at every batch size, and the prompt logprobs of one
     sequence scored alone and inside a batch of 40 agree (within 0.05 nats: vLLM's own kernels need not be
     batch-invariant; the figure is printed)."""
-    from transformers import AutoTokenizer
-    from vllm import SamplingParams, TokensPrompt
-
     os.environ.pop("FOURSIGHT_CHANNELS_FILE", None)
     os.environ["FOURSIGHT_CHANNEL_BUDGET"] = "16"
     try:
-        llm = gpu_llm(tiny_llama_dir, quantization="foursight", max_model_len=256)
+        run_engine(tiny_llama_dir, _tiny_checks, quantization="foursight", max_model_len=256)
     finally:
         os.environ.pop("FOURSIGHT_CHANNEL_BUDGET")
-    try:
-        assert type(engine_model(llm).model.layers[0].self_attn.qkv_proj.quant_method).__name__ == "FourSightLinearMethod"
-        tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-        ids = [tok(t, add_special_tokens=True)["input_ids"][:24] for t in (builtin_texts() * 8)[:40]]
-        for b in BATCHES:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids[:b]],
-                                SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0), use_tqdm=False)
-            assert len(outs) == b and all(len(o.outputs[0].token_ids) == 12 for o in outs)
-        alone = engine_prompt_logprobs(llm, ids[:1])[0]
-        batched = engine_prompt_logprobs(llm, ids)[0]
-        gap = float((alone - batched).abs().max())
-        print(f"tiny online FourSight: max |logprob alone - in a batch of 40| = {gap:.3g}")
-        assert torch.isfinite(alone).all() and gap < 0.05, gap
-    finally:
-        close(llm)
+
+
+def _tiny_checks(llm) -> None:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams, TokensPrompt
+
+    tiny_llama_dir = llm.llm_engine.vllm_config.model_config.model
+    assert type(engine_model(llm).model.layers[0].self_attn.qkv_proj.quant_method).__name__ == "FourSightLinearMethod"
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = [tok(t, add_special_tokens=True)["input_ids"][:24] for t in (builtin_texts() * 8)[:40]]
+    for b in BATCHES:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids[:b]],
+                            SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0), use_tqdm=False)
+        assert len(outs) == b and all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    alone = engine_prompt_logprobs(llm, ids[:1])[0]
+    batched = engine_prompt_logprobs(llm, ids)[0]
+    gap = float((alone - batched).abs().max())
+    print(f"tiny online FourSight: max |logprob alone - in a batch of 40| = {gap:.3g}")
+    assert torch.isfinite(alone).all() and gap < 0.05, gap
