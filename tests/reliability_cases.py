@@ -1,4 +1,4 @@
-"""The cases of issues 14, 28 and 38 (hardening, rounds one to three) and the tests that show each one's status.
+"""The cases of issues 14, 28, 38 and 53 (hardening, rounds one to three, and the user's road) and the tests that show each one's status.
 
 ``scripts/reliability_table.py`` turns this list into the table of docs/reliability.md; it
 fails when a named test does not exist (``pytest --collect-only``), and with ``--run`` it runs
@@ -32,6 +32,20 @@ A, WT = "tests/test_bridge_vllm_authority.py", "tests/test_vllm_weight_transfer.
 OV = "tests/test_bridge_openai_vllm.py"
 
 CASES: list[Case] = [
+    # ---- issue 53 (round three, the user's road) ----
+    Case("medium", "the OpenAI routes answered 400 where vLLM answers 200: presence_penalty, frequency_penalty, logit_bias, best_of, "
+         "response_format, skip_special_tokens, seed -1; and a sample ending on EOS or a stop_token_ids token had that token in its text",
+         "fixed",
+         (f"{OV}::test_sampling_fields_vllm_takes_are_passed_through", f"{OV}::test_a_field_the_engine_cannot_honour_is_refused_naming_it",
+          "tests/test_bridge_openai.py::test_bad_requests_name_the_field"),
+         "passed to vLLM and SGLang, equal to vLLM's own server through the openai client, each changing the answer; refused with 400 "
+         "naming the field and the engine only where it cannot be honoured (best_of > n on vLLM 0.32, the four extras on the HF "
+         "engine, an image part)", "53"),
+    Case("medium", "chat content parts, an assistant content null, max_tokens with a different max_completion_tokens and a prompt + "
+         "max_tokens past the context were 400; chat without max_tokens stopped at 16 tokens (vLLM: the rest of the context)", "fixed",
+         (f"{OV}::test_messages_and_budgets_as_vllm_takes_them", f"{BE}::test_openai_route_checks_the_context_too"),
+         "content parts joined as vLLM joins them, null as empty; max_completion_tokens first; the default and an over-long "
+         "max_tokens are the rest of the context, as vLLM", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "

@@ -35,15 +35,16 @@ class IncrementalDetokenizer:
     case above) and never ends inside a character; :meth:`finish` gives the rest once the sequence
     is complete."""
 
-    def __init__(self, tok: Any):
+    def __init__(self, tok: Any, skip_special_tokens: bool = True):
         self.tok = tok
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.read = 0  # the tokens up to here have given out their text
         self.lookback = 0  # where the tokens of the last text given out begin (the window's lookback)
         self.length = 0  # characters given out so far
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def _new_text(self, final: bool = False) -> str:
         """The text of the tokens after ``read``: the window's text less its lookback's, or, where the

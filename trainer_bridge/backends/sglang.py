@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -36,6 +37,9 @@ class SGLangHTTPEngine(HTTPEngine):
 
     def generate_body(self, prompt_ids, params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
         sp = {"max_new_tokens": max_tokens, "min_new_tokens": params.min_tokens, **sampling_fields(params, seed, "sampling_seed")}
+        rf = params.response_format
+        if rf is not None and rf.type != "text":  # as SGLang's own OpenAI server turns response_format into json_schema
+            sp["json_schema"] = json.dumps(rf.json_schema["schema"]) if rf.type == "json_schema" else '{"type": "object"}'
         return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
 
     @staticmethod
