@@ -46,6 +46,21 @@ CASES: list[Case] = [
          (f"{OV}::test_messages_and_budgets_as_vllm_takes_them", f"{BE}::test_openai_route_checks_the_context_too"),
          "content parts joined as vLLM joins them, null as empty; max_completion_tokens first; the default and an over-long "
          "max_tokens are the rest of the context, as vLLM", "53"),
+    Case("high", "FourSight's logprobs on SGLang moved 0.07-0.10 nats with the prefix-cache state for the same greedy request (cold, "
+         "cached, after /flush_cache); SGLang BF16 did not", "partial",
+         ("tests/sglang/test_bridge_stream.py::test_foursight_logprobs_do_not_depend_on_the_prefix_cache",
+          "tests/test_layer.py::test_reference_linear_is_batch_invariant"),
+         "cause: the CPU linear's float32 product summed in another order for the few rows of a cached prefill; now accumulated "
+         "in float64, equal to the last bit. Left: a prompt sharing only part of another's prefix, where SGLang's torch_native "
+         "attention (PyTorch's CPU SDPA) differs in the last bit by length (docs/sglang.md)", "53"),
+    Case("medium", "through the bridge, SGLang gave no logprobs > 0, no top_logprobs and no echo with logprobs (400), where SGLang's "
+         "own server returns them", "fixed",
+         ("tests/sglang/test_bridge_stream.py::test_top_and_prompt_logprobs_as_sglangs_own_server",),
+         "top_logprobs_num and logprob_start_len 0 on /generate; equal to SGLang's own /v1/completions and chat", "53"),
+    Case("medium", "a dead engine cost 22.5 s of connect retries per request before a 502, although /v1/health already reported it "
+         "down (about 70 s with the openai client's retries)", "fixed",
+         ("tests/sglang/test_bridge_stream.py::test_zz_a_dead_engine_fails_a_request_at_once",),
+         "admission asks each engine's health route first (no retries, one answer per second): 503 naming the engine at once", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "

@@ -132,12 +132,17 @@ async def admit(state: BridgeState, req: RolloutRequest, fit_context: bool = Fal
     if errs:
         state.metrics.errors.labels(kind="bad_request").inc()
         return unprocessable(errs)
+    # an engine that does not answer its health route gets no sample: the request fails at once,
+    # not after the engine client's connect retries (Liveness.up)
+    ups = await state.liveness.up_all()
+    live = [e for e, up in zip(state.engines, ups) if up]
     # samples are tagged with the bridge's version: refuse engines known to serve other weights
-    statuses = await state.liveness.check_all()
-    usable = [e for e, st in zip(state.engines, statuses) if st != STALE]
+    statuses = await state.liveness.check_all(live)
+    usable = [e for e, st in zip(live, statuses) if st != STALE]
     if not usable:
         state.metrics.errors.labels(kind="engine").inc()
-        reasons = [state.liveness.of(e).reason for e in state.engines]
+        reasons = [state.liveness.of(e).reason if up else f"engine {e.name} does not answer its health route (down)"
+                   for e, up in zip(state.engines, ups)]
         return JSONResponse(status_code=503, content={"error": "no engine serves the current weights: " + "; ".join(r or "" for r in reasons),
                                                       "weight_version": state.gate.version,
                                                       "engines": [{"name": e.name, **state.liveness.of(e).view()} for e in state.engines]})
