@@ -60,7 +60,7 @@ CASES: list[Case] = [
     Case("medium", "a dead engine cost 22.5 s of connect retries per request before a 502, although /v1/health already reported it "
          "down (about 70 s with the openai client's retries)", "fixed",
          ("tests/sglang/test_bridge_stream.py::test_zz_a_dead_engine_fails_a_request_at_once",),
-         "admission asks each engine's health route first (no retries, one answer per second): 503 naming the engine at once", "53"),
+         "admission asks each engine's health route first (no retries; one read shared by requests that arrive together): 503 naming the engine at once", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "

@@ -136,10 +136,6 @@ class EngineSync:
             self.status = UNKNOWN
 
 
-#: seconds an engine's answer to its health route is reused by the admission of new requests
-UP_TTL_S = 1.0
-
-
 class Liveness:
     """The :class:`EngineSync` of every engine of one bridge, whether each answers its health route
     (:meth:`up_all`), and the health probe."""
@@ -153,13 +149,16 @@ class Liveness:
 
     async def up(self, engine: Engine) -> bool:
         """Whether ``engine`` answers its health route now, as ``/v1/health`` reads it (the engine's
-        ``health()``: no connect retries, so a dead engine is known at once). Read at most once per
-        :data:`UP_TTL_S`; concurrent callers share one read. The admission of every request asks it
-        first, so that a request to a dead engine fails at once instead of waiting out the engine
-        client's connect retries on every call to it (22.5 s per request on SGLang before, issue 53)."""
+        ``health()``: no connect retries, so a dead engine is known at once). Callers that ask while a
+        read is under way share it (a burst of requests costs one read, as :meth:`EngineSync.check`);
+        a read that ended before the caller asked is not reused, so an engine that died a moment
+        ago is not taken for up. The admission of every request asks it first, so that a request to
+        a dead engine fails at once instead of waiting out the engine client's connect retries
+        (22.5 s per request on SGLang before, issue 53)."""
+        asked = time.monotonic()
         async with self._up_locks[id(engine)]:
             at, ok = self._up.get(id(engine), (-math.inf, False))
-            if time.monotonic() - at < UP_TTL_S:
+            if at >= asked:  # someone read it while we waited
                 return ok
             try:
                 ok = bool(await asyncio.wait_for(engine.health(), self.probe_timeout_s))

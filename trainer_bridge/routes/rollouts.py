@@ -133,7 +133,7 @@ async def admit(state: BridgeState, req: RolloutRequest, fit_context: bool = Fal
         state.metrics.errors.labels(kind="bad_request").inc()
         return unprocessable(errs)
     # an engine that does not answer its health route gets no sample: the request fails at once,
-    # not after the engine client's connect retries (Liveness.up)
+    # not after the engine client's connect retries (Liveness.up: one read shared by a burst)
     ups = await state.liveness.up_all()
     live = [e for e, up in zip(state.engines, ups) if up]
     # samples are tagged with the bridge's version: refuse engines known to serve other weights
