@@ -170,6 +170,29 @@ def test_top_and_prompt_logprobs_as_sglangs_own_server(served):
         assert sorted(t.logprob for t in x.top_logprobs)[::-1][:2] == pytest.approx(sorted(t.logprob for t in y.top_logprobs)[::-1], abs=1e-5)
 
 
+def test_sampling_extras_reach_sglang_as_its_own_server_takes_them(served):
+    """issue 53 item 5 on SGLang: ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and
+    ``response_format`` through the bridge give the tokens and logprobs of SGLang's own OpenAI server
+    for the same greedy request (before: 400, unknown fields), and each changes the answer against
+    the same request without it."""
+    import openai
+
+    ours = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
+    theirs = openai.OpenAI(base_url=served.sglang_url + "/v1", api_key="x", max_retries=0)
+    model = theirs.models.list().data[0].id
+    plain = dict(prompt="The quick brown fox jumps over the lazy dog.", max_tokens=64, temperature=0.0, logprobs=0, extra_body={"ignore_eos": True})
+    base = ours.completions.create(model=model, **plain).choices[0].logprobs.token_logprobs
+    for kw in (dict(plain, presence_penalty=1.5, frequency_penalty=2.0), dict(plain, logit_bias={"50": 100}),
+               dict(plain, max_tokens=12, extra_body={"response_format": {"type": "json_object"}})):
+        a = ours.completions.create(model=model, **kw).choices[0]
+        b = theirs.completions.create(model=model, **kw).choices[0]
+        assert a.logprobs.token_logprobs == pytest.approx(b.logprobs.token_logprobs, abs=1e-5), kw
+        assert a.logprobs.token_logprobs != base[:len(a.logprobs.token_logprobs)], kw
+    forced = ours.completions.create(model=model, **dict(plain, max_tokens=4, logit_bias={"50": 100}, extra_body={"return_token_ids": True}))
+    # (the forced token is the bias's: the bridge sent it as SGLang reads it)
+    assert forced.choices[0].model_extra["token_ids"] == [50] * 4
+
+
 def test_zz_a_dead_engine_fails_a_request_at_once(served):
     """issue 53 item 7 (runs last: it stops the module's server): once SGLang is down, ``/v1/health``
     says so at once, and a request fails at once with 503 naming the engine (before: 22.5 s of
