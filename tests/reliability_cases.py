@@ -37,7 +37,8 @@ CASES: list[Case] = [
          "response_format, skip_special_tokens, seed -1; and a sample ending on EOS or a stop_token_ids token had that token in its text",
          "fixed",
          (f"{OV}::test_sampling_fields_vllm_takes_are_passed_through", f"{OV}::test_a_field_the_engine_cannot_honour_is_refused_naming_it",
-          "tests/test_bridge_openai.py::test_bad_requests_name_the_field"),
+          "tests/test_bridge_openai.py::test_bad_requests_name_the_field",
+          "tests/sglang/test_bridge_stream.py::test_sampling_extras_reach_sglang_as_its_own_server_takes_them"),
          "passed to vLLM and SGLang, equal to vLLM's own server through the openai client, each changing the answer; refused with 400 "
          "naming the field and the engine only where it cannot be honoured (best_of > n on vLLM 0.32, the four extras on the HF "
          "engine, an image part)", "53"),
