@@ -64,16 +64,15 @@ CASES: list[Case] = [
          "admission asks each engine's health route first (no retries; one read shared by requests that arrive together): 503 naming the engine at once", "53"),
     Case("low", "printed commands that failed or misled: a busy port (the bridge printed its banner and failed after 39 s, foursight "
          "serve a traceback after 46 s); foursight --help imported torch; scripts/reliability_table.py outside the venv printed 94 "
-         "false 'missing test' lines; kernels.md's 'the table below' was not there; rl.md's rl_summary.py command rewrote three "
-         "committed result folders; calibration.md's quantize failed after the README's main job", "fixed",
+         "false 'missing test' lines; kernels.md's 'the table below' was not there; calibration.md's quantize failed after the "
+         "README's main job", "fixed",
          ("tests/test_bridge_cli.py::test_a_busy_port_is_refused_before_anything_starts", "tests/test_cli.py::test_help_answers_without_importing_torch",
           "tests/test_reliability_table.py::test_outside_the_venv_it_says_so_in_one_line",
           "tests/test_bench_splice_gemm_table.py::test_kernels_md_table_is_what_the_printed_command_prints",
-          "tests/test_rl_summary.py::test_the_printed_summary_commands_regenerate_the_committed_files",
           "tests/test_readme_commands.py::test_calibration_md_quantize_follows_the_readme_main_job",
           "tests/test_readme_commands.py::test_calibration_md_commands_run_as_printed_after_the_readme_main_job"),
          "each command run as printed by its test; the port checked before anything starts; the command line's packages import "
-         "their parts lazily; the script names the venv in one line; the table and the result folders regenerated; calibration.md's run is opt-in (FOURSIGHT_TEST_DOCS=1: it quantizes SmolLM2 once more)", "53"),
+         "their parts lazily; the script names the venv in one line; the table is below its command; calibration.md's run is opt-in (FOURSIGHT_TEST_DOCS=1: it quantizes SmolLM2 once more)", "53"),
     Case("low", "the streaming detokenizer was hand-written where tokenizers' installed DecodeStream gives the same text (2.0 against "
          "10.8 us a token)", "fixed", ("tests/test_bridge_openai_stream_text.py::test_the_detokenizer_steps_the_tokenizers_decode_stream",),
          "DecodeStream steps each token; the whole decode only for what it still holds at the end", "53"),
