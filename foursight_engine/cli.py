@@ -19,7 +19,7 @@ from rich.table import Table
 
 from foursight.cli_config import typer_command
 from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption, fail, guarded, shown
-from foursight.compare.run import compare_command
+from foursight.compare.config import CompareConfig
 from foursight.models import DEFAULT_MODEL
 from foursight.quantize_config import QuantizeConfig
 from foursight.rl.cli import rl_command
@@ -30,7 +30,21 @@ app = typer.Typer(help="FourSight: NVFP4 rollouts with sparse BF16 channel compe
 models_app = typer.Typer(help="Prepare models that work offline.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(bridge_app, name="bridge", help="Stream rollouts with per-token logprobs to a learner.")
-app.command("compare")(compare_command)
+
+
+def compare(cfg: CompareConfig) -> None:
+    """Measure training-inference mismatch across engines and precisions; write report.md, metrics.json and plots.
+
+    The first of --engines generates the rollouts unless --generator is given; every engine and the
+    learner (HF BF16) then score the identical tokens teacher-forced. FourSight/NVFP4 checkpoints are
+    made with `foursight quantize` (--channels) unless given.
+    """
+    from foursight.compare.run import compare as run  # when the command runs: the driver imports torch and the engines
+
+    run(cfg)
+
+
+app.command("compare")(guarded(typer_command(CompareConfig, compare)))
 app.command("rl")(rl_command)
 console = Console()
 
@@ -274,9 +288,12 @@ def serve(
     this interpreter (the CPU build's `vllm` script is broken); on the CPU build also --enforce-eager,
     VLLM_CPU_KVCACHE_SPACE=1 and TORCHDYNAMO_DISABLE=1 unless set. Other arguments go to vLLM as given.
     """
+    from foursight.cli_util import check_port_free
     from foursight.models import resolve_model
     from foursight.serve import exec_vllm, vllm_command
 
+    if not dry_run:
+        check_port_free(host, port)  # before vLLM starts: it would load the model, then fail with a traceback
     argv, env = vllm_command(str(resolve_model(model)), host, port, ctx.args)
     if kernel_backend is not None:
         from foursight.kernels.blackwell import BACKEND_ENV, BackendUnavailable, requested_backend

@@ -52,8 +52,9 @@ class LinearBackend(Protocol):
 
 
 class ReferenceBackend:
-    """The PyTorch reference with ``dequantize_weight(qw, float32, include_bf16=False)`` cached:
-    numerically identical to :func:`reference_linear` (the cache is exactly what it recomputes)."""
+    """The PyTorch reference with ``dequantize_weight(qw, float64, include_bf16=False)`` cached:
+    numerically identical to :func:`reference_linear` (the cache is exactly what it recomputes, in
+    the float64 its product is accumulated in; float32 weights widen exactly)."""
 
     name = "reference"
 
@@ -61,7 +62,7 @@ class ReferenceBackend:
         return True
 
     def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
-        return qw, dequantize_weight(qw, torch.float32, include_bf16=False)
+        return qw, dequantize_weight(qw, torch.float64, include_bf16=False)
 
     def forward(self, state, x, bias, input_global_scale, act_quant):
         qw, w_deq = state

@@ -236,10 +236,11 @@ def reference_linear(
         input_global_scale: static activation global scale, or None for dynamic per-row scales.
         act_quant: True for W4A4; False for W4A16 (activations stay in their dtype).
         out_dtype: output dtype, default ``x.dtype``.
-        w_deq: optional cached ``dequantize_weight(qw, float32, include_bf16=False)`` [N, K]
-            (what :class:`foursight.dispatch.ReferenceBackend` keeps); recomputed when None.
+        w_deq: optional cached ``dequantize_weight(qw, float64, include_bf16=False)`` [N, K]
+            (what :class:`foursight.dispatch.ReferenceBackend` keeps; float32 is taken too); recomputed when None.
     Returns:
-        [..., N], computed in float32 and cast to ``out_dtype``.
+        [..., N], accumulated in float64 (:func:`splice_matmul`: a row's result does not depend on
+        the other rows) and cast to ``out_dtype``.
     """
     k_dim = qw.in_features
     if x.shape[-1] != k_dim:
@@ -266,18 +267,28 @@ def dequantized_activation(
 def splice_matmul(
     xd: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, w_deq: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``xd · w_deqᵀ + X[:, S] · W_bf16ᵀ (+ bias)`` in float32 [M, N].
+    """``xd · w_deqᵀ + X[:, S] · W_bf16ᵀ (+ bias)`` [M, N], accumulated in float64 and returned in float32.
+
+    Float64, so that a row's result does not depend on the other rows of the call: a CPU BLAS
+    picks another kernel (another summation order) for a few rows than for many (float32 ``mm``
+    on this machine differs in the last bit for M = 1-3, 5-7, 9-11 against M = 1024), and in W4A4
+    a last-bit difference can move the next layer's activation across an FP4 rounding boundary.
+    An engine that computes only the tokens its prefix cache lacks (SGLang, vLLM) then gave
+    other logprobs for the same request cold and cached (0.07-0.10 nats on SmolLM2, issue 53).
+    Summed in float64, the orders differ far below float32's precision, so the float32 result
+    is the same for every M (``tests/test_layer.py::test_reference_linear_is_batch_invariant``).
 
     Args:
         xd: float32 [M, K], from :func:`dequantized_activation`.
         x: the original activations [M, K] (for the BF16 channels).
-        w_deq: float32 [N, K], the dequantized FP4 weight (S columns zero).
+        w_deq: [N, K] float32 or float64, the dequantized FP4 weight (S columns zero); float64
+            (the CPU backend's cache) saves the conversion.
     """
-    y = xd @ w_deq.t()
+    y = xd.double() @ w_deq.double().t()
     ch = qw.bf16_channels.long()
     if ch.numel():
-        y = y + x[:, ch].to(torch.bfloat16).float() @ qw.weight_bf16.float().t()
+        y = y + x[:, ch].to(torch.bfloat16).double() @ qw.weight_bf16.double().t()
     if bias is not None:
-        y = y + bias.float()
-    return y
+        y = y + bias.double()
+    return y.float()
 

@@ -5,7 +5,9 @@
     python scripts/reliability_table.py --run      # also run them (vLLM ones included: minutes) and add the outcome
     python scripts/reliability_table.py --write    # put the table into docs/reliability.md (between the markers)
 
-Exit status 1 when a named test does not exist or (with --run) did not pass.
+Exit status 1 when a named test does not exist or (with --run) did not pass; 2, with one line saying so,
+when this interpreter cannot run the project's tests (outside the project's venv) or pytest cannot
+collect them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ DOC = REPO / "docs" / "reliability.md"
 BEGIN, END = "<!-- reliability-table:begin (scripts/reliability_table.py --write) -->", "<!-- reliability-table:end -->"
 
 
+def check_interpreter() -> None:
+    """Stop with one plain line unless this interpreter has pytest and foursight (the project's venv): the
+    table is checked by collecting the tests with ``sys.executable -m pytest``, and outside the venv
+    every named test would read as missing (``python scripts/reliability_table.py`` printed 94 false
+    "missing test" lines, issue 53)."""
+    missing = [m for m in ("pytest", "foursight") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"scripts/reliability_table.py runs in the project's venv: {sys.executable} cannot import {' and '.join(missing)}; "
+              f"run .venv/bin/python scripts/reliability_table.py (bash scripts/setup.sh makes .venv)", file=sys.stderr)
+        sys.exit(2)
+
+
 def load_cases():
     spec = importlib.util.spec_from_file_location("reliability_cases", REPO / "tests" / "reliability_cases.py")
     mod = importlib.util.module_from_spec(spec)
@@ -35,9 +49,14 @@ def _pytest(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def collected(files: list[str]) -> set[str]:
-    """Test ids (parameters stripped) that pytest collects from ``files``."""
-    out = _pytest(["--collect-only", "-q", *files]).stdout
-    return {line.split("[", 1)[0] for line in out.splitlines() if "::" in line}
+    """Test ids (parameters stripped) that pytest collects from ``files``; exits (2, one line) when pytest
+    itself fails, so that a broken collection is not reported as missing tests."""
+    r = _pytest(["--collect-only", "-q", *files])
+    if r.returncode not in (0, 5):  # 5: nothing collected
+        tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+        print(f"pytest could not collect the tests ({sys.executable} -m pytest exited {r.returncode}): {tail[0]}", file=sys.stderr)
+        sys.exit(2)
+    return {line.split("[", 1)[0] for line in r.stdout.splitlines() if "::" in line}
 
 
 def run(ids: list[str]) -> dict[str, str]:
@@ -70,6 +89,7 @@ def main() -> int:
     ap.add_argument("--run", action="store_true", help="run the named tests and add their outcome")
     ap.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(REPO)}")
     a = ap.parse_args()
+    check_interpreter()
     cases = load_cases()
     ids = sorted({t for c in cases for t in c.tests})
     have = collected(sorted({t.split("::")[0] for t in ids}))

@@ -1,4 +1,4 @@
-"""The cases of issues 14, 28, 38 and 53 (hardening, rounds one to four) and the tests that show each one's status.
+"""The cases of issues 14, 28, 38 and 53 (hardening, rounds one to three, and the user's road) and the tests that show each one's status.
 
 ``scripts/reliability_table.py`` turns this list into the table of docs/reliability.md; it
 fails when a named test does not exist (``pytest --collect-only``), and with ``--run`` it runs
@@ -127,6 +127,50 @@ CASES: list[Case] = [
     Case("low", "checkpoints were written 0700/0600 (tempfile's private modes kept through the rename)", "fixed",
          (f"{PR}::test_written_folders_get_the_users_umask_not_0700",),
          "the one folder writer gives the folder and its files the modes mkdir/open would (the umask) before the rename", "53"),
+    # ---- issue 53 (round three, the user's road) ----
+    Case("medium", "the OpenAI routes answered 400 where vLLM answers 200: presence_penalty, frequency_penalty, logit_bias, best_of, "
+         "response_format, skip_special_tokens, seed -1; and a sample ending on EOS or a stop_token_ids token had that token in its text",
+         "fixed",
+         (f"{OV}::test_sampling_fields_vllm_takes_are_passed_through", f"{OV}::test_a_field_the_engine_cannot_honour_is_refused_naming_it",
+          "tests/test_bridge_openai.py::test_bad_requests_name_the_field",
+          "tests/sglang/test_bridge_stream.py::test_sampling_extras_reach_sglang_as_its_own_server_takes_them"),
+         "passed to vLLM and SGLang, equal to vLLM's own server through the openai client, each changing the answer; refused with 400 "
+         "naming the field and the engine only where it cannot be honoured (best_of > n on vLLM 0.32, the four extras on the HF "
+         "engine, an image part)", "53"),
+    Case("medium", "chat content parts, an assistant content null, max_tokens with a different max_completion_tokens and a prompt + "
+         "max_tokens past the context were 400; chat without max_tokens stopped at 16 tokens (vLLM: the rest of the context)", "fixed",
+         (f"{OV}::test_messages_and_budgets_as_vllm_takes_them", f"{BE}::test_openai_route_checks_the_context_too"),
+         "content parts joined as vLLM joins them, null as empty; max_completion_tokens first; the default and an over-long "
+         "max_tokens are the rest of the context, as vLLM", "53"),
+    Case("high", "FourSight's logprobs on SGLang moved 0.07-0.10 nats with the prefix-cache state for the same greedy request (cold, "
+         "cached, after /flush_cache); SGLang BF16 did not", "partial",
+         ("tests/sglang/test_bridge_stream.py::test_foursight_logprobs_do_not_depend_on_the_prefix_cache",
+          "tests/test_layer.py::test_reference_linear_is_batch_invariant"),
+         "cause: the CPU linear's float32 product summed in another order for the few rows of a cached prefill; now accumulated "
+         "in float64, equal to the last bit. Left: a prompt sharing only part of another's prefix, where SGLang's torch_native "
+         "attention (PyTorch's CPU SDPA) differs in the last bit by length (docs/sglang.md)", "53"),
+    Case("medium", "through the bridge, SGLang gave no logprobs > 0, no top_logprobs and no echo with logprobs (400), where SGLang's "
+         "own server returns them", "fixed",
+         ("tests/sglang/test_bridge_stream.py::test_top_and_prompt_logprobs_as_sglangs_own_server",),
+         "top_logprobs_num and logprob_start_len 0 on /generate; equal to SGLang's own /v1/completions and chat", "53"),
+    Case("medium", "a dead engine cost 22.5 s of connect retries per request before a 502, although /v1/health already reported it "
+         "down (about 70 s with the openai client's retries)", "fixed",
+         ("tests/sglang/test_bridge_stream.py::test_zz_a_dead_engine_fails_a_request_at_once",),
+         "admission asks each engine's health route first (no retries; one read shared by requests that arrive together): 503 naming the engine at once", "53"),
+    Case("low", "printed commands that failed or misled: a busy port (the bridge printed its banner and failed after 39 s, foursight "
+         "serve a traceback after 46 s); foursight --help imported torch; scripts/reliability_table.py outside the venv printed 94 "
+         "false 'missing test' lines; kernels.md's 'the table below' was not there; calibration.md's quantize failed after the "
+         "README's main job", "fixed",
+         ("tests/test_bridge_cli.py::test_a_busy_port_is_refused_before_anything_starts", "tests/test_cli.py::test_help_answers_without_importing_torch",
+          "tests/test_reliability_table.py::test_outside_the_venv_it_says_so_in_one_line",
+          "tests/test_bench_splice_gemm_table.py::test_kernels_md_table_is_what_the_printed_command_prints",
+          "tests/test_readme_commands.py::test_calibration_md_quantize_follows_the_readme_main_job",
+          "tests/test_readme_commands.py::test_calibration_md_commands_run_as_printed_after_the_readme_main_job"),
+         "each command run as printed by its test; the port checked before anything starts; the command line's packages import "
+         "their parts lazily; the script names the venv in one line; the table is below its command; calibration.md's run is opt-in (FOURSIGHT_TEST_DOCS=1: it quantizes SmolLM2 once more)", "53"),
+    Case("low", "the streaming detokenizer was hand-written where tokenizers' installed DecodeStream gives the same text (2.0 against "
+         "10.8 us a token)", "fixed", ("tests/test_bridge_openai_stream_text.py::test_the_detokenizer_steps_the_tokenizers_decode_stream",),
+         "DecodeStream steps each token; the whole decode only for what it still holds at the end", "53"),
     # ---- issue 38 (round three) ----
     Case("high", "the documented TRL server command bound vLLM to 0.0.0.0 with dev mode: /collective_rpc answered without a key "
          "and loaded any readable safetensors file under the bridge's current version (the bridge stayed in_sync); its answer told "

@@ -77,3 +77,20 @@ def test_table_header_says_which_cublas_figure_the_ratios_use(bsg):
     assert bsg.cublas_ref_ms({"cublas_ms": 0.05, "cublas_after_ms": 0.04}) == 0.04
     assert bsg.cublas_ref_ms({"cublas_ms": 0.05}) == 0.05
     assert bsg.cublas_ref_ms({}) is None
+
+
+def test_kernels_md_table_is_what_the_printed_command_prints():
+    """issue 53 item 8: docs/kernels.md prints ``python benchmarks/kernels/kernel_table.py
+    benchmarks/results/splice_gemm.json      # the table below``; run as printed (this venv's python, from
+    the repository), its output is a table that stands below that line in the same page, unchanged
+    (before: the page had no table below it; the table was only in docs/kernels-history.md)."""
+    import re
+    import subprocess
+
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    (line,) = [m for m in re.findall(r"^(python .*?)\s+# the table below$", text, flags=re.M)]
+    r = subprocess.run([sys.executable, *line.split()[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = r.stdout.strip()
+    assert table.startswith("| N×K | M |") and table.count("\n") >= 10, table[:300]
+    assert table in text[text.index(line):], "the printed command's table is not below it in docs/kernels.md"

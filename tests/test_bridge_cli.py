@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -119,3 +121,29 @@ def test_foursight_serve_mounts_the_dev_route_guard_once():
     for extra in ([], ["--middleware", guard]):
         argv, _ = vllm_command("m", "127.0.0.1", 8000, extra, env={}, cpu=False)
         assert [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"] == [guard]
+
+
+def test_a_busy_port_is_refused_before_anything_starts(tiny_llama_dir):
+    """issue 53 item 8: ``foursight bridge serve`` and ``foursight serve`` (the installed command, as a user
+    runs it) on a port something already listens on exit 2 with one line naming the port, before the
+    bridge loads its engine or prints its banner, and before vLLM starts (before: the bridge printed its
+    banner and failed after 39 s; ``foursight serve`` gave a 30-line vLLM traceback after 46 s)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    exe = str(Path(sys.executable).parent / "foursight")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args in (["bridge", "serve", "--engine", "hf", "--model", str(tiny_llama_dir), "--port", str(port)],
+                     ["serve", str(tiny_llama_dir), "--port", str(port)]):
+            t0 = time.monotonic()
+            r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
+            took = time.monotonic() - t0
+            assert r.returncode == 2, (args, r.returncode, r.stderr[-2000:])
+            assert f"--port {port}" in r.stderr and "already in use" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+            assert "FourSight bridge on" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert took < 20, (args, took)

@@ -289,8 +289,16 @@ def test_prompt_beyond_the_hf_models_context_is_422_naming_the_field(hf_edge, pr
 
 
 def test_openai_route_checks_the_context_too(hf_edge):
-    r = httpx.post(hf_edge.url + "/v1/completions", json={"prompt": [5] * 1020, "max_tokens": 10}, headers=H, timeout=60)
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"] and "context of 1024" in r.json()["error"]["message"], r.text
+    """The OpenAI routes check the context as vLLM's server does: a prompt that fills it, or a
+    ``max_tokens`` beyond it, is 400 naming the field; a prompt whose ``max_tokens`` reaches past it
+    gets the rest of the context (issue 53: before, 400; vLLM trims), never a sample past the
+    model's positions."""
+    r = httpx.post(hf_edge.url + "/v1/completions", json={"prompt": [5] * 1024, "max_tokens": 1}, headers=H, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[0]" and "context of 1024" in r.json()["error"]["message"], r.text
+    r = httpx.post(hf_edge.url + "/v1/completions", json={"prompt": [5] * 8, "max_tokens": 1025}, headers=H, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and "context of 1024" in r.json()["error"]["message"], r.text
+    r = httpx.post(hf_edge.url + "/v1/completions", json={"prompt": [5] * 1020, "max_tokens": 10, "ignore_eos": True}, headers=H, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text[-500:]
 
 
 def _stalled_stream(url: str, n: int = 256, max_tokens: int = 4096):

@@ -172,3 +172,22 @@ def test_a_streamed_choice_is_cut_before_its_stop_string_as_the_whole_one(smollm
         req = CompletionRequest(prompt="x", max_tokens=400, stop=stop)
         texts, got = _stream_choice(req, smollm2_tok, head + tail, "stop")
         assert "".join(texts) == got["whole"]["text"] == smollm2_tok.decode(head)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "metaspace"])
+def test_the_detokenizer_steps_the_tokenizers_decode_stream(which, request):
+    """issue 53 item 8: the streaming detokenizer steps the installed ``tokenizers``' ``DecodeStream``
+    (one Rust step per token) instead of the hand-written lookback, which called ``decode`` twice per
+    token: while the tokens stream in, the HF ``decode`` is not called at all, only once at the end for
+    what ``DecodeStream`` still holds; and the text is the one the tests above check (the whole
+    decode), also with special tokens kept (``skip_special_tokens=False``)."""
+    tok = request.getfixturevalue(f"{which}_tok")
+    for skip in (True, False):
+        for ids in _sequences(tok, invalid=which == "smollm2"):
+            counting = _Counting(tok)
+            d = IncrementalDetokenizer(counting, skip_special_tokens=skip)
+            assert d.stream is not None  # a fast tokenizer: DecodeStream
+            streamed = "".join(d.push([t]) for t in ids)
+            assert counting.decoded == 0, f"decode was called for {counting.decoded} tokens while streaming"
+            streamed += d.finish()
+            assert streamed == tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd"), (skip, ids[:12])

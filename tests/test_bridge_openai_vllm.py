@@ -238,6 +238,138 @@ def test_streaming_is_token_by_token_and_equals_vllms(clients, bridge, monkeypat
     assert b_chunks[-1].usage.model_dump() == v_chunks[-1].usage.model_dump()
 
 
+def _both(clients, route: str, kw: dict, stream: bool = False) -> tuple:
+    """The same request to the bridge and to vLLM: (the bridge's answer, vLLM's), each the whole answer
+    or, streamed, :func:`_joined` of its chunks."""
+    ours, theirs, name = clients
+    out = []
+    for c in (ours, theirs):
+        create = c.completions.create if route == "completion" else c.chat.completions.create
+        out.append(_joined(_stream(create, model=name, **kw)[1], route) if stream else create(model=name, **kw))
+    return tuple(out)
+
+
+def _same(a, b, route: str, what) -> None:
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.usage.completion_tokens == b.usage.completion_tokens, (what, a.usage, b.usage)
+    assert [_choice_fields(c, route) for c in a.choices] == [_choice_fields(c, route) for c in b.choices], what
+
+
+def _text(answer, route: str) -> str:
+    c = answer.choices[0]
+    return c.text if route == "completion" else c.message.content
+
+
+#: a JSON schema for the structured-output cases
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_sampling_fields_vllm_takes_are_passed_through(clients):
+    """issue 53 item 5: ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``best_of`` (up to
+    ``n``), ``response_format`` (``json_object``, ``json_schema``, ``text``), ``skip_special_tokens``,
+    ``seed: -1`` and ``null`` fields, sent through the ``openai`` client to the bridge and to vLLM: the
+    same answers, field by field (before: 400 for every one of them). Each field must change the
+    answer (against the same request without it), so that one the bridge dropped would fail.
+    A sample that ends on a stop token (EOS or ``stop_token_ids``) has that token in its tokens and
+    logprobs but not in its text, as vLLM writes it (before: the bridge put it in the text)."""
+    ours, theirs, name = clients
+    plain = dict(prompt=PROMPT, max_tokens=64, temperature=0.0, logprobs=1, extra_body={"ignore_eos": True})
+    base, _ = _both(clients, "completion", plain)
+    cases = [dict(plain, presence_penalty=1.5, frequency_penalty=2.0),
+             dict(plain, logit_bias={"50": 100}),
+             dict(plain, max_tokens=24, extra_body={"response_format": {"type": "json_object"}}),
+             dict(plain, logit_bias={"3": 100}, extra_body={"ignore_eos": True, "skip_special_tokens": False})]
+    for kw in cases:
+        a, b = _both(clients, "completion", kw)
+        _same(a, b, "completion", kw)
+        assert _text(a, "completion") != _text(base, "completion"), kw
+    # the special tokens left out (vLLM's default) and kept
+    forced = dict(plain, max_tokens=6, logit_bias={"3": 100})
+    assert _text(_both(clients, "completion", forced)[0], "completion") == ""
+    assert _text(_both(clients, "completion", {**forced, "extra_body": {"ignore_eos": True, "skip_special_tokens": False}})[0],
+                 "completion") == "<pad>" * 6
+    # stop tokens: out of the text, in the tokens; EOS (a special token) and a stop_token_ids token (an ordinary one)
+    for kw in (dict(prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=0, logit_bias={"2": 100}, extra_body={"skip_special_tokens": False}),
+               dict(prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=0, logit_bias={"50": 100}, extra_body={"stop_token_ids": [50]}),
+               dict(prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=0, echo=True, logit_bias={"2": 100},
+                    extra_body={"skip_special_tokens": False})):
+        a, b = _both(clients, "completion", kw)
+        _same(a, b, "completion", kw)
+        assert a.choices[0].finish_reason == "stop" and len(a.choices[0].logprobs.tokens) >= 1
+        a, b = _both(clients, "completion", kw, stream=True)
+        assert a == b, kw
+    # best_of up to n, a seed of -1 (no seed), null fields: taken as vLLM takes them
+    for kw in (dict(plain, max_tokens=8, best_of=1), dict(plain, max_tokens=8, n=2, best_of=2, temperature=1.0, seed=5),
+               dict(plain, max_tokens=8, temperature=None, top_p=None, stop=None, seed=7, logit_bias=None)):
+        a, b = _both(clients, "completion", kw)
+        _same(a, b, "completion", kw)
+    unseeded = [_text(ours.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=1.0, seed=-1), "completion") for _ in range(3)]
+    assert len(set(unseeded)) > 1, unseeded  # no seed: the samples differ
+    # chat: structured output against a schema, penalties, logit_bias
+    chat = dict(messages=MSGS, max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=2)
+    chat_base, _ = _both(clients, "chat", chat)
+    for kw in (dict(chat, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}),
+               dict(chat, response_format={"type": "json_object"}),
+               dict(chat, presence_penalty=-2.0, frequency_penalty=1.0, logit_bias={"60": 8})):
+        a, b = _both(clients, "chat", kw)
+        _same(a, b, "chat", kw)
+        assert _text(a, "chat") != _text(chat_base, "chat"), kw
+    a, b = _both(clients, "chat", dict(chat, response_format={"type": "text"}))
+    _same(a, b, "chat", "response_format text")
+    assert _text(a, "chat") == _text(chat_base, "chat")
+
+
+def test_messages_and_budgets_as_vllm_takes_them(clients):
+    """issue 53 item 5: content parts ``[{"type": "text"}]``, an assistant message with ``content:
+    null``, ``max_tokens`` and ``max_completion_tokens`` both given (vLLM takes
+    ``max_completion_tokens``), chat without ``max_tokens`` (the rest of the context, as vLLM: before,
+    16 tokens), and a prompt whose ``max_tokens`` reaches past the context (trimmed to the rest of
+    it, as vLLM trims; before: 400), through the ``openai`` client: the bridge's answers equal vLLM's
+    (before: 400 for each but the default, which stopped at 16)."""
+    ours, theirs, name = clients
+    cases = [("chat", dict(messages=[{"role": "user", "content": [{"type": "text", "text": "Say something"}, {"type": "text", "text": "about foxes."}]}],
+                           max_tokens=12, temperature=0.0, logprobs=True)),
+             ("chat", dict(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                                     {"role": "user", "content": "Say something about foxes."}], max_tokens=12, temperature=0.0)),
+             ("chat", dict(messages=MSGS, max_tokens=12, max_completion_tokens=5, temperature=0.0, extra_body={"ignore_eos": True})),
+             ("chat", dict(messages=MSGS, max_tokens=5, max_completion_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})),
+             ("chat", dict(messages=MSGS, temperature=0.0, extra_body={"ignore_eos": True})),
+             ("completion", dict(prompt=PROMPT, max_tokens=1000, temperature=0.0, extra_body={"ignore_eos": True}))]
+    got = []
+    for route, kw in cases:
+        a, b = _both(clients, route, kw)
+        _same(a, b, route, kw)
+        got.append(a)
+    # the two budgets and the two defaults: what vLLM generated, not what the bridge used to
+    assert got[2].usage.completion_tokens == 5 and got[3].usage.completion_tokens == 12
+    assert got[4].usage.prompt_tokens + got[4].usage.completion_tokens == 1024  # the rest of the 1024-token context
+    assert got[5].usage.prompt_tokens + got[5].usage.completion_tokens == 1024 and got[5].choices[0].finish_reason == "length"
+    # content parts are joined as vLLM joins them: the same prompt as one string with a newline
+    joined = ours.chat.completions.create(model=name, messages=[{"role": "user", "content": "Say something\nabout foxes."}], max_tokens=2)
+    assert joined.usage.prompt_tokens == got[0].usage.prompt_tokens
+    # the same in a stream
+    a, b = _both(clients, "chat", dict(cases[1][1], logprobs=True), stream=True)
+    assert a == b
+
+
+def test_a_field_the_engine_cannot_honour_is_refused_naming_it(clients):
+    """What vLLM 0.32 cannot do is refused with a 400 naming the field and the engine, never silently
+    dropped: ``best_of`` > ``n`` (vLLM 0.32 has no best_of; its own server ignores the field and
+    answers ``n`` samples); a negative seed other than -1 (the bridge seeds sample j of prompt i with
+    seed + i·n + j); an image content part (the bridge's engines take text)."""
+    ours, theirs, name = clients
+    with pytest.raises(openai.BadRequestError) as ei:
+        ours.completions.create(model=name, prompt=PROMPT, max_tokens=4, best_of=3)
+    assert ei.value.body["param"] == "best_of" and "engine vllm@" in ei.value.body["message"], ei.value.body
+    assert theirs.completions.create(model=name, prompt=PROMPT, max_tokens=4, best_of=3).choices  # ignored there
+    with pytest.raises(openai.BadRequestError) as ei:
+        ours.completions.create(model=name, prompt=PROMPT, max_tokens=4, seed=-5)
+    assert ei.value.body["param"] == "seed", ei.value.body
+    with pytest.raises(openai.BadRequestError) as ei:
+        ours.chat.completions.create(model=name, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert ei.value.body["param"].startswith("messages"), ei.value.body
+
+
 def test_errors_are_vllms(clients):
     """A wrong model is 404 (vLLM's ``NotFoundError``, ``param: model``; before: accepted), and what
     vLLM answers 400 the bridge answers 400 in OpenAI's error shape naming the same ``param``

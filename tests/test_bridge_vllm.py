@@ -19,7 +19,6 @@ from foursight.trainer_bridge.client import (  # noqa: E402
     AsyncRolloutClient,
     BridgeHTTPError,
     RolloutClient,
-    RolloutError,
 )
 from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine  # noqa: E402
 from foursight.trainer_bridge.filters import FilterConfig, apply_filter  # noqa: E402
@@ -360,9 +359,12 @@ def test_zz_engine_killed_mid_stream(bridge, client, vllm_server):
     # a reported sample is whole, never cut by the kill
     assert all(len(e["token_ids"]) == (2, 900)[e["prompt_index"]] for e in samples)
     assert all(e["error"] and e["engine"].startswith("vllm@") for e in errors)
-    # the client turns it into an exception; health reports the dead engine
-    with pytest.raises(RolloutError) as ei:
+    # a new request fails at once, before any sample, naming the dead engine (issue 53: before, it waited out
+    # the engine client's connect retries and ended in an error event); health reports the dead engine
+    t0 = time.monotonic()
+    with pytest.raises(BridgeHTTPError) as ei:
         client.generate([[5, 6, 7]], {"max_tokens": 2})
-    assert len(ei.value.errors) == 1 and ei.value.end.status == "error"
+    assert ei.value.status == 503 and "does not answer its health route" in str(ei.value), ei.value
+    assert time.monotonic() - t0 < 5.0
     h = httpx.get(bridge.url + "/v1/health")
     assert h.status_code == 503 and h.json()["status"] == "degraded"

@@ -40,6 +40,23 @@ def test_every_verb_is_mounted():
     assert {"bridge serve", "compare", "rl", "quantize", "calibrate", "inspect", "serve", "models prepare", "models tiny"} <= set(_commands())
 
 
+def test_help_answers_without_importing_torch():
+    """issue 53 item 8: ``foursight --help`` (the installed command, in a process of its own) and each
+    verb's ``--help`` answer without importing torch, numpy or an engine (before: torch, 2.2-2.5 s,
+    through the compare, rl and bridge modules the command line imported). ``-X importtime`` lists
+    every module the process imported."""
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / "foursight"
+    for args in (["--help"], ["compare", "--help"], ["rl", "--help"], ["bridge", "serve", "--help"], ["quantize", "--help"]):
+        r = subprocess.run([sys.executable, "-X", "importtime", str(exe), *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "Usage" in r.stdout, (args, r.stdout[-500:], r.stderr[-2000:])
+        imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+        heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy", "transformers", "vllm", "sglang", "httpx"))
+        assert not heavy, (args, heavy[:10])
+
+
 def test_channels_has_one_default():
     """``--channels`` is "BF16 channels per input (a count or a percentage of K)" in every verb, default 32
     (DEFAULT_CHANNELS) wherever the command calibrates a BF16 model; ``import`` defaults to 0 (its NVFP4

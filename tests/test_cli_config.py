@@ -82,12 +82,12 @@ def test_rl_command_lines_of_the_docs_parse_into_rl_config(monkeypatch):
     import re
     import shlex
 
-    import foursight.rl.cli as rl_cli
+    import foursight.rl.loop as rl_loop  # the command imports run_rl from here when it runs
     from foursight.cli import app
     from foursight.rl import RLConfig
 
     seen: list[RLConfig] = []
-    monkeypatch.setattr(rl_cli, "run_rl", lambda cfg, log=print: seen.append(cfg) or cfg.out)
+    monkeypatch.setattr(rl_loop, "run_rl", lambda cfg, log=print: seen.append(cfg) or cfg.out)
     repo = Path(__file__).resolve().parent.parent
     lines = []
     for doc in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:

@@ -136,5 +136,8 @@ def test_smollm2_from_pretrained_matches_reference_logits(smollm2_fs32_ckpt, smo
     with torch.no_grad():
         got, want, lb = m(ids).logits, ref(ids).logits, bf16(ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert got[0, -1].argmax() == lb[0, -1].argmax()
+    # one position's top-1 is not a stable check of a W4A4 135M model: a last-bit change of the
+    # linears' accumulation (float32 to float64, issue 53) moved " Italy" over " Rome" (0.59 / 0.15)
+    # at the last one; BF16's answer stays among the FourSight model's top 2, and most positions agree
+    assert lb[0, -1].argmax() in got[0, -1].topk(2).indices
     assert (got[0].argmax(-1) == lb[0].argmax(-1)).float().mean() > 0.7

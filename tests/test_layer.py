@@ -89,6 +89,29 @@ def test_static_input_scale_and_batch_invariance():
         assert (y - exact).norm() / exact.norm() < 0.25
 
 
+def test_reference_linear_is_batch_invariant():
+    """issue 53 item 7: a row's output does not depend on how many rows the call has, to the last
+    bit of float32, through the reference and the CPU backend that engines run (before: float32
+    ``mm`` took another kernel for a few rows, so M = 1-3, 5-7, 9-11 differed in the last bit from
+    the same rows inside a long call; an engine that prefills only the tokens its prefix cache
+    lacks then gave other logprobs for the same request cold and cached). SmolLM2's shapes, with
+    BF16 channels and a bias."""
+    from foursight.dispatch import prepare_linear
+
+    g = torch.Generator().manual_seed(3)
+    for n_out, k in ((1536, 576), (576, 1536)):
+        w = (torch.randn(n_out, k, generator=g) * 0.05).to(torch.bfloat16)
+        x = torch.randn(64, k, generator=g).to(torch.bfloat16)
+        bias = torch.randn(n_out, generator=g).to(torch.bfloat16)
+        qw = L.quantize_weight(w, torch.randperm(k, generator=g)[:32].sort().values)
+        prepared = prepare_linear(qw)
+        full = L.reference_linear(x, qw, bias=bias, out_dtype=torch.float32)
+        assert torch.equal(prepared(x, bias), L.reference_linear(x, qw, bias=bias))
+        for m in (1, 2, 3, 5, 7, 9, 11, 13, 33):
+            assert torch.equal(L.reference_linear(x[-m:], qw, bias=bias, out_dtype=torch.float32), full[-m:]), (n_out, k, m)
+            assert torch.equal(prepared(x[-m:], bias), prepared(x, bias)[-m:]), (n_out, k, m)
+
+
 def test_prepared_reference_is_identical_and_idempotent():
     from foursight.dispatch import ReferenceBackend, prepare_linear
 

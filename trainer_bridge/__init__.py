@@ -1,13 +1,18 @@
 """FourSight trainer bridge: streaming rollouts with per-token logprobs, TIM metrics, TIM-aware
 sequence filtering, weight sync, and TRL/verl adapters.
 
-Light imports only here (torch + pydantic); the server, client and adapters are imported from
-their modules (``foursight.trainer_bridge.server`` etc.). See docs/bridge.md and docs/tim.md.
+Nothing is imported here: each name below is imported from its module when first read, so that
+importing a submodule (the command line's ``bridge_config``) does not import torch. The server,
+client and adapters are imported from their modules (``foursight.trainer_bridge.server`` etc.).
+See docs/bridge.md and docs/tim.md.
 """
 
-from foursight.trainer_bridge.filters import FilterConfig, FilterResult, apply_filter
-from foursight.trainer_bridge.metrics import compute_tim_metrics, sequence_stats
-from foursight.trainer_bridge.protocol import Rollout, SamplingParams
+import importlib
+
+#: the package's names and the module each comes from
+_FROM = {"FilterConfig": "filters", "FilterResult": "filters", "apply_filter": "filters", "compute_tim_metrics": "metrics",
+         "sequence_stats": "metrics", "Rollout": "protocol", "SamplingParams": "protocol", "score": "scoring",
+         "filter_rollouts": "scoring", "RolloutClient": "client"}
 
 __all__ = [
     "FilterConfig",
@@ -24,16 +29,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "score":
-        from foursight.trainer_bridge.scoring import score
-
-        return score
     if name == "filter":  # score + pad + apply_filter: the loss masks of a batch of rollouts
-        from foursight.trainer_bridge.scoring import filter_rollouts
-
-        return filter_rollouts
-    if name == "RolloutClient":
-        from foursight.trainer_bridge.client import RolloutClient
-
-        return RolloutClient
-    raise AttributeError(name)
+        name = "filter_rollouts"
+    if name not in _FROM:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(f"foursight.trainer_bridge.{_FROM[name]}"), name)

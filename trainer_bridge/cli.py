@@ -28,6 +28,7 @@ def _group() -> None:
 
 def check_options(cfg: BridgeConfig) -> None:
     """The checks the command line gets before any engine is made (an :class:`OptionError` naming the flag)."""
+    from foursight.cli_util import check_port_free
     from foursight.trainer_bridge.backends.vllm import WEIGHT_SYNC_ROUTES
     from foursight.trainer_bridge.guards import BindError, check_bind
     from foursight.trainer_bridge.protocol import LogprobsMode
@@ -43,6 +44,7 @@ def check_options(cfg: BridgeConfig) -> None:
     for d in cfg.weights_dirs or []:
         if not d.is_dir():
             raise OptionError(f"--weights-dir {d} is not a folder")
+    check_port_free(cfg.host, cfg.port)  # before any engine loads or is waited for
 
 
 def build_engines(cfg: BridgeConfig) -> list:

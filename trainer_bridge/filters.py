@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from foursight.trainer_bridge.filter_options import Policy  # defined without torch, for the command lines
 from foursight.trainer_bridge.metrics import (
     DEFAULT_IS_CAP,
     DEFAULT_TAIL_THRESHOLD,
@@ -43,8 +43,6 @@ from foursight.trainer_bridge.metrics import (
     sequence_stats,
     tim_metrics,
 )
-
-Policy = Literal["none", "max_token", "mean_abs", "tail_count", "geo_mean", "quantile"]
 
 log = logging.getLogger("foursight.filters")
 

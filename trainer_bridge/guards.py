@@ -344,6 +344,9 @@ def engine_field_errors(req: RolloutRequest, prompt_ids: Sequence[Sequence[int]]
         for j, t in enumerate(sp.stop_token_ids):
             if t >= vocab_size:
                 errs.append({"field": f"sampling.stop_token_ids[{j}]", "message": f"token id {t} is outside the vocabulary (size {vocab_size})"})
+        bad_bias = sorted(t for t in sp.logit_bias or {} if t >= vocab_size)
+        if bad_bias:
+            errs.append({"field": "sampling.logit_bias", "message": f"token id(s) {bad_bias} are outside the vocabulary (size {vocab_size})"})
         for i, ids in enumerate(prompt_ids or []):
             bad = next(((k, t) for k, t in enumerate(ids) if t >= vocab_size), None)
             if bad is not None:

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from foursight.trainer_bridge.filter_options import DEFAULT_TAIL_THRESHOLD  # ln 3, defined without torch for the command lines
+
 #: |log ratio| bound before exponentiating (exp(20) ≈ 4.9e8), as in verl's rollout_corr_helper.
 SAFETY_BOUND = 20.0
-#: Default tail threshold τ on |r|: ln 3, i.e. a token whose ratio leaves [1/3, 3]
-#: (TRL's default ``vllm_importance_sampling_clip_max`` is 3.0).
-DEFAULT_TAIL_THRESHOLD = math.log(3.0)
 #: Default token IS cap used for the IS-weight statistics (TRL's default clip_max).
 DEFAULT_IS_CAP = 3.0
 

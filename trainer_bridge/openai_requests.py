@@ -1,15 +1,17 @@
 """The request bodies of the bridge's OpenAI routes (:mod:`foursight.trainer_bridge.routes.openai`):
 ``/v1/completions`` (:class:`CompletionRequest`) and ``/v1/chat/completions``
 (:class:`ChatCompletionRequest`), with vLLM's field names and defaults, each turned into the bridge's
-:class:`~foursight.trainer_bridge.protocol.SamplingParams` and prompts. Unknown fields are refused."""
+:class:`~foursight.trainer_bridge.protocol.SamplingParams` and prompts. Unknown fields are refused;
+a field vLLM takes is taken (docs/openai.md lists them), and refused only where the engine behind
+cannot honour it (``routes.rollouts.admit`` names the engine)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from foursight.trainer_bridge.protocol import MAX_LOGPROBS, ChatMessage, Prompt, SamplingParams
+from foursight.trainer_bridge.protocol import MAX_LOGPROBS, ChatMessage, Prompt, ResponseFormat, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -20,8 +22,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+#: fields whose ``null`` vLLM reads as "not given" (its request models type them ``X | None``): the
+#: bridge drops them before validation, so that ``"temperature": null`` gets the default as in vLLM
+_NULL_IS_ABSENT = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+                             "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
+                             "stop_token_ids", "seed", "stream", "stream_options", "user", "logprobs", "top_logprobs", "echo",
+                             "best_of", "response_format", "return_token_ids", "return_tokens_as_token_ids"})
+
+
 class SamplingFields(BaseModel):
-    """The sampling fields both routes take (vLLM's names and defaults; OpenAI's ``max_tokens`` 16)."""
+    """The sampling fields both routes take (vLLM's names and defaults)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -32,12 +42,25 @@ class SamplingFields(BaseModel):
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    #: OpenAI's penalties and ``logit_bias`` (keys: token ids as strings), passed to the engine
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    #: structured output, passed to the engine (``{"type": "text"}`` is no constraint)
+    response_format: ResponseFormat | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     n: int = Field(1, ge=1, le=128)
-    seed: int | None = Field(None, ge=0)
+    #: OpenAI's ``best_of``: the best ``best_of`` samples' top ``n``. vLLM 0.32 has no best_of (its
+    #: server ignores the field), so only ``best_of <= n``, which asks for nothing beyond the ``n``
+    #: samples, is taken; more is refused naming the engine
+    best_of: int | None = Field(None, ge=1)
+    #: ``-1`` is no seed, as vLLM reads it
+    seed: int | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    #: the text leaves special tokens out (vLLM's default) or keeps them (``false``)
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
@@ -50,12 +73,39 @@ class SamplingFields(BaseModel):
     prompt_field: ClassVar[str]
     kind: ClassVar[str]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_ABSENT)}
+        return data
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v == -1:
+            return None  # vLLM's "no seed"
+        if v is not None and v < 0:
+            raise ValueError(f"{v}: -1 means no seed (as in vLLM); other negative seeds are refused, since sample j of "
+                             "prompt i is seeded seed + i*n + j (docs/openai.md)")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_is_none(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        return None if v is not None and v.type == "text" else v
+
     def prompts(self) -> list[Prompt]:
         raise NotImplementedError
 
-    def budget(self) -> int:
-        """``max_tokens`` of each sample (OpenAI's default 16)."""
+    def budget(self) -> int | None:
+        """``max_tokens`` of each sample as asked (completions: vLLM's default 16); None: the rest of the
+        context (chat without a ``max_tokens``, as vLLM's default)."""
         return self.max_tokens or 16
+
+    def budget_field(self) -> str:
+        """The field that set :meth:`budget` (what an error about it names)."""
+        return "max_tokens"
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -67,12 +117,16 @@ class SamplingFields(BaseModel):
     def echoes(self) -> bool:
         return False
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The bridge's sampling parameters, each sample asking for ``max_tokens`` (:meth:`budget`, or the
+        rest of the context when that is None; ``admit(fit_context=True)`` trims it per prompt)."""
         k = self.alternatives()
-        return SamplingParams(max_tokens=self.budget(), min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
+        return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop=self.stops(),
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed, logprobs=k,
-                              prompt_logprobs=k if self.echoes() and self.wants_logprobs() else None)
+                              prompt_logprobs=k if self.echoes() and self.wants_logprobs() else None,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              logit_bias=self.logit_bias, response_format=self.response_format)
 
     def wants_logprobs(self) -> bool:
         raise NotImplementedError
@@ -135,14 +189,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _one_budget(cls, v: int | None, info: ValidationInfo) -> int | None:
-        other = info.data.get("max_tokens")
-        if v and other and v != other:
-            raise ValueError(f"max_tokens ({other}) and max_completion_tokens ({v}) differ")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -153,8 +199,13 @@ class ChatCompletionRequest(SamplingFields):
     def prompts(self) -> list[Prompt]:
         return [Prompt(messages=self.messages, add_generation_prompt=self.add_generation_prompt)]
 
-    def budget(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 16
+    def budget(self) -> int | None:
+        """``max_completion_tokens`` when given, else ``max_tokens`` (vLLM's order: the deprecated
+        ``max_tokens`` counts only without the other), else None: the rest of the context, as vLLM."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def budget_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def alternatives(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0

@@ -8,6 +8,7 @@ without its end event was cut: the client raises. See docs/bridge.md.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -34,9 +35,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TextPart(_Strict):
+    """One part of a message's content in OpenAI's list form (``[{"type": "text", "text": ...}]``).
+    Only text parts: the bridge's engines take text prompts, so an image or audio part is refused
+    (400 naming the part) instead of dropped."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Strict):
+    """One chat message. ``content`` is a string, a list of text parts (joined with newlines, as
+    vLLM joins them for a chat template that takes a string) or null (an assistant turn with no
+    text, e.g. one that only called tools; read as the empty string, as vLLM reads it)."""
+
     role: str = Field(min_length=1)
-    content: str
+    content: str | list[TextPart] | None
+
+    def text(self) -> str:
+        """The content as the one string the chat template gets (vLLM's rendering of the same message)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template takes it: ``{"role", "content"}`` with the content as one string."""
+        return {"role": self.role, "content": self.text()}
 
 
 class Prompt(_Strict):
@@ -66,11 +92,38 @@ class Prompt(_Strict):
         return self
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's and vLLM's ``response_format``: ``json_object`` (the completion is a JSON object) or
+    ``json_schema`` (JSON matching ``json_schema["schema"]``), enforced by the engine's structured
+    decoding (vLLM's ``response_format``, SGLang's ``json_schema``). ``text`` (no constraint) is
+    what no ``response_format`` means; the OpenAI routes pass it on as none."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    #: OpenAI's ``{"name", "schema", "strict", "description"}``; ``schema`` is the JSON schema
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("when response_format type is 'json_schema', the 'json_schema' field must be provided")
+            if not isinstance(self.json_schema.get("schema"), dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        return self
+
+
+#: the largest |bias| of ``logit_bias``; larger ones are clamped to it, as vLLM clamps them
+MAX_LOGIT_BIAS = 100.0
+
+
 class SamplingParams(_Strict):
     """Sampling parameters, applied to every sample of a request (vLLM/SGLang semantics).
 
     ``temperature=0`` is greedy. ``top_k`` of 0 or -1 disables top-k. With ``seed`` set, sample
     ``j`` of prompt ``i`` uses seed ``seed + i * n + j`` so that samples differ yet are reproducible.
+    ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and ``response_format`` are passed
+    to the engines that take them (vLLM, SGLang: ``Engine.sampling_extras``); an engine that cannot
+    honour one is refused, naming the field and the engine, before any sample starts.
     """
 
     max_tokens: int = Field(64, ge=1, le=1 << 20)
@@ -93,6 +146,36 @@ class SamplingParams(_Strict):
     #: vLLM's ``prompt_logprobs``: also return the prompt's logprobs with this many alternatives
     #: (``Rollout.prompt_logprobs``); None returns none
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    #: OpenAI's penalties on tokens already in the completion (vLLM/SGLang semantics): ``presence``
+    #: once per token that occurred, ``frequency`` per occurrence
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    #: token id -> a bias added to its logit before sampling; clamped to ±100, as vLLM clamps it
+    logit_bias: dict[TokenId, float] | None = None
+    #: structured output (:class:`ResponseFormat`)
+    response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _clamp_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return None
+        if any(not math.isfinite(b) for b in v.values()):
+            raise ValueError("logit_bias values must be finite numbers")
+        return {t: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b))) for t, b in v.items()}
+
+    def extras(self) -> list[str]:
+        """The fields set here that only some engines honour (``Engine.sampling_extras``)."""
+        out = []
+        if self.presence_penalty:
+            out.append("presence_penalty")
+        if self.frequency_penalty:
+            out.append("frequency_penalty")
+        if self.logit_bias:
+            out.append("logit_bias")
+        if self.response_format is not None and self.response_format.type != "text":
+            out.append("response_format")
+        return out
 
     @field_validator("min_tokens")
     @classmethod

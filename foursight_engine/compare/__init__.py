@@ -16,16 +16,26 @@ vLLM ``prompt_logprobs``, SGLang ``input_token_logprobs``, HF
 
 Modules: ``config`` (the options), ``spec`` (--engines), ``prompts``, ``launch`` (start and drive the
 backends), ``report`` (metrics, plots, report.md), ``attribution``, ``run`` (the driver,
-:func:`~foursight.compare.run.run_compare`, and the ``foursight compare`` command). This index
-re-exports the names of ``spec`` and ``report`` only: the driver and the attribution load models
-(the HF engine, the kernels), and importing a part of the package imports this index first.
+:func:`~foursight.compare.run.run_compare`, and the body of the ``foursight compare`` command, which
+``foursight.cli`` imports only when it runs). This index re-exports the names of ``spec`` and
+``report`` only, each imported when first read: the driver and the attribution load models (the HF
+engine, the kernels), ``report`` imports torch, and importing a part of the package imports this
+index first.
 
 Engines are started and stopped by the tool (vLLM and SGLang as HTTP servers on 127.0.0.1, HF
 in-process), or reached at ``--engine-url KIND:PRECISION=URL`` when already running.
 """
 
-from foursight.compare.report import engine_metrics, pairwise
-from foursight.compare.spec import KINDS, LEARNER, PRECISIONS, CompareError, EngineSpec, parse_engine_urls, parse_engines
+import importlib
 
 __all__ = ["KINDS", "LEARNER", "PRECISIONS", "CompareError", "EngineSpec", "engine_metrics", "pairwise", "parse_engine_urls",
            "parse_engines"]
+
+
+def __getattr__(name: str):
+    """The re-exported names, each imported from its module when first read (``report`` imports torch,
+    and importing any part of the package, such as the command line's ``config``, imports this index)."""
+    if name not in __all__:
+        raise AttributeError(name)
+    module = "report" if name in ("engine_metrics", "pairwise") else "spec"
+    return getattr(importlib.import_module(f"foursight.compare.{module}"), name)

@@ -10,7 +10,7 @@ from foursight.cli_config import option
 from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption
 from foursight.precisions import PRECISIONS
 from foursight.trainer_bridge.backends.registry import kinds_for
-from foursight.trainer_bridge.metrics import DEFAULT_TAIL_THRESHOLD
+from foursight.trainer_bridge.filter_options import DEFAULT_TAIL_THRESHOLD
 
 DEFAULT_ENGINES = "hf:bf16,vllm:bf16,vllm:foursight,vllm:nvfp4"
 

@@ -1,5 +1,6 @@
-"""The ``foursight compare`` driver (checkpoints, rollouts once, every engine scores, the report) and its
-command (:data:`compare_command`, generated from :class:`~foursight.compare.config.CompareConfig`)."""
+"""The ``foursight compare`` driver (checkpoints, rollouts once, every engine scores, the report):
+:func:`run_compare`, and the command's body, :func:`compare`. The command is :func:`foursight.cli.compare`,
+which imports this module only when it runs (``foursight --help`` does not import torch)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from typing import Optional
 
 import torch
 
-from foursight.cli_config import typer_command
-from foursight.cli_util import guarded
 from foursight.compare.attribution import attribute_layers
 from foursight.compare.config import CompareConfig
 from foursight.compare.launch import default_sglang_python, drive, open_engine
@@ -128,12 +127,8 @@ def run_compare(model_dir: Path, engines: list[EngineSpec], cfg: CompareConfig |
 
 
 def compare(cfg: CompareConfig) -> None:
-    """Measure training-inference mismatch across engines and precisions; write report.md, metrics.json and plots.
-
-    The first of --engines generates the rollouts unless --generator is given; every engine and the
-    learner (HF BF16) then score the identical tokens teacher-forced. FourSight/NVFP4 checkpoints are
-    made with `foursight quantize` (--channels) unless given.
-    """
+    """The body of ``foursight compare`` (the command and its help are :func:`foursight.cli.compare`, which
+    imports this module only when the command runs): parse ``--engines``, run, say where the report is."""
     from foursight.models import resolve_model
 
     specs = parse_engines(cfg.engines)
@@ -143,6 +138,3 @@ def compare(cfg: CompareConfig) -> None:
         cfg = dataclasses.replace(cfg, command="foursight compare " + " ".join(sys.argv[2:]))
     run_compare(resolve_model(cfg.model), specs, cfg)
     print(f"report: {cfg.out / 'report.md'}")
-
-
-compare_command = guarded(typer_command(CompareConfig, compare))

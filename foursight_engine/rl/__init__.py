@@ -30,13 +30,18 @@ written per step (see :func:`run_rl`). The numerics of the quantized layers live
 :mod:`foursight.layer` / :mod:`foursight.hf` (Triton kernels on CUDA); nothing is duplicated here.
 """
 
-from foursight.rl.config import CHANNEL_PRECISIONS, ENGINES, FILTERS, PRECISIONS, RLConfig, RLError
-from foursight.rl.grpo import group_advantages, grpo_loss
-from foursight.rl.evaluation import evaluate, prompt_ids
-from foursight.rl.loop import run_rl
-from foursight.rl.records import read_log, state_dict_sha256
+import importlib
 
-__all__ = [
-    "CHANNEL_PRECISIONS", "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError", "group_advantages", "grpo_loss",
-    "evaluate", "prompt_ids", "read_log", "run_rl", "state_dict_sha256",
-]
+#: the package's names and the module each comes from, imported when first read (``loop`` and ``grpo``
+#: import torch and the engines; the command line imports ``cli``, which imports this index first)
+_FROM = {**dict.fromkeys(("CHANNEL_PRECISIONS", "ENGINES", "FILTERS", "PRECISIONS", "RLConfig", "RLError"), "config"),
+         "group_advantages": "grpo", "grpo_loss": "grpo", "evaluate": "evaluation", "prompt_ids": "evaluation", "run_rl": "loop",
+         "read_log": "records", "state_dict_sha256": "records"}
+
+__all__ = list(_FROM)
+
+
+def __getattr__(name: str):
+    if name not in _FROM:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(f"foursight.rl.{_FROM[name]}"), name)

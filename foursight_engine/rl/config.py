@@ -10,7 +10,7 @@ from foursight.cli_util import DEFAULT_CHANNELS, ChannelsOption, ModelOption
 from foursight.precisions import CHANNEL_PRECISIONS, PRECISIONS
 from foursight.rl import tasks as rl_tasks
 from foursight.trainer_bridge.backends.registry import ENGINE_KINDS, EngineKind, EngineKindError, engine_kind, kinds_for, kinds_help
-from foursight.trainer_bridge.filters import Policy
+from foursight.trainer_bridge.filter_options import Policy
 
 #: the filter policies: the one vocabulary is trainer_bridge.filters.Policy
 FILTERS = get_args(Policy)

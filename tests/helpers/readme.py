@@ -8,10 +8,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def readme_bash_lines() -> list[str]:
-    """Every command line of the README's ```bash blocks (continuations joined, trailing `  # comments`
-    dropped), each once: the quick-start block repeats commands that later sections explain."""
-    text = (REPO / "README.md").read_text()
+def readme_bash_lines(page: str = "README.md") -> list[str]:
+    """Every command line of the ```bash blocks of the README (or of another ``page`` of the repository,
+    e.g. ``docs/calibration.md``), continuations joined, trailing `  # comments` dropped, each once: the
+    quick-start block repeats commands that later sections explain."""
+    text = (REPO / page).read_text()
     lines: list[str] = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         cur = ""

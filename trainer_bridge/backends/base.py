@@ -23,6 +23,8 @@ the bridge reports the same way).
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -78,13 +80,26 @@ class LocalTokenizer:
         self.tok = AutoTokenizer.from_pretrained(self.path)
         self._lock = threading.Lock()  # HF fast tokenizers are not safe across threads
 
+    @functools.cached_property
+    def eos_ids(self) -> frozenset[int]:
+        """The ids a sample stops at by itself: the tokenizer's EOS and the ``eos_token_id`` of the
+        folder's ``generation_config.json`` (what vLLM stops at). The OpenAI routes leave such a
+        final token out of the text, as vLLM does."""
+        ids = {int(self.tok.eos_token_id)} if self.tok.eos_token_id is not None else set()
+        try:
+            e = json.loads((Path(self.path) / "generation_config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            e = None
+        ids.update([e] if isinstance(e, int) else [x for x in e if isinstance(x, int)] if isinstance(e, list) else [])
+        return frozenset(ids)
+
     def encode(self, prompt: Prompt) -> list[int]:
         with self._lock:
             if prompt.token_ids is not None:
                 return list(prompt.token_ids)
             if prompt.text is not None:
                 return list(self.tok.encode(prompt.text, add_special_tokens=True))
-            msgs = [m.model_dump() for m in prompt.messages or []]
+            msgs = [m.template_dict() for m in prompt.messages or []]
             out = self.tok.apply_chat_template(msgs, add_generation_prompt=prompt.add_generation_prompt, tokenize=True)
             if isinstance(out, dict) or hasattr(out, "keys"):
                 out = out["input_ids"]
@@ -104,6 +119,9 @@ class Engine(ABC):
     #: the engine returns top alternatives (``params.logprobs`` > 0) and prompt logprobs
     #: (``params.prompt_logprobs``); the bridge refuses them (400 naming the field) for one that does not
     returns_top_logprobs: bool = False
+    #: the sampling fields of :meth:`SamplingParams.extras` this engine honours (vLLM and SGLang take
+    #: them all); the bridge refuses the others (naming the field and the engine) before any sample
+    sampling_extras: frozenset[str] = frozenset()
 
     def startup_warnings(self) -> list[str]:
         """What the operator should hear before this engine serves (``bridge serve`` prints each line once)."""

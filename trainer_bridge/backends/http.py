@@ -47,6 +47,12 @@ def sampling_fields(params: SamplingParams, seed: int | None, seed_key: str) -> 
         out["min_p"] = params.min_p
     if params.repetition_penalty != 1.0:
         out["repetition_penalty"] = params.repetition_penalty
+    if params.presence_penalty:
+        out["presence_penalty"] = params.presence_penalty
+    if params.frequency_penalty:
+        out["frequency_penalty"] = params.frequency_penalty
+    if params.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}  # JSON keys: vLLM and SGLang read them back as ids
     if seed is not None:
         out[seed_key] = seed
     return out
@@ -96,6 +102,9 @@ class HTTPEngine(Engine):
 
     #: :meth:`generate_stream` reads OpenAI-shaped ``/v1/completions`` streams with top alternatives
     returns_top_logprobs = True
+    #: vLLM's ``/v1/completions`` and SGLang's ``/generate`` take the penalties, ``logit_bias`` and
+    #: structured output (``response_format``; SGLang's ``json_schema``)
+    sampling_extras = frozenset({"presence_penalty", "frequency_penalty", "logit_bias", "response_format"})
 
     def __init__(self, url: str, name_prefix: str, tokenizer: str | Path | None, api_key: str | None,
                  logprobs_mode: str, max_connections: int):

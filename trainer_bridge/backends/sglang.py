@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -23,12 +24,13 @@ class SGLangHTTPEngine(HTTPEngine):
     exercised against a recorded-format stand-in in the bridge tests, updates and the served version
     against a real SGLang CPU server in tests/sglang (docs/bridge.md).
 
-    :meth:`generate_stream` streams token by token through ``/generate`` with ``stream: true``. Top
-    or prompt logprobs are not asked for (the bridge refuses them for this engine); docs/openai.md.
+    :meth:`generate_stream` streams token by token through ``/generate`` with ``stream: true``, with
+    each token's top alternatives (``top_logprobs_num``: ``meta_info.output_top_logprobs``) and the
+    prompt's logprobs (``logprob_start_len: 0``: ``input_token_logprobs`` / ``input_top_logprobs``)
+    when asked, as SGLang's own OpenAI server asks for them; docs/openai.md.
     """
 
     kind = "sglang"
-    returns_top_logprobs = False
 
     def __init__(self, url: str, tokenizer: str | Path | None = None, api_key: str | None = None,
                  logprobs_mode: str = "processed_logprobs", max_connections: int = 512):
@@ -36,7 +38,15 @@ class SGLangHTTPEngine(HTTPEngine):
 
     def generate_body(self, prompt_ids, params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
         sp = {"max_new_tokens": max_tokens, "min_new_tokens": params.min_tokens, **sampling_fields(params, seed, "sampling_seed")}
-        return {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
+        rf = params.response_format
+        if rf is not None and rf.type != "text":  # as SGLang's own OpenAI server turns response_format into json_schema
+            sp["json_schema"] = json.dumps(rf.json_schema["schema"]) if rf.type == "json_schema" else '{"type": "object"}'
+        body = {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True,
+                "logprob_start_len": 0 if params.prompt_logprobs is not None else -1}
+        top = max(params.logprobs, params.prompt_logprobs or 0)
+        if top:
+            body["top_logprobs_num"] = top
+        return body
 
     @staticmethod
     def parse_generate(data: dict[str, Any], name: str = "sglang", prompt_ids: list[int] | None = None) -> Rollout:
@@ -69,7 +79,8 @@ class SGLangHTTPEngine(HTTPEngine):
         finished = False
         async with contextlib.aclosing(sse.events(self.client, "/generate", body, self.name)) as chunks:
             async for chunk in chunks:
-                d = self.parse_stream_chunk(chunk, seen, self.name)
+                d = self.parse_stream_chunk(chunk, seen, self.name, top=params.logprobs if params.logprobs else None,
+                                            prompt=params.prompt_logprobs if seen == 0 else None)
                 seen += len(d.token_ids)
                 finished = d.finish_reason is not None
                 yield d
@@ -79,9 +90,13 @@ class SGLangHTTPEngine(HTTPEngine):
             raise EngineError(f"{self.name}: the /generate stream ended before the sample finished")
 
     @staticmethod
-    def parse_stream_chunk(data: dict[str, Any], seen: int, name: str = "sglang") -> Delta:
+    def parse_stream_chunk(data: dict[str, Any], seen: int, name: str = "sglang", top: int | None = None,
+                           prompt: int | None = None) -> Delta:
         """One server-sent chunk of a streamed ``/generate`` -> the :class:`~.base.Delta` of the tokens
-        after the first ``seen``. An ``{"error": ...}`` chunk or an aborted sample raises :class:`EngineError`."""
+        after the first ``seen``: with ``top`` k, each token's alternatives (the token itself first,
+        then SGLang's k most likely others, as vLLM orders them); with ``prompt`` k, the prompt's
+        logprobs with k alternatives each (``None`` for its first token). An ``{"error": ...}``
+        chunk or an aborted sample raises :class:`EngineError`."""
         if "error" in data:
             err = data["error"]
             raise EngineError(f"{name}: the engine ended the stream with an error: {err.get('message', err) if isinstance(err, dict) else err}")
@@ -92,6 +107,15 @@ class SGLangHTTPEngine(HTTPEngine):
             ids = [int(row[1]) for row in rows]
             vals = [float(row[0]) for row in rows]
             fr = meta.get("finish_reason")
+            alts = None
+            if top is not None:
+                tops = meta["output_top_logprobs"]
+                tops = tops[len(tops) - new:] if new > 0 else []
+                alts = [_alternatives(t, v, row, top) for t, v, row in zip(ids, vals, tops, strict=True)]
+            prompt_lp = None
+            if prompt is not None:
+                inp, inp_top = meta["input_token_logprobs"], meta.get("input_top_logprobs") or [None] * len(meta["input_token_logprobs"])
+                prompt_lp = [None] + [_alternatives(int(r[1]), float(r[0]), t or [], prompt) for r, t in zip(inp[1:], inp_top[1:], strict=True)]
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise EngineError(f"{name}: malformed /generate stream chunk ({type(e).__name__}: {e})") from None
         if len(ids) != max(new, 0):
@@ -99,7 +123,7 @@ class SGLangHTTPEngine(HTTPEngine):
         reason = (fr.get("type") if isinstance(fr, dict) else str(fr)) if fr is not None else None
         if reason == "abort":
             raise EngineError(f"{name}: request aborted by the engine: {fr}")
-        return Delta(token_ids=ids, logprobs=vals, finish_reason=reason)
+        return Delta(token_ids=ids, logprobs=vals, top_logprobs=alts, prompt_logprobs=prompt_lp, finish_reason=reason)
 
     async def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         """``input_token_logprobs`` of ``prompt_ids + token_ids`` from ``logprob_start_len=0``."""
@@ -147,6 +171,12 @@ class SGLangHTTPEngine(HTTPEngine):
             return {"boot_id": "sglang", "version": int(wv)}
         except (TypeError, ValueError):
             return None
+
+
+def _alternatives(token: int, logprob: float, top_rows: list, k: int) -> list[tuple[int, float]]:
+    """One position's alternatives as the bridge keeps them (vLLM's order): the token itself first,
+    then the first ``k`` of SGLang's ``[[logprob, token id, text], ...]`` (most likely first) but it."""
+    return [(token, logprob)] + [(int(r[1]), float(r[0])) for r in top_rows[:k] if int(r[1]) != token]
 
 
 def launch_server(model_dir: str | Path, *, log_path: Path, extra_args: list[str], max_model_len: int, python: str | None = None):

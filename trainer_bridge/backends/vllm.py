@@ -89,14 +89,17 @@ class VLLMHTTPEngine(HTTPEngine):
         if prompt.text is not None:
             body["prompt"] = prompt.text
         else:
-            body["messages"] = [m.model_dump() for m in prompt.messages or []]
+            body["messages"] = [m.template_dict() for m in prompt.messages or []]
             body["add_generation_prompt"] = prompt.add_generation_prompt
         return list((await self.post_ok("/tokenize", body)).json()["tokens"])
 
     def completion_body(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
         """The exact ``/v1/completions`` body the bridge sends for one sample (tests reuse it)."""
-        return {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "min_tokens": params.min_tokens,
+        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "min_tokens": params.min_tokens,
                 "n": 1, "logprobs": 0, "return_tokens_as_token_ids": True, "stream": False, **sampling_fields(params, seed, "seed")}
+        if params.response_format is not None and params.response_format.type != "text":
+            body["response_format"] = params.response_format.model_dump(exclude_none=True)
+        return body
 
     @staticmethod
     def parse_completion(data: dict[str, Any], name: str = "vllm", prompt_ids: list[int] | None = None) -> Rollout:

@@ -106,11 +106,21 @@ async def _admit(state: BridgeState, req: SamplingFields):
     kind = req.kind
     if req.model is not None and req.model != served_model(state):
         return openai_error(404, f"The model `{req.model}` does not exist. The bridge serves `{served_model(state)}`.", "NotFoundError", "model")
+    if req.best_of is not None and req.best_of > req.n:
+        names = ", ".join(e.name for e in state.engines)
+        return bad_request([{"field": "best_of", "message": f"best_of {req.best_of} > n {req.n}: engine {names} cannot honour it "
+                                                           "(vLLM 0.32 has no best_of; its server ignores the field)"}])
+    context = await state.engines[0].context_length()
+    asked = req.budget()
+    if asked is not None and context and asked > context:  # vLLM refuses it whatever the prompt
+        return bad_request([{"field": req.budget_field(), "message": f"{asked} cannot be greater than the model's context of {context} tokens"}])
+    if asked is None:  # chat without max_tokens: the rest of the context (trimmed per prompt by admit), as vLLM
+        asked = min(x for x in (context or 16, state.max_tokens_cap) if x is not None)
     try:
-        rreq = RolloutRequest(prompts=req.prompts(), n=req.n, sampling=req.sampling())
+        rreq = RolloutRequest(prompts=req.prompts(), n=req.n, sampling=req.sampling(asked))
     except ValidationError as e:
         return _invalid(e, kind=kind)
-    got = await admit(state, rreq)
+    got = await admit(state, rreq, fit_context=True)
     if isinstance(got, JSONResponse):
         return _from_bridge_error(got, kind)
     prompt_ids, usable = got
@@ -130,11 +140,16 @@ class _Choice:
     """One sample as a choice of the answer: its text (special tokens skipped, cut before a stop
     string that ended it), logprobs in the route's shape, and, streamed, the part not yet sent."""
 
-    def __init__(self, req: SamplingFields, tok, names: TokenNames, index: int, prompt_ids: list[int], prompt_text: str | None):
+    def __init__(self, req: SamplingFields, tok, names: TokenNames, index: int, prompt_ids: list[int], prompt_text: str | None,
+                 stop_ids: frozenset[int] = frozenset()):
         self.req, self.tok, self.names, self.index = req, tok, names, index
         self.prompt_ids = prompt_ids
+        #: tokens that end a sample by themselves (EOS, ``stop_token_ids``): vLLM leaves such a final token
+        #: out of the text (special or not, ``skip_special_tokens`` or not); it stays in the tokens and logprobs
+        self.stop_ids = stop_ids
+        self.deferred: list[int] = []  # streamed: a trailing token that may be the stop token, not decoded yet
         self.ids: list[int] = []
-        self.detok = IncrementalDetokenizer(tok)  # streamed: the text of each piece's tokens, decoded incrementally
+        self.detok = IncrementalDetokenizer(tok, req.skip_special_tokens)  # streamed: the text of each piece's tokens, decoded incrementally
         self.held = ""  # streamed: decoded text not sent yet, as it may still become a stop string
         self.sent_tokens = 0  # tokens whose logprobs were sent so far
         self.offset = 0  # text_offset of the next logprob token
@@ -142,11 +157,17 @@ class _Choice:
         echo = req.echoes() and req.kind == "completion"
         self.echo_text = ("" if req.return_token_ids else prompt_text if prompt_text is not None else tok.decode(prompt_ids)) if echo else None
 
+    def _ended_by_stop_token(self, ids: list[int], finish_reason: str | None) -> bool:
+        return finish_reason == "stop" and bool(ids) and ids[-1] in self.stop_ids
+
     def text(self, ids: list[int], finish_reason: str | None) -> str:
         """The finished completion's text: ``ids`` decoded as a whole (a character split across tokens
         comes out whole, one still incomplete at the end is left out, as vLLM's detokenizer leaves
-        it), cut before the stop string that ended it."""
-        return self._cut(self.tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd"), finish_reason)
+        it; special tokens as ``skip_special_tokens`` says), without the stop token that ended it or
+        cut before the stop string that did."""
+        if self._ended_by_stop_token(ids, finish_reason):
+            ids = ids[:-1]
+        return self._cut(self.tok.decode(ids, skip_special_tokens=self.req.skip_special_tokens).rstrip("\ufffd"), finish_reason)
 
     def _cut(self, text: str, finish_reason: str | None) -> str:
         stops = self.req.stops()
@@ -157,7 +178,15 @@ class _Choice:
         joined, the pieces' texts are :meth:`text` of the whole sample). While streaming, the end
         that may still become a stop string is held back; with the last piece it is cut before the
         stop string that ended the sample (which cannot begin in text already sent, being held)."""
-        new = self.held + self.detok.push(list(token_ids))
+        ids = self.deferred + list(token_ids)
+        if final:
+            if self._ended_by_stop_token(ids, finish_reason):
+                ids = ids[:-1]
+            self.deferred = []
+        else:  # a last token that may end the sample is decoded only once the sample goes on (or not at all)
+            cut = len(ids) - 1 if ids and ids[-1] in self.stop_ids else len(ids)
+            ids, self.deferred = ids[:cut], ids[cut:]
+        new = self.held + self.detok.push(ids)
         if final:
             self.held = ""
             return self._cut(new + self.detok.finish(), finish_reason)
@@ -246,6 +275,11 @@ class _Choice:
                      prompt_logprobs=None if self.started else r.prompt_logprobs, finish_reason=r.finish_reason)
 
 
+def _stop_ids(req: SamplingFields, tok) -> frozenset[int]:
+    """The tokens that end a sample of ``req`` by themselves: the model's EOS (unless ``ignore_eos``) and ``stop_token_ids``."""
+    return frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else tok.eos_ids)
+
+
 async def _sample(state: BridgeState, req: SamplingFields, tok, got) -> dict[str, Any] | JSONResponse:
     """All samples of an admitted request through the bridge's one sampling path
     (:func:`.rollouts.events`: version hold, timeouts, cancellation), as one answer."""
@@ -268,7 +302,7 @@ async def _sample(state: BridgeState, req: SamplingFields, tok, got) -> dict[str
     choices = []
     for pi, ids in enumerate(prompt_ids):
         for j in range(req.n):
-            choices.append(_Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi]).whole(out[(pi, j)]))
+            choices.append(_Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi], _stop_ids(req, tok)).whole(out[(pi, j)]))
     p = sum(len(ids) for ids in prompt_ids)
     c = sum(len(r.token_ids) for r in out.values())
     return {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion", "created": int(time.time()),
@@ -291,7 +325,9 @@ async def _stream(state: BridgeState, req: SamplingFields, tok, got) -> AsyncIte
     model = served_model(state)
     names = TokenNames(tok.tok, req.return_tokens_as_token_ids)
     texts = req.prompt_texts() if isinstance(req, CompletionRequest) else [None]
-    choices = {(pi, j): _Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi]) for pi, ids in enumerate(prompt_ids) for j in range(req.n)}
+    stop_ids = _stop_ids(req, tok)
+    choices = {(pi, j): _Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi], stop_ids)
+               for pi, ids in enumerate(prompt_ids) for j in range(req.n)}
     n_prompt = sum(len(p) for p in prompt_ids)
     n_done = 0
     version = state.gate.version

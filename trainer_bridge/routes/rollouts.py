@@ -88,11 +88,16 @@ def _refuse_field(field: str, error: str, message: str) -> JSONResponse:
     return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {error}", "fields": [{"field": field, "message": message}]})
 
 
-async def admit(state: BridgeState, req: RolloutRequest) -> tuple[list[list[int]], list[Engine]] | JSONResponse:
+async def admit(state: BridgeState, req: RolloutRequest, fit_context: bool = False) -> tuple[list[list[int]], list[Engine]] | JSONResponse:
     """Everything a request must pass before a sample starts, for every route that samples
     (``/v1/rollouts`` and the OpenAI routes): sample count, the served model's field checks
     (``guards.engine_field_errors``), tokenization, and the engines that serve the current
-    weights. Returns the prompts' token ids and those engines, or the error response."""
+    weights. Returns the prompts' token ids and those engines, or the error response.
+
+    ``fit_context`` (the OpenAI routes, as vLLM's server does): a prompt whose tokens plus its
+    ``max_tokens`` do not fit the served model's context gets the rest of the context as its
+    ``max_tokens`` (``req.prompts[i].max_tokens`` is set) instead of a refusal; ``/v1/rollouts``
+    refuses it (422), so that a trainer never gets shorter samples than it asked for unnoticed."""
     total = len(req.prompts) * req.n
     if total > MAX_SAMPLES_PER_REQUEST:
         return _refuse_field("n", f"len(prompts) * n = {total} exceeds {MAX_SAMPLES_PER_REQUEST}", "too many samples")
@@ -102,6 +107,11 @@ async def admit(state: BridgeState, req: RolloutRequest) -> tuple[list[list[int]
     for field, asked in (("sampling.logprobs", req.sampling.logprobs > 0), ("sampling.prompt_logprobs", req.sampling.prompt_logprobs is not None)):
         if asked and no_top:
             errs.append({"field": field, "message": f"engine {', '.join(no_top)} does not return top logprobs or prompt logprobs"})
+    for field in req.sampling.extras():  # refused only where an engine behind cannot honour it
+        lacking = [e.name for e in state.engines if field not in e.sampling_extras]
+        if lacking:
+            errs.append({"field": f"sampling.{field}", "message": f"engine {', '.join(lacking)} cannot honour {field} "
+                                                                  f"(the vLLM and SGLang engines take it)"})
     if errs:
         state.metrics.errors.labels(kind="bad_request").inc()
         return unprocessable(errs)
@@ -113,19 +123,29 @@ async def admit(state: BridgeState, req: RolloutRequest) -> tuple[list[list[int]
             return _refuse_field(f"prompts[{i}]", f"cannot tokenize: {e}", str(e))
         if not prompt_ids[-1]:
             return _refuse_field(f"prompts[{i}]", "empty after tokenization", "empty")
-    errs = engine_field_errors(req, prompt_ids, vocab, None, context_length=await state.engines[0].context_length())
+    context = await state.engines[0].context_length()
+    if fit_context and context:
+        for p, ids in zip(req.prompts, prompt_ids):
+            if len(ids) < context and len(ids) + (p.max_tokens or req.sampling.max_tokens) > context:
+                p.max_tokens = context - len(ids)
+    errs = engine_field_errors(req, prompt_ids, vocab, None, context_length=context)
     if errs:
         state.metrics.errors.labels(kind="bad_request").inc()
         return unprocessable(errs)
     # a request that arrives during a weight update waits for it, as new streams do (docs/bridge.md), before it
     # reads what the engines serve: mid-update an engine already reports the version the bridge has not recorded yet
     await state.gate.idle()
+    # an engine that does not answer its health route gets no sample: the request fails at once,
+    # not after the engine client's connect retries (Liveness.up: one read shared by a burst)
+    ups = await state.liveness.up_all()
+    live = [e for e, up in zip(state.engines, ups) if up]
     # samples are tagged with the bridge's version: refuse engines known to serve other weights
-    statuses = await state.liveness.check_all()
-    usable = [e for e, st in zip(state.engines, statuses) if st != STALE]
+    statuses = await state.liveness.check_all(live)
+    usable = [e for e, st in zip(live, statuses) if st != STALE]
     if not usable:
         state.metrics.errors.labels(kind="engine").inc()
-        reasons = [state.liveness.of(e).reason for e in state.engines]
+        reasons = [state.liveness.of(e).reason if up else f"engine {e.name} does not answer its health route (down)"
+                   for e, up in zip(state.engines, ups)]
         return JSONResponse(status_code=503, content={"error": "no engine serves the current weights: " + "; ".join(r or "" for r in reasons),
                                                       "weight_version": state.gate.version,
                                                       "engines": [{"name": e.name, **state.liveness.of(e).view()} for e in state.engines]})
