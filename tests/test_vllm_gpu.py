@@ -35,6 +35,7 @@ from foursight.calibration import builtin_texts  # noqa: E402
 from helpers.checkpoints import folder_with  # noqa: E402
 from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
 from helpers.vllm_engine import EXT  # noqa: E402
+from helpers.weights import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.realmodel]
 
@@ -252,19 +253,6 @@ def record_table(rows, smol, hf_bf16_lps):
     return write
 
 
-def _new_weights(src: Path, seed: int) -> dict[str, torch.Tensor]:
-    """A learner step's worth of change: every 2-D weight moved by 5 % of its std, norms by 1 %."""
-    from safetensors.torch import load_file
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for n, t in load_file(str(src / "model.safetensors")).items():
-        f = t.float()
-        f = f + (0.05 * f.std() if t.dim() == 2 else 0.01 * f.abs().mean()) * torch.randn(t.shape, generator=g)
-        out[n] = f.to(t.dtype).contiguous()
-    return out
-
-
 def _trl_sync(llm, weights: dict[str, torch.Tensor]) -> float:
     """TRL colocate's sync: one ``load_weights`` per tensor (on the GPU), no post-load step; returns seconds."""
     cuda = {n: t.cuda() for n, t in weights.items()}
@@ -286,7 +274,7 @@ def _trl_sync(llm, weights: dict[str, torch.Tensor]) -> float:
 def update(smol):
     """The new weights, a fresh online engine's logprobs on them, and the timings of the same TRL sync into
     a BF16 engine and into a FourSight online engine (k = 32 channels file)."""
-    new = _new_weights(smol["bf16"], 1)
+    new = perturbed_state(smol["bf16"], seed=1)  # the tests' one new policy (helpers/weights.py)
     folder = folder_with(smol["bf16"], smol["tmp"] / "bf16-new", new)
     os.environ["FOURSIGHT_CHANNELS_FILE"] = str(smol["ck"][32] / "foursight_channels.json")
     fresh = run_engine(folder, lambda llm: engine_prompt_logprobs(llm, smol["seqs"]), quantization="foursight")

@@ -22,6 +22,7 @@ from foursight.calibration import builtin_texts  # noqa: E402
 from helpers.checkpoints import folder_with  # noqa: E402
 from helpers.logprobs import fixed_sequences, server_prompt_logprobs  # noqa: E402
 from helpers.vllm_engine import EXT  # noqa: E402
+from helpers.weights import perturbed_state  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.realmodel, pytest.mark.slow]
 
@@ -46,7 +47,7 @@ def foursight_serve(model: Path, channels: Path, weights_dir: Path, log: Path, t
 def test_serve_bridge_openai_client_and_update(smollm2_dir, tmp_path):
     import httpx
     import openai
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from foursight.checkpoint import quantize_model
     from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
@@ -59,9 +60,7 @@ def test_serve_bridge_openai_client_and_update(smollm2_dir, tmp_path):
     channels = ck / "foursight_channels.json"
     wdir = tmp_path / "weights"
     wdir.mkdir()
-    g = torch.Generator().manual_seed(5)
-    new = {n: (t.float() + (0.05 * t.float().std() if t.dim() == 2 else 0.01 * t.float().abs().mean()) * torch.randn(t.shape, generator=g))
-           .to(t.dtype).contiguous() for n, t in load_file(str(Path(smollm2_dir) / "model.safetensors")).items()}
+    new = {n: t.contiguous() for n, t in perturbed_state(smollm2_dir, seed=5).items()}
     save_file(new, str(wdir / "step1.safetensors"))
     seqs = fixed_sequences(AutoTokenizer.from_pretrained(smollm2_dir), builtin_texts()[:6], 48)
     token = secrets.token_hex(16)

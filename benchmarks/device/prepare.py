@@ -46,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import fatbin  # noqa: E402
+from stage import PROFILES  # noqa: E402 - the item profiles, written once (stage.py runs on the device)
 
 VLLM = "vllm==0.26.0"
 PINS = HERE / "wheels-py312.txt"
@@ -69,21 +70,10 @@ packaging sentencepiece tiktoken cuda-bindings cuda-pathfinder kernels""".split(
 BASE = set("""pydantic pydantic-core annotated-types typing-inspection typing-extensions typer rich click shellingham
 markdown-it-py mdurl pygments gguf setuptools""".split())
 EXTRA = ["compressed-tensors==0.17.0", "loguru", "typer>=0.12", "rich>=13", "gguf==0.19.0", "uvicorn", "httpx"]
-PROFILES = {"base": ["base"], "vllm": ["vllm-ops.so.xz", "vllm-fa3.so.xz", "vllm-py.tar.xz", "base", "vllm-deps"],
-            "model": ["base", "smollm2.gguf.xz", "smollm2-hf.tar"]}
-PROFILES["all"] = PROFILES["vllm"] + PROFILES["model"][1:]
 
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def pip(*args: str) -> None:
