@@ -155,24 +155,41 @@ def served_equals_a_push_of(engine, url: str, data: bytes) -> bool:
     return all(torch.equal(a, b) for a, b in zip(now, server_prompt_logprobs(engine.url, SEQS)))
 
 
-def long_stream(url: str) -> threading.Thread:
-    """A stream of 16 long samples in a thread (seconds of engine time here), returned once the bridge holds it
-    open: an update started now waits for it (the version gate)."""
-    answer = {}
+class HeldStream:
+    """A rollout stream the bridge holds open until :meth:`release`: its reader takes the answer's status, then
+    reads nothing more, so the bridge cannot finish sending (its samples carry top-20 logprobs, megabytes that no
+    socket buffer holds) and keeps the stream's read of the version gate. An update started meanwhile waits in its
+    drain however fast or slow the machine is (a stream of a fixed length ended before a loaded CI machine had
+    checked the update's file: a flake)."""
 
-    def run():
+    def __init__(self, url: str):
+        self.answer: dict = {}
+        self._go = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(url,), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/v1/weights", timeout=30).json()["streams_open"] < 1:
+            assert self.thread.is_alive() and time.monotonic() < deadline, f"the stream did not open: {self.answer}"
+            time.sleep(0.01)
+
+    def _run(self, url: str) -> None:
         with httpx.stream("POST", url + "/v1/rollouts", json={"prompts": [{"token_ids": [5, 6, 7]}], "n": 16,
-                          "sampling": {"max_tokens": 480, "ignore_eos": True, "temperature": 1.0}}, timeout=300) as r:
-            answer["status"] = r.status_code
-            for _ in r.iter_lines():
-                pass
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 60
-    while httpx.get(url + "/v1/weights", timeout=30).json()["streams_open"] < 1:
-        assert t.is_alive() and time.monotonic() < deadline, f"the stream did not open: {answer}"
-        time.sleep(0.01)
-    return t
+                          "sampling": {"max_tokens": 480, "ignore_eos": True, "temperature": 1.0, "logprobs": 20}},
+                          timeout=300) as r:
+            self.answer["status"] = r.status_code
+            self._go.wait(300)
+            self.answer["lines"] = sum(1 for _ in r.iter_lines())
+
+    def release(self) -> None:
+        """Read the stream to its end (the bridge then releases its read of the gate)."""
+        self._go.set()
+        self.thread.join(300)
+        assert self.answer.get("status") == 200 and self.answer.get("lines"), self.answer
+
+
+def long_stream(url: str) -> HeldStream:
+    """A stream the bridge holds open (an update started now waits for it) until ``.release()``."""
+    return HeldStream(url)
 
 
 def when_updating(url: str, done: dict, timeout_s: float = 60) -> None:
@@ -200,8 +217,9 @@ def test_a_truncating_put_during_an_apply_is_refused_and_both_processes_survive(
     applying.start()
     when_updating(bridge.url, done)
     truncating = put(bridge.url, name, b"x")
+    assert "r" not in done, done["r"].text  # the apply still waits for the held stream
+    stream.release()
     applying.join(300)
-    stream.join(300)
     assert truncating.status_code == 409, truncating.text
     assert done["r"].status_code == 200, done["r"].text
     assert bridge.proc.poll() is None and engine.server.proc.poll() is None
@@ -318,10 +336,9 @@ def test_a_refused_apply_keeps_the_upload_so_a_retry_works(engine, bridge):
     t.start()
     when_updating(bridge.url, done)
     refused = apply(bridge.url, "retried.safetensors")
-    streaming = stream.is_alive()
+    assert "r" not in done, done["r"].text  # the first apply still waits for the held stream
+    stream.release()
     t.join(300)
-    stream.join(300)
-    assert streaming, "the stream ended before the second apply: the first update was not held"
     assert refused.status_code == 409 and "in progress" in refused.text, refused.text
     assert done["r"].status_code == 200
     assert uploads_left(engine) == ["retried.safetensors"]

@@ -58,11 +58,6 @@ class VersionGate:
                     self.readers -= 1
                     self._cond.notify_all()
 
-    async def idle(self) -> None:
-        """Wait until no weight update is waiting or running."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self.writer)
-
     @asynccontextmanager
     async def write(self, drain_timeout_s: float) -> AsyncIterator[None]:
         async with self._cond:
