@@ -175,6 +175,110 @@ async def _stream(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids:
         await gen.aclose()
 
 
+@dataclass
+class _Request:
+    """What every sample of one admitted request shares while :func:`events` runs it."""
+
+    state: BridgeState
+    req: RolloutRequest
+    rid: str
+    prompt_ids: list[list[int]]
+    usable: list[Engine]
+    pieces: bool
+    version: int
+    t_accept: float
+    timeout: float
+    #: finished samples (and pieces) waiting to be sent
+    queue: asyncio.Queue
+    #: per-stream window: at most ``max_queue`` samples of this stream are running or finished-but-unsent, so a
+    #: slow reader throttles its own stream's engine work (backpressure), never other streams'
+    window: asyncio.Semaphore
+
+
+def error_event(r: _Request, pi: int, j: int, engine: str, error: str, kind: str) -> ErrorEvent:
+    """The error event of sample ``j`` of prompt ``pi``, counted in the bridge's errors as ``kind``."""
+    r.state.metrics.errors.labels(kind=kind).inc()
+    return ErrorEvent(request_id=r.rid, prompt_index=pi, sample_index=j, engine=engine, weight_version=r.version, error=error)
+
+
+async def _generate(r: _Request, engine: Engine, pi: int, j: int) -> Any:
+    """One sample from ``engine``: whole, or streamed when the request wants pieces, top or prompt logprobs
+    (the engines return those on their streaming road); pieces go to the queue as they come."""
+    sp = r.req.sampling
+    seed = None if sp.seed is None else sp.seed + pi * r.req.n + j
+    max_tokens = r.req.prompts[pi].max_tokens or sp.max_tokens
+    await r.state.liveness.ensure(engine)  # an engine that failed a call is re-checked first
+    if not (r.pieces or sp.logprobs or sp.prompt_logprobs is not None):
+        return await engine.generate(r.prompt_ids[pi], sp, max_tokens, seed, request=r.rid)
+    got: list[Delta] = []
+    stream = engine.generate_stream(r.prompt_ids[pi], sp, max_tokens, seed, request=r.rid)
+    try:
+        async for d in stream:
+            got.append(d)
+            if r.pieces and d.finish_reason is None:
+                r.queue.put_nowait(PieceEvent(pi, j, d, engine.name, r.version))
+    finally:
+        await stream.aclose()  # a cancelled sample closes its engine stream: the engine aborts it
+    if not got:
+        raise RuntimeError("the engine's stream ended without a piece")
+    return rollout_of(r.prompt_ids[pi], got, sp, engine.logprobs_mode)
+
+
+async def _sample_event(r: _Request, engine: Engine, pi: int, j: int) -> SampleEvent | ErrorEvent:
+    """Sample ``j`` of prompt ``pi`` on ``engine`` within the request's timeout, as its event: every engine
+    failure becomes an error event (a failed call also marks the engine for a re-check)."""
+    sp = r.req.sampling
+    t0 = time.monotonic()
+    try:
+        res = await asyncio.wait_for(_generate(r, engine, pi, j), r.timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        return error_event(r, pi, j, engine.name, f"timeout: the engine did not finish the sample within {r.timeout} s", "timeout")
+    except asyncio.CancelledError:
+        raise
+    except EngineStale as e:
+        return error_event(r, pi, j, engine.name, str(e), "engine")
+    except Exception as e:  # noqa: BLE001 - every engine failure becomes an error event
+        r.state.liveness.of(engine).mark_unknown()
+        return error_event(r, pi, j, engine.name, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, "engine")
+    t1 = time.monotonic()
+    r.state.metrics.latency.observe(t1 - t0)
+    return SampleEvent(
+        request_id=r.rid, prompt_index=pi, sample_index=j, prompt_ids=r.prompt_ids[pi],
+        token_ids=res.token_ids, logprobs=res.logprobs, finish_reason=res.finish_reason,
+        engine=engine.name, weight_version=r.version, logprobs_mode=engine.logprobs_mode,
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+        timing=Timing(queued_s=t0 - r.t_accept, engine_s=t1 - t0, total_s=t1 - r.t_accept),
+        top_logprobs=res.top_logprobs if sp.logprobs else None,
+        prompt_logprobs=res.prompt_logprobs if sp.prompt_logprobs is not None else None,
+    )
+
+
+async def _sample(r: _Request, pi: int, j: int) -> None:
+    """Run sample ``j`` of prompt ``pi`` (waiting for the stream's window, then for an engine slot) and queue
+    its event. A bridge bug still ends in an error event, never a hang."""
+    state = r.state
+    await r.window.acquire()
+    state.metrics.pending.inc()
+    engine = None
+    try:
+        async with state.sem:
+            engine = state.pick_engine(r.usable)
+            state.inflight[id(engine)] += 1
+            try:
+                ev: SampleEvent | ErrorEvent = await _sample_event(r, engine, pi, j)
+            finally:
+                state.inflight[id(engine)] -= 1
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a bridge bug must still end in an error event, never a hang
+        log.exception("rollout task failed")
+        ev = error_event(r, pi, j, getattr(engine, "name", "?"), f"bridge error: {type(e).__name__}: {e}", "bridge")
+    finally:
+        state.metrics.pending.dec()
+    state.metrics.queue_depth.inc()
+    r.queue.put_nowait(ev)  # the window bounds the queue
+
+
 async def events(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: list[list[int]],
                  usable: list[Engine], pieces: bool = False) -> AsyncIterator[SampleEvent | ErrorEvent | EndEvent | PieceEvent]:
     """The samples of one admitted request as events, each as soon as it finishes, then the end
@@ -187,89 +291,13 @@ async def events(state: BridgeState, req: RolloutRequest, rid: str, prompt_ids: 
     too (the engines return those on their streaming road)."""
     m = state.metrics
     t_accept = time.monotonic()
-    sp = req.sampling
-    timeout = req.timeout_s or state.sample_timeout_s
     total = len(prompt_ids) * req.n
     async with state.gate.read() as version:
         m.active_streams.inc()
-        queue: asyncio.Queue = asyncio.Queue()
-        # per-stream window: at most max_queue samples of this stream are running or finished-but-unsent,
-        # so a slow reader throttles its own stream's engine work (backpressure), never other streams'
-        window = asyncio.Semaphore(state.max_queue)
-
-        async def one(pi: int, j: int) -> None:
-            idx = pi * req.n + j
-            seed = None if sp.seed is None else sp.seed + idx
-            max_tokens = req.prompts[pi].max_tokens or sp.max_tokens
-            await window.acquire()
-            m.pending.inc()
-            engine = None
-            try:
-                async with state.sem:
-                    engine = state.pick_engine(usable)
-                    state.inflight[id(engine)] += 1
-                    t0 = time.monotonic()
-
-                    async def call(engine=engine):
-                        await state.liveness.ensure(engine)  # an engine that failed a call is re-checked first
-                        if not (pieces or sp.logprobs or sp.prompt_logprobs is not None):
-                            return await engine.generate(prompt_ids[pi], sp, max_tokens, seed, request=rid)
-                        got: list[Delta] = []
-                        stream = engine.generate_stream(prompt_ids[pi], sp, max_tokens, seed, request=rid)
-                        try:
-                            async for d in stream:
-                                got.append(d)
-                                if pieces and d.finish_reason is None:
-                                    queue.put_nowait(PieceEvent(pi, j, d, engine.name, version))
-                        finally:
-                            await stream.aclose()  # a cancelled sample closes its engine stream: the engine aborts it
-                        if not got:
-                            raise RuntimeError("the engine's stream ended without a piece")
-                        return rollout_of(prompt_ids[pi], got, sp, engine.logprobs_mode)
-
-                    try:
-                        res = await asyncio.wait_for(call(), timeout)
-                        t1 = time.monotonic()
-                        m.latency.observe(t1 - t0)
-                        ev: Any = SampleEvent(
-                            request_id=rid, prompt_index=pi, sample_index=j, prompt_ids=prompt_ids[pi],
-                            token_ids=res.token_ids, logprobs=res.logprobs, finish_reason=res.finish_reason,
-                            engine=engine.name, weight_version=version, logprobs_mode=engine.logprobs_mode,
-                            temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                            timing=Timing(queued_s=t0 - t_accept, engine_s=t1 - t0, total_s=t1 - t_accept),
-                            top_logprobs=res.top_logprobs if sp.logprobs else None,
-                            prompt_logprobs=res.prompt_logprobs if sp.prompt_logprobs is not None else None,
-                        )
-                    except (asyncio.TimeoutError, TimeoutError):
-                        ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
-                                        error=f"timeout: the engine did not finish the sample within {timeout} s")
-                        m.errors.labels(kind="timeout").inc()
-                    except asyncio.CancelledError:
-                        raise
-                    except EngineStale as e:
-                        ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
-                                        error=str(e))
-                        m.errors.labels(kind="engine").inc()
-                    except Exception as e:  # noqa: BLE001 - every engine failure becomes an error event
-                        state.liveness.of(engine).mark_unknown()
-                        ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=engine.name, weight_version=version,
-                                        error=f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-                        m.errors.labels(kind="engine").inc()
-                    finally:
-                        state.inflight[id(engine)] -= 1
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - a bridge bug must still end in an error event, never a hang
-                log.exception("rollout task failed")
-                ev = ErrorEvent(request_id=rid, prompt_index=pi, sample_index=j, engine=getattr(engine, "name", "?"),
-                                weight_version=version, error=f"bridge error: {type(e).__name__}: {e}")
-                m.errors.labels(kind="bridge").inc()
-            finally:
-                m.pending.dec()
-            m.queue_depth.inc()
-            queue.put_nowait(ev)  # the window bounds the queue
-
-        tasks = [asyncio.create_task(one(pi, j)) for pi in range(len(prompt_ids)) for j in range(req.n)]
+        r = _Request(state, req, rid, prompt_ids, usable, pieces, version, t_accept, req.timeout_s or state.sample_timeout_s,
+                     asyncio.Queue(), asyncio.Semaphore(state.max_queue))
+        queue, window = r.queue, r.window
+        tasks = [asyncio.create_task(_sample(r, pi, j)) for pi in range(len(prompt_ids)) for j in range(req.n)]
         n_ok = n_err = 0
         finished = False
         try:
