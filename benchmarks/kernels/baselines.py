@@ -18,7 +18,7 @@ tensors, so that a benchmark can capture it in a CUDA graph and time the replays
   fuse that quantization into one kernel (vLLM's ``scaled_fp8_quant``) or into the previous op, so
   this variant is an upper bound on FP8's activation-quantization cost; the GEMM-alone variant is
   the lower bound. No ``torch.compile`` is assumed.
-* :class:`Fp8FusedLinear` / :func:`fp8_fused_call` — FP8 as an engine runs it: the same GEMM, the per-token
+* :class:`Fp8FusedLinear` — FP8 as an engine runs it: the same GEMM, the per-token
   quantization fused into the op before the linear (``foursight.kernels.fp8_producers``: residual add + RMSNorm
   + quant, SiLU·mul + quant, as vLLM's fusion passes do) or one standalone launch where there is no such op
   (o_proj, vLLM's ``scaled_fp8_quant``). This is the fair FP8 yardstick (issue 52 item 0): the eager variant
@@ -149,19 +149,6 @@ class Fp8FusedLinear(Fp8RowwiseLinear):
         from foursight.kernels.fp8_producers import silu_mul_fp8  # noqa: PLC0415
 
         return silu_mul_fp8(gu)
-
-
-def fp8_fused_call(inp, wq: torch.Tensor, w_scale: torch.Tensor, produce: Callable | None = None) -> Callable[[], torch.Tensor]:
-    """FP8 as an engine runs it, per layer: ``produce()`` (the fused producer + quant, returning an
-    :class:`~foursight.kernels.fp8_producers.Fp8Input`) then the GEMM; without ``produce`` the GEMM alone on ``inp``."""
-    if produce is None:
-        return lambda: fp8_rowwise_mm(inp.q, inp.scale, wq, w_scale)
-
-    def call():
-        p = produce()
-        return fp8_rowwise_mm(p.q, p.scale, wq, w_scale)
-
-    return call
 
 
 def fp8_available(device: torch.device | str) -> str | None:

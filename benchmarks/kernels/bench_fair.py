@@ -245,6 +245,20 @@ def run_decode(args, cfg, dev, res, out_dir, t_start) -> None:
     batches = sorted({int(v) for v in args.batches.split(",") if v.strip()})
     model = bd.Decoder(cfg, dev, max(batches), args.context, args.context + 1, seed=args.seed, producers="fused",
                        attention=args.attention)
+    # the attention asked for, else the next one that runs here (recorded): a failed compile must not cost the table
+    c = cfg
+    for att in [args.attention] + [a for a in ("flash", "sdpa") if a != args.attention]:
+        model.attention, model._flex = att, None
+        try:
+            q = torch.randn(1, c.heads, 1, c.head_dim, device=dev, dtype=torch.bfloat16)
+            kv = torch.randn(1, c.kv_heads, args.context + 1, c.head_dim, device=dev, dtype=torch.bfloat16)
+            model.attend(q, kv, kv)
+            bd._sync(dev)
+            break
+        except Exception as e:  # noqa: BLE001
+            res["decode"].setdefault("attention_errors", {})[att] = bd._err(e)
+            print(f"[bench_fair] attention {att}: {bd._err(e)}", flush=True)
+    res["decode"]["attention"] = model.attention
     bargs = types.SimpleNamespace(channels=args.channels, seed=args.seed)
     built, cache = {}, {}
     for mode in modes:
@@ -355,7 +369,7 @@ def markdown(res: dict) -> str:
     dec = res["decode"]
     if dec["batches"]:
         modes = list(dec["modes"])
-        lines += ["", f"## Decode ({st['attention']} attention): ms per step and for the linears alone, median (min–max) over "
+        lines += ["", f"## Decode ({dec.get('attention', st['attention'])} attention): ms per step and for the linears alone, median (min–max) over "
                   f"{st['rounds']} interleaved rounds; x = BF16 / mode", "",
                   "| batch | part | " + " | ".join(modes) + " | " + " | ".join(f"{mm} x" for mm in modes if mm != "bf16") + " | clocks |",
                   "|---|---|" + "---|" * (2 * len(modes))]
