@@ -11,13 +11,22 @@ RMSNorm + quant and SiLU·mul + quant fusion passes) or, where there is no such 
 * ``PLAIN``: ``y = x`` (the standalone one-launch quantizer, for o_proj's input),
 
 with the producer arithmetic of :mod:`.producers` (its ``@triton.jit`` helpers, imported, not copied), and
-quantizes the bf16 row per token to E4M3 exactly as :func:`foursight.fp8.quantize_activation_fp8` does on the
-same device: ``scale = max(amax, 1e-12) / 448``, ``q = e4m3(clamp(y / scale, ±448))``. Bit-exactness rests on:
-``/ 448`` as a true division on the CPU but as a multiplication by ``fp32(1/448)`` on CUDA (ATen divides a
-tensor by a CPU scalar that way, ``SCALE_RECIP``), an IEEE round-to-nearest division for ``y / scale``
-(``div_rn``, not Triton's approximate ``/``), and the E4M3 rounding done with integer arithmetic
-(:func:`_e4m3_code`: ties to even, subnormals, the sign of -0 kept), stored as the code byte, so the
-interpreter (which truncates in float conversions) and the GPU give the same bits.
+quantizes the bf16 row per token to E4M3 with ``scale = max(amax, 1e-12) / 448``, in one of two ways:
+
+* ``exact=False`` (the default, what the benchmarks time): as vLLM's per-token kernel does, ``inv = 1 / scale``
+  once per row and ``q = e4m3(clamp(y · inv, ±448))``, one multiplication per element and the hardware
+  conversion (``cvt.rn.satfinite``, round to nearest even);
+* ``exact=True``: ``q = e4m3(clamp(y / scale, ±448))`` with an IEEE division per element, bit for bit what
+  :func:`foursight.fp8.quantize_activation_fp8` gives on the same device (``y · (1/scale)`` differs from
+  ``y / scale`` in the last bit now and then, and so in an E4M3 code).
+
+Bit-exactness with the PyTorch references (:func:`reference_fp8_producer`) rests on: ``/ 448`` as a true
+division on the CPU but as a multiplication by ``fp32(1/448)`` on CUDA (ATen divides a tensor by a CPU scalar
+that way, ``SCALE_RECIP``), IEEE round-to-nearest divisions (``div_rn``, not Triton's approximate ``/``), and
+the E4M3 rounding: the hardware conversion on the GPU, and under the interpreter, whose float8 conversion
+neither rounds to nearest nor saturates, the same rounding in integer arithmetic (:func:`_e4m3_code`: ties to
+even, subnormals, the sign of -0 kept), stored as the code byte. The interpreter tests check the integer
+rounding against ``torch``'s cast; ``tests/test_fp8_producers_gpu.py`` checks the hardware one.
 
 Outputs: ``q`` float8_e4m3fn [M, K], ``scale`` float32 [M, 1] (the shapes ``torch._scaled_mm`` takes), the
 residual sum with ``residual``, and the bf16 row ``y`` only when asked (``write_y``: the tests).
@@ -90,7 +99,7 @@ def _fp8_producer_kernel(
     scale_ptr,  # fp32 [M]
     K, eps, e4m3_max, inv_max, amax_floor,
     KIND: tl.constexpr, HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_RECIP: tl.constexpr,
+    SCALE_RECIP: tl.constexpr, EXACT: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
@@ -115,9 +124,16 @@ def _fp8_producer_kernel(
         scale = amax * inv_max
     else:
         scale = tl.math.div_rn(amax, e4m3_max)
-    q = tl.math.div_rn(y, tl.full(y.shape, 1.0, tl.float32) * scale)
+    if EXACT:
+        q = tl.math.div_rn(y, tl.full(y.shape, 1.0, tl.float32) * scale)
+    else:
+        q = y * tl.math.div_rn(scale * 0.0 + 1.0, scale)  # 1 / scale, once a row (scale is finite and > 0)
     q = tl.minimum(tl.maximum(q, -e4m3_max), e4m3_max)
-    tl.store(q_ptr + row * K + offs, _e4m3_code(q).to(tl.uint8), mask=kmask)
+    if HW_CVT:
+        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        code = _e4m3_code(q).to(tl.uint8)
+    tl.store(q_ptr + row * K + offs, code, mask=kmask)
     tl.store(scale_ptr + row, scale)
 
 
@@ -131,9 +147,10 @@ def _check(t: torch.Tensor, name: str, cols: int) -> None:
 
 
 def fp8_producer(kind: str, a: torch.Tensor, *, weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                 eps: float = 1e-6, write_y: bool = False, num_warps: int | None = None) -> tuple[Fp8Input, torch.Tensor | None]:
+                 eps: float = 1e-6, write_y: bool = False, exact: bool = False,
+                 num_warps: int | None = None) -> tuple[Fp8Input, torch.Tensor | None]:
     """One launch: the producer ``kind`` (``rms_norm``, ``silu_mul`` or ``plain``) of ``a`` and its per-token E4M3
-    quantization. ``rms_norm``: ``a`` = x bf16 [M, K], ``weight`` [K], optional ``residual`` [M, K] (added first,
+    quantization (``exact``: the module docstring). ``rms_norm``: ``a`` = x bf16 [M, K], ``weight`` [K], optional ``residual`` [M, K] (added first,
     the sum returned); ``silu_mul``: ``a`` = [gate | up] bf16 [M, 2K]; ``plain``: ``a`` = x bf16 [M, K].
     Returns ``(Fp8Input(q, scale, y), s)`` with ``s = x + residual`` (None without a residual)."""
     if kind not in KINDS:
@@ -179,34 +196,45 @@ def fp8_producer(kind: str, a: torch.Tensor, *, weight: torch.Tensor | None = No
             q.view(torch.uint8), scale,
             k_dim, float(eps), float(FP8_E4M3_MAX), 1.0 / FP8_E4M3_MAX, AMAX_FLOOR,
             KIND=code, HAS_RES=residual is not None, WRITE_Y=write_y, BLOCK_K=block_k,
-            SCALE_RECIP=SCALE_RECIP_ON_CUDA if a.is_cuda else False,
+            SCALE_RECIP=SCALE_RECIP_ON_CUDA if a.is_cuda else False, EXACT=exact, HW_CVT=not interpreting(),
             num_warps=nw,
         )
     return Fp8Input(q, scale, y), s
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                 write_y: bool = False) -> tuple[Fp8Input, torch.Tensor | None]:
+                 write_y: bool = False, exact: bool = False) -> tuple[Fp8Input, torch.Tensor | None]:
     """The residual add + RMSNorm with its FP8 per-token quantization in one launch (vLLM's fused RMSNorm + quant):
     ``(Fp8Input, x + residual)``."""
-    return fp8_producer("rms_norm", x, weight=weight, residual=residual, eps=eps, write_y=write_y)
+    return fp8_producer("rms_norm", x, weight=weight, residual=residual, eps=eps, write_y=write_y, exact=exact)
 
 
-def silu_mul_fp8(gu: torch.Tensor, write_y: bool = False) -> Fp8Input:
+def silu_mul_fp8(gu: torch.Tensor, write_y: bool = False, exact: bool = False) -> Fp8Input:
     """SiLU(gate) · up with its FP8 per-token quantization in one launch (vLLM's fused SiLU·mul + quant)."""
-    return fp8_producer("silu_mul", gu, write_y=write_y)[0]
+    return fp8_producer("silu_mul", gu, write_y=write_y, exact=exact)[0]
 
 
-def quantize_fp8(x: torch.Tensor) -> Fp8Input:
+def quantize_fp8(x: torch.Tensor, exact: bool = False) -> Fp8Input:
     """Per-token E4M3 quantization of a bf16 row in one launch (vLLM's ``scaled_fp8_quant``, for o_proj's input)."""
-    return fp8_producer("plain", x)[0]
+    return fp8_producer("plain", x, exact=exact)[0]
+
+
+def engine_quantize_fp8(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch twin of the kernel's ``exact=False`` quantization: the package's scale
+    (:func:`foursight.fp8.quantize_rowwise`'s ``max(amax, 1e-12) / 448``), then ``e4m3(clamp(y · (1 / scale), ±448))``."""
+    amax = torch.linalg.vector_norm(y, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    scale = amax.clamp_min(AMAX_FLOOR) / FP8_E4M3_MAX
+    q = (y.float() * (1.0 / scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return q, scale
 
 
 def reference_fp8_producer(kind: str, a: torch.Tensor, *, weight: torch.Tensor | None = None,
-                           residual: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[Fp8Input, torch.Tensor | None]:
+                           residual: torch.Tensor | None = None, eps: float = 1e-6,
+                           exact: bool = False) -> tuple[Fp8Input, torch.Tensor | None]:
     """PyTorch twin of :func:`fp8_producer`: the producers' references (:func:`.producers.reference_rms_norm`,
     :func:`.producers.reference_silu_mul`; equal to the kernel's row up to the order of the fp32 sum of squares),
-    then :func:`foursight.fp8.quantize_activation_fp8` of the bf16 row."""
+    then the quantization of the bf16 row: :func:`foursight.fp8.quantize_activation_fp8` (``exact``) or
+    :func:`engine_quantize_fp8`."""
     if kind == "rms_norm":
         y, s = reference_rms_norm(a, weight, eps, residual)
     elif kind == "silu_mul":
@@ -215,6 +243,6 @@ def reference_fp8_producer(kind: str, a: torch.Tensor, *, weight: torch.Tensor |
         y, s = a, None
     else:
         raise FP8Error(f"reference_fp8_producer: kind {kind!r} is not one of {', '.join(KINDS)}")
-    q, scale = quantize_activation_fp8(y, check=False)
+    q, scale = quantize_activation_fp8(y, check=False) if exact else engine_quantize_fp8(y)
     return Fp8Input(q, scale, y), s
 

@@ -118,7 +118,7 @@ def test_parse_smi_clocks_reads_numbers_reasons_and_missing_fields():
 
 def test_bench_fair_dry_run_times_every_method_in_rotated_rounds(tmp_path):
     """bench_fair.py --dry-run on the CPU: every per-layer method and decode mode timed (eager wall clock), in rounds
-    whose order rotates; the fused FP8 producers give the eager FP8 road's logits exactly (the same codes)."""
+    whose order rotates; the fused FP8 producers give the eager FP8 road's logits up to a rare last-bit code."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/kernels/bench_fair.py"), "--dry-run", "--linears", "down",
          "--modes", "bf16,fp8,fp8-fused", "--out", str(tmp_path)],
@@ -132,8 +132,10 @@ def test_bench_fair_dry_run_times_every_method_in_rotated_rounds(tmp_path):
     for st in row["us_per_call"].values():
         assert st["n"] == 2 and 0 < st["min"] <= st["median"] <= st["max"]
     assert row["order"][1] == row["order"][0][1:] + row["order"][0][:1]
-    # the fused producer's codes are the eager quantizer's: the same product
-    assert row["rel_err_vs_fp32"]["fp8-fused"] == row["rel_err_vs_fp32"]["fp8-eager"]
+    # the fused producer quantizes as the engines do (y · 1/scale), the eager road by division: codes differ in a
+    # rare last-bit case, so the two products' errors against fp32 agree closely
+    fused, eager = row["rel_err_vs_fp32"]["fp8-fused"], row["rel_err_vs_fp32"]["fp8-eager"]
+    assert 0 < fused and abs(fused - eager) <= 0.02 * eager
     dec = res["decode"]["batches"]["1"]
     for part in ("step", "linears"):
         assert set(dec[part]["ms"]) == {"bf16", "fp8", "fp8-fused"}

@@ -6,10 +6,13 @@ Against independent references:
   ±0 and tiny values that round to ±0;
 - the producer's bf16 row against PyTorch (``F.rms_norm`` after the bf16 residual add; ``F.silu(g) · u``), up to
   bf16 rounding, and the residual sum exactly;
-- the codes and scales against :func:`foursight.fp8.quantize_activation_fp8` (the package's FP8 quantizer, what
-  the eager baseline runs) of the kernel's own bf16 row, bit for bit;
+- the codes and scales of ``exact=True`` against :func:`foursight.fp8.quantize_activation_fp8` (the package's FP8
+  quantizer, what the eager baseline runs) of the kernel's own bf16 row, bit for bit, and those of the default
+  (the engines' ``y · (1/scale)``) against :func:`~foursight.kernels.fp8_producers.engine_quantize_fp8`;
 - the FP8 GEMM on the fused producer's output against the eager road (producer, then the quantizer, then the GEMM).
-Every output starts poisoned (NaN), so an element nobody writes fails.
+Every output starts poisoned (NaN), so an element nobody writes fails. The interpreter's own float8 conversion is
+not used (it neither rounds to nearest nor saturates): the hardware conversion the GPU uses instead is checked by
+``tests/test_fp8_producers_gpu.py``.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def test_e4m3_rounding_matches_torch_on_every_value_tie_and_subnormal():
     row = torch.cat([vals, mids, up.float(), down.float(), tiny, torch.tensor([448.0])])
     row = torch.cat([row, -row])
     x = row.bfloat16()[None, :]
-    got, _ = fp.fp8_producer("plain", x)
+    got, _ = fp.fp8_producer("plain", x, exact=True)
     assert got.scale.item() == 1.0
     want = x.float().to(torch.float8_e4m3fn)
     assert torch.equal(_bits(got.q), _bits(want)), (
@@ -67,13 +70,34 @@ def test_e4m3_rounding_matches_torch_on_every_value_tie_and_subnormal():
     assert bool(((_bits(got.q)[0] & 0x80) != 0)[neg0].all())
 
 
+def _quantized_like(out, exact: bool):
+    """The kernel's codes and scales against the reference quantization of its own bf16 row, bit for bit."""
+    q, scale = quantize_activation_fp8(out.y) if exact else fp.engine_quantize_fp8(out.y)
+    assert torch.equal(_bits(out.q), _bits(q))
+    assert torch.equal(out.scale, scale)
+
+
+def test_engine_rounding_differs_from_exact_division_somewhere_and_the_kernel_follows_each():
+    """``y · (1/scale)`` and ``y / scale`` give different E4M3 codes for some rows (so the two references are
+    distinct and each mode is checked against its own), and the kernel reproduces each bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 256, generator=g) * 7).bfloat16()
+    qe, _ = quantize_activation_fp8(x)
+    qf, _ = fp.engine_quantize_fp8(x)
+    assert not torch.equal(_bits(qe), _bits(qf))
+    for exact in (True, False):
+        out, _ = fp.fp8_producer("plain", x, write_y=True, exact=exact)
+        _quantized_like(out, exact)
+
+
+@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize(("m", "k", "residual"), [(3, 256, True), (2, 400, False), (1, 64, True)])
-def test_rms_norm_fp8_equals_the_package_quantizer_of_its_row(poisoned, m, k, residual):
+def test_rms_norm_fp8_equals_the_reference_quantizer_of_its_row(poisoned, m, k, residual, exact):
     g = torch.Generator().manual_seed(m * 7 + k)
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()
     r = (torch.randn(m, k, generator=g) * 3).bfloat16() if residual else None
     w = (1 + 0.3 * torch.randn(k, generator=g)).bfloat16()
-    out, s = fp.rms_norm_fp8(x, w, 1e-5, residual=r, write_y=True)
+    out, s = fp.rms_norm_fp8(x, w, 1e-5, residual=r, write_y=True, exact=exact)
     sref = (x.float() + r.float()).bfloat16() if residual else x
     if residual:
         assert torch.equal(s, sref)
@@ -81,23 +105,20 @@ def test_rms_norm_fp8_equals_the_package_quantizer_of_its_row(poisoned, m, k, re
         assert s is None
     yref = F.rms_norm(sref.float(), (k,), w.float(), 1e-5).bfloat16()
     assert torch.allclose(out.y.float(), yref.float(), rtol=2**-7, atol=1e-6)
-    q, scale = quantize_activation_fp8(out.y)
-    assert torch.equal(_bits(out.q), _bits(q))
-    assert torch.equal(out.scale, scale)
+    _quantized_like(out, exact)
     assert out.scale.shape == (m, 1) and out.q.dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize(("m", "k"), [(2, 256), (3, 200)])
-def test_silu_mul_fp8_equals_the_package_quantizer_of_its_row(poisoned, m, k):
+def test_silu_mul_fp8_equals_the_reference_quantizer_of_its_row(poisoned, m, k, exact):
     g = torch.Generator().manual_seed(m + k)
     gu = (torch.randn(m, 2 * k, generator=g) * 2).bfloat16()
-    out = fp.silu_mul_fp8(gu, write_y=True)
+    out = fp.silu_mul_fp8(gu, write_y=True, exact=exact)
     gg, uu = gu.float().chunk(2, dim=-1)
     yref = (F.silu(gg) * uu).bfloat16()
     assert torch.allclose(out.y.float(), yref.float(), rtol=2**-7, atol=1e-6)
-    q, scale = quantize_activation_fp8(out.y)
-    assert torch.equal(_bits(out.q), _bits(q))
-    assert torch.equal(out.scale, scale)
+    _quantized_like(out, exact)
 
 
 def test_reference_matches_the_kernel_and_the_gemm_on_its_output_matches_the_eager_road():
@@ -106,8 +127,8 @@ def test_reference_matches_the_kernel_and_the_gemm_on_its_output_matches_the_eag
     x = (torch.randn(m, k, generator=g) * 2).bfloat16()
     r = (torch.randn(m, k, generator=g) * 2).bfloat16()
     w = (1 + 0.2 * torch.randn(k, generator=g)).bfloat16()
-    got, s = fp.rms_norm_fp8(x, w, 1e-6, residual=r, write_y=True)
-    ref, sref = fp.reference_fp8_producer("rms_norm", x, weight=w, residual=r, eps=1e-6)
+    got, s = fp.rms_norm_fp8(x, w, 1e-6, residual=r, write_y=True, exact=True)
+    ref, sref = fp.reference_fp8_producer("rms_norm", x, weight=w, residual=r, eps=1e-6, exact=True)
     assert torch.equal(s, sref)
     # the row may differ by the order of the fp32 sum of squares: codes equal where the rows are equal
     same = got.y == ref.y
@@ -127,10 +148,11 @@ def test_quantize_fp8_plain_row_and_zero_row():
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(3, 128, generator=g) * 50).bfloat16()
     x[1] = 0
-    got = fp.quantize_fp8(x)
-    q, scale = quantize_activation_fp8(x)
-    assert torch.equal(_bits(got.q), _bits(q))
-    assert torch.equal(got.scale, scale)
+    for exact in (True, False):
+        got = fp.quantize_fp8(x, exact=exact)
+        q, scale = quantize_activation_fp8(x) if exact else fp.engine_quantize_fp8(x)
+        assert torch.equal(_bits(got.q), _bits(q))
+        assert torch.equal(got.scale, scale)
 
 
 def test_bad_inputs_name_the_tensor():
