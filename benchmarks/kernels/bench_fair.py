@@ -206,6 +206,7 @@ def run_layers(args, cfg, dev, res, out_dir, t_start) -> None:
                 row["error"] = bd._err(e)
                 print(f"[bench_fair] {key}: {row['error']}", flush=True)
             res["layers"][key] = row
+            bd._free(dev)
             _write(res, out_dir)
 
 
@@ -311,6 +312,8 @@ def run_decode(args, cfg, dev, res, out_dir, t_start) -> None:
         del steps, lin
         bd._free(dev)
         _write(res, out_dir)
+    built.clear()
+    cache.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +406,8 @@ METHOD = ("per layer: each method's pass over rotated weight copies (BF16 bytes 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="layers,decode", help="layers, decode or both")
+    ap.add_argument("--parts", default="decode,layers",
+                    help="decode, layers or both, run in the order given (default: the decode first, the headline of issue 52)")
     ap.add_argument("--ms", default=None, help="rows per linear in the per-layer part (default 1,16,64; dry run 1)")
     ap.add_argument("--linears", default="qkv,o,gate_up,down", help="the linears of the per-layer part")
     ap.add_argument("--batches", default=None, help="decode batches (default 1,16,64; dry run 1)")
@@ -437,20 +441,24 @@ def main() -> None:
     cfg = bd.TINY if dry else bd.LLAMA_3_1_8B
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or set(parts) - {"decode", "layers"}:
+        sys.exit(f"bench_fair: --parts takes decode and/or layers, got {args.parts!r}")
     res = {"dry_run": dry, "env": bd.environment(dev), "settings": dict(vars(args)), "method": METHOD,
            "model": dict(vars(cfg), name="tiny" if dry else "llama-3.1-8b-shaped (random weights)"),
            "clocks_before": None if dry else gpu_clocks(torch.cuda.current_device()),
            "layers": {}, "decode": {"modes": {}, "batches": {}}}
     t_start = time.time()
-    if "layers" in parts:
-        run_layers(args, cfg, dev, res, out_dir, t_start)
-    if "decode" in parts:
+    for part in parts:
+        if part == "layers":
+            run_layers(args, cfg, dev, res, out_dir, t_start)
+            continue
         try:
             run_decode(args, cfg, dev, res, out_dir, t_start)
         except Exception as e:  # noqa: BLE001
             res["decode"]["error"] = bd._err(e)
             print(f"[bench_fair] decode: {res['decode']['error']}", flush=True)
+        bd._free(dev)
     res["clocks_after"] = None if dry else gpu_clocks(torch.cuda.current_device())
     res["total_s"] = time.time() - t_start
     _write(res, out_dir)

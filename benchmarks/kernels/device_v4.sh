@@ -120,7 +120,7 @@ CAP_STREAMTEST=${CAP_STREAMTEST:-200}
 CAP_STREAM=${CAP_STREAM:-240}
 CAP_FAIR=${CAP_FAIR:-480}
 CAP_FAIRTEST=${CAP_FAIRTEST:-60}
-# bench_fair.py's extra arguments (e.g. FAIR_ARGS="--parts decode" for a second call after a cut first one)
+# bench_fair.py's extra arguments (e.g. FAIR_ARGS="--parts layers" for a second call when the cap cut the per-layer part, which runs after the decode)
 FAIR_ARGS=${FAIR_ARGS:-}
 # the grid's and the breakdown's cells (the header's defaults)
 GRID_SHAPES=${GRID_SHAPES:-8192x8192,14336x4096,4096x14336}
