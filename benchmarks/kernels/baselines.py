@@ -18,6 +18,11 @@ tensors, so that a benchmark can capture it in a CUDA graph and time the replays
   fuse that quantization into one kernel (vLLM's ``scaled_fp8_quant``) or into the previous op, so
   this variant is an upper bound on FP8's activation-quantization cost; the GEMM-alone variant is
   the lower bound. No ``torch.compile`` is assumed.
+* :class:`Fp8FusedLinear` — FP8 as an engine runs it: the same GEMM, the per-token
+  quantization fused into the op before the linear (``foursight.kernels.fp8_producers``: residual add + RMSNorm
+  + quant, SiLU·mul + quant, as vLLM's fusion passes do) or one standalone launch where there is no such op
+  (o_proj, vLLM's ``scaled_fp8_quant``). This is the fair FP8 yardstick (issue 52 item 0): the eager variant
+  above gives FP8 six launches per linear that the BF16 and FourSight decoders do not pay.
 * :func:`gemlite_int4_call` — GemLite 0.6.0.post2 A16W4: int4 weights, asymmetric (scale + zero)
   per group of 64 along K, bf16 activations, fp32 accumulation, Triton kernels (GEMV / split-K /
   GEMM chosen by M). GemLite's NVFP4 paths do not compile on sm_90 with Triton 3.6, so its int4
@@ -115,6 +120,35 @@ def fp8_rowwise_linear_call(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Te
     """FP8 rowwise linear with its dynamic per-token activation quantization in eager PyTorch
     (amax, scale, cast) followed by the ``_scaled_mm`` GEMM; x [M, K] bf16 -> [M, N] bf16."""
     return lambda: fp8_rowwise_mm(*quantize_act_fp8(x), wq, w_scale)
+
+
+class Fp8FusedLinear(Fp8RowwiseLinear):
+    """FP8 rowwise linear with its activation quantization fused into the producer (what engines run).
+
+    ``layer(inp)`` takes the :class:`foursight.kernels.fp8_producers.Fp8Input` a fused producer left
+    (:meth:`fuse_rms_norm`, :meth:`fuse_silu_mul`; the decoder of bench_decode.py calls them in place of its
+    own producer) and runs the GEMM alone; given a bf16 row (o_proj's input) it quantizes it in one launch
+    (:func:`~foursight.kernels.fp8_producers.quantize_fp8`) first."""
+
+    def __call__(self, x) -> torch.Tensor:
+        from foursight.kernels.fp8_producers import Fp8Input, quantize_fp8  # noqa: PLC0415
+
+        inp = x if isinstance(x, Fp8Input) else quantize_fp8(x)
+        return fp8_rowwise_mm(inp.q, inp.scale, self.wq, self.w_scale)
+
+    @staticmethod
+    def fuse_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+        """``(Fp8Input of RMSNorm(x + residual), x + residual)`` in one launch."""
+        from foursight.kernels.fp8_producers import rms_norm_fp8  # noqa: PLC0415
+
+        return rms_norm_fp8(x, weight, eps, residual=residual)
+
+    @staticmethod
+    def fuse_silu_mul(gu: torch.Tensor):
+        """``Fp8Input`` of SiLU(gate) · up in one launch."""
+        from foursight.kernels.fp8_producers import silu_mul_fp8  # noqa: PLC0415
+
+        return silu_mul_fp8(gu)
 
 
 def fp8_available(device: torch.device | str) -> str | None:

@@ -17,7 +17,12 @@ stay BF16 in every mode. Modes (``--modes``):
 * ``foursight-w4a4-k0`` — plain NVFP4 W4A4 (k = 0, the same weights): the reference of issue 36's
   "k = 128 within 2.3 % of k = 0" target.
 * ``fp8`` — FP8 rowwise (E4M3 weights with per-row scales, per-token dynamic activation
-  quantization in eager PyTorch, ``torch._scaled_mm``): benchmarks/kernels/baselines.py.
+  quantization in eager PyTorch, six kernels a linear, ``torch._scaled_mm``): benchmarks/kernels/baselines.py.
+  Not FP8 as an engine runs it (issue 52 item 0): kept for comparison with the runs before 2026-12-08.
+* ``fp8-fused`` — the same FP8 GEMM with the per-token quantization fused into the producers (residual add +
+  RMSNorm + quant before qkv and gate_up, SiLU·mul + quant before down; o_proj's input quantized in one launch),
+  ``baselines.Fp8FusedLinear`` on ``foursight.kernels.fp8_producers``: the fair FP8 yardstick, the producers
+  fused as BF16's and FourSight's are.
 * ``gemlite-a16w4`` (optional, not in the default list) — GemLite 0.6.0.post2 int4, group 64,
   BF16 activations: benchmarks/kernels/baselines.py (needs the gemlite package).
 
@@ -78,15 +83,19 @@ import torch.nn.functional as F
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import baselines  # noqa: E402  (benchmarks/kernels/baselines.py)
-from common import git_commit, kernels_sha256  # noqa: E402  (benchmarks/common.py)
+from common import git_commit, gpu_clocks, kernels_sha256  # noqa: E402  (benchmarks/common.py)
 
 from foursight.channels import relative_error  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-ALL_MODES = ("bf16", "foursight-w4a4", "foursight-w4a16", "foursight-w4a4-k0", "fp8", "gemlite-a16w4")
+ALL_MODES = ("bf16", "foursight-w4a4", "foursight-w4a16", "foursight-w4a4-k0", "fp8", "fp8-fused", "gemlite-a16w4")
 DEFAULT_MODES = "bf16,foursight-w4a4,foursight-w4a16,fp8"
 #: how the decoder runs each linear's producer (the residual add + RMSNorm, SiLU·mul), the same for every mode
 PRODUCERS = ("fused", "torch")
+#: the decode step's attention (``--attention``): ``sdpa`` lets PyTorch choose the kernel (cuDNN's on the H100, a
+#: prefill kernel run at one query row); ``flash`` forces SDPA's FlashAttention backend; ``flex`` is FlexAttention
+#: compiled by torch.compile (its split-KV decode kernel on CUDA; eager on the CPU), the engine-like option
+ATTENTION = ("sdpa", "flash", "flex")
 PRODUCERS_HELP = ("fused (default): FourSight's one-launch producers (foursight.kernels.api.rms_norm with the residual "
                   "add, silu_mul) in every mode, which in the W4A4 modes also quantize for the next linear; torch: eager "
                   "PyTorch (x + delta, F.rms_norm, F.silu(g) * u) and the standalone quantizer inside each W4A4 linear "
@@ -169,9 +178,13 @@ class Decoder:
     """Random-weight Llama-style decoder; ``self.linears[l][name]`` is a callable x2d -> y2d."""
 
     def __init__(self, cfg: ModelConfig, dev: torch.device, max_batch: int, context: int, max_pos: int, seed: int = 0,
-                 producers: str = "fused"):
+                 producers: str = "fused", attention: str = "sdpa"):
         if producers not in PRODUCERS:
             raise ValueError(f"producers: {producers!r} is not one of {', '.join(PRODUCERS)}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention: {attention!r} is not one of {', '.join(ATTENTION)}")
+        self.attention = attention
+        self._flex = None
         self.cfg, self.dev, self.max_batch, self.context = cfg, dev, max_batch, context
         self.producers = producers
         g = torch.Generator(device=dev).manual_seed(seed)
@@ -225,6 +238,10 @@ class Decoder:
             if delta is not None:
                 x = x + delta
             return x, self._norm(x, w)
+        fuse = getattr(consumer, "fuse_rms_norm", None)
+        if fuse is not None:  # the consumer brings its own fused producer (the FP8 baseline's)
+            inp, s = fuse(x, w, self.cfg.eps, delta)
+            return (s if delta is not None else x), inp
         import foursight.kernels.api as fk  # noqa: PLC0415
 
         pw = getattr(consumer, "quantizes_for", None)
@@ -237,16 +254,38 @@ class Decoder:
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    def _mlp(self, lins, x):
-        gu = lins["gate_up"](x)
+    def down_input(self, down, gu):
+        """What the down linear ``down`` reads, from gate_up's output ``gu``: SiLU·mul as ``--producers`` runs it
+        (fused: the consumer's own fused producer if it has one, else FourSight's, quantizing for a W4A4 consumer)."""
         if self.producers == "fused":
+            fuse = getattr(down, "fuse_silu_mul", None)
+            if fuse is not None:
+                return fuse(gu)
             import foursight.kernels.api as fk  # noqa: PLC0415
 
-            pw = getattr(lins["down"], "quantizes_for", None)
+            pw = getattr(down, "quantizes_for", None)
             p = fk.silu_mul(gu, consumer=pw)
-            return lins["down"](p if pw is not None else p.y)
+            return p if pw is not None else p.y
         gate, up = gu.split(self.cfg.intermediate, dim=-1)
-        return lins["down"](F.silu(gate) * up)
+        return F.silu(gate) * up
+
+    def _mlp(self, lins, x):
+        return lins["down"](self.down_input(lins["down"], lins["gate_up"](x)))
+
+    def attend(self, q, k, v):
+        """Decode attention, ``q`` [b, heads, 1, hd] over the cache ``k``/``v`` [b, kv_heads, T, hd] (GQA), by ``--attention``."""
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        if self.attention == "flash":
+            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        if self._flex is None:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+            self._flex = torch.compile(flex_attention, dynamic=False) if q.is_cuda else flex_attention
+        return self._flex(q, k, v, enable_gqa=True)
 
     def _split_qkv(self, qkv, t):
         c = self.cfg
@@ -270,7 +309,7 @@ class Decoder:
             kc, vc = kv[0], kv[1]
             kc[bi, :, pos] = k  # [b, kv_heads, head_dim] at each sequence's position
             vc[bi, :, pos] = v.to(vc.dtype)
-            attn = F.scaled_dot_product_attention(q.unsqueeze(2), kc[:b], vc[:b], enable_gqa=True)  # [b, heads, 1, hd]
+            attn = self.attend(q.unsqueeze(2), kc[:b], vc[:b])  # [b, heads, 1, hd]
             x, h = self._add_norm(x, lins["o"](attn.reshape(b, c.q_dim)), w["mlp_norm"], lins["gate_up"])
             delta = self._mlp(lins, h)
         _, hf = self._add_norm(x, delta, self.final_norm, None)
@@ -398,13 +437,16 @@ def build_linears(mode: str, model: Decoder, args, cache: dict) -> tuple[list, d
         prepared, info, _ = build_foursight(model, 0, args.seed)
         info["quantize_s"] = time.time() - t0
         return foursight_linears(prepared, act_quant=True), dict(info)
-    if mode == "fp8":
+    if mode in ("fp8", "fp8-fused"):
         reason = baselines.fp8_available(model.dev)
         if reason:
             raise baselines.BaselineUnavailable(reason)
-        layers = [{n: baselines.Fp8RowwiseLinear(layer[n]) for n in names} for layer in model.weights]
+        cls = baselines.Fp8FusedLinear if mode == "fp8-fused" else baselines.Fp8RowwiseLinear
+        layers = [{n: cls(layer[n]) for n in names} for layer in model.weights]
+        quant = ("per-token E4M3 fused into the producers (foursight.kernels.fp8_producers; o_proj: one launch)"
+                 if mode == "fp8-fused" else "per-token E4M3 in eager PyTorch (6 kernels)")
         return layers, {"weight_bytes": sum(_nbytes(L) for layer in layers for L in layer.values()),
-                        "activation_quant": "per-token E4M3 in eager PyTorch (6 kernels), torch._scaled_mm use_fast_accum=True"}
+                        "activation_quant": quant + ", torch._scaled_mm use_fast_accum=True"}
     if mode == "gemlite-a16w4":
         baselines.load_gemlite()
         layers = [{n: baselines.GemliteInt4Linear(layer[n]) for n in names} for layer in model.weights]
@@ -474,7 +516,7 @@ def time_decode(model: Decoder, b: int, args) -> dict:
     if dev.type == "cuda" and not args.no_graph:
         try:
             ms, row["graph_vs_eager_rel"] = _graph_ms(lambda: model.decode_step(b), eager_logits, dev, args.reps, 8)
-            row.update(step_ms=ms, rounds=args.reps, timing=TIMING)
+            row.update(step_ms=ms, rounds=args.reps, timing=TIMING, clocks_after=gpu_clocks(dev.index or 0))
         except Exception as e:  # noqa: BLE001 - capture failed: an eager number (launch-bound at small B), labelled as such
             row["graph_error"] = _err(e)
             _free(dev)
@@ -498,7 +540,7 @@ def time_prefill(model: Decoder, s: int, args) -> dict:
     if dev.type == "cuda" and not args.no_graph:
         try:
             ms, row["graph_vs_eager_rel"] = _graph_ms(lambda: model.prefill(tokens), eager, dev, reps, 2)
-            row.update(ms=ms, rounds=reps, timing=TIMING)
+            row.update(ms=ms, rounds=reps, timing=TIMING, clocks_after=gpu_clocks(dev.index or 0))
         except Exception as e:  # noqa: BLE001 - capture failed: time eagerly instead
             row["graph_error"] = _err(e)
             _free(dev)
@@ -572,7 +614,7 @@ def run(args) -> dict:
         "model": dict(dataclasses.asdict(cfg), name="tiny" if args.tiny else "llama-3.1-8b-shaped (random weights)"),
         "settings": {"modes": modes, "batches": batches, "context": args.context, "prefill_tokens": args.prefill_tokens,
                      "channels_per_linear": args.channels, "seed": args.seed, "budget_s": args.budget_s,
-                     "producers": args.producers,
+                     "producers": args.producers, "attention": args.attention,
                      "cuda_graphs": dev.type == "cuda" and not args.no_graph},
         "method": ("decode: one step (embedding, all layers, final norm, lm_head) captured in a CUDA graph with static "
                    "inputs, timed by foursight.kernels.tuning.time_gpu (L2 flushed before each step), tokens/s = batch / step time; static BF16 KV cache "
@@ -600,7 +642,8 @@ def run(args) -> dict:
           f"batches {batches}, context {args.context}", flush=True)
     max_pos = max(args.context + 1, args.prefill_tokens, 1)
     try:
-        model = Decoder(cfg, dev, max(batches), args.context, max_pos, seed=args.seed, producers=args.producers)
+        model = Decoder(cfg, dev, max(batches), args.context, max_pos, seed=args.seed, producers=args.producers,
+                        attention=args.attention)
         _sync(dev)
     except Exception as e:  # noqa: BLE001 - nothing can run
         res["error"] = f"building the model: {_err(e)}"
@@ -837,6 +880,9 @@ def main() -> None:
     ap.add_argument("--no-graph", action="store_true", help="time eagerly on CUDA too")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--producers", choices=PRODUCERS, default="fused", help=PRODUCERS_HELP)
+    ap.add_argument("--attention", choices=ATTENTION, default="sdpa",
+                    help="decode attention: sdpa (PyTorch's choice; the runs before 2026-12-08), flash (SDPA's FlashAttention "
+                         "backend), flex (FlexAttention under torch.compile: an engine-like decode kernel)")
     ap.add_argument("--dry-run", action="store_true", help="no timing: write the result file's environment and arguments only")
     args = ap.parse_args()
     if args.dry_run:

@@ -50,7 +50,7 @@ import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import baselines  # noqa: E402  (benchmarks/kernels/baselines.py)
-from common import git_commit, kernels_sha256, ms_per_call  # noqa: E402  (benchmarks/common.py)
+from common import git_commit, gpu_clocks, kernels_sha256, ms_per_call  # noqa: E402  (benchmarks/common.py)
 
 import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
@@ -304,6 +304,8 @@ def run(args) -> dict:
             del cublas
             row["bytes_fp4_k128"] = N * K // 2 + N * K // 16 + N * 128 * 2 + M * K * 2 + M * N * 2
             row["bytes_bf16"] = N * K * 2 + M * K * 2 + M * N * 2
+            if torch.cuda.is_available():
+                row["clocks_after"] = gpu_clocks(torch.cuda.current_device())  # the row's clocks, read after its timings
             res["rows"].append(row)
             _write(res, out_dir)  # after every row: a run stopped by its time limit keeps what it measured
             print(json.dumps({kk: (round(v, 5) if isinstance(v, float) else v) for kk, v in row.items()}), flush=True)

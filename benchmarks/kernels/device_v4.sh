@@ -10,6 +10,8 @@
 #   CALL=2 bash benchmarks/kernels/device_v4.sh   # TOTAL_S 490: repeat 300 + decode 170 = 470
 #   STEPS=graph TOTAL_S=200 bash benchmarks/kernels/device_v4.sh   # the graph test (passed in 64 s at e816e6c,
 #                                                 # h100-2026-12-06c-v4/; run it again after a kernel change)
+#   CALL=fair bash benchmarks/kernels/device_v4.sh   # issue 52 item 0, before any kernel change: fairtest 60 +
+#                                                 # fair 480, TOTAL_S 570 (not yet run: the caps are guesses)
 #   DRY_RUN=1 OUT=/tmp/dry PY=.venv/bin/python bash benchmarks/kernels/device_v4.sh   # CPU: arguments,
 #                                                 # provenance fields and the packing of $OUT, no GPU
 #
@@ -64,6 +66,14 @@
 #              item 3) against the reference, 10 repeats bit-identical, the autotuner with FOURSIGHT_STREAM=1
 #   ncustream  (opt-in) the ncu step's profile with FOURSIGHT_STREAM=only: the register-streaming tiles at
 #              8192², M 1/16 (the autotuner's pick among them); writes ncu_stream.csv
+#   fairtest   (opt-in; CALL=fair) pytest -v tests/test_fp8_producers_gpu.py: the FP8 fused producers' hardware
+#              E4M3 conversion and CUDA scale arithmetic, bit for bit against their PyTorch references
+#   fair       (opt-in; CALL=fair) benchmarks/kernels/bench_fair.py (issue 52 item 0): per layer, the four 8B linears
+#              at M 1/16/64 with their producers: BF16, FP8 with its quantization fused into the producers, FP8 GEMM
+#              alone, the eager FP8 of the earlier runs, W4A4 producer + GEMM and GEMM alone; decode at batch
+#              1/16/64 (BF16, fused FP8, W4A4 k=128 and k=0, FlexAttention): the step and its linears alone; every
+#              table in interleaved rounds (min/median/max), the clocks after every round; writes bench_fair.json
+#              (+ bench_fair.md). Dry run: one linear, three decode modes, on the CPU interpreter (about 2 min)
 #   stream     (opt-in) benchmarks/kernels/probe_stream.py: that form's tiles forced against the autotuned default
 #              and cuBLAS (before and after), the three 8B shapes, M 1/16, k 0/128 (STREAM_SHAPES, STREAM_MS,
 #              STREAM_KS override); writes stream.json (+ stream.md)
@@ -84,8 +94,9 @@ CALL=${CALL:-}
 case "$CALL" in
   1) STEPS=${STEPS:-probe,ncu,grid,breakdown}; TOTAL_S=${TOTAL_S:-500} ;;
   2) STEPS=${STEPS:-repeat,decode}; TOTAL_S=${TOTAL_S:-490} ;;
+  fair) STEPS=${STEPS:-fairtest,fair}; TOTAL_S=${TOTAL_S:-570} ;;
   "") ;;
-  *) echo "device_v4: CALL is 1 or 2 (the two calls of the header's plan), got '$CALL'" >&2; exit 2 ;;
+  *) echo "device_v4: CALL is 1, 2 (the two calls of the header's plan) or fair (issue 52 item 0), got '$CALL'" >&2; exit 2 ;;
 esac
 TOTAL_S=${TOTAL_S:-565}
 RESERVE_S=${RESERVE_S:-10}
@@ -107,6 +118,10 @@ CAP_STEPPROF=${CAP_STEPPROF:-170}
 CAP_PRODUCERS=${CAP_PRODUCERS:-120}
 CAP_STREAMTEST=${CAP_STREAMTEST:-200}
 CAP_STREAM=${CAP_STREAM:-240}
+CAP_FAIR=${CAP_FAIR:-480}
+CAP_FAIRTEST=${CAP_FAIRTEST:-60}
+# bench_fair.py's extra arguments (e.g. FAIR_ARGS="--parts layers" for a second call when the cap cut the per-layer part, which runs after the decode)
+FAIR_ARGS=${FAIR_ARGS:-}
 # the grid's and the breakdown's cells (the header's defaults)
 GRID_SHAPES=${GRID_SHAPES:-8192x8192,14336x4096,4096x14336}
 GRID_MS=${GRID_MS:-1,16,64,256}
@@ -237,6 +252,21 @@ if want stream; then
   run_step stream "$CAP_STREAM" $PY benchmarks/kernels/probe_stream.py --out "$W" --budget-s "$(budget "$CAP_STREAM" 30)" \
     --shapes "$STREAM_SHAPES" --ms "$STREAM_MS" --ks "$STREAM_KS" $DRY
 fi
+if want fairtest; then
+  if [ "$DRY_RUN" = "1" ]; then
+    $PY -m pytest tests/test_fp8_producers_gpu.py $PYTEST_V > "$W/fairtest.out" 2>&1
+    grep -E "passed|skipped|failed|error" "$W/fairtest.out" | tail -1 | sed 's/^/[fairtest dry] /' | tee -a "$LOG"
+  else
+    run_step fairtest "$CAP_FAIRTEST" $PY -m pytest tests/test_fp8_producers_gpu.py $PYTEST_V
+  fi
+fi
+if want fair; then
+  if [ "$DRY_RUN" = "1" ]; then
+    run_step fair "$CAP_FAIR" $PY benchmarks/kernels/bench_fair.py --out "$W" --dry-run --linears down --modes bf16,fp8,fp8-fused
+  else
+    run_step fair "$CAP_FAIR" $PY benchmarks/kernels/bench_fair.py --out "$W" --budget-s "$(budget "$CAP_FAIR" 90)" $FAIR_ARGS
+  fi
+fi
 if want values; then
   if [ "$DRY_RUN" = "1" ]; then $PY benchmarks/kernels/probe_baseline_values.py --help > /dev/null && say "values: parses its arguments"
   else run_step values "$CAP_VALUES" $PY benchmarks/kernels/probe_baseline_values.py --out "$W"; fi
@@ -252,15 +282,15 @@ fi
 # pack: 7 files into $OUT (8 with the columns step)
 say "done in $(( $(date +%s) - T0 ))s; packing"
 { echo "# SpliceGEMM v4 device run (issue 36)"; echo; echo "$HDR"; echo; echo '```'; cat "$LOG"; echo '```'
-  for f in probe_v4 splice_gemm breakdown bench_decode torch_producers/bench_decode columns baseline_values decode_step producers stream; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
+  for f in probe_v4 splice_gemm breakdown bench_decode torch_producers/bench_decode columns baseline_values decode_step producers stream bench_fair; do [ -f "$W/$f.md" ] && { echo; cat "$W/$f.md"; }; done
 } > "$OUT/v4_summary.md"
-for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json producers.json stream.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
+for f in probe_v4.json splice_gemm.json bench_decode.json columns.json baseline_values.json decode_step.json producers.json stream.json bench_fair.json; do [ -f "$W/$f" ] && cp "$W/$f" "$OUT/$f"; done
 want ncustream && { echo "# $HDR"; echo "# Nsight Compute, FOURSIGHT_STREAM=only: the register-streaming tiles (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu_stream.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stream.csv"
 want ncu && { echo "# $HDR"; echo "# Nsight Compute: W4A4 call (quantizer + GEMM) and cuBLAS per M (probe_v4.py --ncu-target), --page raw"
   cat "$W/ncu.csv" 2>/dev/null || echo "# no ncu output (see v4_summary.md)"; } > "$OUT/ncu_stalls.csv"
-{ want graph || want repeat || want streamtest; } && { echo "# $HDR"
-  for s in graph repeat streamtest; do
+{ want graph || want repeat || want streamtest || want fairtest; } && { echo "# $HDR"
+  for s in graph repeat streamtest fairtest; do
     want "$s" || continue
     echo "## $s"; grep -h "\] $s" "$LOG"
     [ -f "$W/$s.out" ] || continue
