@@ -151,7 +151,7 @@ def checkpoint_bf16_share(ckpt_dir, carve_patterns: Iterable[str]) -> dict:
     from pathlib import Path
 
     from foursight import schema
-    from foursight.checkpoint import read_quant_config
+    from foursight.tensor_io import read_quant_config
     from foursight.tensor_io import read_headers
 
     ckpt_dir = Path(ckpt_dir)

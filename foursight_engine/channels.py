@@ -33,13 +33,7 @@ from foursight import schema
 from foursight.calibration import InputGroup, collect_stats
 from foursight.layer import QuantizedWeight, dequantize_weight, dequantized_activation, quantize_weight, splice_matmul
 from foursight.nvfp4 import BLOCK_SIZE
-from foursight.schema import CheckpointError
-
-
-def find_linears(model: nn.Module, cfg: schema.FourSightConfig) -> list[str]:
-    """Names of the ``nn.Linear`` modules to quantize (not matched by ``cfg.ignore``), in model order:
-    the layers a channel set is chosen for."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not cfg.is_ignored(n)]
+from foursight.schema import CheckpointError, find_linears
 
 
 def select_channels(variance: torch.Tensor, k: int) -> torch.Tensor:

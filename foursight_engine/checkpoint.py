@@ -24,13 +24,13 @@ from torch import nn
 
 from foursight import schema
 from foursight.calibration import check_calibration_batches, collect_stats, load_calibration_texts
-from foursight.channels import choose_channels, find_linears, layer_error
+from foursight.channels import choose_channels, layer_error
 from foursight.channels_file import ChannelsFile, check_channels_destination
 from foursight.folder_writer import folder_writer, prepare_destination, resolve_out
 from foursight.layer import dequantized_activation, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE
-from foursight.schema import CheckpointError, FourSightConfig
-from foursight.tensor_io import read_tensors, write_safetensors
+from foursight.schema import CheckpointError, FourSightConfig, find_linears
+from foursight.tensor_io import write_safetensors
 
 
 @dataclass
@@ -241,45 +241,3 @@ def calibrate_channels(model_dir, out, channels="32", calib=None, ignore=("lm_he
         cf.record(g.members, choice.channels, choice.fp4_amax)
     prepare_channels_destination(out, force)  # again: another run may have written it meanwhile
     return cf.write(out)
-
-
-# ---------------------------------------------------------------------------------------------
-# reading
-
-
-def read_quant_config(ckpt_dir: str | Path) -> FourSightConfig:
-    """Parse and validate ``config.json["quantization_config"]`` (CheckpointError names the field)."""
-    path = Path(ckpt_dir) / "config.json"
-    raw = schema.read_config(ckpt_dir).get("quantization_config")
-    if raw is None:
-        raise CheckpointError(f"{path}: no quantization_config: {ckpt_dir} is not a quantized checkpoint (a BF16 model? "
-                              f"make one with `foursight quantize --model {ckpt_dir}`)")
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: quantization_config is not an object")
-    if raw.get("quant_method") != schema.QUANT_METHOD:
-        raise CheckpointError(f"{path}: quantization_config.quant_method is {raw.get('quant_method')!r}, not 'foursight'")
-    return FourSightConfig.parse(raw)
-
-
-def split_modules(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """Split a flat state dict into FourSight modules (prefix → {suffix: tensor}) and the rest."""
-    mods: dict[str, dict[str, torch.Tensor]] = {}
-    prefixes = {n[: -len(schema.WEIGHT_PACKED) - 1] for n in tensors if n.endswith("." + schema.WEIGHT_PACKED)}
-    rest: dict[str, torch.Tensor] = {}
-    for n, t in tensors.items():
-        pre, _, suf = n.rpartition(".")
-        if pre in prefixes and (suf in schema.TENSOR_SUFFIXES or suf == schema.BIAS):
-            mods.setdefault(pre, {})[suf] = t
-        else:
-            rest[n] = t
-    return mods, rest
-
-
-def load_quantized_tensors(ckpt_dir: str | Path) -> tuple[FourSightConfig, dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """``(config, modules, rest)`` of a checkpoint: the validated config, the FourSight modules
-    (prefix → {suffix: tensor}) and every other tensor (plain BF16 params). A folder left by an
-    interrupted writer (it holds :data:`INCOMPLETE_MARKER`) raises :class:`CheckpointError` naming it."""
-    schema.check_complete(ckpt_dir)
-    cfg = read_quant_config(ckpt_dir)
-    mods, rest = split_modules(read_tensors(ckpt_dir))
-    return cfg, mods, rest

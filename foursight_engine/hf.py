@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from foursight import schema
-from foursight.channels import find_linears
-from foursight.checkpoint import load_quantized_tensors
+from foursight.tensor_io import load_quantized_tensors
 from foursight.dispatch import prepare_linear
 from foursight.layer import QuantizedWeight, quantize_weight
-from foursight.schema import CheckpointError, FourSightConfig
+from foursight.schema import CheckpointError, FourSightConfig, find_linears
 
 
 class FourSightLinear(nn.Module):
@@ -122,7 +121,7 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 def model_from_tensors(hf_cfg: dict[str, Any], mods: dict[str, dict[str, torch.Tensor]], rest: dict[str, torch.Tensor],
                        make_layer: Callable[[str, dict[str, torch.Tensor], nn.Linear, FourSightConfig], nn.Module] | None = None) -> nn.Module:
     """The one builder of an HF model from a FourSight checkpoint's ``config.json`` (a dict) and its tensors
-    (:func:`foursight.checkpoint.split_modules`: the FourSight modules and the rest), in BF16 on the CPU.
+    (:func:`foursight.tensor_io.split_modules`: the FourSight modules and the rest), in BF16 on the CPU.
 
     Every quantized linear of the model (not in the config's ``ignore``) must have its FourSight module and
     becomes ``make_layer(name, tensors, linear, config)`` (default: the :class:`FourSightLinear` of

@@ -32,7 +32,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from foursight import schema
-from foursight.channels import find_linears
+from foursight.schema import find_linears
 from foursight.hf import FourSightLinearSlots
 from foursight.schema import CheckpointError, FourSightConfig
 

@@ -66,7 +66,7 @@ def export_compressed_tensors(ckpt_dir: str | Path, out_dir: str | Path, force: 
     """
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
 
-    from foursight.checkpoint import load_quantized_tensors
+    from foursight.tensor_io import load_quantized_tensors
     from foursight.folder_writer import prepare_destination
 
     ckpt_dir = Path(ckpt_dir)
@@ -144,7 +144,7 @@ def dequantized_model(hf_cfg: dict[str, Any], tensors: dict[str, torch.Tensor]):
     module as a plain ``nn.Linear`` holding its dequantized weight (``dequantize_weight`` in BF16,
     BF16 channels included) and every other parameter as stored (:func:`foursight.hf.model_from_tensors`,
     which names a missing or unexpected tensor)."""
-    from foursight.checkpoint import split_modules
+    from foursight.tensor_io import split_modules
     from foursight.hf import bf16_linear, model_from_tensors
     from foursight.layer import dequantize_weight
 
@@ -190,8 +190,9 @@ def compensate_import(ct_dir: str | Path, hf_cfg: dict[str, Any], tensors: dict[
     from transformers import AutoTokenizer
 
     from foursight.calibration import collect_stats, load_calibration_texts
-    from foursight.channels import choose_channels, find_linears
-    from foursight.checkpoint import split_modules
+    from foursight.channels import choose_channels
+    from foursight.schema import find_linears
+    from foursight.tensor_io import split_modules
     from foursight.layer import dequantize_weight
 
     ct_dir = Path(ct_dir)

@@ -411,3 +411,9 @@ def static_input_scale(amaxes: "list[float] | tuple[float, ...]") -> torch.Tenso
     """Static activation global scale float32 [1] of a layer (or a fused group) from the
     calibrated FP4-part amax of each member: ``448*6 / max(amax)`` (no member's input clips)."""
     return global_scale_from_amax(torch.tensor(max(float(a) for a in amaxes), dtype=torch.float32)).reshape(1)
+
+
+def find_linears(model: torch.nn.Module, cfg: FourSightConfig) -> list[str]:
+    """Names of the ``nn.Linear`` modules to quantize (not matched by ``cfg.ignore``), in model order:
+    the layers a channel set is chosen for."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not cfg.is_ignored(n)]

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from foursight import schema
-from foursight.checkpoint import quantize_model, read_quant_config
+from foursight.checkpoint import quantize_model
+from foursight.tensor_io import read_quant_config
 from foursight.hf import load_reference_model, quantize_hf_model
 from typer.testing import CliRunner
 from foursight.schema import CheckpointError, FourSightConfig
@@ -199,7 +200,7 @@ def test_inspect_rejects_non_finite_tensor_naming_it(tiny_qwen2_ckpt, tmp_path, 
 
 
 def test_decode_module_rejects_nan_weight_scale(tiny_qwen2_ckpt):
-    from foursight.checkpoint import load_quantized_tensors
+    from foursight.tensor_io import load_quantized_tensors
 
     cfg, mods, _ = load_quantized_tensors(tiny_qwen2_ckpt)
     name = "model.layers.0.self_attn.o_proj"

@@ -30,7 +30,7 @@ def test_choose_k_levels_equals_choose_k(tiny_llama_dir):
     from foursight import schema
     from foursight.calibration import collect_stats, load_calibration_texts
     from foursight.channels import choose_k
-    from foursight.checkpoint import find_linears
+    from foursight.schema import find_linears
 
     m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
@@ -81,7 +81,7 @@ def test_fidelity_table_small_table_and_percent_rows(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from foursight import schema
-    from foursight.checkpoint import find_linears
+    from foursight.schema import find_linears
 
     out = tmp_path / "fid"
     r = subprocess.run([sys.executable, str(benchmark_path("fidelity_table")), "--model", str(tiny_llama_dir), "--n", "2",

@@ -135,6 +135,21 @@ def test_numerics_sit_below_everything():
     assert "foursight.kernels" in ours("foursight.dispatch")  # the Triton backend (a deferred import)
 
 
+def test_the_reference_model_does_not_stand_on_calibration():
+    """The HF reference model (``foursight.hf``) reads checkpoints through the one checkpoint reader in
+    ``foursight.tensor_io``; it imported ``foursight.checkpoint`` for it, and so calibration (the writer's
+    statistics) came with every reader of a checkpoint (issue 54 item 5)."""
+    g = import_graph()
+    seen, todo = set(), ["foursight.hf"]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo.extend(t for t in g.get(m, ()) if t.startswith("foursight"))
+    assert "foursight.calibration" not in seen and "foursight.checkpoint" not in seen, sorted(seen)
+
+
 def test_cli_and_rl_import_without_the_serving_stack():
     """``foursight rl`` runs where only torch and transformers are (the device of the RL study): the
     CLI's top-level imports must not pull in the bridge's server stack or an engine. Regression: the

@@ -159,7 +159,7 @@ def main() -> None:
 
     from foursight import schema
     from foursight.calibration import collect_stats, load_calibration_texts
-    from foursight.checkpoint import find_linears
+    from foursight.schema import find_linears
     from foursight.compare.launch import drive, open_engine
     from foursight.compare.prompts import load_prompts
     from foursight.compare.report import engine_metrics

@@ -61,7 +61,7 @@ def main() -> None:
     from foursight import schema
     from foursight.calibration import collect_stats
     from foursight.channels import choose_k_levels
-    from foursight.checkpoint import find_linears
+    from foursight.schema import find_linears
 
     names = find_linears(bf, schema.FourSightConfig(ignore=["lm_head"]))
     groups = collect_stats(bf, tok, texts, names, batch_size=8, max_length=256, keep_rows=512, progress=False)

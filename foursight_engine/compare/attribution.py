@@ -24,7 +24,7 @@ def attribute_layers(model_dir: Path, rollouts: list[Rollout], learner: list[tor
 
     from foursight.calibration import collect_stats, load_calibration_texts
     from foursight.channels import choose_k_levels
-    from foursight.checkpoint import find_linears
+    from foursight.schema import find_linears
     from foursight.hf import quantize_hf_model, restore_bf16
     from foursight.schema import FourSightConfig
     from foursight.trainer_bridge.scoring import teacher_forced_logprobs

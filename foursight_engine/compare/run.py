@@ -28,7 +28,8 @@ from foursight.trainer_bridge.protocol import Rollout
 def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, workdir: Path,
                        foursight_ckpt: Optional[Path], nvfp4_ckpt: Optional[Path]) -> dict[str, Path]:
     """BF16 folder and the FourSight / plain-NVFP4 / W4A16 checkpoints the engines need (quantized once, reused)."""
-    from foursight.checkpoint import quantize_model, read_quant_config
+    from foursight.checkpoint import quantize_model
+    from foursight.tensor_io import read_quant_config
 
     dirs = {"bf16": model_dir, "fp8": model_dir}  # fp8: the BF16 model, quantized in memory by the HF engine
     for prec, given in (("foursight", foursight_ckpt), ("nvfp4", nvfp4_ckpt)):  # checked before any quantization

@@ -21,7 +21,7 @@ sglang = pytest.importorskip("sglang")
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from foursight.checkpoint import load_quantized_tensors  # noqa: E402
+from foursight.tensor_io import load_quantized_tensors  # noqa: E402
 from foursight.schema import decode_module  # noqa: E402
 from foursight.layer import reference_linear  # noqa: E402
 from foursight.quant_methods.online import OnlineSettings  # noqa: E402
