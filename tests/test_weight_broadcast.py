@@ -177,3 +177,28 @@ def test_a_learner_broadcasts_over_gloo_into_the_engine(tiny_llama_dir, tiny_ckp
             learner.kill()
             out, _ = learner.communicate()
     assert learner.returncode == 0 and "LEARNER DONE" in out, out[-3000:]
+
+
+def test_a_join_is_refused_before_any_connection(monkeypatch):
+    """What the engine refuses at ``init`` before it connects anywhere (each answer names the cause and starts
+    with the refusal prefix, which the bridge answers 422): a served engine (``VLLM_SERVER_DEV_MODE=1``) without
+    its token or with another, NCCL on a CPU engine, and a world with no rank left for the worker."""
+    from foursight.quant_methods.weight_authority import RefusedUpdate
+    from foursight.quant_methods.weight_broadcast import BroadcastReceiver
+    from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX
+
+    info = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 2}  # port 9: nothing listens
+    r = BroadcastReceiver("cpu")
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    monkeypatch.setenv(ENV_WEIGHTS_TOKEN, "secret")
+    for given, match in ((None, ENV_WEIGHTS_TOKEN), ("wrong", ENV_WEIGHTS_TOKEN)):
+        with pytest.raises(RefusedUpdate, match=match) as ei:
+            r.init({**info, "token": given}, 0)
+        assert str(ei.value).startswith(REFUSED_PREFIX)
+    for bad, worker, match in (({**info, "communicator": "nccl"}, 0, "nccl needs a CUDA engine"),
+                               (info, 1, "init_info.world_size: 2 leaves no rank"), ({**info, "world_size": "2"}, 0, "init_info.world_size")):
+        with pytest.raises(RefusedUpdate, match=match):
+            r.init({**bad, "token": "secret"}, worker)
+    assert r.comm is None
+    with pytest.raises(RuntimeError, match="before init_weight_transfer_engine"):
+        r.receive(torch.nn.Linear(1, 1), {"names": [], "dtype_names": [], "shapes": []})
