@@ -51,6 +51,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
+from foursight.quant_methods.vllm_compat import worker_global_rank
+
 #: the vLLM weight-transfer backend name (``--weight-transfer-config '{"backend": "foursight_nccl"}'``)
 BACKEND = "foursight_nccl"
 #: the communicators a group can use: NCCL (CUDA) and Gloo (CPU; the tests' stand-in)
@@ -401,15 +403,6 @@ class BroadcastReceiver:
         self.comm, self.info, self._held = None, None, None
 
 
-def worker_rank(parallel_config: Any) -> int:
-    """A worker's rank among every worker of the engine (data-parallel replicas included), as vLLM's ``nccl``
-    backend numbers them (``worker_init_process_group``)."""
-    dp = getattr(parallel_config, "data_parallel_index", None)
-    if dp is None:
-        dp = getattr(parallel_config, "data_parallel_rank", 0)
-    return int(dp) * int(parallel_config.world_size) + int(parallel_config.rank)
-
-
 # ---- vLLM 0.32: the weight-transfer backend ----
 
 def _engine_base():
@@ -440,7 +433,7 @@ class FourSightBroadcastEngine(_engine_base()):  # type: ignore[misc]
         return dict(update_dict)
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.receiver.init(init_info, worker_rank(self.parallel_config))
+        self.receiver.init(init_info, worker_global_rank(self.vllm_config.parallel_config))
 
     def start_weight_update(self) -> None:
         self.receiver.start()
@@ -496,7 +489,7 @@ class BroadcastWorkerMixin:
         info = _as_dict(init_info, "init_info")
         if token is not None:
             info["token"] = token
-        return self._foursight_receiver().init(info, worker_rank(self.vllm_config.parallel_config))  # type: ignore[attr-defined]
+        return self._foursight_receiver().init(info, worker_global_rank(self.vllm_config.parallel_config))  # type: ignore[attr-defined]
 
     def foursight_broadcast_start(self) -> None:
         self._foursight_receiver().start()

@@ -1,5 +1,6 @@
 """TRL's NCCL road through the bridge, on the CPU: TRL's own ``VLLMClient`` against a bridge in front of a vLLM
-server (the FourSight worker extension), the group passed through to the engine (:mod:`foursight.trainer_bridge.broadcast`).
+server, the group passed through to the engine (:mod:`foursight.trainer_bridge.broadcast`) on each of the bridge's
+vLLM routes (the FourSight worker extension's ``collective_rpc``; vLLM 0.32's weight-transfer API with ``foursight_nccl``).
 
 TRL's client is used as it is, except for the two calls of its road that only run on CUDA, replaced for the test
 by their Gloo counterparts with the same arguments: ``open_trainer_endpoint`` (vLLM's ``trainer_init``: a
@@ -9,12 +10,14 @@ by their Gloo counterparts with the same arguments: ``open_trainer_endpoint`` (v
 without touching CUDA. Everything else (``/get_world_size``, the ``init_info`` it builds, ``/start_weight_update``,
 the ``update_info`` it announces, ``/update_weights`` run beside the broadcast, ``/finish_weight_update``) is TRL's.
 
-Oracle: the file road on the same engine (``POST /v1/weights`` with the same tensors), bit for bit; and the
+Oracle: the file road on the same engine (``foursight_update_weights`` of the same tensors), bit for bit; and the
 engine's logprobs before a refused update, unchanged. Where an engine cannot join a group, TRL's NCCL
 ``init_info`` is still 422 (``tests/test_bridge_trl.py::test_trl_client_syncs_through_the_bridge_routes``, HF engine).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -28,10 +31,13 @@ EXT = "foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension"
 
 
 @pytest.mark.timeout(900)
-def test_trls_client_broadcasts_through_the_bridge(tiny_llama_dir, tiny_ckpt, tmp_path, monkeypatch):
-    """A FourSight checkpoint served by vLLM; TRL's client syncs a learner over the group through the bridge: the
-    bridge's version goes to 1 and the engine serves exactly what the file road serves for the same tensors; a NaN
-    norm is refused (TRL's call raises naming it, 422) and the engine keeps its version and its logprobs."""
+@pytest.mark.parametrize("route", ["collective_rpc", "native"])
+def test_trls_client_broadcasts_through_the_bridge(route, tiny_llama_dir, tiny_ckpt, tmp_path, monkeypatch):
+    """A FourSight checkpoint served by vLLM, the bridge on its ``route`` (the worker extension's
+    ``foursight_broadcast_*``, or vLLM's weight-transfer API with ``foursight_nccl``); TRL's client syncs a learner
+    over the group through the bridge: the bridge's version goes up by one and the engine serves exactly what the
+    file road (``foursight_update_weights`` of the same tensors) serves; a NaN norm is refused (TRL's call raises
+    naming it, 422) and the engine keeps its version and its logprobs; the next update goes through the same group."""
     import httpx
     import trl.generation.vllm_client as trl_client
     from safetensors.torch import save_file
@@ -46,11 +52,25 @@ def test_trls_client_broadcasts_through_the_bridge(tiny_llama_dir, tiny_ckpt, tm
 
     monkeypatch.setattr(trl_client, "open_trainer_endpoint", lambda info: open_trainer_group(info, "gloo"))
     monkeypatch.setattr(trl_client, "packed_nccl_broadcast_producer", broadcast_packed)
-    srv = VLLMServer(tiny_ckpt, max_model_len=256, log_path=tmp_path / "vllm.log", weights_dir=tmp_path,
-                     extra_args=["--quantization", "foursight", "--worker-extension-cls", EXT]).start(400)
+    extra = ["--quantization", "foursight", "--worker-extension-cls", EXT]
+    if route == "native":
+        extra += ["--weight-transfer-config", json.dumps({"backend": "foursight_nccl"})]
+    srv = VLLMServer(tiny_ckpt, max_model_len=256, log_path=tmp_path / "vllm.log", weights_dir=tmp_path, extra_args=extra).start(400)
     bridge = None
+
+    def file_road(path, version: int) -> None:
+        """The same tensors through the file road: the bridge's POST /v1/weights where it takes files (collective_rpc),
+        else the engine's own foursight_update_weights (a native engine with foursight_nccl takes no file)."""
+        if route == "collective_rpc":
+            rc.update_weights(version=version, path=str(path))
+            return
+        r = httpx.post(srv.url + "/collective_rpc", json={"method": "foursight_update_weights", "args": [str(path), str(version)],
+                                                         "kwargs": {"token": srv.weights_token}}, timeout=300)
+        assert r.status_code == 200, r.text[:300]
+        assert httpx.post(srv.url + "/reset_prefix_cache", json={}, timeout=60).status_code == 200
+
     try:
-        bridge = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_ckpt, weights_token=srv.weights_token)],
+        bridge = BridgeThread(create_app([VLLMHTTPEngine(srv.url, tokenizer=tiny_ckpt, weights_token=srv.weights_token, weight_sync=route)],
                                          weights_dirs=[tmp_path])).start()
         prompt, params = [[5, 9, 13, 17]], {"max_tokens": 8, "temperature": 0.0}
         client = trl_client.VLLMClient(base_url=bridge.url, group_port=free_port(), connection_timeout=120)
@@ -62,6 +82,8 @@ def test_trls_client_broadcasts_through_the_bridge(tiny_llama_dir, tiny_ckpt, tm
             before = rc.generate(prompt, params)[0]
             client.update_model_params(model)
             assert rc.weight_version() == 1
+            if route == "native":
+                assert httpx.get(srv.url + "/weight_info", timeout=30).json()["weight_version"].startswith("1-")
             broadcast = rc.generate(prompt, params)[0]
             assert broadcast.weight_version == 1 and broadcast.logprobs != before.logprobs
             # the file road on the same engine: back to the original weights, then the same tensors as a file
@@ -69,26 +91,27 @@ def test_trls_client_broadcasts_through_the_bridge(tiny_llama_dir, tiny_ckpt, tm
             save_file(new, str(tmp_path / "new.safetensors"))
             orig = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
             save_file({n: p.detach().clone() for n, p in orig.named_parameters()}, str(tmp_path / "orig.safetensors"))
-            rc.update_weights(version=2, path=str(tmp_path / "orig.safetensors"))
+            file_road(tmp_path / "orig.safetensors", 2)
             assert rc.generate(prompt, params)[0].logprobs == before.logprobs
-            rc.update_weights(version=3, path=str(tmp_path / "new.safetensors"))
+            file_road(tmp_path / "new.safetensors", 3)
             filed = rc.generate(prompt, params)[0]
             assert (filed.token_ids, filed.logprobs) == (broadcast.token_ids, broadcast.logprobs)
+            version = rc.weight_version()
             # a diverged step over the group: refused by the engine after it received it, nothing loaded
             with torch.no_grad():
                 model.model.norm.weight[0] = float("nan")
             with pytest.raises(Exception, match=r"422.*model\.norm\.weight"):
                 client.update_model_params(model)
-            assert rc.weight_version() == 3
+            assert rc.weight_version() == version
             again = rc.generate(prompt, params)[0]
-            assert again.weight_version == 3 and again.logprobs == filed.logprobs
+            assert again.weight_version == version and again.logprobs == filed.logprobs
             h = httpx.get(bridge.url + "/v1/health", timeout=120)
             assert h.status_code == 200 and h.json()["engines"][0]["sync"] == "in_sync", h.text
             # the group stays usable after a refusal: the next good update goes through it
             with torch.no_grad():
                 model.model.norm.weight.copy_(new["model.norm.weight"])
             client.update_model_params(model)
-            assert rc.weight_version() == 4 and rc.generate(prompt, params)[0].logprobs == filed.logprobs
+            assert rc.weight_version() == version + 1 and rc.generate(prompt, params)[0].logprobs == filed.logprobs
         client.close_communicator()
     finally:
         if bridge is not None:
