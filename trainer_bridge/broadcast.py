@@ -55,8 +55,9 @@ def _refuse(field_name: str, message: str, status: int = 422) -> JSONResponse:
 
 
 async def group_workers(engines: list[Engine]) -> list[int | None]:
-    """Each engine's ranks in a group (None: it cannot join one)."""
-    return list(await asyncio.gather(*(e.broadcast_workers() for e in engines)))
+    """Each engine's ranks in a group (None: it cannot join one, or did not answer)."""
+    got = await asyncio.gather(*(e.broadcast_workers() for e in engines), return_exceptions=True)
+    return [None if isinstance(w, BaseException) else w for w in got]
 
 
 async def open_group(state: Any, info: dict[str, Any], refusal: str) -> JSONResponse | dict[str, Any]:
