@@ -15,8 +15,8 @@ packed into uint8 chunks (vLLM's ``packed_tensor`` wire format; one broadcast pe
   the end of the update hands every held ``(name, tensor)`` pair to
   :func:`foursight.quant_methods.vllm_weight_sync.apply_weight_update` (:func:`apply_received`), the
   in-memory entry every road ends in: the same whole-update check, the same re-quantization, the same
-  "a refused update changes nothing" as the file road. The update is held until then (its size in
-  the engine's memory, as the ``foursight_file`` backend holds its files' tensors);
+  "a refused update changes nothing" as the file road. The update is held until then, on the engine's
+  device (one copy of it: docs/scale-out.md, "Memory");
 * two entry points feed it, one per vLLM release (docs/scale-out.md, "Weights over a broadcast group"):
   :class:`FourSightBroadcastEngine`, vLLM 0.32's weight-transfer backend ``foursight_nccl``
   (``--weight-transfer-config '{"backend": "foursight_nccl"}'``: ``/init_weight_transfer_engine``,
