@@ -75,6 +75,10 @@ def test_trls_client_broadcasts_through_the_bridge(route, tiny_llama_dir, tiny_c
         prompt, params = [[5, 9, 13, 17]], {"max_tokens": 8, "temperature": 0.0}
         client = trl_client.VLLMClient(base_url=bridge.url, group_port=free_port(), connection_timeout=120)
         assert client.get_world_size() == 1
+        for bad, field in (({"world_size": 3}, "init_info.world_size"), ({"rank_offset": 2}, "init_info.rank_offset")):
+            nccl = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2, **bad}
+            r = httpx.post(bridge.url + "/init_weight_transfer_engine", json={"init_info": nccl}, timeout=60)
+            assert r.status_code == 422 and field in r.text, r.text  # refused before any engine is asked to join
         client.init_communicator(device="cuda")  # the CUDA check passes; the group is Gloo (see the module docstring)
         model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
         model.load_state_dict(perturbed_state(tiny_llama_dir, seed=5), strict=False)
