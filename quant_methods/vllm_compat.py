@@ -16,6 +16,9 @@ What differs, and where FourSight handles it:
   0.26's do not (:func:`native_weight_version`): the bridge's ``--weight-sync native`` needs 0.32; the
   ``/collective_rpc`` route (the default, :class:`~foursight.quant_methods.vllm_weight_sync.FourSightWorkerExtension`)
   works on both;
+* the broadcast road (:mod:`~foursight.quant_methods.weight_broadcast`): 0.32's weight-transfer API takes the
+  ``foursight_nccl`` backend; the worker extension's ``foursight_broadcast_*`` methods work on both; a worker's rank
+  in the trainer's group reads the data-parallel index, which 0.32 names ``data_parallel_index`` (:func:`worker_global_rank`);
 * not an API difference but a runtime one of the trimmed 0.26 on the device: without FlashInfer, vLLM 0.26's V2 model
   runner needs ``VLLM_USE_FLASHINFER_SAMPLER=0`` (benchmarks/device/stage.py exports it).
 
@@ -63,3 +66,13 @@ def native_weight_version(version: tuple[int, int] | None = None) -> bool:
     ``--weight-sync native`` relies on to tell which weights an engine serves."""
     version = vllm_version() if version is None else version
     return version is not None and version >= (0, 32)
+
+
+def worker_global_rank(parallel_config) -> int:
+    """A worker's rank among every worker of the engine (data-parallel replicas included), as vLLM's ``nccl``
+    weight-transfer backend numbers them (``worker_init_process_group``): ``data_parallel_index`` (0.32; else
+    ``data_parallel_rank``) times the workers per replica, plus the worker's rank in its replica."""
+    dp = getattr(parallel_config, "data_parallel_index", None)
+    if dp is None:
+        dp = getattr(parallel_config, "data_parallel_rank", 0)
+    return int(dp) * int(parallel_config.world_size) + int(parallel_config.rank)

@@ -48,6 +48,7 @@ import torch
 from foursight.quant_methods.config import foursight_layers
 from foursight.quant_methods.param_names import vllm_name_map
 from foursight.quant_methods.update_check import unchecked_load_weights
+from foursight.quant_methods.weight_broadcast import BroadcastWorkerMixin
 from foursight.schema import CheckpointError
 
 
@@ -278,8 +279,9 @@ def refresh_unquantized_embeddings(model: torch.nn.Module) -> int:
     return n
 
 
-class FourSightWorkerExtension:
-    """vLLM worker extension (``--worker-extension-cls``) with the FourSight weight-update RPCs."""
+class FourSightWorkerExtension(BroadcastWorkerMixin):
+    """vLLM worker extension (``--worker-extension-cls``) with the FourSight weight-update RPCs (the broadcast
+    road's ``foursight_broadcast_*`` come from :class:`~foursight.quant_methods.weight_broadcast.BroadcastWorkerMixin`)."""
 
     def _foursight_model(self) -> torch.nn.Module:
         runner = self.model_runner  # type: ignore[attr-defined]

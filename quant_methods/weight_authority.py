@@ -67,6 +67,21 @@ def weights_dirs(env: dict | None = None) -> list[Path]:
     return [Path(d).resolve() for d in raw.split(os.pathsep) if d]
 
 
+def authorize_token(token: str | None, env: dict | None = None) -> None:
+    """Refuse (:class:`WeightsRefused`) a call without the engine's ``FOURSIGHT_WEIGHTS_TOKEN`` where the engine
+    serves its weight routes over HTTP; nothing to check in an in-process engine. The token half of
+    :func:`authorize_update`, and all of what the broadcast road's group join needs (it opens no file)."""
+    env = os.environ if env is None else env
+    if not served_over_http(env):
+        return
+    want = env.get(ENV_WEIGHTS_TOKEN) or None
+    if want is None:
+        raise WeightsRefused(f"{REFUSED_PREFIX}this engine serves its weight routes over HTTP (VLLM_SERVER_DEV_MODE=1) but has no "
+                             f"{ENV_WEIGHTS_TOKEN}; start it with one and give the bridge the same (docs/bridge.md)")
+    if not isinstance(token, str) or not hmac.compare_digest(token.encode(), want.encode()):
+        raise WeightsRefused(f"{REFUSED_PREFIX}the call does not carry this engine's {ENV_WEIGHTS_TOKEN}")
+
+
 def authorize_update(path: str | os.PathLike, token: str | None, env: dict | None = None) -> str:
     """The resolved path of an update file the caller may load, or :class:`WeightsRefused`.
 
@@ -76,12 +91,7 @@ def authorize_update(path: str | os.PathLike, token: str | None, env: dict | Non
     env = os.environ if env is None else env
     if not served_over_http(env):
         return str(path)
-    want = env.get(ENV_WEIGHTS_TOKEN) or None
-    if want is None:
-        raise WeightsRefused(f"{REFUSED_PREFIX}this engine serves its weight routes over HTTP (VLLM_SERVER_DEV_MODE=1) but has no "
-                             f"{ENV_WEIGHTS_TOKEN}; start it with one and give the bridge the same (docs/bridge.md)")
-    if not isinstance(token, str) or not hmac.compare_digest(token.encode(), want.encode()):
-        raise WeightsRefused(f"{REFUSED_PREFIX}the call does not carry this engine's {ENV_WEIGHTS_TOKEN}")
+    authorize_token(token, env)
     roots = weights_dirs(env)
     try:
         p = Path(path).resolve(strict=True)

@@ -262,8 +262,8 @@ def test_trl_vllm_client_generates_through_the_bridge(tiny_llama_dir, model, tok
     it polls ``/health``, reads the model id from ``/v1/models`` and generates through
     ``/v1/completions`` with vLLM's token-id extensions. What it returns (TRL's ``prompt_ids`` /
     ``completion_ids`` / per-token ``logprobs``) is the model's: the same BF16 model teacher-forced
-    on the returned tokens. Weight sync stays the bridge's (``POST /v1/weights``): TRL's NCCL
-    communicator has no bridge counterpart (docs/bridge.md)."""
+    on the returned tokens. Weight sync stays the bridge's (``POST /v1/weights``): an HF engine cannot join
+    TRL's NCCL group (docs/bridge.md; vLLM engines can: tests/test_bridge_broadcast.py)."""
     trl_client = pytest.importorskip("trl.generation.vllm_client")
     b = BridgeThread(create_app([HFEngine(tiny_llama_dir)], sample_timeout_s=120)).start()  # VLLMClient sends no API key
     try:

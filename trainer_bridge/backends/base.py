@@ -186,6 +186,33 @@ class Engine(ABC):
     async def health(self) -> bool:
         """True when the engine answers."""
 
+    async def broadcast_workers(self) -> int | None:
+        """How many ranks this engine's workers take in a trainer's broadcast group (TRL's NCCL road:
+        :mod:`foursight.quant_methods.weight_broadcast`), or None when it cannot join one (the bridge then
+        keeps its 422 for TRL's NCCL ``init_info``). None by default."""
+        return None
+
+    async def broadcast_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's group (``init_info`` as TRL sends it, ``rank_offset`` set for this engine's first worker);
+        returns when every rank joined. The ``broadcast_*`` calls raise :class:`UpdateRefused` for an update the engine
+        refused before loading any of it."""
+        raise EngineError(f"{self.name}: this engine takes no broadcast group")
+
+    async def broadcast_start(self) -> None:
+        """Start one update over the group."""
+        raise EngineError(f"{self.name}: this engine takes no broadcast group")
+
+    async def broadcast_receive(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Receive the tensors ``update_info`` announces (``names``, ``dtype_names``, ``shapes``), check and hold them."""
+        raise EngineError(f"{self.name}: this engine takes no broadcast group")
+
+    async def broadcast_finish(self, version: int) -> dict[str, Any]:
+        """Apply what the update received (re-quantizing) as weight version ``version``; an ack like :meth:`update_weights`'."""
+        raise EngineError(f"{self.name}: this engine takes no broadcast group")
+
+    async def broadcast_close(self) -> None:
+        """Leave the group."""
+
     async def check_updatable(self) -> None:
         """Raise :class:`EngineError` naming what is missing (a server flag, the weights token) when this bridge
         could never apply a weight update to the engine; ``bridge serve`` calls it at start and refuses such an

@@ -11,6 +11,7 @@ answers 422 and the engine stays in sync). vLLM in this process (``foursight rl`
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -155,16 +156,95 @@ class VLLMHTTPEngine(HTTPEngine):
         if not self._transfer_ready:
             await self.post_ok("/init_weight_transfer_engine", {"init_info": {}})
             self._transfer_ready = True
-        tag = f"{version}-{uuid.uuid4().hex}"
         await self.post_ok("/start_weight_update")
         await self._update_call("/update_weights", {"update_info": {"path": path, "token": self.weights_token}})
+        return await self._native_finish(version, t0, "native")
+
+    # ---- the broadcast road (TRL's NCCL group, passed through by the bridge: foursight.quant_methods.weight_broadcast) ----
+
+    async def broadcast_workers(self) -> int | None:
+        """The engine's workers (ranks in the trainer's group), or None when it cannot join one: on the native
+        route, an engine whose weight-transfer backend is not ``foursight_nccl``; on ``collective_rpc``, one without
+        the FourSight worker extension (its ``foursight_engine_state`` answers once per worker)."""
+        from foursight.quant_methods.weight_broadcast import BACKEND
+
+        if self.weight_sync == "native":
+            r = await self.client.get("/server_info", params={"config_format": "json"}, timeout=60.0)
+            cfg = r.json().get("vllm_config") if r.status_code == 200 else None
+            backend = ((cfg or {}).get("weight_transfer_config") or {}).get("backend") if isinstance(cfg, dict) else None
+            if backend != BACKEND:
+                return None
+            r = await self.client.get("/get_world_size", timeout=30.0)
+            return int(r.json()["world_size"]) if r.status_code == 200 else None
+        r = await self.client.post("/collective_rpc", json={"method": "foursight_engine_state"}, timeout=30.0)
+        results = r.json().get("results") if r.status_code == 200 else None
+        return len(results) if isinstance(results, list) and results else None
+
+    async def _rpc(self, method: str, *args: str, **kwargs: str) -> list[Any]:
+        r = await self.client.post("/collective_rpc", json={"method": method, "args": list(args), "kwargs": kwargs}, timeout=None)
+        if r.status_code != 200:
+            raise self._refusal(r, f"/collective_rpc {method}")
+        return r.json().get("results", []) if r.content else []
+
+    async def broadcast_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """Join the group (blocks until the trainer and every worker joined), with this engine's weights token."""
+        if self.weight_sync == "native":
+            r = await self.client.post("/init_weight_transfer_engine", json={"init_info": {**init_info, "token": self.weights_token}},
+                                       timeout=None)
+            if r.status_code != 200:
+                raise self._refusal(r, "/init_weight_transfer_engine")
+            return {"engine": self.name, "route": "native"}
+        workers = await self._rpc("foursight_broadcast_init", json.dumps(init_info), token=self.weights_token or "")
+        return {"engine": self.name, "route": "collective_rpc", "workers": workers}
+
+    async def broadcast_start(self) -> None:
+        if self.weight_sync == "native":
+            await self._update_call("/start_weight_update", {})
+        else:
+            await self._rpc("foursight_broadcast_start")
+
+    async def broadcast_receive(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        if self.weight_sync == "native":
+            r = await self.client.post("/update_weights", json={"update_info": update_info}, timeout=None)
+            if r.status_code != 200:
+                raise self._refusal(r, "/update_weights")
+            return {"engine": self.name}
+        return {"engine": self.name, "workers": await self._rpc("foursight_broadcast_receive", json.dumps(update_info))}
+
+    async def broadcast_finish(self, version: int) -> dict[str, Any]:
+        """Apply the received update as ``version`` (re-quantizing), then check what the engine reports, as :meth:`update_weights` does."""
+        t0 = time.monotonic()
+        if self.weight_sync == "native":
+            return await self._native_finish(version, t0, "broadcast-native")
+        results = await self._rpc("foursight_broadcast_finish", str(version), weights_id=uuid.uuid4().hex)
+        await self.post_ok("/reset_prefix_cache")
+        await self._check_worker_versions(version)
+        return {"engine": self.name, "version": version, "route": "broadcast-collective_rpc", "workers": results,
+                "seconds": time.monotonic() - t0}
+
+    async def broadcast_close(self) -> None:
+        if self.weight_sync == "native":
+            await self.client.post("/shutdown_weight_transfer_engine", json={}, timeout=60.0)
+        else:
+            await self._rpc("foursight_broadcast_close")
+
+    async def _native_finish(self, version: int, t0: float, route: str) -> dict[str, Any]:
+        """``/finish_weight_update`` with the version tag ``"<version>-<weights id>"``, the prefix cache reset, and the
+        tag read back from ``/weight_info``."""
+        tag = f"{version}-{uuid.uuid4().hex}"
         await self._update_call("/finish_weight_update", {"weight_version": tag})
         await self.post_ok("/reset_prefix_cache")
         r = await self.client.get("/weight_info")
         got = r.json().get("weight_version") if r.status_code == 200 else None
         if got != tag:
             raise EngineError(f"{self.name}: after the update /weight_info reports version {got!r}, expected {tag!r}")
-        return {"engine": self.name, "version": version, "route": "native", "seconds": time.monotonic() - t0}
+        return {"engine": self.name, "version": version, "route": route, "seconds": time.monotonic() - t0}
+
+    async def _check_worker_versions(self, version: int) -> None:
+        r3 = await self.client.post("/collective_rpc", json={"method": "foursight_weight_version"})
+        versions = [int(v) for v in r3.json().get("results", [])] if r3.status_code == 200 else []
+        if not versions or any(v != version for v in versions):
+            raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
         if self.weight_sync == "native":
@@ -176,10 +256,7 @@ class VLLMHTTPEngine(HTTPEngine):
                                     "/collective_rpc foursight_update_weights")
         results = r.json().get("results", [])
         await self.post_ok("/reset_prefix_cache")
-        r3 = await self.client.post("/collective_rpc", json={"method": "foursight_weight_version"})
-        versions = [int(v) for v in r3.json().get("results", [])] if r3.status_code == 200 else []
-        if not versions or any(v != version for v in versions):
-            raise EngineError(f"{self.name}: after the update the workers report versions {versions}, expected {version}")
+        await self._check_worker_versions(version)
         return {"engine": self.name, "version": version, "route": "collective_rpc", "workers": results, "seconds": time.monotonic() - t0}
 
     async def check_updatable(self) -> None:
@@ -196,9 +273,10 @@ class VLLMHTTPEngine(HTTPEngine):
         cfg = r.json().get("vllm_config") or {}
         if self.weight_sync == "native":
             backend = ((cfg.get("weight_transfer_config") or {}) if isinstance(cfg, dict) else {}).get("backend")
-            if backend != "foursight_file":
+            if backend not in ("foursight_file", "foursight_nccl"):
                 raise EngineError(f"{self.name} has weight-transfer backend {backend!r}; --weight-sync native needs the engine "
-                                  "started with --weight-transfer-config '{\"backend\": \"foursight_file\"}'")
+                                  "started with --weight-transfer-config '{\"backend\": \"foursight_file\"}' (files) or "
+                                  "'{\"backend\": \"foursight_nccl\"}' (TRL's broadcast group only)")
         else:
             ext = ((cfg.get("parallel_config") or {}) if isinstance(cfg, dict) else {}).get("worker_extension_cls") or ""
             if not str(ext).endswith("FourSightWorkerExtension"):

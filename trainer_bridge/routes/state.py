@@ -125,6 +125,8 @@ class BridgeState:
         #: the weight uploads (:class:`~foursight.trainer_bridge.uploads.UploadStore`; set by ``server.create_app``, None:
         #: uploads refused)
         self.uploads: UploadStore | None = None
+        #: a trainer's broadcast group passed through to the engines (:mod:`foursight.trainer_bridge.broadcast`), None: none open
+        self.broadcast_group = None
         self.inflight = {id(e): 0 for e in self.engines}  # keyed by object: a name may change at start()
         self.metrics = BridgeMetrics()
         self.liveness = Liveness(self.engines, probe_timeout_s=config.probe_timeout_s)

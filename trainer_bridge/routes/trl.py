@@ -18,7 +18,10 @@ writes the learner's tensors to one safetensors file (``/dev/shm`` by default) a
 (``PUT /v1/weights/uploads/{name}``, :mod:`.weights`) and names the complete upload (``upload``); ``/update_weights`` applies it exactly as
 ``POST /v1/weights`` does (the same handler: checked before any engine sees it, streams drained,
 every engine re-quantizes, the version goes up by one). An ``update_info`` without a file (TRL's
-own NCCL client) is refused with a 422 that names the client to use. The routes sit behind the
+own NCCL client) is refused with a 422 that names the client to use, unless every engine can join TRL's
+broadcast group: then TRL's NCCL ``init_info`` and each update's ``start`` / ``update_weights`` (``names``,
+``dtype_names``, ``shapes``) / ``finish`` are passed through to the engines, and the finish applies the
+received update as a new version (:mod:`foursight.trainer_bridge.broadcast`). The routes sit behind the
 bridge's guards like every other route (API key, Host/Origin, body size).
 """
 
@@ -30,6 +33,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from foursight.trainer_bridge import broadcast
 from foursight.trainer_bridge.protocol import WeightUpdateRequest
 from foursight.trainer_bridge.routes.state import State
 from foursight.trainer_bridge.routes.weights import push_weights
@@ -62,30 +66,51 @@ async def server_info(state: State, config_format: str = "json"):
 
 @router.get("/get_world_size")
 async def world_size(state: State):
-    return {"world_size": len(state.engines)}
+    """The ranks a trainer's broadcast group has besides the trainer: every engine's workers where every engine can
+    join one (:mod:`foursight.trainer_bridge.broadcast`), else one per engine."""
+    workers = await broadcast.group_workers(state.engines)
+    return {"world_size": sum(workers) if all(w is not None for w in workers) else len(state.engines)}
 
 
 @router.post("/init_weight_transfer_engine")
 @router.post("/init_communicator/")
 async def init_transfer(state: State, body: dict[str, Any] | None = None):
     info = (body or {}).get("init_info", body or {})
+    refusal = f"the bridge takes weights as files, not over NCCL: use {CLIENT} (backend {BACKEND!r})"
+    if broadcast.is_group_init(info):  # TRL's NCCL handshake: passed to the engines when every one can join the group
+        return await broadcast.open_group(state, info, refusal)
     backend = info.get("backend", BACKEND) if isinstance(info, dict) else None
-    if backend != BACKEND or (isinstance(info, dict) and "master_address" in info):
-        return _refuse("init_info", f"the bridge takes weights as files, not over NCCL: use {CLIENT} "
-                                    f"(backend {BACKEND!r})")
+    if backend != BACKEND:
+        return _refuse("init_info", refusal)
     return {"backend": BACKEND, "weight_version": state.gate.version}
 
 
 @router.post("/start_weight_update")
+async def start_update(state: State, body: dict[str, Any] | None = None):
+    if state.broadcast_group is not None:
+        return await broadcast.start(state, state.broadcast_group)
+    return {"weight_version": state.gate.version}
+
+
 @router.post("/finish_weight_update")
+async def finish_update(state: State, body: dict[str, Any] | None = None):
+    group = state.broadcast_group
+    if group is not None and group.refused is not None:
+        return await broadcast.finish(state, group)
+    return {"weight_version": state.gate.version}
+
+
 @router.post("/close_communicator/")
-async def no_op(state: State, body: dict[str, Any] | None = None):
+async def close_group(state: State, body: dict[str, Any] | None = None):
+    await broadcast.close(state)
     return {"weight_version": state.gate.version}
 
 
 @router.post("/update_weights")
 async def update_weights(body: dict[str, Any], state: State):
     info = body.get("update_info")
+    if broadcast.is_group_update(info) and state.broadcast_group is not None:
+        return await broadcast.receive(state, state.broadcast_group, info)
     if not isinstance(info, dict) or not any(k in info for k in ("path", "shm_name", "upload")):
         return _refuse("update_info", f"no 'path', 'shm_name' or 'upload': the bridge takes weights as a safetensors file, "
                                       f"not over NCCL; use {CLIENT}")

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from foursight.trainer_bridge.backends.base import UpdateRefused
+from foursight.trainer_bridge.backends.base import Engine, UpdateRefused
 from foursight.trainer_bridge.guards import WeightsRoots, unprocessable
 from foursight.trainer_bridge.protocol import WeightUpdateRequest, WeightUpdateResponse, shm_path
 from foursight.trainer_bridge.routes.state import BridgeState, DrainTimeout, State, UpdateInProgress
@@ -70,27 +71,37 @@ async def _checked_push(state: BridgeState, req: WeightUpdateRequest, field: str
         state.metrics.errors.labels(kind="weight_update").inc()
         return JSONResponse(status_code=422, content={"error": f"invalid request: {field}: {ex}", "version": state.gate.version,
                                                       "fields": [{"field": field, "message": str(ex)}]})
+    return await apply_on_engines(state, req.version, field, lambda e: e.update_weights(path, req.version), req.drain_timeout_s)
+
+
+async def apply_on_engines(state: BridgeState, version: int, field: str, apply: Callable[[Engine], Awaitable[dict[str, Any]]],
+                           drain_timeout_s: float) -> WeightUpdateResponse | JSONResponse:
+    """The tail every road into the engines shares (a file, or a broadcast group's received update): ``version`` must
+    exceed the current one (409), then under the version gate (streams of the old version drained) ``apply(engine)``
+    on every engine in turn, each engine's served state recorded, and the version set. 422 when the first engine
+    refused the update before applying any of it (naming ``field``), 502 when an engine failed or refused after
+    another applied it."""
     prev = state.gate.version
-    if req.version <= prev:
-        return JSONResponse(status_code=409, content={"error": f"version: {req.version} is not greater than the current version {prev}",
+    if version <= prev:
+        return JSONResponse(status_code=409, content={"error": f"version: {version} is not greater than the current version {prev}",
                                                       "fields": [{"field": "version", "message": "not increasing"}]})
     t0 = time.monotonic()
     try:
-        async with state.gate.write(req.drain_timeout_s):
+        async with state.gate.write(drain_timeout_s):
             acks = []
             for e in state.engines:
                 try:
-                    acks.append(await e.update_weights(path, req.version))
-                    await state.liveness.of(e).baseline(req.version, state.liveness.state_timeout_s)
+                    acks.append(await apply(e))
+                    await state.liveness.of(e).baseline(version, state.liveness.state_timeout_s)
                 except UpdateRefused as ex:
                     state.metrics.errors.labels(kind="weight_update").inc()
                     if not acks:  # nothing applied anywhere: the update is at fault, every engine serves version prev
                         return JSONResponse(status_code=422, content={
-                            "error": f"invalid request: engine {e.name} refused the update to version {req.version}: {ex}",
+                            "error": f"invalid request: engine {e.name} refused the update to version {version}: {ex}",
                             "version": prev, "fields": [{"field": field, "message": str(ex)}]})
                     state.liveness.of(e).update_failed(prev, True)  # this engine is unchanged; the ones before it moved
                     return JSONResponse(status_code=502, content={
-                        "error": f"engine {e.name} refused the update to version {req.version} after "
+                        "error": f"engine {e.name} refused the update to version {version} after "
                                  f"{', '.join(a.get('engine') for a in acks)} applied it: {ex}",
                         "version": prev, "updated_engines": [a.get("engine") for a in acks]})
                 except Exception as ex:  # noqa: BLE001
@@ -98,13 +109,13 @@ async def _checked_push(state: BridgeState, req: WeightUpdateRequest, field: str
                     state.metrics.errors.labels(kind="weight_update").inc()
                     done = [a.get("engine") for a in acks]
                     return JSONResponse(status_code=502, content={
-                        "error": f"engine {e.name} failed the update to version {req.version}: {type(ex).__name__}: {ex}",
+                        "error": f"engine {e.name} failed the update to version {version}: {type(ex).__name__}: {ex}",
                         "version": prev, "updated_engines": done})
-            state.gate.version = req.version
-            state.metrics.version.set(req.version)
+            state.gate.version = version
+            state.metrics.version.set(version)
     except (DrainTimeout, UpdateInProgress) as ex:
         return JSONResponse(status_code=409, content={"error": f"weight update refused: {ex}", "version": prev})
-    return WeightUpdateResponse(version=req.version, previous_version=prev, engines=acks, elapsed_s=time.monotonic() - t0)
+    return WeightUpdateResponse(version=version, previous_version=prev, engines=acks, elapsed_s=time.monotonic() - t0)
 
 
 @router.post("/v1/weights")
