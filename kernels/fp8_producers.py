@@ -48,7 +48,7 @@ from foursight.nvfp4 import FP8_E4M3_MAX
 
 from .act_quant import FEW_ROWS
 from .primitives import MAX_ONEPASS_K, rne_bf16
-from .producers import RMSNORM, SILU_MUL, _produce, _residual_sum, reference_rms_norm, reference_silu_mul
+from .producers import RMSNORM, SILU_MUL, produce_row, residual_sum, reference_rms_norm, reference_silu_mul
 from .runtime import interpreting
 
 #: the third producer kind of this module: no producer, the row itself (o_proj's standalone quantizer)
@@ -107,14 +107,14 @@ def _fp8_producer_kernel(
     a_row = a_ptr + row * stride_am
     r_row = r_ptr + row * stride_rm
     if KIND == 0:
-        s = _residual_sum(a_row, r_row, offs, kmask, HAS_RES)
+        s = residual_sum(a_row, r_row, offs, kmask, HAS_RES)
         if HAS_RES:
             tl.store(s_out_ptr + row * K + offs, s.to(tl.bfloat16), mask=kmask)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / K + eps)
         w = tl.load(w_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         y = rne_bf16((s * rstd) * w)
     elif KIND == 1:
-        y = _produce(a_row, r_row, w_ptr, offs, kmask, 1.0, K, KIND, HAS_RES)
+        y = produce_row(a_row, r_row, w_ptr, offs, kmask, 1.0, K, KIND, HAS_RES)
     else:
         y = tl.load(a_row + offs, mask=kmask, other=0.0).to(tl.float32)
     if WRITE_Y:

@@ -59,7 +59,7 @@ class ProducedInput:
 
 
 @triton.jit
-def _residual_sum(a_row, r_row, offs, mask, HAS_RES: tl.constexpr):
+def residual_sum(a_row, r_row, offs, mask, HAS_RES: tl.constexpr):
     """``bf16(x + r)`` as fp32 (``x`` alone without a residual) at columns ``offs``."""
     s = tl.load(a_row + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -68,10 +68,10 @@ def _residual_sum(a_row, r_row, offs, mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _produce(a_row, r_row, w_ptr, offs, mask, rstd, K, KIND: tl.constexpr, HAS_RES: tl.constexpr):
+def produce_row(a_row, r_row, w_ptr, offs, mask, rstd, K, KIND: tl.constexpr, HAS_RES: tl.constexpr):
     """The bf16-rounded producer output (as fp32) at columns ``offs``; ``rstd``: the row's RMSNorm factor."""
     if KIND == 0:
-        s = _residual_sum(a_row, r_row, offs, mask, HAS_RES)
+        s = residual_sum(a_row, r_row, offs, mask, HAS_RES)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = rne_bf16((s * rstd) * w)
     else:
@@ -103,14 +103,14 @@ def _producer_kernel(
     r_row = r_ptr + row * stride_rm
     rstd = 1.0
     if KIND == 0:
-        s = _residual_sum(a_row, r_row, offs, kmask, HAS_RES)
+        s = residual_sum(a_row, r_row, offs, kmask, HAS_RES)
         if HAS_RES:
             tl.store(s_out_ptr + row * K + offs, s.to(tl.bfloat16), mask=kmask)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / K + eps)
         w = tl.load(w_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         y = rne_bf16((s * rstd) * w)
     else:
-        y = _produce(a_row, r_row, w_ptr, offs, kmask, rstd, K, KIND, HAS_RES)
+        y = produce_row(a_row, r_row, w_ptr, offs, kmask, rstd, K, KIND, HAS_RES)
     if WRITE_Y:
         tl.store(y_ptr + row * K + offs, y.to(tl.bfloat16), mask=kmask)
     if QUANT:
@@ -132,7 +132,7 @@ def _producer_kernel(
             for c0 in range(0, KS, BLOCK_KS):
                 cmask = (c0 + offs_c) < KS
                 ch = tl.load(ch_ptr + c0 + offs_c, mask=cmask, other=0)
-                yc = _produce(a_row, r_row, w_ptr, ch, cmask, rstd, K, KIND, HAS_RES)
+                yc = produce_row(a_row, r_row, w_ptr, ch, cmask, rstd, K, KIND, HAS_RES)
                 tl.store(xs_ptr + row * KS + c0 + offs_c, yc.to(tl.bfloat16), mask=cmask)
 
 

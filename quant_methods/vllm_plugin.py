@@ -6,7 +6,7 @@ before it parses the model config, so ``--quantization foursight`` and checkpoin
 :class:`foursight.quant_methods.vllm_method.FourSightVllmConfig`, and
 ``--weight-transfer-config '{"backend": "foursight_file"}'`` to
 :class:`foursight.quant_methods.vllm_weight_transfer.FourSightFileEngine` (``"foursight_nccl"``:
-:class:`foursight.quant_methods.weight_broadcast.FourSightBroadcastEngine`).
+:class:`foursight.quant_methods.vllm_broadcast_backend.FourSightBroadcastEngine`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def register() -> None:
     from foursight.quant_methods.vllm_weight_transfer import register as register_weight_transfer
 
     register_weight_transfer()  # the foursight_file backend of --weight-transfer-config (vLLM >= 0.32)
-    from foursight.quant_methods.weight_broadcast import register as register_broadcast
+    from foursight.quant_methods.vllm_broadcast_backend import register as register_broadcast
 
     register_broadcast()  # the foursight_nccl backend: the learner's tensors over a broadcast group
     from foursight.quant_methods.vllm_weight_sync import install_worker_guards

@@ -279,9 +279,21 @@ def refresh_unquantized_embeddings(model: torch.nn.Module) -> int:
     return n
 
 
+def apply_received_update(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> dict:
+    """Apply a whole update received over a broadcast group as the file road applies a file: refuse half a
+    CPU-packed fused layer (:func:`check_fused_complete`), then :func:`apply_weight_update` (checked, loaded,
+    re-quantized). Returns its ``{"updated_tensors", "requantized_layers"}``."""
+    check_fused_complete(model, [n for n, _ in weights])
+    with torch.no_grad():
+        return apply_weight_update(model, weights)
+
+
 class FourSightWorkerExtension(BroadcastWorkerMixin):
     """vLLM worker extension (``--worker-extension-cls``) with the FourSight weight-update RPCs (the broadcast
     road's ``foursight_broadcast_*`` come from :class:`~foursight.quant_methods.weight_broadcast.BroadcastWorkerMixin`)."""
+
+    _broadcast_check = staticmethod(check_update)
+    _broadcast_apply = staticmethod(apply_received_update)
 
     def _foursight_model(self) -> torch.nn.Module:
         runner = self.model_runner  # type: ignore[attr-defined]

@@ -9,19 +9,21 @@ packed into uint8 chunks (vLLM's ``packed_tensor`` wire format; one broadcast pe
 
 * :class:`BroadcastReceiver` joins the group (:func:`open_communicator`), receives one update message's
   tensors (:func:`receive_tensors`: every broadcast of the message is consumed before anything is
-  checked, so a refused tensor leaves the group in step with the trainer), checks them
-  (:func:`foursight.quant_methods.vllm_weight_sync.check_update`: names, dtypes, shapes, finiteness; a
-  refusal names the tensor and starts with :data:`foursight.schema.REFUSED_PREFIX`), holds them, and at
-  the end of the update hands every held ``(name, tensor)`` pair to
-  :func:`foursight.quant_methods.vllm_weight_sync.apply_weight_update` (:func:`apply_received`), the
-  in-memory entry every road ends in: the same whole-update check, the same re-quantization, the same
-  "a refused update changes nothing" as the file road. The update is held until then, on the engine's
-  device (one copy of it: docs/scale-out.md, "Memory");
+  checked, so a refused tensor leaves the group in step with the trainer), checks them with the file
+  road's check (names, dtypes, shapes, finiteness; a refusal names the tensor and starts with
+  :data:`foursight.schema.REFUSED_PREFIX`), holds them, and at the end of the update hands every held
+  ``(name, tensor)`` pair to the file road's apply
+  (:func:`foursight.quant_methods.vllm_weight_sync.apply_received_update`, which ends in
+  ``apply_weight_update``, the in-memory entry every road ends in): the same whole-update check, the
+  same re-quantization, the same "a refused update changes nothing" as the file road. The check and
+  the apply are given to the receiver by its host, so this module is the transport alone and imports
+  nothing of the update code. The update is held until then, on the engine's device (one copy of it:
+  docs/scale-out.md, "Memory");
 * two entry points feed it, one per vLLM release (docs/scale-out.md, "Weights over a broadcast group"):
-  :class:`FourSightBroadcastEngine`, vLLM 0.32's weight-transfer backend ``foursight_nccl``
-  (``--weight-transfer-config '{"backend": "foursight_nccl"}'``: ``/init_weight_transfer_engine``,
-  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, the messages TRL and vLLM's
-  ``NCCLTrainerWeightTransferEngine`` send to vLLM's ``nccl`` backend), and
+  :class:`foursight.quant_methods.vllm_broadcast_backend.FourSightBroadcastEngine`, vLLM 0.32's
+  weight-transfer backend ``foursight_nccl`` (``--weight-transfer-config '{"backend": "foursight_nccl"}'``:
+  ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+  the messages TRL and vLLM's ``NCCLTrainerWeightTransferEngine`` send to vLLM's ``nccl`` backend), and
   :class:`BroadcastWorkerMixin`, methods of the FourSight worker extension called through
   ``collective_rpc`` (``foursight_broadcast_init`` / ``_start`` / ``_receive`` / ``_finish`` /
   ``_close``; any vLLM release with the worker extension, 0.26 on the device), which tag the
@@ -309,25 +311,19 @@ def update_info_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
 
 # ---- the receiving engine side: one update session over the group ----
 
-def apply_received(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> dict:
-    """Apply a received update as the file road applies a file: refuse half a CPU-packed fused layer
-    (:func:`~foursight.quant_methods.vllm_weight_sync.check_fused_complete`), then
-    :func:`~foursight.quant_methods.vllm_weight_sync.apply_weight_update` (the whole update checked,
-    loaded, re-quantized). Returns its ``{"updated_tensors", "requantized_layers"}``."""
-    from foursight.quant_methods.vllm_weight_sync import apply_weight_update, check_fused_complete
-
-    check_fused_complete(model, [n for n, _ in weights])
-    with torch.no_grad():
-        return apply_weight_update(model, weights)
-
-
 class BroadcastReceiver:
     """One engine worker's end of the group and its update session (init, then per update: start,
     one or more receives, finish). Refusals raise :class:`~foursight.quant_methods.weight_authority.RefusedUpdate`
     whose message starts with :data:`foursight.schema.REFUSED_PREFIX`; a refused update loads nothing."""
 
-    def __init__(self, device: torch.device | str | int):
+    def __init__(self, device: torch.device | str | int, check: Callable[[torch.nn.Module, list[tuple[str, torch.Tensor]]], Any],
+                 apply: Callable[[torch.nn.Module, list[tuple[str, torch.Tensor]]], dict]):
+        """``check(model, tensors)``: the file road's checks of an update (names, dtypes, shapes, finiteness),
+        raising on the first bad tensor; ``apply(model, tensors)``: the file road's apply of a whole checked update
+        (:func:`foursight.quant_methods.vllm_weight_sync.apply_received_update`). Passed in, so that this module
+        stays the transport and imports nothing of the engine's update code."""
         self.device = torch.device(device) if not isinstance(device, torch.device) else device
+        self._check, self._apply = check, apply
         self.comm: Communicator | None = None
         self.info: BroadcastInitInfo | None = None
         self._held: list[tuple[str, torch.Tensor]] | None = None
@@ -363,7 +359,6 @@ class BroadcastReceiver:
     def receive(self, model: torch.nn.Module, update_info: dict[str, Any] | str | BroadcastUpdateInfo) -> int:
         """Receive one message's tensors, check them (names, dtypes, shapes, finiteness) and hold them for
         :meth:`finish`. A refused tensor refuses the whole update (it is received first: the group stays in step)."""
-        from foursight.quant_methods.vllm_weight_sync import check_update
         from foursight.quant_methods.weight_authority import RefusedUpdate
         from foursight.schema import REFUSED_PREFIX
 
@@ -380,7 +375,7 @@ class BroadcastReceiver:
         packed = self.info.packed if update.packed is None else bool(update.packed)
         tensors = receive_tensors(self.comm, update, packed, self.info.packed_buffer_size_bytes, self.device)
         try:
-            check_update(model, tensors)
+            self._check(model, tensors)
         except Exception as e:
             self._refused = str(e)
             raise RefusedUpdate(f"{REFUSED_PREFIX}{e}") from e
@@ -388,85 +383,19 @@ class BroadcastReceiver:
         return len(tensors)
 
     def finish(self, model: torch.nn.Module) -> dict:
-        """Apply every tensor held since :meth:`start` (:func:`apply_received`), once; an update with a
+        """Apply every tensor held since :meth:`start` (the ``apply`` given), once; an update with a
         refused message loads nothing."""
         held, refused, self._held, self._refused = self._held, self._refused, None, None
         if held is None:
             raise RuntimeError(f"{BACKEND}: finish_weight_update before start_weight_update")
         if refused is not None:
             raise RuntimeError(f"{BACKEND}: the update was refused, nothing of it is loaded ({refused})")
-        return apply_received(model, held)
+        return self._apply(model, held)
 
     def close(self) -> None:
         if self.comm is not None:
             self.comm.close()
         self.comm, self.info, self._held = None, None, None
-
-
-# ---- vLLM 0.32: the weight-transfer backend ----
-
-def _engine_base():
-    try:
-        from vllm.distributed.weight_transfer.base import WeightTransferEngine
-    except ImportError:  # a vLLM without the native API: the worker-extension route remains
-        return object
-    return WeightTransferEngine
-
-
-class FourSightBroadcastEngine(_engine_base()):  # type: ignore[misc]
-    """``foursight_nccl``: vLLM's weight-transfer API over a broadcast group, FourSight re-quantization at
-    finish (:class:`BroadcastReceiver`). Takes the messages of vLLM's ``nccl`` backend; the communicator
-    follows the engine's device (or ``init_info.communicator``)."""
-
-    init_info_cls = dict
-    update_info_cls = dict
-    supports_draft_weight_update = False
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.receiver = BroadcastReceiver(self.device)
-
-    def parse_init_info(self, init_dict: dict[str, Any]) -> dict[str, Any]:
-        return dict(init_dict)  # parsed by the receiver, which names the field it refuses
-
-    def parse_update_info(self, update_dict: dict[str, Any]) -> dict[str, Any]:
-        return dict(update_dict)
-
-    def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.receiver.init(init_info, worker_global_rank(self.vllm_config.parallel_config))
-
-    def start_weight_update(self) -> None:
-        self.receiver.start()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        # the receiver's broadcasts are synchronous on the CPU; on CUDA the NCCL stream is waited for before the check
-        self.receive_weights(update_info)
-
-    def receive_weights(self, update_info: dict[str, Any]) -> None:
-        self.receiver.receive(self.model, update_info)
-
-    def finish_weight_update(self) -> None:
-        self.receiver.finish(self.model)
-
-    def shutdown(self) -> None:
-        self.receiver.close()
-
-    @staticmethod
-    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-        """vLLM 0.26 declares this abstract (see :mod:`.vllm_compat`); the trainer side is :func:`broadcast_packed`."""
-        raise NotImplementedError(f"{BACKEND}: the trainer sends with foursight.quant_methods.weight_broadcast.broadcast_packed "
-                                  "or vLLM's packed_nccl_broadcast_producer")
-
-
-def register() -> bool:
-    """Register ``foursight_nccl`` with vLLM's weight-transfer factory (idempotent); False without the API."""
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:
-        return False
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "FourSightBroadcastEngine")
-    return True
 
 
 # ---- any vLLM with the worker extension (0.26 on the device): collective_rpc methods ----
@@ -479,10 +408,19 @@ class BroadcastWorkerMixin:
     (applies, then sets the version and weights id that ``foursight_engine_state`` reports),
     ``foursight_broadcast_close()``. ``init_info``/``update_info`` may come as JSON text."""
 
+    #: the host class's update check and apply (:class:`BroadcastReceiver`'s ``check`` and ``apply``), as
+    #: ``staticmethod``\ s: the worker extension gives the file road's
+    _broadcast_check: Callable[..., Any] | None = None
+    _broadcast_apply: Callable[..., dict] | None = None
+
     def _foursight_receiver(self) -> BroadcastReceiver:
         r = getattr(self, "_foursight_broadcast", None)
         if r is None:
-            r = self._foursight_broadcast = BroadcastReceiver(getattr(self, "device", "cpu"))
+            cls = type(self)
+            if cls._broadcast_check is None or cls._broadcast_apply is None:
+                raise TypeError(f"{cls.__name__}: a BroadcastWorkerMixin host sets _broadcast_check and _broadcast_apply")
+            r = self._foursight_broadcast = BroadcastReceiver(getattr(self, "device", "cpu"), cls._broadcast_check,
+                                                              cls._broadcast_apply)
         return r
 
     def foursight_broadcast_init(self, init_info: dict[str, Any] | str, token: str | None = None) -> dict:

@@ -113,19 +113,16 @@ async def receive(state: Any, group: BridgeGroup, info: dict[str, Any]) -> JSONR
     return {"received": len(info.get("names") or []), "weight_version": state.gate.version}
 
 
-async def finish(state: Any, group: BridgeGroup) -> Any:
-    """Apply the received update on every engine as the next version (:func:`~.routes.weights.apply_on_engines`)."""
-    from foursight.trainer_bridge.protocol import WeightUpdateRequest
-    from foursight.trainer_bridge.routes.weights import apply_on_engines
-
+def finish_version(state: Any, group: BridgeGroup) -> JSONResponse | int:
+    """The version the received update becomes (the route then applies it on every engine:
+    :func:`~.routes.weights.apply_on_engines`, streams of the old version drained), or the refusal when no update is
+    in progress or a message of it was refused (the engines hold nothing of it then)."""
     refused, group.refused = group.refused, None
     if refused is None:
         return _refuse("finish_weight_update", "no update in progress on the broadcast group")
     if refused:  # the engines hold nothing of it: each starts afresh at the next /start_weight_update
         return _refuse("update_info", f"{refused}; nothing of the update was loaded, the weight version stays {state.gate.version}")
-    version = state.gate.version + 1
-    drain = WeightUpdateRequest.model_fields["drain_timeout_s"].default
-    return await apply_on_engines(state, version, "update_info", lambda e: e.broadcast_finish(version), drain)
+    return state.gate.version + 1
 
 
 async def close(state: Any) -> None:

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from foursight.trainer_bridge import broadcast
 from foursight.trainer_bridge.protocol import WeightUpdateRequest
 from foursight.trainer_bridge.routes.state import State
-from foursight.trainer_bridge.routes.weights import push_weights
+from foursight.trainer_bridge.routes.weights import apply_on_engines, push_weights
 from foursight.trainer_bridge.uploads import UploadError
 
 #: the weight-transfer backend the bridge reports in ``/server_info`` and accepts in ``init_info``
@@ -96,7 +96,11 @@ async def start_update(state: State, body: dict[str, Any] | None = None):
 async def finish_update(state: State, body: dict[str, Any] | None = None):
     group = state.broadcast_group
     if group is not None and group.refused is not None:
-        return await broadcast.finish(state, group)
+        version = broadcast.finish_version(state, group)
+        if isinstance(version, JSONResponse):
+            return version
+        drain = WeightUpdateRequest.model_fields["drain_timeout_s"].default
+        return await apply_on_engines(state, version, "update_info", lambda e: e.broadcast_finish(version), drain)
     return {"weight_version": state.gate.version}
 
 
