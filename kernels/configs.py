@@ -392,6 +392,14 @@ INTERP_CONFIGS: dict = {
 }
 
 
+def interp_config(path: str, m: int, bf16: bool = True, form: str = "linear") -> KernelConfig:
+    """The interpreter's tile (:data:`INTERP_CONFIGS`) for ``path``: fp16 activations or the fp16 ``q*s``
+    (``form`` "deq") take the packed-layout forms, the GEMV at one row."""
+    if form == "deq" or not bf16:
+        return INTERP_CONFIGS["fp16:gemv"] if m == 1 else INTERP_CONFIGS[f"fp16:{path}"]
+    return INTERP_CONFIGS[path]
+
+
 _FORMS: dict = {c.form: c for c in (GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig, StreamConfig)}
 
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .act_quant import static_global_scale
 from .fragment_layout import FRAG_COLS, fragment_of, fragment_tile, scale_view
 from .primitives import DIV6_RECIP_ON_CUDA, mma, prefetch_l2, quant_xb_2d, split_k_epilogue, tile_ids
 from .runtime import interpreting, resident_programs
@@ -362,3 +363,19 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     cnt = split_counters(out.device, tiles) if splits > 1 else dummy
     grid = (min(tiles * splits, slots), 1) if cfg.persistent else (tiles, splits)
     return _fragment_gemm_kernel[grid](*args(ws, cnt, splits, cps, first, seg), SPLIT=splits > 1, **consts, **opts)
+
+
+def launch(cfg, ops, pw, bias, out, pdl: bool = False):
+    """The form's launch in the kernel-form table's signature (:class:`~.forms.Operands` ``ops``)."""
+    return fragment_launch(cfg, ops.a.contiguous(), ops.a_gs, ops.x.contiguous(), pw, bias, out, ops.a_quant, pdl=pdl,
+                           xs=ops.xs)
+
+
+def quant_in_linear(cfg, x2, pw, bias, input_global_scale, out):
+    """W4A4 with ``cfg.quant_in``, a static activation scale and M <= :data:`QUANT_IN_MAX_M`: no quantizer launch,
+    every GEMM program quantizes the activation slice it reads. None where that does not apply."""
+    if not (cfg.quant_in and input_global_scale is not None and x2.shape[0] <= QUANT_IN_MAX_M):
+        return None
+    xc = x2.contiguous()
+    return fragment_launch(cfg, xc, static_global_scale(input_global_scale, x2.device), xc, pw, bias, out, True,
+                           quant_in=True)

@@ -208,3 +208,10 @@ def swap_launch(cfg: SwapConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_qu
             HAS_BIAS=bias is not None, BLOCK=blk, INTERP=interpreting(), num_warps=4,
         )
     return compiled
+
+
+def launch(cfg, ops, pw, bias, out, pdl: bool = False):
+    """The form's launch in the kernel-form table's signature (:class:`~.forms.Operands` ``ops``); the MMA in
+    bf16 where A is bf16 X (W4A16)."""
+    return swap_launch(cfg, ops.a, ops.a_gs, ops.x, pw, bias, out, ops.a_quant,
+                       not ops.a_quant and ops.x.dtype == torch.bfloat16)

@@ -42,9 +42,9 @@ import os
 import torch
 import triton
 
-from .fragment_layout import DECODE_WORD_E5M3_PAIR, FRAG_COLS, fragment_of, scale_view
-from .split_k import segment_plan, split_counters, split_plan
-from .runtime import interpreting
+from ..fragment_layout import DECODE_WORD_E5M3_PAIR, FRAG_COLS, fragment_of, scale_view
+from ..split_k import segment_plan, split_counters, split_plan
+from ..runtime import interpreting
 
 try:  # Gluon is optional (Triton >= 3.5 on CUDA); the package must import without it
     from triton.experimental import gluon
