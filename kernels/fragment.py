@@ -12,7 +12,7 @@ every thread's codes where its fragment needs them, so the decoded tile *is* the
 :mod:`.act_quant` (W4A4) or X itself (W4A16); the global scales and the ``2^7`` are applied once to
 the fp32 accumulator, then the BF16 channel segment is added into it, then the bias: the
 reference's order. The split-K plan is :mod:`.split_k`; the in-kernel reduction is
-:func:`~.primitives.split_k_epilogue`.
+:func:`~.tile_steps.split_k_epilogue`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import triton.language as tl
 
 from .act_quant import static_global_scale
 from .fragment_layout import FRAG_COLS, fragment_of, fragment_tile, scale_view
-from .primitives import DIV6_RECIP_ON_CUDA, mma, prefetch_l2, quant_xb_2d, split_k_epilogue, tile_ids
+from .primitives import DIV6_RECIP_ON_CUDA, mma, prefetch_l2, quant_xb_2d, tile_ids
 from .runtime import interpreting, resident_programs
 from .split_k import segment_plan, split_counters, split_plan
+from .tile_steps import split_k_epilogue
 
 
 # ---------------------------------------------------------------------------------------------

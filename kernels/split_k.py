@@ -2,7 +2,7 @@
 its plain-Triton twin :mod:`.gluon_ws_twin`), in Python: how many splits a launch takes (whole waves,
 :func:`split_plan`), how the BF16 channel segment is spread over them (:func:`segment_plan`), and the
 per-tile arrival counters the in-kernel reduction uses (:func:`split_counters`; the reduction itself
-is the tile step :func:`~.primitives.split_k_epilogue`). One subject: how a launch splits K.
+is the tile step :func:`~.tile_steps.split_k_epilogue`). One subject: how a launch splits K.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from foursight.nvfp4 import BLOCK_SIZE
 
 from .configs import SwapConfig
 from .launch import block_ks, weight_args
-from .primitives import bf16_rne, bf16_segment, fp4_tile, global_scales, mma, tile_ids
+from .primitives import bf16_rne, fp4_tile, mma, tile_ids
+from .tile_steps import bf16_segment, global_scales
 from .runtime import interpreting, resident_programs
 
 if TYPE_CHECKING:

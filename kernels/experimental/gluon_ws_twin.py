@@ -22,7 +22,8 @@ from ..fragment_layout import fragment_of, fragment_tile, scale_view
 from ..split_k import split_counters
 from .gluon_stream import stream_plan
 from .gluon_ws import ws_plan
-from ..primitives import mma, split_k_epilogue
+from ..primitives import mma
+from ..tile_steps import split_k_epilogue
 from ..runtime import interpreting
 
 
