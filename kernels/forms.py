@@ -258,6 +258,7 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
 
 
 def require(row: KernelForm, x_dtype, a_dtype=None) -> None:
+    """Raise :class:`NVFP4Error` with the reason where ``row`` cannot implement these operands."""
     ok, why = row.can_implement(x_dtype, a_dtype)
     if not ok:
         raise NVFP4Error(f"foursight.kernels: {why}")

@@ -1,9 +1,9 @@
 """Which kernel form runs, for every configuration class x environment switch x call (issue 54 item 2).
 
 The dispatch between kernel forms moved from ``isinstance`` chains and per-call environment reads in
-``kernels/api.py`` to one table of forms (``kernels/forms.py``). This test pins the choice to what the
-old dispatch chose, from an expectation written out here by reading the old code (commit 791f5a4),
-**not** from the table: it passed on that commit and must pass on every later one.
+``kernels/api.py`` to one table of forms (``api.FORMS``, read by ``kernels/forms.py``). This test pins the
+choice to what the old dispatch chose, from an expectation written out here by reading the old code
+(commit 791f5a4), **not** from the table: it passed on that commit and must pass on every later one.
 
 How it observes the choice without a GPU: a child process imports the kernels with the launch functions
 of every form (and the activation quantizer) replaced by recorders that note their arguments and launch
