@@ -99,7 +99,7 @@ class KernelForm:
     #: the most rows it takes (the one-row GEMV); None: any
     max_m: int | None = None
     #: its own W4A4 road, tried before the quantizer: ``w4a4(cfg, x2, pw, bias, input_global_scale, out)``
-    #: -> the output, or None where it does not apply
+    #: -> whether it ran (False where it does not apply)
     w4a4: Callable | None = None
     #: launched with programmatic dependent launch after the quantizer where :func:`switches` allows it
     pdl: bool = False
@@ -282,8 +282,8 @@ def linear_run(cfg: KernelConfig, x2, pw: PreparedWeight, bias, input_global_sca
     if not act_quant:
         return gemm_run(cfg, x2, pw, None, bias, out)
     require(row, x2.dtype)
-    if row.w4a4 is not None and (y := row.w4a4(cfg, x2, pw, bias, input_global_scale, out)) is not None:
-        return y
+    if row.w4a4 is not None and row.w4a4(cfg, x2, pw, bias, input_global_scale, out):
+        return out
     # X[:, S]: the wgmma forms read it contiguous from the quantizer (its ``write_xs`` copy). For the fragment
     # tiles this measured cheaper than gathering it by channel index in the GEMM, before or after the FP4
     # loop (H100, 8192², M = 16 / 64: the columns +2.1 / +2.0 µs dense against +3.8 / +9.9 µs gathered,

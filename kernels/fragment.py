@@ -372,11 +372,11 @@ def launch(cfg, ops, pw, bias, out, pdl: bool = False):
                            xs=ops.xs)
 
 
-def quant_in_linear(cfg, x2, pw, bias, input_global_scale, out):
+def quant_in_linear(cfg, x2, pw, bias, input_global_scale, out) -> bool:
     """W4A4 with ``cfg.quant_in``, a static activation scale and M <= :data:`QUANT_IN_MAX_M`: no quantizer launch,
-    every GEMM program quantizes the activation slice it reads. None where that does not apply."""
+    every GEMM program quantizes the activation slice it reads. Whether it ran (False where that does not apply)."""
     if not (cfg.quant_in and input_global_scale is not None and x2.shape[0] <= QUANT_IN_MAX_M):
-        return None
+        return False
     xc = x2.contiguous()
-    return fragment_launch(cfg, xc, static_global_scale(input_global_scale, x2.device), xc, pw, bias, out, True,
-                           quant_in=True)
+    fragment_launch(cfg, xc, static_global_scale(input_global_scale, x2.device), xc, pw, bias, out, True, quant_in=True)
+    return True

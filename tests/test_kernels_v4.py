@@ -33,6 +33,7 @@ from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET
 
 import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
+import foursight.kernels.fragment as fk_fragment  # noqa: E402
 from foursight.kernels import configs  # noqa: E402
 from foursight.kernels.configs import FragmentConfig  # noqa: E402
 from foursight.kernels.fragment import fragment_launch  # noqa: E402
@@ -272,7 +273,7 @@ def test_splice_linear_gives_every_fragment_tile_the_dense_copy(layer, monkeypat
     quantizer launch) gathers it itself."""
     qw, pw, g = layer
     got = []
-    monkeypatch.setattr(fk, "fragment_launch", lambda *a, **k: got.append(k.get("xs")) or fragment_launch(*a, **k))
+    monkeypatch.setattr(fk_fragment, "fragment_launch", lambda *a, **k: got.append(k.get("xs")) or fragment_launch(*a, **k))
     x = _act(3, g)
     y = fk.splice_linear(x, pw, config=FragmentConfig(16, 64, 128, 1, 3, cols_late=late))
     assert len(got) == 1 and got[0] is not None
