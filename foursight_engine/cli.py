@@ -296,7 +296,7 @@ def serve(
         check_port_free(host, port)  # before vLLM starts: it would load the model, then fail with a traceback
     argv, env = vllm_command(str(resolve_model(model)), host, port, ctx.args)
     if kernel_backend is not None:
-        from foursight.kernels.blackwell import BACKEND_ENV, BackendUnavailable, requested_backend
+        from foursight.kernels.backends import BACKEND_ENV, BackendUnavailable, requested_backend
 
         try:
             env[BACKEND_ENV] = requested_backend({BACKEND_ENV: kernel_backend})

@@ -10,7 +10,7 @@ loading, and again after a weight update) and runs the forward on it:
 
 * the Blackwell native-FP4 backends (FlashInfer's ``mm_nvfp4_svdquant``; the Triton ``tl.dot_scaled``
   form), opt-in until a Blackwell run has verified them (docs/blackwell.md): their adapters live in
-  their own modules (:mod:`foursight.kernels.flashinfer_gemm`, :mod:`foursight.kernels.dot_scaled`),
+  their own modules (:mod:`foursight.kernels.experimental.flashinfer_gemm`, :mod:`foursight.kernels.experimental.dot_scaled`),
   imported by name when one is asked for (``foursight.kernels.backends.load_backend``).
 
 :func:`prepare_linear` chooses a weight's backend once (:func:`select_backend`): CPU weights run the

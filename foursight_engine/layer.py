@@ -31,7 +31,7 @@ from foursight.nvfp4 import (
 class PackedLayerShape:
     """``out_features``, ``in_features`` and ``num_channels`` of a layer form that holds
     ``weight_packed`` (uint8 [N, K/2]) and ``bf16_channels`` ([k]): :class:`QuantizedWeight` and the
-    kernels' native form (:class:`foursight.kernels.dot_scaled.NativeWeight`)."""
+    kernels' native form (:class:`foursight.kernels.experimental.dot_scaled.NativeWeight`)."""
 
     @property
     def out_features(self) -> int:

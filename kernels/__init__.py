@@ -15,9 +15,14 @@ layer keeps on its device), the configurations and ``TUNED``. Layout of the pack
   :mod:`.dequant`, :mod:`.gemv`, :mod:`.swap`, :mod:`.ss` (each names its PyTorch reference);
 * :mod:`.configs` — the named tile configurations and the candidate lists per datapath;
   :mod:`.tuning` — the timing/autotune harness;
-* :mod:`.reference` — plain-PyTorch baselines; :mod:`.backends` / :mod:`.blackwell` — the backend
-  choice by capability, with the experimental forms :mod:`.gluon_ws` (and its twin
-  :mod:`.gluon_ws_twin`), :mod:`.dot_scaled` and :mod:`.flashinfer_gemm` (docs/blackwell.md).
+* :mod:`.forms` — the kernel forms as one table (its rows are :data:`.api.FORMS`) and the dispatch that
+  reads it; :mod:`.activation` — the quantizer's entry point; :mod:`.tile_steps` — the tile steps the GEMM
+  forms share;
+* :mod:`.reference` — plain-PyTorch baselines; :mod:`.backends` — the backend choice by capability;
+  :mod:`.experimental` — the experimental forms and backends, off the default path: the Gluon forms
+  (:mod:`.experimental.gluon_ws`, :mod:`.experimental.gluon_stream`, their twin
+  :mod:`.experimental.gluon_ws_twin`), :mod:`.experimental.dot_scaled` and
+  :mod:`.experimental.flashinfer_gemm` (docs/blackwell.md).
 
 The modules need Triton but no GPU: on CPU tensors the kernels run under ``TRITON_INTERPRET=1``
 (the tests do this).

@@ -11,17 +11,16 @@ Backends (:data:`REGISTRY`, in order of preference for ``auto``):
   with FlashInfer installed.
 
 Experimental backends never run unless asked for (:data:`BACKEND_ENV`, ``foursight serve
---kernel-backend``) until a device run verifies them (:data:`VERIFIED_NATIVE`). The experimental
-*kernel forms* inside the ``triton`` backend (the warp-specialized Gluon tile, :mod:`.gluon_ws`) are
-opt-in the same way (``FOURSIGHT_WS``), listed in :data:`EXPERIMENTAL_FORMS`.
+--kernel-backend``) until a device run verifies them (:data:`VERIFIED_NATIVE`). They live in
+:mod:`foursight.kernels.experimental`, apart from the default path: the registry names the module of each,
+and it is imported by that name only when it is asked for (:func:`load_backend`), as an engine loads a
+plugin. No module of the default path imports them (``tests/test_import_graph.py`` checks it). The
+experimental *kernel forms* inside the ``triton`` backend (the Gluon tiles) are rows of the kernel-form
+table, :mod:`.forms`, with their own switches.
 
-The experimental backends and forms live apart from the default path: the registry names the module
-of each, and it is imported by that name only when it is asked for (:func:`load_backend`,
-:func:`form_module`), as an engine loads a plugin. No module of the default path imports them
-(``tests/test_import_graph.py`` checks it).
-
-This module is the rule only (pure functions of the capability, testable with a faked one); how each
-backend prepares and runs a layer is :mod:`foursight.dispatch`'s.
+This module is the rule (pure functions of the capability, testable with a faked one) and the device
+lookups it needs (:func:`device_capability`, :func:`blackwell_fp4_available`); how each backend prepares
+and runs a layer is :mod:`foursight.dispatch`'s.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
+
+import torch
 
 #: The environment variable that selects the backend of every FourSight layer of the process.
 BACKEND_ENV: str = "FOURSIGHT_KERNEL_BACKEND"
@@ -52,6 +52,19 @@ def sm(capability: tuple[int, int] | None) -> str:
 def native_fp4(capability: tuple[int, int] | None) -> bool:
     """True for a GPU with native block-scaled FP4 MMA (sm_100/sm_103/sm_120/sm_121)."""
     return capability is not None and capability[0] in FP4_MAJORS
+
+
+def device_capability(device: torch.device | int | None = None) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def blackwell_fp4_available(device: torch.device | int | None = None) -> bool:
+    """True on a GPU whose native FP4 backends exist here (sm_100/sm_103/sm_120/sm_121); False on
+    Hopper and CPU. Whether they run is :func:`choose_backend`'s opt-in rule."""
+    return native_fp4(device_capability(device))
 
 
 def flashinfer_svdquant_available() -> bool:
@@ -118,40 +131,14 @@ REGISTRY: dict[str, KernelBackend] = {b.name: b for b in (
     KernelBackend("triton", "Triton SpliceGEMM kernels (fragment / dequant forms), verified on sm_90", False, _triton_rule),
     KernelBackend("reference", "the PyTorch reference (foursight.layer.reference_linear)", False, lambda cap: None),
     KernelBackend("dot_scaled", "Triton tl.dot_scaled native FP4 (docs/blackwell.md)", True, _blackwell_rule("dot_scaled"),
-                  "foursight.kernels.dot_scaled"),
+                  "foursight.kernels.experimental.dot_scaled"),
     KernelBackend("flashinfer", "FlashInfer mm_nvfp4_svdquant (docs/blackwell.md)", True, _blackwell_rule("flashinfer"),
-                  "foursight.kernels.flashinfer_gemm"),
+                  "foursight.kernels.experimental.flashinfer_gemm"),
 )}
 #: The values :data:`BACKEND_ENV` accepts.
 CHOICES: tuple[str, ...] = ("auto", *REGISTRY)
 #: The experimental native backends.
 NATIVE: tuple[str, ...] = tuple(n for n, b in REGISTRY.items() if b.experimental)
-#: Experimental kernel forms of the ``triton`` backend: name -> (environment switch, support rule). Not
-#: autotune candidates unless switched on (measured slower everywhere: benchmarks/results/h200-2026-12-05-ws/).
-class ExperimentalForm(NamedTuple):
-    """An experimental kernel form of the ``triton`` backend: its switch, its support rule (``rule(capability)``:
-    None when it can run there, else why not), and its modules, imported by name only when it is switched on."""
-
-    switch: str
-    rule: Callable[[tuple[int, int] | None], str | None]
-    module: str  # the form's kernels
-    twin: str  # its plain-Triton twin, which the interpreter runs
-
-
-EXPERIMENTAL_FORMS: dict[str, ExperimentalForm] = {
-    "gluon_ws": ExperimentalForm(
-        "FOURSIGHT_WS=1 (or only)",
-        lambda cap: None if cap is not None and cap[0] == 9 and gluon_available()
-        else f"the Gluon warp-specialized form needs sm_90 and triton.experimental.gluon; this is {sm(cap)}",
-        "foursight.kernels.gluon_ws", "foursight.kernels.gluon_ws_twin"),
-    "gluon_stream": ExperimentalForm(
-        "FOURSIGHT_STREAM=1 (or only)",
-        lambda cap: None if cap is not None and cap[0] == 9 and gluon_available()
-        else f"the Gluon register-streaming form needs sm_90 and triton.experimental.gluon; this is {sm(cap)}",
-        "foursight.kernels.gluon_stream", "foursight.kernels.gluon_ws_twin"),
-}
-
-
 def rebuilds_checkpoint(state: Any) -> bool:
     """Whether a backend's execution form ``state`` (``PreparedLinear.state``) gives back its layer's
     checkpoint FP4 codes and block scales exactly (``state.checkpoint_codes()``): the ``triton``
@@ -168,12 +155,6 @@ def load_backend(name: str) -> Any:
     if module is None:
         raise ValueError(f"{BACKEND_ENV}={name}: not an experimental backend (its adapter is foursight.dispatch's)")
     return importlib.import_module(module).BACKEND
-
-
-def form_module(name: str, interpreted: bool = False) -> ModuleType:
-    """The module of the experimental kernel form ``name`` (its plain-Triton twin when ``interpreted``), imported now."""
-    form = EXPERIMENTAL_FORMS[name]
-    return importlib.import_module(form.twin if interpreted else form.module)
 
 
 def requested_backend(environ=None) -> str:

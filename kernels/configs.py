@@ -155,11 +155,11 @@ class FragmentConfig(_Config):
 
 @dataclass(frozen=True)
 class WSConfig(_Config):
-    """Warp-specialized fragment tile in Gluon (:mod:`.gluon_ws`; its plain-Triton twin
-    :mod:`.gluon_ws_twin` under the interpreter): ``Yᵀ[block_n, block_m]``, 256-column K steps through
+    """Warp-specialized fragment tile in Gluon (:mod:`.experimental.gluon_ws`; its plain-Triton twin
+    :mod:`.experimental.gluon_ws_twin` under the interpreter): ``Yᵀ[block_n, block_m]``, 256-column K steps through
     a ``num_stages``-slot TMA/mbarrier ring, ``num_warps`` consumer warps (one or two warpgroups) plus
     one producer warp; ``split_k`` 0 = automatic, 1 = no split. CUDA sm_90 with Gluon only
-    (:func:`.gluon_ws.available`); BF16 activations."""
+    (:func:`.experimental.gluon_ws.available`); BF16 activations."""
 
     form: ClassVar[str] = "gluon_ws"
     block_m: int
@@ -184,12 +184,12 @@ class WSConfig(_Config):
 
 @dataclass(frozen=True)
 class StreamConfig(_Config):
-    """Register-streaming fragment tile in Gluon (:mod:`.gluon_stream`; its plain-Triton twin
-    :mod:`.gluon_ws_twin` with ``cols_mma`` under the interpreter): ``Yᵀ[block_n, block_m]`` per program of
+    """Register-streaming fragment tile in Gluon (:mod:`.experimental.gluon_stream`; its plain-Triton twin
+    :mod:`.experimental.gluon_ws_twin` with ``cols_mma`` under the interpreter): ``Yᵀ[block_n, block_m]`` per program of
     one or two consumer warpgroups (64 output rows each), the program's activation slice in shared memory
     once, the weight words streamed from global memory into registers ``depth`` 256-column steps ahead (1 or
     2); ``split_k`` 0 = automatic; ``mma_async``: the steps unrolled with one ``wgmma`` in flight across the
-    next step's decode. CUDA sm_90 with Gluon only (:func:`.gluon_ws.available`); BF16 activations; decode
+    next step's decode. CUDA sm_90 with Gluon only (:func:`.experimental.gluon_ws.available`); BF16 activations; decode
     (M <= 16 rows a tile)."""
 
     form: ClassVar[str] = "gluon_stream"
@@ -199,7 +199,7 @@ class StreamConfig(_Config):
     #: register cap per thread (Triton's ``maxnreg``; 0 = the compiler's choice)
     max_regs: int = 0
     #: output rows per program: 64 per consumer warpgroup (the stored block), so ``16 · num_warps``; the words'
-    #: load layout (:func:`.gluon_stream.words_layout`) then converts to the wgmma operand without data movement
+    #: load layout (:func:`.experimental.gluon_stream.words_layout`) then converts to the wgmma operand without data movement
     block_n: int = 64
     #: 4 (one warpgroup) or 8 (two consumer warpgroups, each its own 64 rows and its own wgmma)
     num_warps: int = 4
@@ -334,10 +334,10 @@ WS_CONFIGS: dict = {
         WSConfig(64, 128, 3, 8),
     ),
 }
-#: Register-streaming Gluon tiles (:class:`StreamConfig`, :mod:`.gluon_stream`, issue 36 item 3): **not
+#: Register-streaming Gluon tiles (:class:`StreamConfig`, :mod:`.experimental.gluon_stream`, issue 36 item 3): **not
 #: candidates by default** (measured slower than the fragment tiles in every decode cell of the H100 grid,
 #: benchmarks/results/h100-2026-12-06e-v4/). ``FOURSIGHT_STREAM=1`` adds the tiles whose token tile fits M to
-#: the decode candidates where Gluon runs (:func:`.api.stream_candidates`); ``only`` makes this whole list
+#: the decode candidates where Gluon runs (:func:`.forms.stream_candidates`); ``only`` makes this whole list
 #: the only decode candidates.
 STREAM_CONFIGS: tuple = (
     StreamConfig(8, 2),
@@ -390,6 +390,14 @@ INTERP_CONFIGS: dict = {
     "fp16:mid": SwapConfig(32, 32, 32, 4, 1, 1),
     "fp16:prefill": SSConfig(32, 32, 32, 4, 1, True),
 }
+
+
+def interp_config(path: str, m: int, bf16: bool = True, form: str = "linear") -> KernelConfig:
+    """The interpreter's tile (:data:`INTERP_CONFIGS`) for ``path``: fp16 activations or the fp16 ``q*s``
+    (``form`` "deq") take the packed-layout forms, the GEMV at one row."""
+    if form == "deq" or not bf16:
+        return INTERP_CONFIGS["fp16:gemv"] if m == 1 else INTERP_CONFIGS[f"fp16:{path}"]
+    return INTERP_CONFIGS[path]
 
 
 _FORMS: dict = {c.form: c for c in (GemvConfig, SwapConfig, SSConfig, DequantConfig, FragmentConfig, WSConfig, StreamConfig)}

@@ -12,7 +12,7 @@ every thread's codes where its fragment needs them, so the decoded tile *is* the
 :mod:`.act_quant` (W4A4) or X itself (W4A16); the global scales and the ``2^7`` are applied once to
 the fp32 accumulator, then the BF16 channel segment is added into it, then the bias: the
 reference's order. The split-K plan is :mod:`.split_k`; the in-kernel reduction is
-:func:`~.primitives.split_k_epilogue`.
+:func:`~.tile_steps.split_k_epilogue`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .act_quant import static_global_scale
 from .fragment_layout import FRAG_COLS, fragment_of, fragment_tile, scale_view
-from .primitives import DIV6_RECIP_ON_CUDA, mma, prefetch_l2, quant_xb_2d, split_k_epilogue, tile_ids
+from .primitives import DIV6_RECIP_ON_CUDA, mma, prefetch_l2, quant_xb_2d, tile_ids
 from .runtime import interpreting, resident_programs
 from .split_k import segment_plan, split_counters, split_plan
+from .tile_steps import split_k_epilogue
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,3 +364,19 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     cnt = split_counters(out.device, tiles) if splits > 1 else dummy
     grid = (min(tiles * splits, slots), 1) if cfg.persistent else (tiles, splits)
     return _fragment_gemm_kernel[grid](*args(ws, cnt, splits, cps, first, seg), SPLIT=splits > 1, **consts, **opts)
+
+
+def launch(cfg, ops, pw, bias, out, pdl: bool = False):
+    """The form's launch in the kernel-form table's signature (:class:`~.forms.Operands` ``ops``)."""
+    return fragment_launch(cfg, ops.a.contiguous(), ops.a_gs, ops.x.contiguous(), pw, bias, out, ops.a_quant, pdl=pdl,
+                           xs=ops.xs)
+
+
+def quant_in_linear(cfg, x2, pw, bias, input_global_scale, out) -> bool:
+    """W4A4 with ``cfg.quant_in``, a static activation scale and M <= :data:`QUANT_IN_MAX_M`: no quantizer launch,
+    every GEMM program quantizes the activation slice it reads. Whether it ran (False where that does not apply)."""
+    if not (cfg.quant_in and input_global_scale is not None and x2.shape[0] <= QUANT_IN_MAX_M):
+        return False
+    xc = x2.contiguous()
+    fragment_launch(cfg, xc, static_global_scale(input_global_scale, x2.device), xc, pw, bias, out, True, quant_in=True)
+    return True

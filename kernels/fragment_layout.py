@@ -2,7 +2,7 @@
 (:func:`fragment_weight`, the inverse :func:`unfragment`), and its decode inside a kernel
 (:func:`fragment_tile`). One subject: where every code and scale sits, and how a thread gets its
 wgmma fragment back from it. The GEMM that reads it is :mod:`.fragment`; the prefill
-dequantization :mod:`.dequant` and the Gluon form :mod:`.gluon_ws` read it too.
+dequantization :mod:`.dequant` and the Gluon form :mod:`.experimental.gluon_ws` read it too.
 
 Why the layout is what it is:
 

@@ -190,3 +190,8 @@ def gemv_launch(cfg: GemvConfig, x: torch.Tensor, a: torch.Tensor | None, a_gs: 
         INTERP=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def launch(cfg, ops, pw, bias, out, pdl: bool = False):
+    """The form's launch in the kernel-form table's signature (:class:`~.forms.Operands` ``ops``)."""
+    return gemv_launch(cfg, ops.x, ops.a if ops.a_quant else None, ops.a_gs, pw, bias, out)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from foursight.layer import QuantizedWeight, channel_mask, check_channels
+from foursight.layer import QuantizedWeight, channel_mask, check_channels, reference_linear
 from foursight.nvfp4 import BLOCK_SIZE, NVFP4Error, check_k
 
 from .fragment_layout import FragmentWeight, fragment_weight, unfragment
@@ -214,3 +214,11 @@ def linear_operands(x: torch.Tensor, pw, bias: torch.Tensor | None, name: str = 
         raise NVFP4Error(f"{name}.bias: expected [{n}], got {tuple(bias.shape)}")
     x2 = x.reshape(-1, k_dim)
     return x.shape[:-1], x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+
+
+def reference_output(pw: PreparedWeight, x, bias, input_global_scale, act_quant: bool) -> torch.Tensor:
+    """fp32 output of :func:`foursight.layer.reference_linear` for the layer ``pw`` was prepared from."""
+    packed, scale = pw.packed_form(keep=False)  # a temporary: the layer keeps only the fragment form
+    qw = QuantizedWeight(packed, scale.view(torch.float8_e4m3fn), pw.weight_global_scale, pw.bf16_channels, pw.weight_bf16)
+    return reference_linear(x, qw, bias=bias, input_global_scale=input_global_scale, act_quant=act_quant,
+                            out_dtype=torch.float32)

@@ -194,3 +194,28 @@ def reference_silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """PyTorch twin of the ``SILU_MUL`` producer."""
     g, u = gu.float().chunk(2, dim=-1)
     return ((g / (1.0 + torch.exp(-g))) * u).to(torch.bfloat16)
+
+
+def check_producer_input(t: torch.Tensor, name: str, shape: tuple | None = None) -> None:
+    """A producer's input ``t`` (named ``name`` in the error): [M, K] (or ``shape``), bf16, unit stride along K."""
+    if t.dim() != 2 or (shape is not None and tuple(t.shape) != tuple(shape)):
+        raise NVFP4Error(f"{name}: expected {list(shape) if shape else '[M, K]'}, got shape {tuple(t.shape)}")
+    if t.dtype != torch.bfloat16:
+        raise NVFP4Error(f"{name}: the fused producers take bf16, got {t.dtype}")
+    if t.shape[1] and t.stride(1) != 1:
+        raise NVFP4Error(f"{name}: needs unit stride along its last dimension, got strides {tuple(t.stride())}")
+
+
+def same_channels(a, b) -> bool:
+    """Whether an activation quantized for the prepared layer ``a`` is the one ``b`` reads (the same BF16 channel set)."""
+    if a is b or a.bf16_channels is b.bf16_channels:
+        return True
+    if a.in_features != b.in_features or a.num_channels != b.num_channels:
+        return False
+    if _capturing():
+        return False  # comparing the index tensors would synchronize inside a CUDA-graph capture
+    return bool(torch.equal(a.bf16_channels, b.bf16_channels))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -1,8 +1,8 @@
-"""The split-K plan of the ``Yᵀ[BN, BM]`` tile forms (:mod:`.fragment`, the Gluon form :mod:`.gluon_ws` and
-its plain-Triton twin :mod:`.gluon_ws_twin`), in Python: how many splits a launch takes (whole waves,
+"""The split-K plan of the ``Yᵀ[BN, BM]`` tile forms (:mod:`.fragment`, the Gluon form :mod:`.experimental.gluon_ws` and
+its plain-Triton twin :mod:`.experimental.gluon_ws_twin`), in Python: how many splits a launch takes (whole waves,
 :func:`split_plan`), how the BF16 channel segment is spread over them (:func:`segment_plan`), and the
 per-tile arrival counters the in-kernel reduction uses (:func:`split_counters`; the reduction itself
-is the tile step :func:`~.primitives.split_k_epilogue`). One subject: how a launch splits K.
+is the tile step :func:`~.tile_steps.split_k_epilogue`). One subject: how a launch splits K.
 """
 
 from __future__ import annotations

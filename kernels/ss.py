@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import triton
 import triton.language as tl
 
@@ -156,3 +157,10 @@ def ss_launch(cfg: SSConfig, a, a_gs, x, xs, pw: PreparedWeight, bias, out, a_qu
         INTERP=interpreting(),
         num_warps=nw, num_stages=ns,
     )
+
+
+def launch(cfg, ops, pw, bias, out, pdl: bool = False):
+    """The form's launch in the kernel-form table's signature (:class:`~.forms.Operands` ``ops``); the MMA in
+    bf16 where A is bf16 X (W4A16)."""
+    return ss_launch(cfg, ops.a, ops.a_gs, ops.x, ops.xs, pw, bias, out, ops.a_quant,
+                     not ops.a_quant and ops.x.dtype == torch.bfloat16)

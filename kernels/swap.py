@@ -40,7 +40,8 @@ from foursight.nvfp4 import BLOCK_SIZE
 
 from .configs import SwapConfig
 from .launch import block_ks, weight_args
-from .primitives import bf16_rne, bf16_segment, fp4_tile, global_scales, mma, tile_ids
+from .primitives import bf16_rne, fp4_tile, mma, tile_ids
+from .tile_steps import bf16_segment, global_scales
 from .runtime import interpreting, resident_programs
 
 if TYPE_CHECKING:
@@ -208,3 +209,10 @@ def swap_launch(cfg: SwapConfig, a, a_gs, x, pw: PreparedWeight, bias, out, a_qu
             HAS_BIAS=bias is not None, BLOCK=blk, INTERP=interpreting(), num_warps=4,
         )
     return compiled
+
+
+def launch(cfg, ops, pw, bias, out, pdl: bool = False):
+    """The form's launch in the kernel-form table's signature (:class:`~.forms.Operands` ``ops``); the MMA in
+    bf16 where A is bf16 X (W4A16)."""
+    return swap_launch(cfg, ops.a, ops.a_gs, ops.x, pw, bias, out, ops.a_quant,
+                       not ops.a_quant and ops.x.dtype == torch.bfloat16)

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 import torch
+import triton
 
 from .runtime import interpreting
 
@@ -238,3 +239,16 @@ def _kernels_hash() -> str:
 
 class Rejected(Exception):
     """A candidate configuration that ran but did not compute the reference function."""
+
+
+def m_bucket(path: str, m: int) -> int:
+    """The M bucket of the autotuner's keys: decode M <= 4 each its own, else 16; above, the next power of two."""
+    if path == "decode":
+        return m if m <= 4 else 16
+    return min(triton.next_power_of_2(m), 4096)
+
+
+def linear_key(path: str, m: int, prepared, act_quant: bool, static_gs: bool, dtype, has_bias: bool) -> tuple:
+    """The autotuner's cache key of a :func:`splice_linear` call (benchmarks read ``TUNED[key]``)."""
+    return ("linear", path, m_bucket(path, m), prepared.out_features, prepared.in_features, prepared.num_channels > 0,
+            "linear" if act_quant else "w4a16", static_gs, dtype, has_bias)

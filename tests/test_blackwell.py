@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from foursight import dispatch
-from foursight.kernels import blackwell as bw
-from foursight.kernels import flashinfer_gemm as fg
-from foursight.kernels.dot_scaled import prepare_native_weight
+from foursight.kernels import backends as bw
+from foursight.kernels.experimental import flashinfer_gemm as fg
+from foursight.kernels.experimental.dot_scaled import prepare_native_weight
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
 from foursight.nvfp4 import NVFP4Error, e2m1_values, pack_fp4, unpack_fp4
 from foursight.quant_methods.sharding import concat_shards, shard_quantized_weight
@@ -385,7 +385,7 @@ def test_dot_scaled_compiles_to_block_scaled_fp4_mma_for_sm100a_and_sm120a():
     from helpers.scripts import load_benchmark
 
     sb = load_benchmark("sass_blackwell")
-    from foursight.kernels.dot_scaled import CONFIGS, DotScaledConfig
+    from foursight.kernels.experimental.dot_scaled import CONFIGS, DotScaledConfig
 
     for cap in (100, 120):
         res = sb.check(cap, sb.compile_for(cap, CONFIGS["decode16"], True), True)

@@ -37,7 +37,7 @@ def _close(y, ref, extra=None):
 @pytest.mark.parametrize("m", [1, 16, 33, 64, 200])
 @pytest.mark.parametrize("static", [False, True])
 def test_dot_scaled_matches_the_reference_gpu(m, static):
-    from foursight.kernels.dot_scaled import dot_scaled_linear, prepare_native_weight
+    from foursight.kernels.experimental.dot_scaled import dot_scaled_linear, prepare_native_weight
     from foursight.layer import reference_linear
 
     qw, x = _case(512, 1024, m, (3, 77, 500, 1023))
@@ -48,7 +48,7 @@ def test_dot_scaled_matches_the_reference_gpu(m, static):
 
 
 def _blackwell():
-    from foursight.kernels.blackwell import native_fp4
+    from foursight.kernels.backends import native_fp4
 
     return native_fp4(tuple(torch.cuda.get_device_capability()))
 

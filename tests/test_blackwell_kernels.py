@@ -1,4 +1,4 @@
-"""The dot_scaled form (``foursight.kernels.dot_scaled``) under TRITON_INTERPRET=1 against the reference.
+"""The dot_scaled form (``foursight.kernels.experimental.dot_scaled``) under TRITON_INTERPRET=1 against the reference.
 
 Triton 3.9's interpreter reads the E4M3 scales of ``tl.dot_scaled`` as E8M0 (``bits << 23``):
 :func:`test_interpreter_reads_e4m3_scales_as_e8m0` shows it on a bare ``tl.dot_scaled``. So under the
@@ -21,7 +21,7 @@ from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from foursight.kernels.dot_scaled import (  # noqa: E402
+from foursight.kernels.experimental.dot_scaled import (  # noqa: E402
     INTERP_CONFIGS,
     DotScaledConfig,
     NativeWeight,

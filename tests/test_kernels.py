@@ -284,7 +284,7 @@ def test_empty_batch():
 
 
 def test_blackwell_path_not_taken_here():
-    from foursight.kernels.blackwell import blackwell_fp4_available
+    from foursight.kernels.backends import blackwell_fp4_available
 
     assert blackwell_fp4_available() is False
 

@@ -164,7 +164,7 @@ def test_dispatcher_picks_the_kernels_gpu():
 def test_blackwell_gate_false_on_hopper():
     major, _ = torch.cuda.get_device_capability()
     if major == 9:
-        from foursight.kernels.blackwell import blackwell_fp4_available
+        from foursight.kernels.backends import blackwell_fp4_available
 
         assert blackwell_fp4_available() is False
 

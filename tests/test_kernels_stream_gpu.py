@@ -1,7 +1,7 @@
-"""The register-streaming Gluon form (``foursight.kernels.gluon_stream``) on a CUDA sm_90 GPU against the
+"""The register-streaming Gluon form (``foursight.kernels.experimental.gluon_stream``) on a CUDA sm_90 GPU against the
 PyTorch reference run on the same GPU, and its bit-identity over repeated calls.
 
-Marked ``gpu``: skipped without CUDA and where :func:`foursight.kernels.gluon_stream.available` is False
+Marked ``gpu``: skipped without CUDA and where :func:`foursight.kernels.experimental.gluon_stream.available` is False
 (no Gluon, not sm_90). Speed is never asserted here (``benchmarks/kernels/probe_stream.py`` times it).
 Tolerances are those of ``tests/test_kernels_ws_gpu.py``.
 """
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
     import foursight.kernels.api as fk
-    from foursight.kernels import api, gluon_stream, gluon_ws, tuning
+    from foursight.kernels import api, tuning
+    from foursight.kernels.experimental import gluon_stream, gluon_ws
     from foursight.kernels.configs import STREAM_CONFIGS, StreamConfig
     from foursight.layer import reference_linear
 
@@ -28,6 +29,7 @@ else:
     _AVAILABLE, _WHY = False, "no CUDA"
 
 from helpers.gpu_kernels import DEV, activation, cached_layer, check_fp32, repeat_identical
+from helpers.kernel_switches import kernel_switches, kernel_switches_for_test
 REPEATS = int(os.environ.get("FOURSIGHT_STREAM_REPEATS", "10"))
 #: the three Llama-3.1-8B linear shapes (N x K) and two of SmolLM2-135M's
 SHAPES = [(8192, 8192), (14336, 4096), (4096, 14336), (576, 576), (1536, 576)]
@@ -79,13 +81,13 @@ def test_every_stream_candidate_matches_reference_gpu(M):
 
 
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
-def test_autotuner_offers_and_checks_the_stream_candidates_gpu(monkeypatch):
+def test_autotuner_offers_and_checks_the_stream_candidates_gpu(request):
     """By default (``FOURSIGHT_STREAM`` unset) the decode candidates leave the streaming tiles out; with
     ``FOURSIGHT_STREAM=1`` they come after the measured ones, and the autotuner times each only after it
     matched the reference (TUNE_LOG has a time for each)."""
-    monkeypatch.delenv("FOURSIGHT_STREAM", raising=False)
-    assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
-    monkeypatch.setenv("FOURSIGHT_STREAM", "1")
+    with kernel_switches(FOURSIGHT_STREAM=None):
+        assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
+    kernel_switches_for_test(request, FOURSIGHT_STREAM="1")
     assert not isinstance(api.candidates("decode", 1, "linear")[0], StreamConfig)
     qw, pw = cached_layer(4096, 4096, 128)
     for m in (1, 16):

@@ -33,6 +33,7 @@ from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET
 
 import foursight.kernels.api as fk  # noqa: E402
 import foursight.kernels.act_quant as fk_aq  # noqa: E402
+import foursight.kernels.fragment as fk_fragment  # noqa: E402
 from foursight.kernels import configs  # noqa: E402
 from foursight.kernels.configs import FragmentConfig  # noqa: E402
 from foursight.kernels.fragment import fragment_launch  # noqa: E402
@@ -192,10 +193,12 @@ def test_timer_flush_modes_and_pdl_default(monkeypatch):
     assert pdl_supported() is hasattr(cuda, "gdc_wait")
 
 
-def test_candidate_lists(monkeypatch):
-    monkeypatch.delenv("FOURSIGHT_WS", raising=False)
-    for path in ("decode", "mid", "prefill"):
-        cands = fk.candidates(path, 1, "linear")
+def test_candidate_lists():
+    from helpers.kernel_switches import kernel_switches
+
+    with kernel_switches(FOURSIGHT_WS=None, FOURSIGHT_STREAM=None):
+        lists = {path: fk.candidates(path, 1, "linear") for path in ("decode", "mid", "prefill")}
+    for cands in lists.values():
         assert cands and not any(isinstance(c, configs.WSConfig) for c in cands)  # Gluon WS: opt-in only
         assert all(configs.config_from_str(str(c)) == c for c in cands)
         # first-candidate rule: the first tile of every list is one the H200 grid measured (plain v3 form)
@@ -207,12 +210,11 @@ def test_candidate_lists(monkeypatch):
 
 
 def test_one_backend_registry():
-    """Every backend answers ``is_supported(capability)`` itself; the choices, the experimental list and
-    the old import path (``foursight.kernels.blackwell``) all come from the one registry."""
-    from foursight.kernels import backends, blackwell
+    """Every backend answers ``is_supported(capability)`` itself; the choices and the experimental list come
+    from the one registry, the experimental kernel forms' support rules from the one table of forms."""
+    from foursight.kernels import backends, forms
 
-    assert backends.CHOICES == ("auto", *backends.REGISTRY) and blackwell.CHOICES is backends.CHOICES
-    assert blackwell.choose_backend is backends.choose_backend
+    assert backends.CHOICES == ("auto", *backends.REGISTRY)
     assert set(backends.NATIVE) == {n for n, b in backends.REGISTRY.items() if b.experimental} == {"dot_scaled", "flashinfer"}
     for cap in (None, (8, 0), (9, 0), (10, 0), (12, 1)):
         ok = {n: b.is_supported(cap) for n, b in backends.REGISTRY.items()}
@@ -220,8 +222,8 @@ def test_one_backend_registry():
         assert ok["dot_scaled"] == (cap is not None and cap[0] in (10, 12))
         name, _ = backends.choose_backend(cap, "auto")
         assert not backends.REGISTRY[name].experimental  # experimental backends run only when asked for
-    gluon = backends.EXPERIMENTAL_FORMS["gluon_ws"][1]
-    assert gluon(None) and gluon((10, 0))  # a reason: not supported off sm_90
+    for f in forms.EXPERIMENTAL:
+        assert f.rule(None) and f.rule((10, 0))  # a reason: not supported off sm_90
 
 
 def _same_steps(pw, cfg: FragmentConfig, m: int) -> bool:
@@ -271,7 +273,7 @@ def test_splice_linear_gives_every_fragment_tile_the_dense_copy(layer, monkeypat
     quantizer launch) gathers it itself."""
     qw, pw, g = layer
     got = []
-    monkeypatch.setattr(fk, "fragment_launch", lambda *a, **k: got.append(k.get("xs")) or fragment_launch(*a, **k))
+    monkeypatch.setattr(fk_fragment, "fragment_launch", lambda *a, **k: got.append(k.get("xs")) or fragment_launch(*a, **k))
     x = _act(3, g)
     y = fk.splice_linear(x, pw, config=FragmentConfig(16, 64, 128, 1, 3, cols_late=late))
     assert len(got) == 1 and got[0] is not None

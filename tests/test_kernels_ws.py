@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon form's plain-Triton twin (``foursight.kernels.gluon_ws_twin``) under
+"""The warp-specialized Gluon form's plain-Triton twin (``foursight.kernels.experimental.gluon_ws_twin``) under
 TRITON_INTERPRET=1 (CPU) against the PyTorch reference (``foursight.layer.reference_linear``).
 
 The twin has the Gluon kernel's tiling (256-column K steps of the fragment form, ``Yᵀ[BN, BM]``
@@ -21,12 +21,14 @@ if not torch.cuda.is_available() and any("test_kernels_ws.py" in a for a in sys.
     os.environ["TRITON_INTERPRET"] = "1"
 
 import foursight.kernels.api as fk  # noqa: E402
-from foursight.kernels import api, gluon_stream, gluon_ws  # noqa: E402
+from foursight.kernels import api  # noqa: E402
+from foursight.kernels.experimental import gluon_stream, gluon_ws  # noqa: E402
 from foursight.kernels.configs import StreamConfig, WSConfig, config_from_str  # noqa: E402
 from foursight.kernels.runtime import interpreting  # noqa: E402
 from foursight.kernels.split_k import split_counters  # noqa: E402
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
 from foursight.nvfp4 import NVFP4Error
+from helpers.kernel_switches import kernel_switches
 
 pytestmark = pytest.mark.skipif(
     not interpreting(),
@@ -123,7 +125,7 @@ def test_ws_config_and_dispatch_rules():
 
 
 # ---------------------------------------------------------------------------------------------
-# the register-streaming Gluon form (foursight.kernels.gluon_stream) through the same twin
+# the register-streaming Gluon form (foursight.kernels.experimental.gluon_stream) through the same twin
 # ---------------------------------------------------------------------------------------------
 
 # block_m, depth, split_k: one-row tile without a split, a fixed split, automatic with 16 rows
@@ -167,7 +169,7 @@ def test_stream_plan_fits_the_activation_slice_and_splits_whole_steps():
     assert gluon_stream.stream_plan(StreamConfig(16, 2, 1, ring=4), 3, pw)["splits"] == 1  # a ring: any share fits
 
 
-def test_stream_config_and_dispatch_rules(monkeypatch):
+def test_stream_config_and_dispatch_rules():
     """Bad tiles are refused when built, tags round-trip, and the form is no candidate where Gluon
     cannot run (here: the interpreter), even when switched on."""
     for bad in (dict(block_m=12), dict(depth=3), dict(block_n=128), dict(num_warps=8), dict(q_split=3), dict(ring=5),
@@ -181,10 +183,7 @@ def test_stream_config_and_dispatch_rules(monkeypatch):
     # a tag written before mma_async existed still reads back (the field defaults to False)
     assert config_from_str("gluon_stream/16/1/3/128/64/4/8/0") == StreamConfig(16, 1, 3, 128)
     for value in ("1", "only", None):
-        if value is None:
-            monkeypatch.delenv("FOURSIGHT_STREAM", raising=False)
-        else:
-            monkeypatch.setenv("FOURSIGHT_STREAM", value)
-        assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
+        with kernel_switches(FOURSIGHT_STREAM=value):
+            assert not any(isinstance(c, StreamConfig) for c in api.candidates("decode", 1, "linear"))
     assert {c.block_m for c in api.stream_candidates(1)} == {8} and {c.block_m for c in api.stream_candidates(9)} == {16}
     assert {c.depth for c in api.stream_candidates(16)} == {1, 2}

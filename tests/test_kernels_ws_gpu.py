@@ -1,7 +1,7 @@
-"""The warp-specialized Gluon form (``foursight.kernels.gluon_ws``) on a CUDA sm_90 GPU against the
+"""The warp-specialized Gluon form (``foursight.kernels.experimental.gluon_ws``) on a CUDA sm_90 GPU against the
 PyTorch reference run on the same GPU, and its bit-identity over repeated calls.
 
-Marked ``gpu``: skipped without CUDA, and where :func:`foursight.kernels.gluon_ws.available` is False
+Marked ``gpu``: skipped without CUDA, and where :func:`foursight.kernels.experimental.gluon_ws.available` is False
 (no Gluon, not sm_90, ``FOURSIGHT_WS=0``). Speed is never asserted here; see
 ``benchmarks/kernels/bench_ws.py``. Tolerances are those of ``tests/test_kernels_gpu.py`` for the
 fragment form: bf16 output (W4A4) within ``rtol 2^-7, atol 1e-3·max|ref|``, fp32 output (W4A16,
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
     import foursight.kernels.api as fk
-    from foursight.kernels import api, gluon_ws, tuning
+    from foursight.kernels import api, tuning
+    from foursight.kernels.experimental import gluon_ws
     from foursight.kernels.configs import WS_CONFIGS, WSConfig
     from foursight.layer import reference_linear
 
@@ -30,6 +31,7 @@ else:
     _AVAILABLE, _WHY = False, "no CUDA"
 
 from helpers.gpu_kernels import DEV, activation, cached_layer, check_fp32, repeat_identical
+from helpers.kernel_switches import kernel_switches_for_test
 REPEATS = int(os.environ.get("FOURSIGHT_WS_REPEATS", "10"))
 #: the three Llama-3.1-8B linear shapes (N x K) and two of SmolLM2-135M's
 SHAPES = [(8192, 8192), (14336, 4096), (4096, 14336), (576, 576), (1536, 576)]
@@ -94,11 +96,11 @@ def test_every_gluon_candidate_matches_reference_gpu(path):
 
 
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
-def test_autotuner_offers_and_checks_the_gluon_candidates_gpu(monkeypatch):
+def test_autotuner_offers_and_checks_the_gluon_candidates_gpu(request):
     """With Gluon available and ``FOURSIGHT_WS=1`` (the form is experimental: off by default) the decode
     and mid candidate lists include the Gluon tiles, and the autotuner times each only after it matched
     the reference (TUNE_LOG has a time for each)."""
-    monkeypatch.setenv("FOURSIGHT_WS", "1")
+    kernel_switches_for_test(request, FOURSIGHT_WS="1")
     qw, pw = cached_layer(4096, 4096, 128)
     for m, path in ((16, "decode"), (64, "mid")):
         cands = api.candidates(path, m, "linear")

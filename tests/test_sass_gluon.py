@@ -1,5 +1,5 @@
 """The offline SASS tools compile a Gluon kernel (``benchmarks/kernels/sass.py``'s ``compile_kernel`` builds
-a ``GluonASTSource`` for a ``@gluon.jit`` function): the register-streaming form (``kernels/gluon_stream.py``)
+a ``GluonASTSource`` for a ``@gluon.jit`` function): the register-streaming form (``kernels/experimental/gluon_stream.py``)
 for sm_90a at its decode launch, as ``sass_offline.py --stream`` does. Runs where Triton's Gluon imports (no
 GPU needed: Triton ships ptxas and cuobjdump); skips cleanly elsewhere.
 
@@ -36,7 +36,7 @@ print("ROWS " + json.dumps(rows))
 def _stream_rows(tiles: str) -> list[dict]:
     """The offline sm_90a figures of the tiles ``tiles`` names (skips where Gluon does not import)."""
     pytest.importorskip("triton.experimental.gluon")
-    from foursight.kernels import gluon_stream
+    from foursight.kernels.experimental import gluon_stream
 
     if gluon_stream.gluon is None:
         pytest.skip(f"Gluon is not importable here: {gluon_stream.GLUON_IMPORT_ERROR}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time the warp-specialized Gluon SpliceGEMM form (``foursight.kernels.gluon_ws``) against cuBLAS
+"""Time the warp-specialized Gluon SpliceGEMM form (``foursight.kernels.experimental.gluon_ws``) against cuBLAS
 BF16 and the best v3 form, per layer, on a CUDA sm_90 GPU.
 
 For each shape (N x K) and M, one process measures:
@@ -42,7 +42,7 @@ import triton
 
 import foursight.kernels.api as fk
 import foursight.kernels.api as fk_api
-import foursight.kernels.gluon_ws as fk_ws
+import foursight.kernels.experimental.gluon_ws as fk_ws
 import foursight.kernels.tuning as fk_tuning
 from foursight.layer import quantize_weight
 
@@ -94,9 +94,11 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _with_ws(mode: str, fn):
-    """Run ``fn`` with ``FOURSIGHT_WS=mode`` (the candidate lists of :func:`foursight.kernels.api.candidates`)."""
+    """Run ``fn`` with ``FOURSIGHT_WS=mode`` (the candidate lists of :func:`foursight.kernels.api.candidates`; the
+    kernels read the switch once, so :func:`foursight.kernels.forms.configure` re-reads it)."""
     old = os.environ.get("FOURSIGHT_WS")
     os.environ["FOURSIGHT_WS"] = mode
+    fk_api.configure()
     try:
         return fn()
     finally:
@@ -104,6 +106,7 @@ def _with_ws(mode: str, fn):
             os.environ.pop("FOURSIGHT_WS", None)
         else:
             os.environ["FOURSIGHT_WS"] = old
+        fk_api.configure()
 
 
 def _tuned_form(x, pw, act_quant: bool, ws_mode: str) -> dict:

@@ -37,7 +37,7 @@ mkdir -p "$OUT"
 source benchmarks/kernels/device_prelude.sh
 echo "[device_ws] commit $FOURSIGHT_COMMIT, kernels sha256 $KSHA, steps $STEPS, total ${TOTAL_S}s, dry run $DRY_RUN"
 $PY -c "import torch, triton; print('[device_ws] torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
-$PY -c "import foursight.kernels.gluon_ws as g; print('[device_ws] gluon available:', g.available(), g.GLUON_IMPORT_ERROR)"
+$PY -c "import foursight.kernels.experimental.gluon_ws as g; print('[device_ws] gluon available:', g.available(), g.GLUON_IMPORT_ERROR)"
 
 left() { echo $(( TOTAL_S - RESERVE_S - ($(date +%s) - T0) )); }
 cap() {  # cap <seconds>: the timeout of the next step

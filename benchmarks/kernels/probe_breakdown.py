@@ -51,10 +51,12 @@ def _us(fns) -> float:
 
 
 def with_pdl(on: bool, fn):
-    """``fn`` run with ``FOURSIGHT_PDL`` set to 1 (``on``) or 0, the environment restored after."""
+    """``fn`` run with ``FOURSIGHT_PDL`` set to 1 (``on``) or 0, the environment restored after (the kernels read
+    their switches once: :func:`foursight.kernels.forms.configure` re-reads them, the same host cost in both arms)."""
     def run():
         old = os.environ.get("FOURSIGHT_PDL")
         os.environ["FOURSIGHT_PDL"] = "1" if on else "0"
+        fk_api.configure()
         try:
             return fn()
         finally:
@@ -62,6 +64,7 @@ def with_pdl(on: bool, fn):
                 os.environ.pop("FOURSIGHT_PDL", None)
             else:
                 os.environ["FOURSIGHT_PDL"] = old
+            fk_api.configure()
     return run
 
 

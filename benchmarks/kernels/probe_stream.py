@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The register-streaming Gluon form (:mod:`foursight.kernels.gluon_stream`, issue 36 item 3) against the
+"""The register-streaming Gluon form (:mod:`foursight.kernels.experimental.gluon_stream`, issue 36 item 3) against the
 autotuned default (the fragment form) and cuBLAS BF16 on a CUDA sm_90 GPU.
 
 For each shape, M and k (BF16 columns), on random layers with rotated weight copies (as

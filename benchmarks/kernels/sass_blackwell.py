@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile the dot_scaled form (``foursight.kernels.dot_scaled``) for sm_100a and sm_120a on a
+"""Compile the dot_scaled form (``foursight.kernels.experimental.dot_scaled``) for sm_100a and sm_120a on a
 machine without a GPU, and check that its FP4 main loop runs on the block-scaled FP4 tensor cores.
 
 Triton ships ``ptxas`` (with Blackwell support) and ``cuobjdump``, so ``triton.compile`` with
@@ -50,7 +50,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import git_commit  # noqa: E402  (benchmarks/common.py)
 from sass import compile_kernel, instructions, loops, opcode, sass_of  # noqa: E402  (benchmarks/kernels/sass.py)
 
-from foursight.kernels.dot_scaled import CONFIGS, DotScaledConfig, dot_scaled_kernel  # noqa: E402
+from foursight.kernels.experimental.dot_scaled import CONFIGS, DotScaledConfig, dot_scaled_kernel  # noqa: E402
 
 ARCHS = {100: "sm_100a", 120: "sm_120a"}
 SMEM_MAX = {100: 232448, 120: 101376, 90: 232448}

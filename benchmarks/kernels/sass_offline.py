@@ -319,7 +319,7 @@ def _error_text(e: Exception) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# the register-streaming Gluon form (kernels/gluon_stream.py)
+# the register-streaming Gluon form (kernels/experimental/gluon_stream.py)
 # --------------------------------------------------------------------------------------------
 
 #: the decode launch every ``STREAM_CONFIGS`` row is compiled for: a W4A4 8192 x 8192 layer with 128 BF16
@@ -371,7 +371,7 @@ def stream_launch_plan(cfg, m: int) -> dict:
     from unittest import mock
 
     import torch
-    from foursight.kernels import gluon_stream as gs
+    from foursight.kernels.experimental import gluon_stream as gs
 
     n, k = STREAM_LAUNCH["n"], STREAM_LAUNCH["k"]
     pw = SimpleNamespace(out_features=n, in_features=k, num_channels=STREAM_LAUNCH["kk"],
@@ -385,7 +385,7 @@ def stream_launch_plan(cfg, m: int) -> dict:
 def stream_case(cfg, m: int):
     """:func:`form_case`'s tuple for a ``StreamConfig`` at its decode launch at M = ``m``: the constexprs
     ``gluon_stream.stream_launch`` passes for a W4A4 layer whose quantizer wrote the dense ``X[:, S]``."""
-    from foursight.kernels import gluon_stream as gs
+    from foursight.kernels.experimental import gluon_stream as gs
 
     if gs.gluon is None:
         raise RuntimeError(f"Gluon is not importable with this Triton ({gs.GLUON_IMPORT_ERROR})")

@@ -48,10 +48,11 @@ import triton.language as tl
 from foursight.layer import PackedLayerShape, QuantizedWeight
 from foursight.nvfp4 import NVFP4Error
 
-from . import act_quant as _aq
-from .prepared import checked_tensors, linear_operands
-from .primitives import bf16_rne, bf16_segment, fp4_tile, tile_ids
-from .runtime import interpreting
+from .. import act_quant as _aq
+from ..prepared import checked_tensors, linear_operands
+from ..primitives import bf16_rne, fp4_tile, tile_ids
+from ..tile_steps import bf16_segment
+from ..runtime import interpreting
 
 
 @dataclass

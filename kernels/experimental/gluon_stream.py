@@ -44,9 +44,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from .fragment_layout import FRAG_COLS, fragment_of, scale_view
+from ..fragment_layout import FRAG_COLS, fragment_of, scale_view
 from .gluon_ws import WS_BLOCK_K, on_cuda, available, gluon  # noqa: F401 - available: the form's support rule
-from .split_k import segment_plan, split_counters, split_plan
+from ..split_k import segment_plan, split_counters, split_plan
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl

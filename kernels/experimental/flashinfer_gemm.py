@@ -184,7 +184,7 @@ def flashinfer_operands(fw: FlashInferWeight, x2: torch.Tensor, input_global_sca
     pw = fw.prepared
     igs = input_global_scale.float().reshape(-1)[:1].to(x2.device)
     if x2.is_cuda:
-        from . import act_quant as _aq
+        from .. import act_quant as _aq
 
         packed, scale, _, _, xs = _aq.act_quant_launch(x2, pw.channel_mask, pw.bf16_channels, igs, True, False, True)
     else:

@@ -25,7 +25,7 @@ partitions (``gl.warp_specialize``):
 
 The epilogue runs after the partitions join: global scales and ``2^7`` once on the fp32 accumulator,
 then this split's share of the BF16 channel segment (fp32 FMA per channel column, exact products),
-then the split-K reduction of :func:`.primitives.split_k_epilogue` (every split stores an fp32 partial, the last to
+then the split-K reduction of :func:`.tile_steps.split_k_epilogue` (every split stores an fp32 partial, the last to
 arrive at a per-tile counter sums them in split order, adds the bias, resets the counter): results
 are deterministic and bit-identical across calls. Not persistent: one program per (tile, split), the
 split plan of :func:`.split_k.split_plan`.
@@ -42,9 +42,9 @@ import os
 import torch
 import triton
 
-from .fragment_layout import DECODE_WORD_E5M3_PAIR, FRAG_COLS, fragment_of, scale_view
-from .split_k import segment_plan, split_counters, split_plan
-from .runtime import interpreting
+from ..fragment_layout import DECODE_WORD_E5M3_PAIR, FRAG_COLS, fragment_of, scale_view
+from ..split_k import segment_plan, split_counters, split_plan
+from ..runtime import interpreting
 
 try:  # Gluon is optional (Triton >= 3.5 on CUDA); the package must import without it
     from triton.experimental import gluon

@@ -18,12 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .fragment_layout import fragment_of, fragment_tile, scale_view
-from .split_k import split_counters
+from ..fragment_layout import fragment_of, fragment_tile, scale_view
+from ..split_k import split_counters
 from .gluon_stream import stream_plan
 from .gluon_ws import ws_plan
-from .primitives import mma, split_k_epilogue
-from .runtime import interpreting
+from ..primitives import mma
+from ..tile_steps import split_k_epilogue
+from ..runtime import interpreting
 
 
 @triton.jit
