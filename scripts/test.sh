@@ -18,7 +18,7 @@ KERNEL_TESTS=(tests/test_kernels.py tests/test_kernels_actq.py tests/test_act_qu
 IGNORE=()
 for t in "${KERNEL_TESTS[@]}"; do IGNORE+=("--ignore=$t"); done
 KLOG=$(mktemp /tmp/foursight-kernel-tests.XXXX)
-"$VENV/bin/python" -m pytest "${KERNEL_TESTS[@]}" -p no:cacheprovider --timeout=900 --durations=10 "$@" >"$KLOG" 2>&1 &
+"$VENV/bin/python" -m pytest "${KERNEL_TESTS[@]}" -p no:cacheprovider --timeout=900 --durations=30 "$@" >"$KLOG" 2>&1 &
 kpid=$!
 # The SGLang suite runs beside the main suite too (its own venv and engines; it took 6-7 minutes after the main
 # suite, which spends most of its time waiting on engine subprocesses); its output is printed once it ends.
@@ -27,7 +27,7 @@ spid=""
 if [ "${FOURSIGHT_SKIP_SGLANG:-0}" = "1" ]; then
     echo "[test] SGLang suite skipped (FOURSIGHT_SKIP_SGLANG=1)" >"$SLOG"
 else
-    "$SGL_VENV/bin/python" -m pytest tests/sglang -p no:cacheprovider --timeout=900 --durations=10 "$@" >"$SLOG" 2>&1 &
+    "$SGL_VENV/bin/python" -m pytest tests/sglang -p no:cacheprovider --timeout=900 --durations=30 "$@" >"$SLOG" 2>&1 &
     spid=$!
 fi
 "$VENV/bin/python" -m pytest tests "${IGNORE[@]}" --ignore=tests/sglang --ignore=tests/sglang_harness \

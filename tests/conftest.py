@@ -87,6 +87,26 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_vllm_bf16(tiny_llama_dir, tmp_path_factory):
+    """vLLM's OpenAI server (CPU, BF16, ``--max-num-seqs 128``, context 1024) on the tiny Llama, one for the
+    session (:class:`helpers.shared_servers.SharedServer`: ``.running()`` is the
+    :class:`~foursight.trainer_bridge.launch.VLLMServer`). tests/test_bridge_vllm.py and
+    tests/test_bridge_openai_vllm.py both use it: one start (20-25 s) instead of one per file."""
+    from foursight.trainer_bridge.launch import VLLMServer
+    from helpers.shared_servers import SharedServer
+
+    logs = tmp_path_factory.mktemp("vllm-bf16-log")
+
+    def start(n: int) -> VLLMServer:
+        srv = VLLMServer(tiny_llama_dir, max_model_len=1024, extra_args=["--max-num-seqs", "128"], log_path=logs / f"vllm{n}.log")
+        return srv.start(timeout_s=300)
+
+    shared = SharedServer(start, alive=lambda s: s.proc is not None and s.proc.poll() is None, stop=lambda s: s.stop())
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
 def quantize_tiny(tmp_path_factory):
     """The one builder of tiny FourSight checkpoints: ``quantize_tiny(model_dir, channels="16", **options)``
     is ``quantize_model``'s result, written once per (folder, options) in a session

@@ -1,8 +1,9 @@
 """The bridge's OpenAI surface against vLLM's own OpenAI server, through the official ``openai``
 client: the same request to both, compared field by field (docs/openai.md).
 
-One vLLM CPU server (tiny Llama) and one bridge in front of it serve the module. Requests run one
-at a time, so vLLM's CPU engine (not batch-invariant) computes the same numbers for both."""
+One vLLM CPU server (tiny Llama; the session's, shared with test_bridge_vllm.py) and one bridge in
+front of it serve the module. Requests run one at a time, so vLLM's CPU engine (not batch-invariant)
+computes the same numbers for both."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine  # noqa: E402
-from foursight.trainer_bridge.launch import BridgeThread, VLLMServer  # noqa: E402
+from foursight.trainer_bridge.launch import BridgeThread  # noqa: E402
 from foursight.trainer_bridge.server import create_app  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,12 +37,9 @@ MSGS = [{"role": "user", "content": "Say something about foxes."}]
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_llama_dir, tmp_path_factory):
-    srv = VLLMServer(tiny_llama_dir, max_model_len=1024, extra_args=["--max-num-seqs", "32"],
-                     log_path=tmp_path_factory.mktemp("vllm-openai-log") / "vllm.log")
-    srv.start(timeout_s=300)
-    yield srv
-    srv.stop()
+def vllm_server(tiny_llama_vllm_bf16):
+    """The session's BF16 vLLM server on the tiny Llama (tests/conftest.py; test_bridge_vllm.py shares it)."""
+    return tiny_llama_vllm_bf16.running()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """The rollout bridge in front of a real vLLM BF16 server (CPU, tiny Llama), started and torn down here.
 
-One vLLM server and one bridge serve the whole module; the engine-kill test runs last.
+One vLLM server (the session's BF16 one, shared with test_bridge_openai_vllm.py: tests/conftest.py's
+``tiny_llama_vllm_bf16``) and one bridge serve the whole module; the engine-kill test runs last (a later
+user of the shared server gets a fresh one).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from foursight.trainer_bridge.client import (  # noqa: E402
 )
 from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine  # noqa: E402
 from foursight.trainer_bridge.filters import FilterConfig, apply_filter  # noqa: E402
-from foursight.trainer_bridge.launch import BridgeThread, VLLMServer  # noqa: E402
+from foursight.trainer_bridge.launch import BridgeThread  # noqa: E402
 from foursight.trainer_bridge.metrics import compute_tim_metrics  # noqa: E402
 from foursight.trainer_bridge.protocol import SamplingParams  # noqa: E402
 from foursight.trainer_bridge.scoring import pad_rollouts, score  # noqa: E402
@@ -41,12 +43,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_llama_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    srv = VLLMServer(tiny_llama_dir, max_model_len=1024, extra_args=["--max-num-seqs", "128"], log_path=log)
-    srv.start(timeout_s=300)
-    yield srv
-    srv.stop()
+def vllm_server(tiny_llama_vllm_bf16):
+    """The session's BF16 vLLM server on the tiny Llama (tests/conftest.py; test_bridge_openai_vllm.py shares it)."""
+    return tiny_llama_vllm_bf16.running()
 
 
 @pytest.fixture(scope="module")

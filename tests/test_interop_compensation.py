@@ -26,7 +26,7 @@ from foursight.schema import CheckpointError
 from helpers.checkpoints import library_ct_checkpoint
 from foursight.trainer_bridge.metrics import abs_diff_summary
 from helpers.logprobs import fixed_sequences
-from helpers.vllm_engine import subprocess_prompt_logprobs
+from helpers.vllm_engine import subprocess_prompt_logprobs_each
 
 ct = pytest.importorskip("compressed_tensors")
 
@@ -219,8 +219,25 @@ def test_bad_requests_fail_naming_the_field_or_layer(tiny_llama_dir, ct_dir, tmp
         "quantization_config"]["channel_budget"] == "0"
 
 
+@pytest.fixture(scope="module")
+def vllm_logprobs(ct_dir, k16, k16_zeroed, tmp_path_factory) -> dict[str, tuple]:
+    """vLLM's teacher-forced logprobs (``--quantization foursight``) on the compensated import, the
+    compressed-tensors folder unconverted, the compensated import with its S codes zeroed and the plain
+    import (k = 0): ``name -> (sequences, logprobs)``, from one subprocess with one engine after another
+    (vLLM imported once instead of four times). Adjacent ones must differ (k = 16 vs k = 0), so an
+    engine that kept its predecessor's weights would be caught by the equalities the tests check."""
+    pytest.importorskip("vllm")
+    tmp = tmp_path_factory.mktemp("vllm-interop")
+    k0 = import_compressed_tensors(ct_dir, tmp / "k0")
+    names = {"k16": k16, "ct": ct_dir, "k16_zeroed": k16_zeroed, "k0": k0}
+    got = dict(zip(names, subprocess_prompt_logprobs_each(list(names.values()), tmp / "engine")))
+    for a, b in (("k16", "ct"), ("ct", "k16_zeroed"), ("k16_zeroed", "k0")):
+        assert abs_diff_summary(got[a][1], got[b][1])["max"] > 0, f"{a} and {b} gave the same logprobs: an engine served its predecessor's weights"
+    return got
+
+
 @pytest.mark.vllm
-def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, k16_zeroed, tmp_path):
+def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, vllm_logprobs):
     """vLLM (CPU build, --quantization foursight) serves the compensated import (about 20 s per engine start).
 
     * The engine gives the same logprobs with the S codes as imported and with them zeroed (its
@@ -236,8 +253,7 @@ def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, k16_zeroed, tmp
 
     from foursight.trainer_bridge.scoring import sequence_logprobs
 
-    seqs, eng = subprocess_prompt_logprobs(k16, tmp_path / "a")
-    seqs_z, eng_z = subprocess_prompt_logprobs(k16_zeroed, tmp_path / "b")
+    (seqs, eng), (seqs_z, eng_z) = vllm_logprobs["k16"], vllm_logprobs["k16_zeroed"]
     assert seqs_z == seqs
     assert abs_diff_summary(eng, eng_z)["max"] == 0.0
     ref = sequence_logprobs(load_reference_model(k16), seqs)
@@ -249,16 +265,13 @@ def test_vllm_serves_the_compensated_import(tiny_llama_dir, k16, k16_zeroed, tmp
 
 
 @pytest.mark.vllm
-def test_vllm_serves_the_compressed_tensors_folder_directly(ct_dir, tmp_path):
+def test_vllm_serves_the_compressed_tensors_folder_directly(vllm_logprobs):
     """``--quantization foursight`` on the compressed-tensors library's own W4A4 folder, unconverted:
     vLLM's method-name check is overridden, its config is read as FourSight k = 0 and the engine's
     weight iterator adds the empty k = 0 tensors. The engine's logprobs equal, bit for bit, those it
     gives the same folder converted by ``foursight import`` (a separate path: the conversion writes
     the tensors to disk and its config lists every unquantized layer)."""
-    pytest.importorskip("vllm")
-    k0 = import_compressed_tensors(ct_dir, tmp_path / "k0")
-    seqs, direct = subprocess_prompt_logprobs(ct_dir, tmp_path / "a")
-    seqs_i, imported = subprocess_prompt_logprobs(k0, tmp_path / "b")
+    (seqs, direct), (seqs_i, imported) = vllm_logprobs["ct"], vllm_logprobs["k0"]
     assert seqs_i == seqs
     assert abs_diff_summary(direct, imported)["max"] == 0.0
 

@@ -30,6 +30,18 @@ def _sglang_installed() -> bool:
 if not _sglang_installed():
     collect_ignore_glob = ["test_*.py"]
 
+#: tests that stop the session's shared SGLang server on purpose (the dead-engine ones): run after
+#: every other test, so that the server is started once for the session, not once more after them
+STOPS_SHARED = "stops_shared_server"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{STOPS_SHARED}: stops the session's shared SGLang server; runs last")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker(STOPS_SHARED) is not None)  # stable: the rest keep their order
+
 # tiny_ckpt (FourSight k=16 of the tiny Llama) and the quantize_tiny builder are in tests/conftest.py.
 
 
@@ -60,3 +72,32 @@ def ckpt_engine(tiny_ckpt):
 
     with running_engine(tiny_ckpt) as eng:
         yield eng
+
+
+@pytest.fixture(scope="session")
+def shared_sglang(tiny_ckpt, tmp_path_factory):
+    """``python -m sglang.launch_server`` on the tiny FourSight checkpoint (``helpers.sglang_engine.SERVER_ARGS``),
+    one for the session (:class:`helpers.shared_servers.SharedServer`; ``.running()`` gives ``url``, ``proc``,
+    ``log``): test_server.py, test_bridge_stream.py and test_atomic_updates.py share it, one start (30-60 s on
+    2 cores) instead of one per file. A test that updates its weights puts ``tiny_ckpt`` back before it ends."""
+    from types import SimpleNamespace
+
+    from helpers.sglang_engine import free_port, launch_server, stop_server, wait_ready
+    from helpers.shared_servers import SharedServer
+
+    logs = tmp_path_factory.mktemp("sglang-shared")
+
+    def start(n: int):
+        port, log = free_port(), logs / f"server{n}.log"
+        proc = launch_server(tiny_ckpt, port, log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(proc, url, log)
+        except BaseException:
+            stop_server(proc)
+            raise
+        return SimpleNamespace(url=url, proc=proc, log=log)
+
+    shared = SharedServer(start, alive=lambda s: s.proc.poll() is None, stop=lambda s: stop_server(s.proc))
+    yield shared
+    shared.close()

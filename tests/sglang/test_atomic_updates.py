@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 
-from helpers.sglang_engine import engine_prompt_logprobs, free_port, launch_server, prompt_ids, server_prompt_logprobs, stop_server, wait_ready
+from helpers.sglang_engine import engine_prompt_logprobs, prompt_ids, server_prompt_logprobs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -134,20 +134,19 @@ def _bad_folder_cases():
 
 
 @pytest.mark.timeout(1200)
-def test_a_refused_update_from_disk_through_the_bridge_changes_nothing(tiny_ckpt, tiny_ckpt_b, tmp_path):
+def test_a_refused_update_from_disk_through_the_bridge_changes_nothing(shared_sglang, tiny_ckpt, tiny_ckpt_b, tmp_path):
+    """On the session's SGLang server (conftest.py's ``shared_sglang``, on ``tiny_ckpt``), put back on
+    ``tiny_ckpt`` at the end for the next file that uses it."""
     from foursight.trainer_bridge.client import BridgeHTTPError, RolloutClient
     from foursight.trainer_bridge.backends.sglang import SGLangHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread
     from foursight.trainer_bridge.server import create_app
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "sglang.log"
-    proc = launch_server(tiny_ckpt, port, log)
+    url = shared_sglang.running().url
     bridge = None
     prompts = prompt_ids(tiny_ckpt, n=3)
+    first = server_prompt_logprobs(url, prompts)
     try:
-        wait_ready(proc, url, log)
         bridge = BridgeThread(create_app([SGLangHTTPEngine(url)])).start()
         with RolloutClient(bridge.url) as c:
             c.update_weights(version=1, path=str(tiny_ckpt_b))
@@ -169,4 +168,6 @@ def test_a_refused_update_from_disk_through_the_bridge_changes_nothing(tiny_ckpt
     finally:
         if bridge is not None:
             bridge.stop()
-        stop_server(proc)
+        # the shared server serves tiny_ckpt again, as it started
+        httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tiny_ckpt)}, timeout=300)
+    assert server_prompt_logprobs(url, prompts) == first

@@ -1,5 +1,5 @@
 """The bridge's OpenAI routes over a real SGLang CPU server (the tiny FourSight checkpoint), one
-server and one bridge for the module.
+server (the session's, shared with test_server.py and test_atomic_updates.py) and one bridge for the module.
 
 * Streaming: the bridge's SGLang engine reads ``/generate`` with ``stream: true``
   (``SGLangHTTPEngine.generate_stream``). Through the official ``openai`` client, a streamed
@@ -8,7 +8,7 @@ server and one bridge for the module.
   streamed (greedy, so both are the same sample).
 * issue 53 item 7: FourSight's logprobs do not depend on the prefix cache (cold, cached, after
   ``/flush_cache``); top logprobs and prompt logprobs come back as SGLang's own OpenAI server gives
-  them; a dead engine fails a request at once (the last test: it stops the server).
+  them; a dead engine fails a request at once (the last test of the session: it stops the server).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from helpers.sglang_engine import free_port, launch_server, stop_server, wait_ready
+from helpers.sglang_engine import stop_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -27,25 +27,18 @@ TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def served(tiny_ckpt, tmp_path_factory):
-    """The SGLang server (its URL and process) and the bridge in front of it (``url``)."""
+def served(shared_sglang, tiny_ckpt):
+    """The session's SGLang server (conftest.py; its URL and process) and the bridge in front of it (``url``)."""
     from foursight.trainer_bridge.backends.sglang import SGLangHTTPEngine
     from foursight.trainer_bridge.launch import BridgeThread
     from foursight.trainer_bridge.server import create_app
 
-    log = tmp_path_factory.mktemp("sglang-stream") / "server.log"
-    port = free_port()
-    proc = launch_server(tiny_ckpt, port, log)
-    sglang_url = f"http://127.0.0.1:{port}"
+    srv = shared_sglang.running()
+    b = BridgeThread(create_app([SGLangHTTPEngine(srv.url, tokenizer=tiny_ckpt)])).start()
     try:
-        wait_ready(proc, sglang_url, log)
-        b = BridgeThread(create_app([SGLangHTTPEngine(sglang_url, tokenizer=tiny_ckpt)])).start()
-        try:
-            yield SimpleNamespace(url=b.url, sglang_url=sglang_url, proc=proc)
-        finally:
-            b.stop()
+        yield SimpleNamespace(url=b.url, sglang_url=srv.url, proc=srv.proc)
     finally:
-        stop_server(proc)
+        b.stop()
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +186,9 @@ def test_sampling_extras_reach_sglang_as_its_own_server_takes_them(served):
     assert forced.choices[0].model_extra["token_ids"] == [50] * 4
 
 
+@pytest.mark.stops_shared_server
 def test_zz_a_dead_engine_fails_a_request_at_once(served):
-    """issue 53 item 7 (runs last: it stops the module's server): once SGLang is down, ``/v1/health``
+    """issue 53 item 7 (runs last in the session: it stops the shared server): once SGLang is down, ``/v1/health``
     says so at once, and a request fails at once with 503 naming the engine (before: 22.5 s of
     the engine client's connect retries per request, then a 502; the openai client's own retries made
     it about 70 s)."""

@@ -33,7 +33,7 @@ import pytest
 
 from helpers.checkpoints import edited_copy
 from helpers.sglang_engine import (abs_diffs, floor_check, free_port, generate_logprobs, hf_prompt_logprobs, launch_server, prompt_ids,
-                                   reference_model, refused_at_load, running_server, server_prompt_logprobs, sglang_prompt_logprobs,
+                                   reference_model, refused_at_load, server_prompt_logprobs, sglang_prompt_logprobs,
                                    stop_server, wait_ready)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -42,9 +42,10 @@ SEPARATION = 2.5
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
-    with running_server(tiny_ckpt, tmp_path_factory.mktemp("sglang-server") / "server.log") as url:
-        yield url
+def server(shared_sglang):
+    """The session's SGLang server on ``tiny_ckpt`` (conftest.py; shared with test_bridge_stream.py and
+    test_atomic_updates.py): its URL."""
+    return shared_sglang.running().url
 
 
 def _report(name: str, d) -> str:
