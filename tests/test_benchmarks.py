@@ -30,6 +30,18 @@ def test_benchmark_defines_each_top_level_name_once(path):
     assert not dup, f"{path.name} defines these twice: {dup}"
 
 
+def test_the_benchmarks_readme_names_every_script():
+    """benchmarks/README.md is the index of the folder: it names every script (``.py``, ``.sh``) of it by file
+    name, so a newcomer finds each from there (issue 54 item 6: it omitted 15 of 44, among them the device
+    script in use)."""
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = [p for p in (ROOT / "benchmarks").rglob("*") if p.suffix in (".py", ".sh") and p.name != "__init__.py"
+               and not {"results", "__pycache__"} & set(p.relative_to(ROOT / "benchmarks").parts)]
+    assert len(scripts) > 40
+    missing = sorted(str(p.relative_to(ROOT / "benchmarks")) for p in scripts if f"`{p.name}`" not in readme)
+    assert not missing, f"benchmarks/README.md does not name: {missing}"
+
+
 def test_bench_decode_runs_on_cpu_tiny(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/kernels/bench_decode.py"), "--tiny", "--device", "cpu", "--batches", "1,2",
