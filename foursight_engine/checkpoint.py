@@ -29,6 +29,7 @@ from foursight.channels_file import ChannelsFile, check_channels_destination
 from foursight.folder_writer import folder_writer, prepare_destination, resolve_out
 from foursight.layer import dequantized_activation, quantize_weight
 from foursight.nvfp4 import BLOCK_SIZE
+from foursight.quantize_config import QuantizeConfig
 from foursight.schema import CheckpointError, FourSightConfig, find_linears
 from foursight.tensor_io import write_safetensors
 
@@ -69,67 +70,66 @@ class QuantizeResult:
     out_dir: Path
     config: FourSightConfig
     layers: list[LayerReport]
+    #: the ``ignore`` patterns of the BF16 carve-out (``QuantizeConfig.bf16_layers`` resolved on the model), [] without one
+    bf16_layers: list[str]
 
 
-def quantize_model(
-    model_dir: str | Path,
-    out_dir: str | Path,
-    channels: str | int = "32",
-    calib: str | Path | None = None,
-    ignore: tuple[str, ...] | list[str] = ("lm_head",),
-    error_target: float | None = None,
-    max_k: int | None = None,
-    activation_dtype: str = "nvfp4",
-    activation_scale: str = "dynamic",
-    batch_size: int = 8,
-    max_length: int = 256,
-    force: bool = False,
-    progress: bool = True,
-) -> QuantizeResult:
+def quantize_model(model_dir: str | Path, out_dir: str | Path, cfg: QuantizeConfig | None = None, progress: bool = True) -> QuantizeResult:
     """Calibrate, select channels, quantize and write a FourSight checkpoint.
 
     Args:
         model_dir: a BF16 HF causal-LM folder.
-        out_dir: destination (must not exist unless ``force``; :func:`foursight.folder_writer.prepare_destination`).
-        channels: k per input group: an integer or a percentage of K (``"2%"``); ``0`` = plain NVFP4.
-        calib: JSONL calibration file (``{"text": ...}`` per line); None uses the built-in texts.
-        ignore: module names / suffixes / ``re:`` patterns left unquantized.
-        error_target: if set, per-group k is the smallest of 0, 16, 32, 64, ... whose relative
-            output error on calibration rows is ≤ this target (``channels`` is then ignored).
-        max_k: cap for ``error_target``.
+        out_dir: destination (must not exist unless ``cfg.force``; :func:`foursight.folder_writer.prepare_destination`).
+        cfg: the options of ``foursight quantize`` (:class:`~foursight.quantize_config.QuantizeConfig`; default: its
+            defaults), each checked here, before any work, naming its flag: ``channels`` (k per input group: an
+            integer, a percentage of K (``"2%"``), ``0`` = plain NVFP4), ``calib`` (JSONL, ``{"text": ...}`` per line;
+            None: the built-in texts), ``ignore`` (names / suffixes / ``re:`` patterns left unquantized) plus the BF16
+            carve-out ``bf16_layers`` (resolved on the model: :func:`foursight.bf16_layers.bf16_layer_patterns`),
+            ``error_target`` (per-group k: the smallest of 0, 16, 32, 64, ... whose relative output error on
+            calibration rows is <= it; ``channels`` is then ignored) with its cap ``max_k``, ``activations``,
+            ``activation_scale``, ``batch_size``, ``max_length``, ``force``. Its ``model``, ``out`` and ``report``
+            belong to the command and are not read here.
     Returns:
         :class:`QuantizeResult` with the per-layer table.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from tqdm.auto import tqdm
 
+    opts = cfg if cfg is not None else QuantizeConfig()
+    channels, error_target, max_k, batch_size, max_length = str(opts.channels), opts.error_target, opts.max_k, opts.batch_size, opts.max_length
     model_dir = Path(model_dir)
-    out_dir = prepare_destination(out_dir, force, source=model_dir)  # resolved, before anything else
+    out_dir = prepare_destination(out_dir, opts.force, source=model_dir)  # resolved, before anything else
     check_calibration_batches(batch_size, max_length)
     if error_target is None:
         schema.check_channel_spec(channels)
     elif not error_target > 0:
         raise ValueError(f"--error-target must be > 0 (a relative output error per layer), got {error_target}")
-    for flag, field, value in (("--activations", "activation_dtype", activation_dtype),
-                               ("--activation-scale", "activation_scale", activation_scale)):
+    for flag, field, value in (("--activations", "activation_dtype", opts.activations),
+                               ("--activation-scale", "activation_scale", opts.activation_scale)):
         allowed = typing.get_args(FourSightConfig.model_fields[field].annotation)  # the schema's Literal
         if value not in allowed:
             raise ValueError(f"{flag} {value!r}: expected {' or '.join(allowed)}")
+    carve: list[str] = []
+    if opts.bf16_layers:  # the practitioners' carve-out: whole layers kept in BF16, as more ignore patterns
+        from foursight.bf16_layers import bf16_layer_patterns, num_blocks_of
+
+        carve = bf16_layer_patterns(opts.bf16_layers, num_blocks_of(schema.read_config(model_dir)))
+    ignore = [*opts.ignore, *carve]
     cfg = FourSightConfig.parse(
         {
-            "ignore": list(ignore),
-            "activation_dtype": activation_dtype,
-            "activation_scale": activation_scale,
-            "channel_budget": f"error-target:{error_target}" if error_target is not None else str(channels),
+            "ignore": ignore,
+            "activation_dtype": opts.activations,
+            "activation_scale": opts.activation_scale,
+            "channel_budget": f"error-target:{error_target}" if error_target is not None else channels,
         }
     )
-    texts = load_calibration_texts(calib)
+    texts = load_calibration_texts(opts.calib)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model.eval()
     names = find_linears(model, cfg)
     if not names:
-        raise CheckpointError(f"{model_dir}: no linear layers left to quantize (ignore={list(ignore)})")
+        raise CheckpointError(f"{model_dir}: no linear layers left to quantize (ignore={ignore})")
     check_model_quantizable(model, names)
     # validate the channel spec against every layer before the slow part
     if error_target is None:
@@ -148,7 +148,7 @@ def quantize_model(
     channels_file = ChannelsFile()
     for g in tqdm(list(groups.values()), desc="quantizing", unit="group", disable=not progress):
         weights = [mods[n].weight.detach() for n in g.members]
-        choice = choose_channels(g, weights, str(channels), error_target, max_k)
+        choice = choose_channels(g, weights, channels, error_target, max_k)
         k, ch, fp4_amax, in_gs, share = choice.k, choice.channels, choice.fp4_amax, choice.input_global_scale, choice.outlier_share
         rows = g.rows if g.rows is not None else torch.zeros(0, g.in_features, dtype=torch.bfloat16)
         xd_fs = dequantized_activation(rows, ch) if rows.shape[0] else None
@@ -174,8 +174,8 @@ def quantize_model(
             continue
         tensors[pname] = p.detach().contiguous()
 
-    _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force)
-    return QuantizeResult(out_dir, cfg, reports)
+    _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, opts.force)
+    return QuantizeResult(out_dir, cfg, reports, carve)
 
 
 def _write_checkpoint(model, tok, out_dir, cfg, tensors, reports, channels_file, force) -> None:

@@ -115,22 +115,14 @@ def quantize(cfg: QuantizeConfig) -> None:
     src = _bf16_source(cfg.model, "quantize")
     if cfg.report:  # before any work, with --out's rules (issue 53: a report once replaced the source model)
         prepare_report_destination(cfg.report, cfg.force, source=src, out=cfg.out, calib=cfg.calib)
-    kwargs = cfg.quantize_kwargs()
-    carve = []
-    if cfg.bf16_layers:
-        from foursight.bf16_layers import bf16_layer_patterns, num_blocks_of
-        from foursight.schema import read_config
-
-        carve = bf16_layer_patterns(cfg.bf16_layers, num_blocks_of(read_config(src)))
-        kwargs["ignore"] = kwargs["ignore"] + tuple(carve)
-    res = quantize_model(src, cfg.out, **kwargs)
+    res = quantize_model(src, cfg.out, cfg)
     print_layer_table(res.layers)
     n_fs = sum(1 for r in res.layers if r.err_foursight < r.err_nvfp4)
     console.print(f"[green]wrote[/] {shown(res.out_dir)}  ({n_fs}/{len(res.layers)} layers improved over plain NVFP4)")
-    if carve:
+    if res.bf16_layers:
         from foursight.bf16_layers import checkpoint_bf16_share
 
-        sh = checkpoint_bf16_share(res.out_dir, carve)
+        sh = checkpoint_bf16_share(res.out_dir, res.bf16_layers)
         console.print(f"BF16 carve-out: {len(sh['bf16_layers'])} layers; BF16 weight share {sh['bf16_weight_share']:.2%} "
                       f"(whole layers {sh['bf16_layer_share']:.2%}, channels {sh['bf16_channel_share']:.2%})")
     if cfg.report:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from foursight.cli_config import option
 from foursight.cli_util import DEFAULT_CHANNELS, CalibOption, ChannelsOption, IgnoreOption, ModelOption
@@ -32,11 +32,3 @@ class QuantizeConfig:
     force: bool = option(False, flag="--force/--no-force", help="Replace --out if it is a FourSight checkpoint (anything else is refused).")
     report: Optional[Path] = option(None, help="Also write the per-layer table as Markdown to this new file (--force replaces a "
                                                 "report written before; never a file of --model, --out or --calib).")
-
-    def quantize_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`foursight.checkpoint.quantize_model` these options spell, less the
-        model folder, ``out`` and the ``--bf16-layers`` carve-out (the caller resolves the first and adds the last
-        to ``ignore``)."""
-        return dict(channels=self.channels, calib=self.calib, ignore=tuple(self.ignore), error_target=self.error_target,
-                    max_k=self.max_k, activation_dtype=self.activations, activation_scale=self.activation_scale,
-                    batch_size=self.batch_size, max_length=self.max_length, force=self.force)

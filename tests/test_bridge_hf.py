@@ -142,8 +142,9 @@ def test_foursight_hf_engine_requantizes_on_update(tiny_llama_dir, tmp_path):
     import os
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
 
-    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", progress=False).out_dir
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", QuantizeConfig(channels="16"), progress=False).out_dir
     b = BridgeThread(create_app([HFEngine(ckpt, tokenizer=tiny_llama_dir)])).start()
     shm_name = f"foursight-test-{os.getpid()}.safetensors"
     shm_file = f"/dev/shm/{shm_name}"

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from foursight import schema
 from foursight.checkpoint import quantize_model
+from foursight.quantize_config import QuantizeConfig
 from foursight.tensor_io import read_quant_config
 from foursight.hf import load_reference_model, quantize_hf_model
 from typer.testing import CliRunner
@@ -64,7 +65,7 @@ def test_round_trip_equals_in_memory_quantization(tiny_qwen2_ckpt, tiny_qwen2_di
 
 
 def test_plain_nvfp4_with_zero_channels(tiny_qwen2_dir, tmp_path):
-    res = quantize_model(tiny_qwen2_dir, tmp_path / "fp4", channels=0, progress=False)
+    res = quantize_model(tiny_qwen2_dir, tmp_path / "fp4", QuantizeConfig(channels=0), progress=False)
     assert all(r.k == 0 for r in res.layers)
     assert read_quant_config(res.out_dir).channel_selection == "none"
     t = load_file(str(res.out_dir / "model.safetensors"))
@@ -72,7 +73,7 @@ def test_plain_nvfp4_with_zero_channels(tiny_qwen2_dir, tmp_path):
 
 
 def test_error_target_gives_per_layer_budgets(tiny_qwen2_dir, tmp_path):
-    res = quantize_model(tiny_qwen2_dir, tmp_path / "et", error_target=0.08, max_k=64, progress=False)
+    res = quantize_model(tiny_qwen2_dir, tmp_path / "et", QuantizeConfig(error_target=0.08, max_k=64), progress=False)
     ks = {r.k for r in res.layers}
     assert len(ks) > 1, ks  # layers with heavier outliers got more channels
     for r in res.layers:
@@ -80,7 +81,7 @@ def test_error_target_gives_per_layer_budgets(tiny_qwen2_dir, tmp_path):
 
 
 def test_percentage_budget(tiny_qwen2_dir, tmp_path):
-    res = quantize_model(tiny_qwen2_dir, tmp_path / "pct", channels="10%", progress=False)
+    res = quantize_model(tiny_qwen2_dir, tmp_path / "pct", QuantizeConfig(channels="10%"), progress=False)
     by = {r.name: r.k for r in res.layers}
     assert by["model.layers.0.self_attn.q_proj"] == 16  # 10% of 128 = 12.8 -> one block of 16
     assert by["model.layers.0.mlp.down_proj"] == 32  # 10% of 256 = 25.6 -> 32
@@ -94,7 +95,7 @@ def test_k_not_multiple_of_16_names_layer(tmp_path):
 
     src = build_tiny_model(tmp_path / "odd", hidden_size=40, intermediate_size=64, num_heads=4, num_kv_heads=2)
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj: in_features=40 is not a multiple of 16"):
-        quantize_model(src, tmp_path / "out", channels=0, progress=False)
+        quantize_model(src, tmp_path / "out", QuantizeConfig(channels=0), progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -109,19 +110,19 @@ def test_non_finite_weights_name_layer(tiny_llama_dir, tmp_path):
     shutil.copy(tiny_llama_dir / "tokenizer.json", src)
     shutil.copy(tiny_llama_dir / "tokenizer_config.json", src)
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj: weight has non-finite"):
-        quantize_model(src, tmp_path / "out", channels=16, progress=False)
+        quantize_model(src, tmp_path / "out", QuantizeConfig(channels=16), progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
 
 
 def test_k_at_least_K_is_rejected(tiny_llama_dir, tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj: --channels 128 gives k=128 but the layer has K=128"):
-        quantize_model(tiny_llama_dir, tmp_path / "out", channels=128, progress=False)
+        quantize_model(tiny_llama_dir, tmp_path / "out", QuantizeConfig(channels=128), progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_existing_output_is_not_clobbered(tiny_qwen2_ckpt, tiny_qwen2_dir):
     with pytest.raises(FileExistsError):
-        quantize_model(tiny_qwen2_dir, tiny_qwen2_ckpt, channels=0, progress=False)
+        quantize_model(tiny_qwen2_dir, tiny_qwen2_ckpt, QuantizeConfig(channels=0), progress=False)
 
 
 @pytest.mark.parametrize(
@@ -231,23 +232,23 @@ def test_force_replaces_only_a_foursight_checkpoint(tiny_qwen2_ckpt, tiny_llama_
     plain.mkdir()
     (plain / "precious.txt").write_text("keep me")
     with pytest.raises(FileExistsError, match=r"refusing to replace .*plain.*not a FourSight checkpoint.*nothing was deleted"):
-        quantize_model(tiny_llama_dir, plain, channels="16", force=True, progress=False)
+        quantize_model(tiny_llama_dir, plain, QuantizeConfig(channels="16", force=True), progress=False)
     assert (plain / "precious.txt").read_text() == "keep me"
     bf16 = copy_folder(tiny_llama_dir, tmp_path / "bf16" / "copy")
     with pytest.raises(FileExistsError, match="not a FourSight checkpoint"):
-        quantize_model(tiny_llama_dir, bf16, channels="16", force=True, progress=False)
+        quantize_model(tiny_llama_dir, bf16, QuantizeConfig(channels="16", force=True), progress=False)
     assert (bf16 / "model.safetensors").exists()
     f = tmp_path / "a-file"
     f.write_text("x")
     with pytest.raises(FileExistsError, match="not a folder"):
-        quantize_model(tiny_llama_dir, f, channels="16", force=True, progress=False)
+        quantize_model(tiny_llama_dir, f, QuantizeConfig(channels="16", force=True), progress=False)
     assert f.read_text() == "x"
     ck = copy_folder(tiny_qwen2_ckpt, tmp_path / "ck" / "copy")
     (ck / "notes.txt").write_text("the user's")  # a file added to a checkpoint of ours is the user's: named, kept (issue 38)
     with pytest.raises(FileExistsError, match=r"refusing to replace .*copy.*notes\.txt.*nothing was deleted"):
-        quantize_model(tiny_llama_dir, ck, channels="8", force=True, progress=False)
+        quantize_model(tiny_llama_dir, ck, QuantizeConfig(channels="8", force=True), progress=False)
     (ck / "notes.txt").unlink()
-    quantize_model(tiny_llama_dir, ck, channels="8", force=True, progress=False)
+    quantize_model(tiny_llama_dir, ck, QuantizeConfig(channels="8", force=True), progress=False)
     assert json.loads((ck / "config.json").read_text())["quantization_config"]["quant_method"] == "foursight"
     r = CliRunner().invoke(__import__("foursight.cli", fromlist=["app"]).app,
                            ["quantize", "--model", str(tiny_llama_dir), "--out", str(plain), "--channels", "16", "--force"])
@@ -269,7 +270,8 @@ def test_killed_quantize_leaves_a_folder_every_reader_refuses_and_the_next_run_r
     script = ("import os, foursight.channels_file as s\n"
               "s.ChannelsFile.write = lambda self, path: os._exit(9)\n"
               "from foursight.checkpoint import quantize_model\n"
-              f"quantize_model({str(tiny_llama_dir)!r}, {str(out)!r}, channels='16', progress=False)\n")
+              "from foursight.quantize_config import QuantizeConfig\n"
+              f"quantize_model({str(tiny_llama_dir)!r}, {str(out)!r}, QuantizeConfig(channels='16'), progress=False)\n")
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert p.returncode == 9, p.stderr[-2000:]
     left = list(tmp_path.glob("ckpt.tmp-*"))
@@ -279,6 +281,20 @@ def test_killed_quantize_leaves_a_folder_every_reader_refuses_and_the_next_run_r
     assert r.exit_code != 0 and "incomplete checkpoint" in " ".join(r.output.split()), r.output
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
         load_reference_model(left[0])
-    quantize_model(tiny_llama_dir, out, channels="16", progress=False)
+    quantize_model(tiny_llama_dir, out, QuantizeConfig(channels="16"), progress=False)
     assert list(tmp_path.glob("ckpt.tmp-*")) == [] and not (out / INCOMPLETE_MARKER).exists()
     assert _inspect(out).exit_code == 0
+
+
+def test_quantize_model_takes_the_commands_options_with_the_carve_out_inside(tiny_llama_dir, tmp_path):
+    """``quantize_model(src, out, QuantizeConfig)`` (issue 54 item 5): the options of ``foursight quantize`` written
+    once, the BF16 carve-out resolved inside (the CLI did it before), and a bad option refused before any work,
+    naming its flag."""
+    res = quantize_model(tiny_llama_dir, tmp_path / "carved", QuantizeConfig(channels="16", bf16_layers=["attention"]), progress=False)
+    names = set(load_file(str(res.out_dir / "model.safetensors")))
+    assert res.bf16_layers and "model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.layers.0.self_attn.q_proj.weight_packed" not in names and "model.layers.0.mlp.up_proj.weight_packed" in names
+    with pytest.raises(ValueError, match="--activations 'fp8'"):
+        quantize_model(tiny_llama_dir, tmp_path / "bad", QuantizeConfig(activations="fp8"), progress=False)
+    assert not (tmp_path / "bad").exists()
+

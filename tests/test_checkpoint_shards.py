@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from foursight import tensor_io
 from foursight.checkpoint import quantize_model
+from foursight.quantize_config import QuantizeConfig
 from foursight.schema import CheckpointError
 from foursight.tensor_io import SAFETENSORS_INDEX, iter_safetensors, read_tensors
 
@@ -21,11 +22,11 @@ from foursight.tensor_io import SAFETENSORS_INDEX, iter_safetensors, read_tensor
 @pytest.fixture(scope="module")
 def single_and_sharded(tiny_llama_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("shards")
-    one = quantize_model(tiny_llama_dir, base / "one", channels="16", progress=False).out_dir
+    one = quantize_model(tiny_llama_dir, base / "one", QuantizeConfig(channels="16"), progress=False).out_dir
     mp = pytest.MonkeyPatch()
     mp.setattr(tensor_io, "SHARD_BYTES", 200_000)
     try:
-        many = quantize_model(tiny_llama_dir, base / "many", channels="16", progress=False).out_dir
+        many = quantize_model(tiny_llama_dir, base / "many", QuantizeConfig(channels="16"), progress=False).out_dir
     finally:
         mp.undo()
     return one, many

@@ -113,12 +113,11 @@ def test_rl_command_lines_of_the_docs_parse_into_rl_config(monkeypatch):
 
 def _quantize_lines(model: Path, calib: Path, report: Path) -> list[tuple[list[str], dict]]:
     """Representative `foursight quantize` command lines and the options each must reach ``quantize_model`` with
-    (written down from the hand-listed flags of ee7c2bc; this test passed there before QuantizeConfig)."""
-    from foursight.bf16_layers import bf16_layer_patterns
-
+    (written down from the hand-listed flags of ee7c2bc; this test passed there before QuantizeConfig). Since
+    ``quantize_model`` takes the QuantizeConfig itself, the BF16 carve-out reaches it as given, resolved inside."""
     m = str(model)
     base = dict(channels="32", calib=None, ignore=("lm_head",), error_target=None, max_k=None, activation_dtype="nvfp4",
-                activation_scale="dynamic", batch_size=8, max_length=256, force=False, model=Path(model))
+                activation_scale="dynamic", batch_size=8, max_length=256, force=False, model=Path(model), bf16_layers=None)
     return [
         ([], dict(base, out=Path("out/smollm2-foursight"), model=None)),
         (["--model", m, "--out", "o", "--channels", "16"], dict(base, out=Path("o"), channels="16")),
@@ -131,7 +130,7 @@ def _quantize_lines(model: Path, calib: Path, report: Path) -> list[tuple[list[s
          dict(base, out=Path("o"), batch_size=4, max_length=128, force=True, calib=calib)),
         (["--model", m, "--out", "o", "--force", "--no-force", "--report", str(report)], dict(base, out=Path("o"))),
         (["--model", m, "--out", "o", "--bf16-layers", "attention", "--bf16-layers", "last:1"],
-         dict(base, out=Path("o"), ignore=("lm_head", *bf16_layer_patterns(["attention", "last:1"], 2)))),  # the tiny model: 2 blocks
+         dict(base, out=Path("o"), bf16_layers=["attention", "last:1"])),  # resolved inside quantize_model (tests/test_checkpoint.py)
     ]
 
 
@@ -146,9 +145,12 @@ def test_quantize_command_lines_parse_to_the_same_options(tiny_llama_dir, tmp_pa
 
     seen: list[dict] = []
 
-    def fake_quantize(src, out, **kw):
-        seen.append(dict(kw, out=Path(out), model=src))
-        return SimpleNamespace(out_dir=Path(out), layers=[])
+    def fake_quantize(src, out, cfg):
+        seen.append(dict(channels=cfg.channels, calib=cfg.calib, ignore=tuple(cfg.ignore), error_target=cfg.error_target,
+                         max_k=cfg.max_k, activation_dtype=cfg.activations, activation_scale=cfg.activation_scale,
+                         batch_size=cfg.batch_size, max_length=cfg.max_length, force=cfg.force, bf16_layers=cfg.bf16_layers,
+                         out=Path(out), model=src))
+        return SimpleNamespace(out_dir=Path(out), layers=[], bf16_layers=[])
 
     monkeypatch.setattr(foursight.checkpoint, "quantize_model", fake_quantize)
     monkeypatch.setattr(cli, "_bf16_source", lambda model, verb: None if model is None else Path(model))

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from foursight.checkpoint import quantize_model
+from foursight.quantize_config import QuantizeConfig
 from foursight.cli import app
 from foursight.interop import export_compressed_tensors, import_compressed_tensors
 from foursight.schema import GLOBAL_SCALE_MIN, INCOMPLETE_MARKER, CheckpointError
@@ -30,14 +31,14 @@ Q = "model.layers.0.self_attn.q_proj"
 @pytest.fixture(scope="module")
 def fs16(tiny_llama_dir, tmp_path_factory) -> Path:
     """A FourSight checkpoint (k = 16) of the tiny Llama."""
-    return quantize_model(tiny_llama_dir, tmp_path_factory.mktemp("cpl") / "fs16", channels=16, progress=False).out_dir
+    return quantize_model(tiny_llama_dir, tmp_path_factory.mktemp("cpl") / "fs16", QuantizeConfig(channels=16), progress=False).out_dir
 
 
 @pytest.fixture(scope="module")
 def ct(tiny_llama_dir, tmp_path_factory) -> Path:
     """A compressed-tensors NVFP4 export of a k = 0 checkpoint of the tiny Llama."""
     root = tmp_path_factory.mktemp("cpl-ct")
-    fs0 = quantize_model(tiny_llama_dir, root / "fs0", channels=0, activation_scale="static", progress=False).out_dir
+    fs0 = quantize_model(tiny_llama_dir, root / "fs0", QuantizeConfig(channels=0, activation_scale="static"), progress=False).out_dir
     return export_compressed_tensors(fs0, root / "ct")
 
 

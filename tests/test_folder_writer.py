@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from foursight.checkpoint import quantize_model
+from foursight.quantize_config import QuantizeConfig
 from foursight.folder_writer import WRITTEN_BY_FILE
 from foursight.cli import app
 from foursight.schema import INCOMPLETE_MARKER, CheckpointError
@@ -23,8 +24,7 @@ pytest.importorskip("compressed_tensors")
 @pytest.fixture(scope="module")
 def fs0(tiny_llama_dir, tmp_path_factory) -> Path:
     """A plain-NVFP4 (k = 0) FourSight checkpoint of the tiny Llama, static scales (exportable)."""
-    return quantize_model(tiny_llama_dir, tmp_path_factory.mktemp("fw") / "fs0", channels=0, activation_scale="static",
-                          progress=False).out_dir
+    return quantize_model(tiny_llama_dir, tmp_path_factory.mktemp("fw") / "fs0", QuantizeConfig(channels=0, activation_scale="static"), progress=False).out_dir
 
 
 @pytest.fixture(scope="module")

@@ -116,12 +116,13 @@ def test_one_calibration_gives_one_static_scale_both_ways(tiny_llama_dir, tmp_pa
     and compute the same layer output."""
     from foursight.checkpoint import calibrate_channels
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.hf import load_reference_model
     from foursight.quant_methods.online import OnlineSettings
     from foursight.quant_methods.plan import LayerPlan, apply_linear
     from transformers import AutoModelForCausalLM
 
-    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", activation_scale="static", progress=False).out_dir
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", QuantizeConfig(channels="16", activation_scale="static"), progress=False).out_dir
     tensors = load_file(str(ckpt / "model.safetensors"))
     cf = ChannelsFile.read(ckpt)
     # `foursight calibrate` with the same settings writes the same file

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def ckpt(tiny_qwen2_dir, tmp_path_factory):
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny-fs"
-    quantize_model(tiny_qwen2_dir, out, channels=16, activation_scale="static", progress=False)
+    quantize_model(tiny_qwen2_dir, out, QuantizeConfig(channels=16, activation_scale="static"), progress=False)
     return out
 
 

@@ -49,8 +49,9 @@ def test_vllm_loads_the_plugin_from_a_plain_install(tmp_path, tiny_llama_dir):
     FourSight checkpoint loads and generates through it."""
     pytest.importorskip("vllm")
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
 
-    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", progress=False).out_dir
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", QuantizeConfig(channels="16"), progress=False).out_dir
     wheels, target, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
     # build from a copy of the tracked sources (no stale build/ folder can leak into the wheel)
     files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "LICENSE", "foursight_autoload.py", "foursight_engine", "kernels", "quant_methods", "trainer_bridge"],

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from foursight.checkpoint import quantize_model
+from foursight.quantize_config import QuantizeConfig
 from foursight.cli import app
 from foursight.compressed_tensors_format import read_compressed_tensors
 from foursight.hf import FourSightLinear, load_reference_model
@@ -35,7 +36,7 @@ ct = pytest.importorskip("compressed_tensors")
 @pytest.fixture(scope="module")
 def fs0(tiny_qwen2_dir, tmp_path_factory) -> Path:
     """A plain-NVFP4 (k = 0) FourSight checkpoint of the tiny Qwen2 (q/k/v biases), static scales."""
-    return quantize_model(tiny_qwen2_dir, tmp_path_factory.mktemp("fs0") / "ck", channels=0, activation_scale="static", progress=False).out_dir
+    return quantize_model(tiny_qwen2_dir, tmp_path_factory.mktemp("fs0") / "ck", QuantizeConfig(channels=0, activation_scale="static"), progress=False).out_dir
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_export_decodes_in_transformers_exactly_as_ours(fs0, exported):
 
 
 def test_export_refuses_bf16_channels_naming_the_layer(tiny_qwen2_dir, tmp_path):
-    ck = quantize_model(tiny_qwen2_dir, tmp_path / "k16", channels=16, progress=False).out_dir
+    ck = quantize_model(tiny_qwen2_dir, tmp_path / "k16", QuantizeConfig(channels=16), progress=False).out_dir
     with pytest.raises(CheckpointError, match=r"layer model\.layers\.\d\.\S+ keeps 16 BF16 channels .*--channels 0"):
         export_compressed_tensors(ck, tmp_path / "out")
     r = CliRunner().invoke(app, ["export", str(ck), "--out", str(tmp_path / "out2")], env={"COLUMNS": "200"})

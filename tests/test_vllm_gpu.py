@@ -106,10 +106,11 @@ def smol(smollm2_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.interop import export_compressed_tensors
 
     tmp = tmp_path_factory.mktemp("gpu-smol")
-    ck = {k: quantize_model(smollm2_dir, tmp / f"fs{k}", channels=str(k), progress=False).out_dir for k in (32, 128, 0)}
+    ck = {k: quantize_model(smollm2_dir, tmp / f"fs{k}", QuantizeConfig(channels=str(k)), progress=False).out_dir for k in (32, 128, 0)}
     ct = export_compressed_tensors(ck[0], tmp / "ct-nvfp4")
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     seqs = fixed_sequences(tok, builtin_texts()[:16], 64)

@@ -50,13 +50,14 @@ def test_serve_bridge_openai_client_and_update(smollm2_dir, tmp_path):
     from safetensors.torch import save_file
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.trainer_bridge.backends.vllm import VLLMHTTPEngine
     from foursight.trainer_bridge.client import RolloutClient
     from foursight.trainer_bridge.launch import BridgeThread
     from foursight.trainer_bridge.server import create_app
     from transformers import AutoTokenizer
 
-    ck = quantize_model(smollm2_dir, tmp_path / "fs32", channels="32", progress=False).out_dir
+    ck = quantize_model(smollm2_dir, tmp_path / "fs32", QuantizeConfig(channels="32"), progress=False).out_dir
     channels = ck / "foursight_channels.json"
     wdir = tmp_path / "weights"
     wdir.mkdir()

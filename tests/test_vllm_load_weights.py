@@ -94,10 +94,11 @@ def setup(tiny_llama_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
 
     src = Path(tiny_llama_dir)
     tmp = tmp_path_factory.mktemp("load-weights")
-    ckpt = quantize_model(src, tmp / "ckpt", channels="16", progress=False).out_dir
+    ckpt = quantize_model(src, tmp / "ckpt", QuantizeConfig(channels="16"), progress=False).out_dir
     os.environ["FOURSIGHT_CHANNELS_FILE"] = str(ckpt / "foursight_channels.json")
     seqs = fixed_sequences(AutoTokenizer.from_pretrained(src), builtin_texts()[:3], 32)
     new1, new2 = _new_weights(src, 1), _new_weights(src, 2)

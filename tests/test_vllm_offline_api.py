@@ -32,8 +32,9 @@ def printed_block() -> str:
 
 def test_offline_llm_script_runs_as_printed(tiny_llama_dir, tmp_path):
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
 
-    quantize_model(tiny_llama_dir, tmp_path / "ckpt", channels="16", progress=False)
+    quantize_model(tiny_llama_dir, tmp_path / "ckpt", QuantizeConfig(channels="16"), progress=False)
     (tmp_path / "run.py").write_text(printed_block())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "TORCHDYNAMO", "FOURSIGHT_"))}
     env["VLLM_CACHE_ROOT"] = str(tmp_path / "vllm-cache")  # keep the user's cache clean (not a setting the script needs)

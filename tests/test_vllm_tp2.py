@@ -60,8 +60,9 @@ SCRIPT = textwrap.dedent(
 
 def test_tp2_w4a16_matches_unsharded_reference(tiny_llama_dir, tmp_path):
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
 
-    ck = quantize_model(tiny_llama_dir, tmp_path / "a16", channels="16", activation_dtype="bf16", progress=False).out_dir
+    ck = quantize_model(tiny_llama_dir, tmp_path / "a16", QuantizeConfig(channels="16", activations="bf16"), progress=False).out_dir
     script, out = tmp_path / "run_tp2.py", tmp_path / "res.json"
     script.write_text(SCRIPT)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1",

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from foursight.checkpoint import quantize_model  # noqa: E402
+from foursight.quantize_config import QuantizeConfig  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
 from foursight.calibration import builtin_texts  # noqa: E402
 from helpers.logprobs import engine_prompt_logprobs, fixed_sequences  # noqa: E402
@@ -51,7 +52,7 @@ def test_native_update_equals_the_collective_rpc_route(tiny_llama_dir, tmp_path)
     from vllm import LLM
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
-    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ck", channels="16", progress=False).out_dir
+    ckpt = quantize_model(tiny_llama_dir, tmp_path / "ck", QuantizeConfig(channels="16"), progress=False).out_dir
     a, b, whole = _files(tiny_llama_dir, tmp_path)
     seqs = fixed_sequences(AutoTokenizer.from_pretrained(ckpt), builtin_texts()[:3], 32)
     llm = LLM(model=str(ckpt), enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, worker_extension_cls=EXT,

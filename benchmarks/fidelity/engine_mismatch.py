@@ -168,6 +168,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.hf import load_reference_model
     from foursight.calibration import builtin_texts
     from foursight.models import cache_dir, prepare_smollm2
@@ -183,7 +184,7 @@ def main() -> None:
         d = work / f"{model.name}-{tag}-{str(ch).replace('%', 'pct')}"
         if not (d / "config.json").exists():
             print(f"quantizing {model.name} with channels={ch} -> {d}", flush=True)
-            quantize_model(model, d, channels=ch, force=True, progress=False)
+            quantize_model(model, d, QuantizeConfig(channels=ch, force=True), progress=False)
         ck[tag] = d
 
     tok = AutoTokenizer.from_pretrained(model)

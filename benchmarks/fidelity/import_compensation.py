@@ -65,6 +65,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.compare.launch import drive
     from foursight.compare.prompts import load_prompts
     from foursight.compare.report import engine_metrics
@@ -105,7 +106,7 @@ def main() -> None:
         return write_checkpoint_folder(out, ct, cfg, tensors, False, "import", channels_file=cf)
 
     def fsq(spec, scale):
-        return lambda out: quantize_model(md, out, channels=spec, activation_scale=scale, progress=False).out_dir
+        return lambda out: quantize_model(md, out, QuantizeConfig(channels=spec, activation_scale=scale), progress=False).out_dir
 
     configs = [("import k=0 (CT static scales)", "foursight import, W4A4 static", imp("0")),
                ("import k=0, scales recalibrated", "compensate_import budget 0, W4A4 static", recal0)]

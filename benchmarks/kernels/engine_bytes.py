@@ -135,6 +135,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.models import build_tiny_model, cache_dir, prepare_smollm2
 
     if args.llama8b_layers:
@@ -146,12 +147,12 @@ def main() -> None:
             build_tiny_model(base, hidden_size=4096, intermediate_size=14336, num_layers=args.llama8b_layers, num_heads=32,
                              num_kv_heads=8, vocab_size=512, force=True)
         if not (ckpt / "config.json").exists():
-            quantize_model(base, ckpt, channels="128", force=True, progress=False)
+            quantize_model(base, ckpt, QuantizeConfig(channels="128", force=True), progress=False)
         what = f"Llama-3.1-8B-shaped decoder linears ({args.llama8b_layers} random-weight layers), k = 128"
     else:
         ckpt = Path(args.ckpt) if args.ckpt else cache_dir() / "bench" / "smollm2-fs32"
         if not (ckpt / "config.json").exists():
-            quantize_model(prepare_smollm2(), ckpt, channels="32", force=True, progress=False)
+            quantize_model(prepare_smollm2(), ckpt, QuantizeConfig(channels="32", force=True), progress=False)
         what = "SmolLM2-135M, k = 32" if not args.ckpt else ckpt.name
     from vllm import LLM
 

@@ -185,8 +185,9 @@ def main() -> None:
     ckpt = Path(args.ckpt) if args.ckpt else cache_dir() / "bench" / "smollm2-fs32"
     if not (ckpt / "config.json").exists():
         from foursight.checkpoint import quantize_model
+        from foursight.quantize_config import QuantizeConfig
 
-        quantize_model(model, ckpt, channels="32", force=True, progress=False)
+        quantize_model(model, ckpt, QuantizeConfig(channels="32", force=True), progress=False)
     g = torch.Generator().manual_seed(0)
     weights = []
     for n, t in load_file(str(model / "model.safetensors")).items():  # a learner step: every tensor moved

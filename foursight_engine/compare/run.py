@@ -29,6 +29,7 @@ def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, wor
                        foursight_ckpt: Optional[Path], nvfp4_ckpt: Optional[Path]) -> dict[str, Path]:
     """BF16 folder and the FourSight / plain-NVFP4 / W4A16 checkpoints the engines need (quantized once, reused)."""
     from foursight.checkpoint import quantize_model
+    from foursight.quantize_config import QuantizeConfig
     from foursight.tensor_io import read_quant_config
 
     dirs = {"bf16": model_dir, "fp8": model_dir}  # fp8: the BF16 model, quantized in memory by the HF engine
@@ -52,7 +53,7 @@ def ensure_checkpoints(model_dir: Path, precisions: set[str], channels: str, wor
         ch = channels if prec in CHANNEL_PRECISIONS else "0"
         dst = workdir / f"{model_dir.name}-{prec}-k{ch.replace('%', 'pct')}"
         if not (dst / "config.json").exists():
-            quantize_model(model_dir, dst, channels=ch, progress=True, activation_dtype="bf16" if prec == "w4a16" else "nvfp4")
+            quantize_model(model_dir, dst, QuantizeConfig(channels=ch, activations="bf16" if prec == "w4a16" else "nvfp4"), progress=True)
         dirs[prec] = dst
     return dirs
 

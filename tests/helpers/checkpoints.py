@@ -20,14 +20,15 @@ class TinyCheckpoints:
         self._done: dict[tuple, Any] = {}
 
     def __call__(self, model_dir: Path, channels: str | int = "16", **options: Any):
-        """``quantize_model(model_dir, ..., channels=channels, **options)``: its ``QuantizeResult``
+        """``quantize_model(model_dir, ..., QuantizeConfig(channels=channels, **options))``: its ``QuantizeResult``
         (``.out_dir`` is the checkpoint folder)."""
         from foursight.checkpoint import quantize_model
+        from foursight.quantize_config import QuantizeConfig
 
         key = (str(model_dir), str(channels), tuple(sorted((k, str(v)) for k, v in options.items())))
         if key not in self._done:
             out = self.root / f"ckpt-{len(self._done)}"
-            self._done[key] = quantize_model(model_dir, out, channels=channels, progress=False, **options)
+            self._done[key] = quantize_model(model_dir, out, QuantizeConfig(channels=channels, **options), progress=False)
         return self._done[key]
 
 

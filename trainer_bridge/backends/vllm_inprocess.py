@@ -49,9 +49,10 @@ class VLLMRollout:
         self.llm = None
         try:
             from foursight.checkpoint import quantize_model
+            from foursight.quantize_config import QuantizeConfig
 
             k = channels_spec if precision == "foursight" else "0"
-            src = quantize_model(model_dir, self.workdir / f"ckpt-{precision}", channels=k, progress=False).out_dir
+            src = quantize_model(model_dir, self.workdir / f"ckpt-{precision}", QuantizeConfig(channels=k), progress=False).out_dir
             self.llm = LLM(model=str(src), enforce_eager=True, max_model_len=max_model_len, dtype="bfloat16", seed=seed,
                            worker_extension_cls=self.EXT, logprobs_mode="raw_logprobs")
         except BaseException:
