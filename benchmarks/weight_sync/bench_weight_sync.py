@@ -157,13 +157,16 @@ def _routes(llm, weights: list, buckets: int, bf16: bool, file: str) -> dict:
             "apply_weight_update": lambda m: apply_weight_update(m, weights), "file": _file_route(file)}
 
 
-def measure(model_path: str, quantization: str | None, weights: list, repeats: int, buckets: int, file: str) -> dict:
+def measure(model_path: str, quantization: str | None, weights: list, repeats: int, buckets: int, file: str,
+            routes: list[str] | None = None) -> dict:
     from vllm import LLM
 
     llm = LLM(model=model_path, quantization=quantization, enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
     out: dict = {}
     try:
         for route, fn in _routes(llm, weights, buckets, bf16=quantization is None, file=file).items():
+            if routes and route not in routes:
+                continue
             try:
                 _timed_in_worker(llm, fn)  # warm-up
             except Exception as e:  # noqa: BLE001 - a road this engine build cannot take: recorded, not timed
@@ -171,8 +174,8 @@ def measure(model_path: str, quantization: str | None, weights: list, repeats: i
                 print(f"{model_path} {quantization} {route}: {out[route]['error']}", flush=True)
                 continue
             runs = [_timed_in_worker(llm, fn) for _ in range(repeats)]
-            if route == "trl":
-                out["profile_trl"] = _profile_in_worker(llm, fn)
+            if route == "trl" or (routes and "trl" not in routes and route == routes[0]):  # one profiled road per engine
+                out[f"profile_{route}"] = _profile_in_worker(llm, fn)
             out[route] = {"runs": runs, "median_wall_s": statistics.median(r["wall_s"] for r in runs),
                           "median_cpu_s": statistics.median(r["cpu_s"] for r in runs),
                           "min_wall_s": min(r["wall_s"] for r in runs), "min_cpu_s": min(r["cpu_s"] for r in runs),
@@ -193,8 +196,11 @@ def main() -> None:
     ap.add_argument("--ckpt", default=None, help="FourSight checkpoint of that model (default: quantize with --channels 32, cached)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--buckets", type=int, default=4, help="verl's buckets per sync")
+    ap.add_argument("--routes", default="", help="comma-separated roads to time (default: all; e.g. apply_weight_update,file "
+                                                  "on a loaded machine, where a full pass takes long)")
     ap.add_argument("--out", default="benchmarks/results/weight_sync_cpu.json")
     args = ap.parse_args()
+    routes = [r for r in args.routes.split(",") if r]
 
     import torch
     from safetensors.torch import load_file
@@ -222,10 +228,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fs-bench-sync-") as tmp:
         file = str(Path(tmp) / "update.safetensors")  # the file route's update: the same tensors
         save_file(dict(weights), file)
-        results = {"bf16": measure(str(model), None, weights, args.repeats, args.buckets, file)}
-        results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, args.repeats, args.buckets, file)
+        results = {"bf16": measure(str(model), None, weights, args.repeats, args.buckets, file, routes)}
+        results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, args.repeats, args.buckets, file, routes)
         os.environ["FOURSIGHT_CHANNELS_FILE"] = str(ckpt / "foursight_channels.json")
-        results["foursight_online"] = measure(str(model), "foursight", weights, args.repeats, args.buckets, file)
+        results["foursight_online"] = measure(str(model), "foursight", weights, args.repeats, args.buckets, file, routes)
 
     ratios = {}
     for eng in ("foursight_checkpoint", "foursight_online"):
@@ -242,7 +248,7 @@ def main() -> None:
                 "the re-quantization of every layer; the BF16 trl/verl rows run inside vLLM's layerwise reload (module docstring)",
         "commit": commit, "uncommitted_paths": dirty,
         "model": str(model.name), "tensors": len(weights), "params": sum(t.numel() for _, t in weights),
-        "repeats": args.repeats, "buckets": args.buckets,
+        "repeats": args.repeats, "buckets": args.buckets, "routes": routes or "all",
         "host": {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "python": sys.version.split()[0],
                  "note": "a CPU machine shared with other jobs: loadavg says how loaded it was"},
