@@ -249,6 +249,7 @@ def main() -> None:
         "commit": commit, "uncommitted_paths": dirty,
         "model": str(model.name), "tensors": len(weights), "params": sum(t.numel() for _, t in weights),
         "repeats": args.repeats, "buckets": args.buckets, "routes": routes or "all",
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FOURSIGHT_") and k != "FOURSIGHT_CHANNELS_FILE"},
         "host": {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "python": sys.version.split()[0],
                  "note": "a CPU machine shared with other jobs: loadavg says how loaded it was"},
