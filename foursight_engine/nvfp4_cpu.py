@@ -56,6 +56,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
 static inline float f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
@@ -94,7 +97,7 @@ static inline float e4m3_value(uint8_t b) {
     return (b & 0x80) ? -v : v;
 }
 
-/* rows [r0, r1) of a BF16 [R, K] weight (row stride ld, in elements); keep[k] is 0x7FFF, or 0 for an S column.
+/* rows [r0, r1) of a BF16 [R, K] weight (row stride ld, in elements); keep[k] is 0xFFFF, or 0 for an S column.
    amax[r, b] (float32 [R, K/16]) = max |x| over block b of row r with the S columns as zero, for finite x.
    Returns 1 when every value (S columns included) is finite, else 0. */
 int fs_block_amax(const uint16_t *x, int64_t ld, int64_t r0, int64_t r1, int64_t K, const uint16_t *keep, float *amax) {
@@ -107,7 +110,7 @@ int fs_block_amax(const uint16_t *x, int64_t ld, int64_t r0, int64_t r1, int64_t
             uint16_t m = 0;
             for (int j = 0; j < 16; ++j) {
                 uint16_t v = row[b * 16 + j];
-                uint16_t a = v & keep[b * 16 + j];
+                uint16_t a = v & keep[b * 16 + j] & 0x7FFF;
                 m = a > m ? a : m;
                 bad |= (uint16_t)((v & 0x7F80) == 0x7F80);
             }
@@ -119,7 +122,9 @@ int fs_block_amax(const uint16_t *x, int64_t ld, int64_t r0, int64_t r1, int64_t
 }
 
 /* rows [r0, r1): packed[r, K/2] codes and scale[r, K/16] E4M3 bytes from the block amax and the row's
-   global scale gs[r] (the arithmetic of foursight.nvfp4.quantize_nvfp4, in its order) */
+   global scale gs[r] (the arithmetic of foursight.nvfp4.quantize_nvfp4, in its order); an S column is read
+   as +0.0, as index_fill_ writes it. The keys of a block are computed in one loop the compiler vectorizes
+   (the division included), the table lookups in a second one. */
 void fs_encode(const uint16_t *x, int64_t ld, int64_t r0, int64_t r1, int64_t K, const uint16_t *keep,
                const float *amax, const float *gs, const uint8_t *table, uint8_t *packed, uint8_t *scale) {
     const int64_t nb = K / 16;
@@ -133,21 +138,35 @@ void fs_encode(const uint16_t *x, int64_t ld, int64_t r0, int64_t r1, int64_t K,
             if ((sb & 0x7F) == 0) sb = 0x20;
             scale[r * nb + b] = sb;
             const float eff = e4m3_value(sb) / g;
-            uint8_t codes[16];
-            for (int j = 0; j < 16; ++j) {
-                const uint16_t k16 = keep[b * 16 + j];  /* an S column is +0.0, as index_fill_ writes it */
-                uint32_t u = bits(f32((uint32_t)(row[b * 16 + j] & (uint16_t)(k16 | ((k16 & 1) << 15))) << 16) / eff);
-                uint32_t key = ((((u & 0xFFFFu) + 0xFFFFu) | u) >> 16) & 0xFFFFu;
-                codes[j] = table[key];
+            const uint16_t *xb = row + b * 16, *kb = keep + b * 16;
+            uint32_t key[16];
+            for (int h = 0; h < 16; h += 8) {  /* GCC vector extensions: 8 lanes of IEEE float32 division */
+                v8u u;
+                v8f f;
+                for (int j = 0; j < 8; ++j) u[j] = (uint32_t)(xb[h + j] & kb[h + j]) << 16;
+                memcpy(&f, &u, sizeof f);
+                f = f / eff;
+                memcpy(&u, &f, sizeof u);
+                u = ((((u & 0xFFFFu) + 0xFFFFu) | u) >> 16) & 0xFFFFu;
+                memcpy(key + h, &u, sizeof u);
             }
             uint8_t *out = packed + r * (K / 2) + b * 8;
-            for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+            for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(table[key[2 * j]] | (table[key[2 * j + 1]] << 4));
         }
     }
 }
 """
 
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-std=c99"]
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration, IndexError):
+        return set()
+
+
+#: IEEE float32 throughout (no fast-math, no FMA contraction: the bytes must equal PyTorch's); AVX2 where the CPU
+#: has it (part of the cache key, so a library is only loaded where it was built for)
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-fast-math", "-ffp-contract=off", "-std=c99"] + (["-mavx2"] if "avx2" in _cpu_flags() else [])
 
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
@@ -240,7 +259,7 @@ def quantize_rows(weight: torch.Tensor, channels: torch.Tensor, shard_rows: list
     lib = native_lib()
     n, k = weight.shape
     nb = k // BLOCK_SIZE
-    keep = torch.full((k,), 0x7FFF, dtype=torch.int16)
+    keep = torch.full((k,), -1, dtype=torch.int16)  # 0xFFFF: a column read as it is
     if channels.numel():
         keep.index_fill_(0, channels.long().cpu(), 0)
     amax = torch.empty((n, nb), dtype=torch.float32)
