@@ -25,6 +25,9 @@ eager quantizer, which names it in its error.
 
 The rows are split over ``torch.get_num_threads()`` Python threads (a :mod:`ctypes` call releases the GIL).
 Used by :mod:`foursight.quant_methods.requantize` for BF16 CPU weights only; CUDA keeps its Triton kernel.
+:func:`dequantize_rows` is the inverse in one pass (``fs_decode``: code value times ``scale / gs``), which
+:func:`foursight.nvfp4.dequantize_nvfp4` takes on the CPU: the CPU execution form of every layer a sync
+re-quantized is its dequantized weight, rebuilt in the same sync.
 Set ``FOURSIGHT_NATIVE_CPU_QUANT=0`` to use the eager quantizer; when no compiler is found or the build fails
 the eager quantizer is used too, with one warning naming why.
 """
@@ -45,7 +48,9 @@ from pathlib import Path
 
 import torch
 
-from foursight.nvfp4 import _CODE_TABLE, BLOCK_SIZE, global_scale_from_amax
+from foursight.nvfp4 import _CODE_TABLE, BLOCK_SIZE, E2M1_VALUES, global_scale_from_amax
+
+_E2M1 = E2M1_VALUES.contiguous()
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +95,10 @@ void fs_e4m3_bytes(const float *x, int64_t n, uint8_t *out) {
     for (int64_t i = 0; i < n; ++i) out[i] = e4m3(x[i]);
 }
 
-/* float8_e4m3fn byte -> float (exact) */
+/* float8_e4m3fn byte -> float (exact; 0x7F and 0xFF are NaN) */
 static inline float e4m3_value(uint8_t b) {
     uint32_t e = (b >> 3) & 15, m = b & 7;
+    if ((b & 0x7F) == 0x7F) return f32(UINT32_C(0x7FC00000) | ((uint32_t)(b & 0x80) << 24));
     float v = e ? f32(((e + 120) << 23) | (m << 20)) : (float)m * f32(UINT32_C(118) << 23); /* m * 2^-9 */
     return (b & 0x80) ? -v : v;
 }
@@ -155,6 +161,25 @@ void fs_encode(const uint16_t *x, int64_t ld, int64_t r0, int64_t r1, int64_t K,
         }
     }
 }
+
+/* rows [r0, r1) of packed codes [R, K/2] with E4M3 scales [R, K/16] and the row's global scale gs[r]:
+   out[r, k] (float32 [R, K]) = value(code) * (scale / gs), the arithmetic of foursight.nvfp4.dequantize_nvfp4 */
+void fs_decode(const uint8_t *packed, int64_t r0, int64_t r1, int64_t K, const uint8_t *scale, const float *gs,
+               const float *values, float *out) {
+    const int64_t nb = K / 16;
+    for (int64_t r = r0; r < r1; ++r) {
+        const float g = gs[r];
+        for (int64_t b = 0; b < nb; ++b) {
+            const float eff = e4m3_value(scale[r * nb + b]) / g;
+            const uint8_t *in = packed + r * (K / 2) + b * 8;
+            float *o = out + r * K + b * 16;
+            for (int j = 0; j < 8; ++j) {
+                o[2 * j] = values[in[j] & 15] * eff;
+                o[2 * j + 1] = values[in[j] >> 4] * eff;
+            }
+        }
+    }
+}
 """
 
 def _cpu_flags() -> set[str]:
@@ -198,6 +223,8 @@ def _build() -> ctypes.CDLL:
     lib.fs_block_amax.restype = ctypes.c_int
     lib.fs_encode.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p]
     lib.fs_encode.restype = None
+    lib.fs_decode.argtypes = [p, i64, i64, i64, p, p, p, p]
+    lib.fs_decode.restype = None
     lib.fs_e4m3_bytes.argtypes = [p, i64, p]
     lib.fs_e4m3_bytes.restype = None
     return lib
@@ -283,3 +310,27 @@ def quantize_rows(weight: torch.Tensor, channels: torch.Tensor, shard_rows: list
     gp, tp, pp, sp = rows_gs.data_ptr(), table.data_ptr(), packed.data_ptr(), scale.data_ptr()
     _run_rows(lambda r0, r1: lib.fs_encode(x, ld, r0, r1, k, kp, ap, gp, tp, pp, sp), n)
     return packed, scale.view(torch.float8_e4m3fn), gs
+
+
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor | None:
+    """float32 [R, K] of NVFP4 ``packed`` uint8 [R, K/2] (contiguous, CPU), ``scale`` E4M3 [R, K/16] and a
+    global scale of one or R values: ``value(code) * (scale / gs)``, bit for bit what
+    :func:`foursight.nvfp4.dequantize_nvfp4` computes (one pass instead of a table gather and a multiply);
+    None when the native library is unavailable or the tensors are not of that form (the caller's eager path)."""
+    lib = native_lib()
+    if lib is None or packed.device.type != "cpu" or packed.dim() != 2 or packed.dtype != torch.uint8:
+        return None
+    r, kh = packed.shape
+    k = kh * 2
+    if k % BLOCK_SIZE or tuple(scale.shape) != (r, k // BLOCK_SIZE) or scale.dtype != torch.float8_e4m3fn or scale.device.type != "cpu":
+        return None
+    gs = global_scale.float().reshape(-1)
+    if gs.numel() not in (1, r) or gs.device.type != "cpu":
+        return None
+    rows_gs = gs.expand(r).contiguous()
+    packed, sc = packed.contiguous(), scale.contiguous().view(torch.uint8)
+    out = torch.empty((r, k), dtype=torch.float32)
+    pp, sp, gp, vp, op = packed.data_ptr(), sc.data_ptr(), rows_gs.data_ptr(), _E2M1.data_ptr(), out.data_ptr()
+    if r:
+        _run_rows(lambda r0, r1: lib.fs_decode(pp, r0, r1, k, sp, gp, vp, op), r)
+    return out

@@ -56,7 +56,7 @@ def quantize_shard(weight: torch.Tensor, channels: torch.Tensor, global_scale: t
             out = nvfp4_cpu.quantize_rows(weight, ch, global_scale=global_scale)
             if out is not None:  # None: a NaN or Inf, which quantize_weight names
                 packed, scale, gs = out
-                return QuantizedWeight(packed, scale, gs, ch, weight[:, ch.long()].contiguous())
+                return QuantizedWeight(packed, scale, gs, ch, weight.index_select(1, ch.long()))
         return quantize_weight(weight, channels, global_scale=global_scale, name=name)
     from foursight.kernels.act_quant import act_quant_launch
 
@@ -106,7 +106,7 @@ def quantize_fused(weight: torch.Tensor, channels: torch.Tensor, shard_rows: lis
         out = nvfp4_cpu.quantize_rows(weight, ch, shard_rows=list(shard_rows))
         if out is not None:  # None: a NaN or Inf, named below by the eager path
             packed, scale, gs = out
-            return QuantizedWeight(packed, scale, gs, ch, weight[:, idx].contiguous())
+            return QuantizedWeight(packed, scale, gs, ch, weight.index_select(1, idx))
     w0 = weight.float() if weight.dtype != torch.float32 else weight.clone()
     if idx.numel():
         w0.index_fill_(1, idx, 0.0)

@@ -185,3 +185,25 @@ def test_other_dtypes_and_devices_take_the_eager_path():
         w = torch.randn(16, 32).to(dtype)
         assert not nvfp4_cpu.supports(w)
         _same(quantize_shard(w, torch.tensor([4], dtype=torch.int32)), quantize_weight(w, torch.tensor([4], dtype=torch.int32)), str(dtype))
+
+
+def test_dequantizer_equals_the_eager_one(monkeypatch):
+    """dequantize_nvfp4 on the CPU (the native pass) against the eager one (native turned off): every byte value,
+    scales over E4M3's range (subnormals, zero, 448), a scalar, a [1] and a per-row global scale, each dtype."""
+    g = torch.Generator().manual_seed(4)
+    packed = torch.randint(0, 256, (67, 128), generator=g, dtype=torch.uint8)
+    packed[0, :128] = torch.arange(128, dtype=torch.uint8)
+    packed[1, :128] = torch.arange(128, 256, dtype=torch.uint8)
+    scale_bytes = torch.randint(0, 0x7F, (67, 16), generator=g, dtype=torch.uint8)  # every finite positive E4M3, 0 included
+    scale_bytes[2] = torch.tensor([0, 1, 2, 7, 8, 0x20, 0x7E, 0x7E, 1, 0, 3, 4, 5, 6, 9, 10], dtype=torch.uint8)
+    scale = scale_bytes.view(torch.float8_e4m3fn)
+    got = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv(nvfp4_cpu.ENV_NATIVE_CPU_QUANT, native)
+        got[native] = [n.dequantize_nvfp4(packed, scale, gs, dtype)
+                       for gs in (torch.tensor(3.5), torch.tensor([1e-3]), torch.rand(67, generator=torch.Generator().manual_seed(5)) * 900 + 0.01)
+                       for dtype in (torch.float32, torch.bfloat16, torch.float64)]
+    monkeypatch.delenv(nvfp4_cpu.ENV_NATIVE_CPU_QUANT)
+    assert nvfp4_cpu.dequantize_rows(packed, scale, torch.tensor([2.0])) is not None  # the native pass did run
+    for a, b in zip(got["1"], got["0"]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
