@@ -312,6 +312,12 @@ def dequantize_nvfp4(
         [R, K] tensor of ``dtype`` (computed in float32).
     """
     r, kh = packed.shape
+    if packed.device.type == "cpu":  # the fused native pass (foursight.nvfp4_cpu), bit-identical; None: not built
+        from foursight.nvfp4_cpu import dequantize_rows
+
+        out = dequantize_rows(packed, scale, global_scale)
+        if out is not None:
+            return out.to(dtype)
     # both values of a byte from one 256-entry table, read as one int64 per byte (an index_select
     # over half as many elements as codes, int32 indices), times the block's divisor broadcast over
     # its 16 values in place: no [R, K] index or scale copy

@@ -14,15 +14,19 @@ mode from the layer's BF16 ``weight``, checkpoint mode from the BF16 shard the t
   device (the kernel's contract with :func:`foursight.layer.quantize_activation`, whose static-scale
   form is the weight quantizer; tests/test_requantize.py checks it in the Triton interpreter and,
   marked ``gpu``, on the device);
-* elsewhere, :func:`foursight.layer.quantize_weight` (the vectorized PyTorch encoder of
-  :mod:`foursight.nvfp4`), which also checks every value finite.
+* on the CPU, for a BF16 weight, the fused native quantizer of :mod:`foursight.nvfp4_cpu` (two passes of a
+  small C routine instead of a dozen eager tensor operations), bit-identical to
+  :func:`foursight.layer.quantize_weight`; a weight with a NaN or Inf, or when the native library is
+  unavailable (no compiler: logged once) or turned off (``FOURSIGHT_NATIVE_CPU_QUANT=0``), goes to
+* :func:`foursight.layer.quantize_weight` (the vectorized PyTorch encoder of :mod:`foursight.nvfp4`),
+  which also checks every value finite and names a bad one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from foursight.layer import QuantizedWeight, channel_mask, quantize_weight
+from foursight.layer import QuantizedWeight, channel_mask, check_channels, quantize_weight
 from foursight.nvfp4 import NVFP4Error, check_k, global_scale_from_amax
 
 
@@ -45,6 +49,14 @@ def quantize_shard(weight: torch.Tensor, channels: torch.Tensor, global_scale: t
     None chooses it for CUDA tensors (module docstring). Returns a :class:`QuantizedWeight` on
     ``weight``'s device."""
     if not (uses_device_kernel(weight) if device_kernel is None else device_kernel):
+        from foursight import nvfp4_cpu
+
+        if nvfp4_cpu.supports(weight):
+            ch = check_channels(channels, weight.shape[1], name)
+            out = nvfp4_cpu.quantize_rows(weight, ch, global_scale=global_scale)
+            if out is not None:  # None: a NaN or Inf, which quantize_weight names
+                packed, scale, gs = out
+                return QuantizedWeight(packed, scale, gs, ch, weight.index_select(1, ch.long()))
         return quantize_weight(weight, channels, global_scale=global_scale, name=name)
     from foursight.kernels.act_quant import act_quant_launch
 
@@ -84,12 +96,17 @@ def quantize_fused(weight: torch.Tensor, channels: torch.Tensor, shard_rows: lis
             parts.append(quantize_shard(weight[off : off + rows], channels, name=name))
             off += rows
         return concat_shards(parts, names[0])
-    from foursight.layer import check_channels
+    from foursight import nvfp4_cpu
     from foursight.nvfp4 import block_amax, check_finite, quantize_nvfp4
 
     k_dim = weight.shape[1]
     ch = check_channels(channels, k_dim, names[0]).to(weight.device)
     idx = ch.long()
+    if nvfp4_cpu.supports(weight):
+        out = nvfp4_cpu.quantize_rows(weight, ch, shard_rows=list(shard_rows))
+        if out is not None:  # None: a NaN or Inf, named below by the eager path
+            packed, scale, gs = out
+            return QuantizedWeight(packed, scale, gs, ch, weight.index_select(1, idx))
     w0 = weight.float() if weight.dtype != torch.float32 else weight.clone()
     if idx.numel():
         w0.index_fill_(1, idx, 0.0)

@@ -1,7 +1,7 @@
 """``foursight_nccl``: vLLM 0.32's weight-transfer backend for the broadcast road (docs/scale-out.md,
 "Weights over a broadcast group"): the messages of vLLM's own ``nccl`` backend, received by
 :class:`foursight.quant_methods.weight_broadcast.BroadcastReceiver` (the transport), checked and applied
-as the file road checks and applies a file (:mod:`foursight.quant_methods.vllm_weight_sync`). Registered
+in the file road's update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`). Registered
 with vLLM's weight-transfer factory by the plugin (:func:`register`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from foursight.quant_methods.vllm_compat import worker_global_rank
-from foursight.quant_methods.vllm_weight_sync import apply_received_update, check_update
+from foursight.quant_methods.vllm_weight_sync import UpdateSession
 from foursight.quant_methods.weight_broadcast import BACKEND, BroadcastReceiver
 
 
@@ -32,7 +32,7 @@ class FourSightBroadcastEngine(_engine_base()):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.receiver = BroadcastReceiver(self.device, check_update, apply_received_update)
+        self.receiver = BroadcastReceiver(self.device, UpdateSession)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> dict[str, Any]:
         return dict(init_dict)  # parsed by the receiver, which names the field it refuses

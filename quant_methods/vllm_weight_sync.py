@@ -12,8 +12,11 @@ through ``collective_rpc``:
 After an update, reset the prefix cache (``llm.reset_prefix_cache()`` / ``POST /reset_prefix_cache``)
 so that no KV block computed with the old weights is reused.
 
-How an update is applied (``apply_weight_update``):
+How an update is applied (:func:`run_update`, which every road runs: ``apply_weight_update`` in memory,
+the worker's file route, the native weight-transfer backend):
 
+0. check the whole update once (:class:`UpdateSession`: names, dtypes, shapes, every value finite; a
+   file is read without a separate finiteness pass, the check reads every value);
 1. read the BF16 tensors (HF names, e.g. ``model.layers.0.self_attn.q_proj.weight``) from a
    safetensors file;
 2. for FourSight layers loaded from a *quantized checkpoint* (they hold no BF16 weight), each
@@ -41,13 +44,14 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from foursight.quant_methods.config import foursight_layers
 from foursight.quant_methods.param_names import vllm_name_map
-from foursight.quant_methods.update_check import unchecked_load_weights
+from foursight.quant_methods.update_check import UpdateChecker, unchecked_load_weights
 from foursight.quant_methods.weight_broadcast import BroadcastWorkerMixin
 from foursight.schema import CheckpointError
 
@@ -61,7 +65,7 @@ def check_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     :func:`foursight.quant_methods.update_check.check_update` with vLLM's name mapping
     (:func:`~foursight.quant_methods.param_names.vllm_name_map`) and BF16 weights only (every tensor a finite float). Raises
     CheckpointError naming the first bad tensor; returns the number of tensors. A refused update
-    therefore leaves the engine as it was.
+    therefore leaves the engine as it was. (:class:`UpdateSession` runs the same check, its checker built once per update.)
     """
     from foursight.quant_methods.update_check import check_update as check
 
@@ -198,37 +202,56 @@ def check_fused_complete(model: torch.nn.Module, names: Iterable[str]) -> None:
         raise _partial_fused_error(gate.incomplete())
 
 
-def begin_update(model: torch.nn.Module) -> dict:
-    """Start one weight update: remember each FourSight layer's load count (what
+@dataclass
+class LoadProgress:
+    """What one update's load needs from :func:`begin_update` to :func:`finish_update`.
+
+    Attributes:
+        layers: the FourSight layers of the model, by name.
+        before: each layer's ``load_events`` when the update began (a layer whose count moved received a tensor).
+        packed: the CPU-packed unquantized linears opened for reloading (:func:`cpu_packed_linears`).
+        gate: the fused-shard gate of those layers (:class:`FusedShardGate`).
+        count: tensors handed to ``load_weights`` so far.
+    """
+
+    layers: dict[str, torch.nn.Module]
+    before: dict[str, int]
+    packed: dict[str, torch.nn.Module]
+    gate: FusedShardGate
+    count: int = 0
+
+
+def begin_update(model: torch.nn.Module) -> LoadProgress:
+    """Start one weight update's load: remember each FourSight layer's load count (what
     :func:`finish_update` compares against to find the layers that received a tensor) and open
     the CPU-packed unquantized layers for reloading (:func:`cpu_packed_linears`)."""
     layers = foursight_layers(model)
     packed = cpu_packed_linears(model)
     _open_packed_for_reload(packed)
-    return {"layers": layers, "before": {n: m.foursight_plan.load_events for n, m in layers.items()}, "count": 0,
-            "packed": packed, "gate": FusedShardGate(model, only=packed)}
+    return LoadProgress(layers=layers, before={n: m.foursight_plan.load_events for n, m in layers.items()},
+                        packed=packed, gate=FusedShardGate(model, only=packed))
 
 
-def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], session: dict) -> int:
+def load_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], progress: LoadProgress) -> int:
     """Load ``(HF name, tensor)`` pairs through the model's ``load_weights`` (steps 2-3 of the
-    module docstring), within a :func:`begin_update` session; returns the number of tensors."""
-    n0 = session["count"]
+    module docstring), within a :func:`begin_update` load; returns the number of tensors."""
+    n0 = progress.count
 
     def counted(it):
         for item in it:
-            session["count"] += 1
+            progress.count += 1
             yield item
 
-    # the session's route checked the whole update before it began: skip the per-call guard
-    unchecked_load_weights(model)(weights=counted(session["gate"].admit(weights)))
-    return session["count"] - n0
+    # the update's session checked the whole update before its load began: skip the per-call guard
+    unchecked_load_weights(model)(weights=counted(progress.gate.admit(weights)))
+    return progress.count - n0
 
 
-def finish_update(model: torch.nn.Module, session: dict) -> dict:
+def finish_update(model: torch.nn.Module, progress: LoadProgress) -> dict:
     """Re-run the idempotent post-load processing of every layer that received a tensor in the
-    session, and the CPU embedding re-pack (step 4). Returns ``{"updated_tensors", "requantized_layers"}``."""
-    partial = session["gate"].incomplete() + _close_packed_reload(session.get("packed", {}))
-    layers, before = session["layers"], session["before"]
+    load, and the CPU embedding re-pack (step 4). Returns ``{"updated_tensors", "requantized_layers"}``."""
+    partial = progress.gate.incomplete() + _close_packed_reload(progress.packed)
+    layers, before = progress.layers, progress.before
     touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
     for n in touched:
         m = layers[n]
@@ -237,13 +260,92 @@ def finish_update(model: torch.nn.Module, session: dict) -> dict:
     refresh_unquantized_embeddings(model)
     if partial:
         raise _partial_fused_error(partial)
-    return {"updated_tensors": session["count"], "requantized_layers": len(touched)}
+    return {"updated_tensors": progress.count, "requantized_layers": len(touched)}
+
+
+@dataclass
+class UpdateSession:
+    """One weight update of a vLLM engine, whichever road brought it: the in-memory
+    :func:`apply_weight_update`, the worker's file route (:meth:`FourSightWorkerExtension.foursight_update_weights`)
+    and the native weight-transfer backend (:mod:`foursight.quant_methods.vllm_weight_transfer`, whose update
+    arrives in several files over several calls) all run it, through :func:`run_update` or its two steps.
+
+    :meth:`receive` checks each part of the update once (names, dtypes, shapes, every value finite:
+    :class:`~foursight.quant_methods.update_check.UpdateChecker` with vLLM's name mapping, built once per
+    update) and keeps the tensors it checked; :meth:`apply` refuses an update with a refused part or half a
+    CPU-packed fused layer (:func:`check_fused_complete`), then loads every part, in order, and re-quantizes
+    (:func:`begin_update`, :func:`load_update`, :func:`finish_update`). Nothing is loaded before every part
+    passed, so a refused update leaves the engine as it was; what is loaded is what was checked (a file
+    rewritten after it was read changes nothing).
+
+    Attributes:
+        model: the engine's model.
+        parts: the checked ``(HF name, tensor)`` lists, in arrival order.
+        refused: why a part was refused (the whole update is then refused), or None.
+    """
+
+    model: torch.nn.Module
+    parts: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)
+    refused: str | None = None
+    _checker: UpdateChecker | None = field(default=None, repr=False)
+
+    def receive(self, weights: Iterable[tuple[str, torch.Tensor]], where: str = "") -> int:
+        """Read ``weights`` (an iterator is read once, e.g. :func:`foursight.tensor_io.iter_safetensors` with
+        ``check=False``: the finiteness check is here), check every tensor and keep them; returns their number.
+        Raises CheckpointError naming the first bad tensor (and ``where``, e.g. the file), or the reader's
+        error, and marks the update refused."""
+        try:
+            items = list(weights)
+            if self._checker is None:
+                self._checker = UpdateChecker(self.model, map_name=vllm_name_map(self.model))
+            self._checker.check(items, where)
+        except Exception as e:
+            self.refused = str(e)
+            raise
+        self.parts.append(items)
+        return len(items)
+
+    def names(self) -> list[str]:
+        """The names of every tensor received so far."""
+        return [n for part in self.parts for n, _ in part]
+
+    def apply(self) -> dict:
+        """Load every received part and re-quantize (module docstring, steps 2-4). Raises RuntimeError when a
+        part was refused and CheckpointError for half a CPU-packed fused layer, both before anything is loaded.
+        Returns ``{"updated_tensors", "requantized_layers"}``."""
+        if self.refused is not None:
+            raise RuntimeError(f"the update was refused, nothing of it is loaded ({self.refused})")
+        check_fused_complete(self.model, self.names())
+        with torch.no_grad():
+            progress = begin_update(self.model)
+            for part in self.parts:
+                load_update(self.model, part, progress)
+            return finish_update(self.model, progress)
+
+
+def run_update(model: torch.nn.Module, parts: Iterable[Iterable[tuple[str, torch.Tensor]]],
+               refusal: Callable[[Exception], Exception] | None = None, where: str = "") -> dict:
+    """One weight update from start to end: every part received (read and checked once:
+    :meth:`UpdateSession.receive`), the fused layers checked complete, then loaded and re-quantized
+    (:meth:`UpdateSession.apply`). ``refusal`` turns an error found before anything is loaded (a bad
+    tensor, an unreadable file, half a CPU-packed fused layer) into the exception the caller raises
+    (the worker's :class:`~foursight.quant_methods.weight_authority.RefusedUpdate`, which the bridge
+    answers with 422); None raises it as it is; ``where`` (e.g. the file) is named in a bad tensor's error. Returns ``{"updated_tensors", "requantized_layers"}``."""
+    session = UpdateSession(model)
+    try:
+        for part in parts:
+            session.receive(part, where)
+        check_fused_complete(model, session.names())
+    except Exception as e:
+        if refusal is None:
+            raise
+        raise refusal(e) from e
+    return session.apply()
 
 
 def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
     """Load new BF16 weights into a FourSight vLLM model and re-quantize the touched layers
-    (:func:`begin_update`, :func:`load_update`, :func:`finish_update` in one go; the native
-    weight-transfer backend, :mod:`foursight.quant_methods.vllm_weight_transfer`, runs the same three).
+    (:func:`run_update` of one part).
 
     Args:
         model: the engine's model (``worker.model_runner.model``).
@@ -251,14 +353,11 @@ def apply_weight_update(model: torch.nn.Module, weights: Iterable[tuple[str, tor
     Returns:
         ``{"updated_tensors": int, "requantized_layers": int}``.
     Raises:
-        CheckpointError naming the first bad tensor (:func:`check_update`: name, dtype, shape,
-        finiteness), before anything is loaded: a refused update leaves the engine as it was.
+        CheckpointError naming the first bad tensor (name, dtype, shape, finiteness) or the fused layer of
+        which it gives only some shards (:func:`check_fused_complete`), before anything is loaded: a
+        refused update leaves the engine as it was.
     """
-    weights = list(weights)
-    check_update(model, weights)
-    session = begin_update(model)
-    load_update(model, weights, session)
-    return finish_update(model, session)
+    return run_update(model, [weights])
 
 
 def refresh_unquantized_embeddings(model: torch.nn.Module) -> int:
@@ -279,21 +378,11 @@ def refresh_unquantized_embeddings(model: torch.nn.Module) -> int:
     return n
 
 
-def apply_received_update(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> dict:
-    """Apply a whole update received over a broadcast group as the file road applies a file: refuse half a
-    CPU-packed fused layer (:func:`check_fused_complete`), then :func:`apply_weight_update` (checked, loaded,
-    re-quantized). Returns its ``{"updated_tensors", "requantized_layers"}``."""
-    check_fused_complete(model, [n for n, _ in weights])
-    with torch.no_grad():
-        return apply_weight_update(model, weights)
-
-
 class FourSightWorkerExtension(BroadcastWorkerMixin):
     """vLLM worker extension (``--worker-extension-cls``) with the FourSight weight-update RPCs (the broadcast
     road's ``foursight_broadcast_*`` come from :class:`~foursight.quant_methods.weight_broadcast.BroadcastWorkerMixin`)."""
 
-    _broadcast_check = staticmethod(check_update)
-    _broadcast_apply = staticmethod(apply_received_update)
+    _broadcast_session = staticmethod(UpdateSession)
 
     def _foursight_model(self) -> torch.nn.Module:
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -301,7 +390,7 @@ class FourSightWorkerExtension(BroadcastWorkerMixin):
 
     def foursight_update_weights(self, path: str, version: int | str, token: str | None = None, weights_id: str | None = None) -> dict:
         """Re-quantize the engine in place from BF16 tensors (HF names) in the safetensors file
-        ``path`` (every tensor checked first) and set the weight version to ``version`` (an int or its string, as the HTTP
+        ``path`` (every tensor checked first, once: :func:`run_update`) and set the weight version to ``version`` (an int or its string, as the HTTP
         endpoint sends strings) and the weights id to ``weights_id`` (the bridge's nonce, reported by
         :meth:`foursight_engine_state`). An engine served over HTTP loads only with its
         ``FOURSIGHT_WEIGHTS_TOKEN`` (``token``) and only from its weights folders
@@ -315,17 +404,11 @@ class FourSightWorkerExtension(BroadcastWorkerMixin):
         t0 = time.perf_counter()
         v = int(version)
         path = authorize_update(path, token)  # before any file is opened: no token, or outside the folders, is refused
-        model = self._foursight_model()
-        # every tensor is read once and checked before any is loaded (what is checked is what is loaded):
-        # a rejected update leaves the previous weights serving and the version unchanged
-        try:
-            weights = list(iter_safetensors(path))  # the one reader: a truncated file or a NaN names the tensor
-            check_fused_complete(model, [n for n, _ in weights])
-            check_update(model, weights)  # names, dtypes, shapes, finiteness
-        except Exception as e:
-            raise RefusedUpdate(f"{REFUSED_PREFIX}{e}") from e  # the bridge answers 422: nothing was loaded
-        with torch.no_grad():
-            info = apply_weight_update(model, weights)
+        # every tensor is read once and checked once (names, dtypes, shapes, finiteness) before any is loaded (what is
+        # checked is what is loaded): a refused update leaves the previous weights serving and the version unchanged;
+        # the bridge answers 422 to the refusal's prefix (nothing was loaded)
+        info = run_update(self._foursight_model(), [iter_safetensors(path, check=False)],
+                          refusal=lambda e: RefusedUpdate(f"{REFUSED_PREFIX}{e}"), where=f" in {path}")
         self._foursight_version = v
         self._foursight_weights_id = weights_id
         info.update(version=v, seconds=round(time.perf_counter() - t0, 3))

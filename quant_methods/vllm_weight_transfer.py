@@ -16,17 +16,16 @@ Then:
 ``update_weights`` first asks :func:`foursight.quant_methods.weight_authority.authorize_update`:
 an engine served over HTTP loads only with its ``FOURSIGHT_WEIGHTS_TOKEN`` (``update_info.token``)
 and only from its weights folders, and a refusal names no other path. It then reads each file
-whole, once, checks the tensors it read (every tensor finite; names, dtypes and shapes against
-the model: :func:`foursight.quant_methods.vllm_weight_sync.check_update`) and keeps **those
-tensors**, not the path (issue 38 item 2: a file rewritten before ``finish_weight_update``, or a
-path reused for the next bucket, changes nothing of what was checked). ``finish_weight_update``
-loads every kept bucket, in order, through the model's own ``load_weights``
-(:func:`foursight.quant_methods.vllm_weight_sync.load_update`) and runs the idempotent FourSight
-post-processing (:func:`foursight.quant_methods.vllm_weight_sync.finish_update`), once per update
-however many files came in. The tensors are held in host memory from ``update_weights`` to
+whole, once, checks the tensors it read once (every tensor finite; names, dtypes and shapes against
+the model) and keeps **those tensors**, not the path (issue 38 item 2: a file rewritten before
+``finish_weight_update``, or a path reused for the next bucket, changes nothing of what was checked):
+:meth:`foursight.quant_methods.vllm_weight_sync.UpdateSession.receive`. ``finish_weight_update``
+loads every kept bucket, in order, through the model's own ``load_weights`` and runs the idempotent
+FourSight post-processing once per update however many files came in
+(:meth:`~foursight.quant_methods.vllm_weight_sync.UpdateSession.apply`). The tensors are held in host memory from ``update_weights`` to
 ``finish_weight_update`` (the size of the update). An update with a refused file loads nothing, so nothing of it is ever
 served, and vLLM keeps its weight version (issue 28). It is the same code the ``/collective_rpc`` route (``FourSightWorkerExtension``) runs,
-so both routes give bit-identical engines (``tests/test_vllm_weight_transfer.py``).
+so both routes give bit-identical engines (the session :func:`~foursight.quant_methods.vllm_weight_sync.run_update` runs there) (``tests/test_vllm_weight_transfer.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 BACKEND = "foursight_file"
@@ -62,13 +60,15 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._session: dict[str, Any] | None = None
+        self._session = None  # the UpdateSession between start_weight_update and finish_weight_update
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
         pass
 
     def start_weight_update(self) -> None:
-        self._session = {"buckets": [], "refused": None}
+        from foursight.quant_methods.vllm_weight_sync import UpdateSession
+
+        self._session = UpdateSession(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # no device synchronisation to wait for: the tensors are loaded synchronously (and
@@ -77,10 +77,9 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
         """Authorize the file (:func:`~foursight.quant_methods.weight_authority.authorize_update`), read
-        it whole once, check the tensors read (every tensor finite, names, dtypes and shapes:
-        :func:`~foursight.quant_methods.vllm_weight_sync.check_update`) and keep them for
-        ``finish_weight_update``; nothing is loaded yet. A refused file refuses the whole update."""
-        from foursight.quant_methods.vllm_weight_sync import check_update
+        it whole once, check the tensors read once (every tensor finite, names, dtypes and shapes) and keep
+        them for ``finish_weight_update`` (:meth:`~foursight.quant_methods.vllm_weight_sync.UpdateSession.receive`);
+        nothing is loaded yet. A refused file refuses the whole update."""
         from foursight.quant_methods.weight_authority import RefusedUpdate, authorize_update
         from foursight.schema import REFUSED_PREFIX
         from foursight.tensor_io import iter_safetensors
@@ -89,32 +88,27 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
             raise RuntimeError("foursight_file: update_weights before start_weight_update")
         try:
             path = authorize_update(update_info.path, update_info.token)
-            tensors = list(iter_safetensors(path))  # read once, each checked finite: the tensors checked are the tensors loaded
-            check_update(self.model, tensors)
+            # read once, checked once (finiteness included): the tensors checked are the tensors loaded
+            self._session.receive(iter_safetensors(path, check=False), f" in {path}")
         except Exception as e:
-            self._session["refused"] = str(e)
+            self._session.refused = str(e)
             if isinstance(e, RefusedUpdate):
                 raise
             raise RefusedUpdate(f"{REFUSED_PREFIX}{e}") from e  # nothing of the update is loaded: the update is at fault
-        self._session["buckets"].append(tensors)
 
     def finish_weight_update(self) -> None:
         """Load every bucket of the update, as checked, and re-quantize (the same three steps as
         ``apply_weight_update``). An update with a refused file loads nothing: the engine keeps its
         weights, and vLLM keeps its weight version (it sets it only after this returns)."""
-        from foursight.quant_methods.vllm_weight_sync import begin_update, check_fused_complete, finish_update, load_update
-
         if self._session is None:
             raise RuntimeError("foursight_file: finish_weight_update before start_weight_update")
         session, self._session = self._session, None
-        if session["refused"]:
-            raise RuntimeError(f"foursight_file: the update was refused, nothing of it is loaded ({session['refused']})")
-        check_fused_complete(self.model, [n for bucket in session["buckets"] for n, _ in bucket])  # half a CPU-packed fused layer
-        with torch.no_grad():
-            state = begin_update(self.model)
-            for bucket in session["buckets"]:
-                load_update(self.model, bucket, state)
-            finish_update(self.model, state)
+        try:
+            session.apply()  # a refused file, or half a CPU-packed fused layer: refused before anything loads
+        except RuntimeError as e:
+            if session.refused is not None:
+                raise RuntimeError(f"foursight_file: {e}") from None
+            raise
 
     def shutdown(self) -> None:
         self._session = None

@@ -9,15 +9,13 @@ packed into uint8 chunks (vLLM's ``packed_tensor`` wire format; one broadcast pe
 
 * :class:`BroadcastReceiver` joins the group (:func:`open_communicator`), receives one update message's
   tensors (:func:`receive_tensors`: every broadcast of the message is consumed before anything is
-  checked, so a refused tensor leaves the group in step with the trainer), checks them with the file
-  road's check (names, dtypes, shapes, finiteness; a refusal names the tensor and starts with
-  :data:`foursight.schema.REFUSED_PREFIX`), holds them, and at the end of the update hands every held
-  ``(name, tensor)`` pair to the file road's apply
-  (:func:`foursight.quant_methods.vllm_weight_sync.apply_received_update`, which ends in
-  ``apply_weight_update``, the in-memory entry every road ends in): the same whole-update check, the
-  same re-quantization, the same "a refused update changes nothing" as the file road. The check and
-  the apply are given to the receiver by its host, so this module is the transport alone and imports
-  nothing of the update code. The update is held until then, on the engine's device (one copy of it:
+  checked, so a refused tensor leaves the group in step with the trainer) and hands them to the file road's
+  update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`, the one every road runs):
+  each message's tensors checked once as they arrive (names, dtypes, shapes, finiteness; a refusal names the
+  tensor and starts with :data:`foursight.schema.REFUSED_PREFIX`) and kept; at the end of the update every part
+  loaded and re-quantized at once, with the same "a refused update changes nothing" as the file road. The
+  session is given to the receiver by its host, so this module is the transport alone and imports nothing of
+  the update code. The update is held until then, on the engine's device (one copy of it:
   docs/scale-out.md, "Memory");
 * two entry points feed it, one per vLLM release (docs/scale-out.md, "Weights over a broadcast group"):
   :class:`foursight.quant_methods.vllm_broadcast_backend.FourSightBroadcastEngine`, vLLM 0.32's
@@ -316,18 +314,17 @@ class BroadcastReceiver:
     one or more receives, finish). Refusals raise :class:`~foursight.quant_methods.weight_authority.RefusedUpdate`
     whose message starts with :data:`foursight.schema.REFUSED_PREFIX`; a refused update loads nothing."""
 
-    def __init__(self, device: torch.device | str | int, check: Callable[[torch.nn.Module, list[tuple[str, torch.Tensor]]], Any],
-                 apply: Callable[[torch.nn.Module, list[tuple[str, torch.Tensor]]], dict]):
-        """``check(model, tensors)``: the file road's checks of an update (names, dtypes, shapes, finiteness),
-        raising on the first bad tensor; ``apply(model, tensors)``: the file road's apply of a whole checked update
-        (:func:`foursight.quant_methods.vllm_weight_sync.apply_received_update`). Passed in, so that this module
-        stays the transport and imports nothing of the engine's update code."""
+    def __init__(self, device: torch.device | str | int, new_session: Callable[[torch.nn.Module], UpdateSessionLike]):
+        """``new_session(model)``: the file road's update session for one update
+        (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`: each message's tensors checked once as they
+        arrive, then every part loaded and re-quantized at once). Passed in, so that this module stays the
+        transport and imports nothing of the engine's update code."""
         self.device = torch.device(device) if not isinstance(device, torch.device) else device
-        self._check, self._apply = check, apply
+        self._new_session = new_session
         self.comm: Communicator | None = None
         self.info: BroadcastInitInfo | None = None
-        self._held: list[tuple[str, torch.Tensor]] | None = None
-        self._refused: str | None = None
+        self._session: UpdateSessionLike | None = None
+        self._started = False
 
     def init(self, init_info: dict[str, Any] | str | BroadcastInitInfo, worker_rank: int) -> dict:
         """Join the trainer's group as rank ``worker_rank + rank_offset`` (blocks until every rank joined)."""
@@ -354,17 +351,18 @@ class BroadcastReceiver:
         return {"rank": rank, "world_size": info.world_size, "communicator": kind}
 
     def start(self) -> None:
-        self._held, self._refused = [], None
+        self._session, self._refused, self._started = None, None, True
 
     def receive(self, model: torch.nn.Module, update_info: dict[str, Any] | str | BroadcastUpdateInfo) -> int:
-        """Receive one message's tensors, check them (names, dtypes, shapes, finiteness) and hold them for
-        :meth:`finish`. A refused tensor refuses the whole update (it is received first: the group stays in step)."""
+        """Receive one message's tensors and hand them to the update's session, which checks them once (names,
+        dtypes, shapes, finiteness) and keeps them for :meth:`finish`. A refused tensor refuses the whole update
+        (it is received first: the group stays in step)."""
         from foursight.quant_methods.weight_authority import RefusedUpdate
         from foursight.schema import REFUSED_PREFIX
 
         if self.comm is None or self.info is None:
             raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
-        if self._held is None:
+        if not self._started:
             raise RuntimeError(f"{BACKEND}: update_weights before start_weight_update")
         try:
             update = update_info if isinstance(update_info, BroadcastUpdateInfo) else BroadcastUpdateInfo.parse(update_info)
@@ -374,28 +372,39 @@ class BroadcastReceiver:
             raise RefusedUpdate(f"{REFUSED_PREFIX}{e}") from None
         packed = self.info.packed if update.packed is None else bool(update.packed)
         tensors = receive_tensors(self.comm, update, packed, self.info.packed_buffer_size_bytes, self.device)
+        if self._session is None:
+            self._session = self._new_session(model)
         try:
-            self._check(model, tensors)
+            return self._session.receive(tensors)
         except Exception as e:
-            self._refused = str(e)
             raise RefusedUpdate(f"{REFUSED_PREFIX}{e}") from e
-        self._held.extend(tensors)
-        return len(tensors)
 
     def finish(self, model: torch.nn.Module) -> dict:
-        """Apply every tensor held since :meth:`start` (the ``apply`` given), once; an update with a
-        refused message loads nothing."""
-        held, refused, self._held, self._refused = self._held, self._refused, None, None
-        if held is None:
+        """Apply the update received since :meth:`start` (its session's ``apply``: loaded and re-quantized once);
+        an update with a refused message loads nothing."""
+        started, session, refused = self._started, self._session, self._refused
+        self._started, self._session, self._refused = False, None, None
+        if not started:
             raise RuntimeError(f"{BACKEND}: finish_weight_update before start_weight_update")
+        refused = refused or (session.refused if session is not None else None)
         if refused is not None:
             raise RuntimeError(f"{BACKEND}: the update was refused, nothing of it is loaded ({refused})")
-        return self._apply(model, held)
+        return (session if session is not None else self._new_session(model)).apply()
 
     def close(self) -> None:
         if self.comm is not None:
             self.comm.close()
-        self.comm, self.info, self._held = None, None, None
+        self.comm, self.info, self._session, self._started = None, None, None, False
+
+
+class UpdateSessionLike(Protocol):
+    """What the receiver needs of an update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`)."""
+
+    refused: str | None
+
+    def receive(self, weights: Iterable[tuple[str, torch.Tensor]], where: str = "") -> int: ...
+
+    def apply(self) -> dict: ...
 
 
 # ---- any vLLM with the worker extension (0.26 on the device): collective_rpc methods ----
@@ -408,19 +417,17 @@ class BroadcastWorkerMixin:
     (applies, then sets the version and weights id that ``foursight_engine_state`` reports),
     ``foursight_broadcast_close()``. ``init_info``/``update_info`` may come as JSON text."""
 
-    #: the host class's update check and apply (:class:`BroadcastReceiver`'s ``check`` and ``apply``), as
-    #: ``staticmethod``\ s: the worker extension gives the file road's
-    _broadcast_check: Callable[..., Any] | None = None
-    _broadcast_apply: Callable[..., dict] | None = None
+    #: the host class's update session (:class:`BroadcastReceiver`'s ``new_session``), as a ``staticmethod``: the
+    #: worker extension gives the file road's :class:`~foursight.quant_methods.vllm_weight_sync.UpdateSession`
+    _broadcast_session: Callable[[torch.nn.Module], UpdateSessionLike] | None = None
 
     def _foursight_receiver(self) -> BroadcastReceiver:
         r = getattr(self, "_foursight_broadcast", None)
         if r is None:
             cls = type(self)
-            if cls._broadcast_check is None or cls._broadcast_apply is None:
-                raise TypeError(f"{cls.__name__}: a BroadcastWorkerMixin host sets _broadcast_check and _broadcast_apply")
-            r = self._foursight_broadcast = BroadcastReceiver(getattr(self, "device", "cpu"), cls._broadcast_check,
-                                                              cls._broadcast_apply)
+            if cls._broadcast_session is None:
+                raise TypeError(f"{cls.__name__}: a BroadcastWorkerMixin host sets _broadcast_session")
+            r = self._foursight_broadcast = BroadcastReceiver(getattr(self, "device", "cpu"), cls._broadcast_session)
         return r
 
     def foursight_broadcast_init(self, init_info: dict[str, Any] | str, token: str | None = None) -> dict:

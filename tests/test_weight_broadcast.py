@@ -188,9 +188,9 @@ def test_a_join_is_refused_before_any_connection(monkeypatch):
     from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX
 
     info = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 2}  # port 9: nothing listens
-    from foursight.quant_methods.vllm_weight_sync import apply_received_update, check_update
+    from foursight.quant_methods.vllm_weight_sync import UpdateSession
 
-    r = BroadcastReceiver("cpu", check_update, apply_received_update)
+    r = BroadcastReceiver("cpu", UpdateSession)
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     monkeypatch.setenv(ENV_WEIGHTS_TOKEN, "secret")
     for given, match in ((None, ENV_WEIGHTS_TOKEN), ("wrong", ENV_WEIGHTS_TOKEN)):

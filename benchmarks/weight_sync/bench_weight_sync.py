@@ -6,7 +6,10 @@ tensor of the model (HF names), in memory, through the trainers' own loops:
 * ``trl``: TRL colocate, ``model.load_weights([(name, tensor)])`` once per tensor, no post-load step;
 * ``verl``: verl, ``model.load_weights(bucket)`` per bucket (``--buckets``, cutting through fused
   layers), then vLLM's ``process_weights_after_loading`` once;
-* ``apply_weight_update``: the documented in-memory route (:mod:`foursight.quant_methods.vllm_weight_sync`).
+* ``apply_weight_update``: the documented in-memory route (:mod:`foursight.quant_methods.vllm_weight_sync`);
+* ``file``: the ``/collective_rpc`` route, ``FourSightWorkerExtension.foursight_update_weights`` of a safetensors
+  file holding the same tensors (written once before the runs, so it is in the page cache): the file read, the
+  checks and the load, as an engine's worker runs them for the bridge.
 
 The BF16 engine is measured the way it really syncs on vLLM's CPU build. Its linear layers'
 weights are pre-packed for oneDNN after loading (the parameter is emptied), so a plain
@@ -22,7 +25,7 @@ last shard arrives; the verl loop in the post-load step): the time includes the 
 Each engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``), one
 at a time; each sync is timed inside the worker (``llm.apply_model``) after one warm-up, ``--repeats``
 times; the file keeps every run (wall and CPU time, the user/system split, page faults, the 1-minute
-load average it started in) and the median, as wall time and as this process's CPU time. Run it
+load average it started in), the median and the minimum, as wall time and as this process's CPU time. Run it
 alone, holding the engine lock, and read ``host.loadavg_*`` (other jobs on a shared machine inflate
 wall time):
 
@@ -103,8 +106,22 @@ def _profile_in_worker(llm, fn, top: int = 12) -> dict:
     return out
 
 
-def _routes(llm, weights: list, buckets: int, bf16: bool) -> dict:
-    """route name -> fn(model), the trainers' loops (module docstring)."""
+def _file_route(path: str):
+    """fn(model): the worker extension's file update of ``path`` (the ``/collective_rpc`` route) on ``model``."""
+    def fn(model):
+        from foursight.quant_methods.vllm_weight_sync import FourSightWorkerExtension
+
+        class Worker(FourSightWorkerExtension):  # the worker's model is the one apply_model hands over
+            def _foursight_model(self):
+                return model
+
+        Worker().foursight_update_weights(path, 1)
+
+    return fn
+
+
+def _routes(llm, weights: list, buckets: int, bf16: bool, file: str) -> dict:
+    """route name -> fn(model), the trainers' loops and the file route (module docstring)."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from foursight.quant_methods.vllm_weight_sync import apply_weight_update
@@ -124,7 +141,7 @@ def _routes(llm, weights: list, buckets: int, bf16: bool) -> dict:
         process_weights_after_loading(model, model_config, torch.device("cpu"))
 
     if not bf16:
-        return {"trl": trl, "verl": verl, "apply_weight_update": lambda m: apply_weight_update(m, weights)}
+        return {"trl": trl, "verl": verl, "apply_weight_update": lambda m: apply_weight_update(m, weights), "file": _file_route(file)}
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     def reloading(loop):
@@ -137,16 +154,19 @@ def _routes(llm, weights: list, buckets: int, bf16: bool) -> dict:
         return fn
 
     return {"trl": reloading(1), "verl": reloading(step), "load_weights_only": trl,
-            "apply_weight_update": lambda m: apply_weight_update(m, weights)}
+            "apply_weight_update": lambda m: apply_weight_update(m, weights), "file": _file_route(file)}
 
 
-def measure(model_path: str, quantization: str | None, weights: list, repeats: int, buckets: int) -> dict:
+def measure(model_path: str, quantization: str | None, weights: list, repeats: int, buckets: int, file: str,
+            routes: list[str] | None = None) -> dict:
     from vllm import LLM
 
     llm = LLM(model=model_path, quantization=quantization, enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0)
     out: dict = {}
     try:
-        for route, fn in _routes(llm, weights, buckets, bf16=quantization is None).items():
+        for route, fn in _routes(llm, weights, buckets, bf16=quantization is None, file=file).items():
+            if routes and route not in routes:
+                continue
             try:
                 _timed_in_worker(llm, fn)  # warm-up
             except Exception as e:  # noqa: BLE001 - a road this engine build cannot take: recorded, not timed
@@ -154,11 +174,14 @@ def measure(model_path: str, quantization: str | None, weights: list, repeats: i
                 print(f"{model_path} {quantization} {route}: {out[route]['error']}", flush=True)
                 continue
             runs = [_timed_in_worker(llm, fn) for _ in range(repeats)]
-            if route == "trl":
-                out["profile_trl"] = _profile_in_worker(llm, fn)
+            if route == "trl" or (routes and "trl" not in routes and route == routes[0]):  # one profiled road per engine
+                out[f"profile_{route}"] = _profile_in_worker(llm, fn)
             out[route] = {"runs": runs, "median_wall_s": statistics.median(r["wall_s"] for r in runs),
-                          "median_cpu_s": statistics.median(r["cpu_s"] for r in runs), "loadavg_after": list(os.getloadavg())}
-            print(f"{model_path} {quantization} {route}: median {out[route]['median_wall_s']:.3f} s wall", flush=True)
+                          "median_cpu_s": statistics.median(r["cpu_s"] for r in runs),
+                          "min_wall_s": min(r["wall_s"] for r in runs), "min_cpu_s": min(r["cpu_s"] for r in runs),
+                          "loadavg_after": list(os.getloadavg())}
+            print(f"{model_path} {quantization} {route}: median {out[route]['median_wall_s']:.3f} s wall, "
+                  f"min {out[route]['min_wall_s']:.3f} s", flush=True)
     finally:
         del llm
         import gc
@@ -173,8 +196,11 @@ def main() -> None:
     ap.add_argument("--ckpt", default=None, help="FourSight checkpoint of that model (default: quantize with --channels 32, cached)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--buckets", type=int, default=4, help="verl's buckets per sync")
+    ap.add_argument("--routes", default="", help="comma-separated roads to time (default: all; e.g. apply_weight_update,file "
+                                                  "on a loaded machine, where a full pass takes long)")
     ap.add_argument("--out", default="benchmarks/results/weight_sync_cpu.json")
     args = ap.parse_args()
+    routes = [r for r in args.routes.split(",") if r]
 
     import torch
     from safetensors.torch import load_file
@@ -194,12 +220,19 @@ def main() -> None:
         f = t.float()
         weights.append((n, (f + 0.01 * f.std() * torch.randn(t.shape, generator=g)).to(t.dtype).contiguous()))
 
+    import tempfile
+
+    from safetensors.torch import save_file
+
     commit, dirty = _git_commit()  # the code measured: read before the run, not after
     load_start = list(os.getloadavg())
-    results = {"bf16": measure(str(model), None, weights, args.repeats, args.buckets)}
-    results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, args.repeats, args.buckets)
-    os.environ["FOURSIGHT_CHANNELS_FILE"] = str(ckpt / "foursight_channels.json")
-    results["foursight_online"] = measure(str(model), "foursight", weights, args.repeats, args.buckets)
+    with tempfile.TemporaryDirectory(prefix="fs-bench-sync-") as tmp:
+        file = str(Path(tmp) / "update.safetensors")  # the file route's update: the same tensors
+        save_file(dict(weights), file)
+        results = {"bf16": measure(str(model), None, weights, args.repeats, args.buckets, file, routes)}
+        results["foursight_checkpoint"] = measure(str(ckpt), "foursight", weights, args.repeats, args.buckets, file, routes)
+        os.environ["FOURSIGHT_CHANNELS_FILE"] = str(ckpt / "foursight_channels.json")
+        results["foursight_online"] = measure(str(model), "foursight", weights, args.repeats, args.buckets, file, routes)
 
     ratios = {}
     for eng in ("foursight_checkpoint", "foursight_online"):
@@ -207,14 +240,17 @@ def main() -> None:
             base = results["bf16"].get(route, {})
             if "median_wall_s" in r and "median_wall_s" in base:
                 ratios[f"{eng}/{route}"] = {"wall_vs_bf16": r["median_wall_s"] / base["median_wall_s"],
-                                            "cpu_vs_bf16": r["median_cpu_s"] / base["median_cpu_s"]}
+                                            "cpu_vs_bf16": r["median_cpu_s"] / base["median_cpu_s"],
+                                            "min_wall_vs_bf16": r["min_wall_s"] / base["min_wall_s"],
+                                            "min_cpu_vs_bf16": r["min_cpu_s"] / base["min_cpu_s"]}
     doc = {
         "what": "full in-memory weight sync (every tensor, HF names) into an in-process vLLM CPU engine, through TRL's per-tensor "
-                "loop, verl's bucketed loop and apply_weight_update; median of repeats after a warm-up; FourSight rows include "
+                "loop, verl's bucketed loop, apply_weight_update and the worker's file route; median and min of repeats after a warm-up; FourSight rows include "
                 "the re-quantization of every layer; the BF16 trl/verl rows run inside vLLM's layerwise reload (module docstring)",
         "commit": commit, "uncommitted_paths": dirty,
         "model": str(model.name), "tensors": len(weights), "params": sum(t.numel() for _, t in weights),
-        "repeats": args.repeats, "buckets": args.buckets,
+        "repeats": args.repeats, "buckets": args.buckets, "routes": routes or "all",
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FOURSIGHT_") and k != "FOURSIGHT_CHANNELS_FILE"},
         "host": {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "python": sys.version.split()[0],
                  "note": "a CPU machine shared with other jobs: loadavg says how loaded it was"},
