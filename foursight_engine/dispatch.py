@@ -62,7 +62,9 @@ class ReferenceBackend:
         return True
 
     def prepare(self, qw: QuantizedWeight, name: str, channels_checked: bool = False) -> tuple[QuantizedWeight, torch.Tensor]:
-        return qw, dequantize_weight(qw, torch.float64, include_bf16=False)
+        from foursight.nvfp4_cpu import dequantize_nvfp4  # the native pass on the CPU (bit-identical), else eager
+
+        return qw, dequantize_weight(qw, torch.float64, include_bf16=False, dequantize=dequantize_nvfp4)
 
     def forward(self, state, x, bias, input_global_scale, act_quant):
         qw, w_deq = state

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 
 from foursight.nvfp4 import (
@@ -150,9 +152,12 @@ def quantize_weight(
     )
 
 
-def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32, include_bf16: bool = True) -> torch.Tensor:
-    """Dense [N, K] weight of a FourSight layer: dequantized FP4 part, plus the BF16 columns if asked."""
-    w = dequantize_nvfp4(qw.weight_packed, qw.weight_scale, _row_gs(qw.weight_global_scale, qw.out_features), torch.float32)
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32, include_bf16: bool = True,
+                      dequantize: Callable[..., torch.Tensor] = dequantize_nvfp4) -> torch.Tensor:
+    """Dense [N, K] weight of a FourSight layer: dequantized FP4 part, plus the BF16 columns if asked.
+    ``dequantize``: the FP4 dequantizer (``foursight.nvfp4_cpu.dequantize_nvfp4``, the native CPU pass, where the
+    dispatcher builds the CPU execution form; bit-identical to the default)."""
+    w = dequantize(qw.weight_packed, qw.weight_scale, _row_gs(qw.weight_global_scale, qw.out_features), torch.float32)
     if include_bf16 and qw.num_channels:
         w[:, qw.bf16_channels.long()] = qw.weight_bf16.float()
     return w.to(dtype)

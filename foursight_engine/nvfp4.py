@@ -128,7 +128,7 @@ def _code_table() -> torch.Tensor:
 
 
 #: E2M1 code of each 16-bit key ``upper16(x) | sticky(lower16(x))`` (see :func:`_e2m1_codes_lut`).
-_CODE_TABLE: torch.Tensor = _code_table()
+CODE_TABLE: torch.Tensor = _code_table()
 
 
 _TABLES_ON: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -150,14 +150,14 @@ def _e2m1_codes_lut(xf: torch.Tensor) -> torch.Tensor:
     The key of a float32 is its upper 16 bits (sign, exponent, 7 mantissa bits) with bit 0 set when
     the lower 16 bits are not zero (the sticky bit of :func:`_e2m1_codes_f32`). Every decision
     boundary, and the clamp edge 6, is exact in its upper half with bit 0 clear, so all floats of one
-    key round to the same code, and :data:`_CODE_TABLE` holds it. The key is four int32 passes:
+    key round to the same code, and :data:`CODE_TABLE` holds it. The key is four int32 passes:
     ``((u & 0xFFFF) + 0xFFFF)`` has bit 16 set iff the lower half is not zero; OR-ed into ``u`` and
     shifted down it is the key (masked to 16 bits: the shift keeps the sign). Bit-identical to
     ``_e2m1_codes_f32(clamp(xf, -6, 6))`` for every float32 (tests/test_nvfp4.py checks all 2**16
     keys with both lower halves); no clamp pass and no compare chain."""
     u = xf.view(torch.int32)
     key = (u & 0xFFFF).add_(0xFFFF).bitwise_or_(u).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
-    return _on(_CODE_TABLE, xf.device).index_select(0, key.reshape(-1)).view(xf.shape)
+    return _on(CODE_TABLE, xf.device).index_select(0, key.reshape(-1)).view(xf.shape)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -312,12 +312,6 @@ def dequantize_nvfp4(
         [R, K] tensor of ``dtype`` (computed in float32).
     """
     r, kh = packed.shape
-    if packed.device.type == "cpu":  # the fused native pass (foursight.nvfp4_cpu), bit-identical; None: not built
-        from foursight.nvfp4_cpu import dequantize_rows
-
-        out = dequantize_rows(packed, scale, global_scale)
-        if out is not None:
-            return out.to(dtype)
     # both values of a byte from one 256-entry table, read as one int64 per byte (an index_select
     # over half as many elements as codes, int32 indices), times the block's divisor broadcast over
     # its 16 values in place: no [R, K] index or scale copy

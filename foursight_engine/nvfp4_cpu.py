@@ -48,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from foursight.nvfp4 import _CODE_TABLE, BLOCK_SIZE, E2M1_VALUES, global_scale_from_amax
+from foursight.cache import cache_dir
+from foursight.nvfp4 import BLOCK_SIZE, CODE_TABLE, E2M1_VALUES, dequantize_nvfp4 as eager_dequantize_nvfp4, global_scale_from_amax
 
 _E2M1 = E2M1_VALUES.contiguous()
 
@@ -203,8 +204,6 @@ _pool_size = 0
 def _build() -> ctypes.CDLL:
     """Compile :data:`_SOURCE` once per machine into the FourSight cache (keyed by the source, the flags and the
     machine), atomically (a temporary file renamed into place: concurrent builders do not see half a library)."""
-    from foursight.models import cache_dir
-
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, platform.machine(), sys.platform]).encode()).hexdigest()[:16]
     out = cache_dir() / "native" / f"nvfp4_cpu-{key}.so"
@@ -306,7 +305,7 @@ def quantize_rows(weight: torch.Tensor, channels: torch.Tensor, shard_rows: list
             gs = rows_gs
     packed = torch.empty((n, k // 2), dtype=torch.uint8)
     scale = torch.empty((n, nb), dtype=torch.uint8)
-    table = _CODE_TABLE
+    table = CODE_TABLE
     gp, tp, pp, sp = rows_gs.data_ptr(), table.data_ptr(), packed.data_ptr(), scale.data_ptr()
     _run_rows(lambda r0, r1: lib.fs_encode(x, ld, r0, r1, k, kp, ap, gp, tp, pp, sp), n)
     return packed, scale.view(torch.float8_e4m3fn), gs
@@ -334,3 +333,15 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, global_scale: tor
     if r:
         _run_rows(lambda r0, r1: lib.fs_decode(pp, r0, r1, k, sp, gp, vp, op), r)
     return out
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`foursight.nvfp4.dequantize_nvfp4` in one native pass on the CPU (:func:`dequantize_rows`,
+    bit-identical), else the eager one: what the CPU execution form of every re-quantized layer takes
+    (``foursight.dispatch``; the numerics below it stay plain PyTorch)."""
+    if packed.device.type == "cpu":
+        out = dequantize_rows(packed, scale, global_scale)
+        if out is not None:
+            return out.to(dtype)
+    return eager_dequantize_nvfp4(packed, scale, global_scale, dtype)

@@ -164,7 +164,7 @@ def smollm2_fs32_ckpt(smollm2_dir) -> Path:
     import sys
     import tempfile
 
-    from foursight.models import cache_dir
+    from foursight.cache import cache_dir
     from helpers.readme import README_COMMAND_FILE, readme_quantize_command
 
     cmd = readme_quantize_command()

@@ -188,7 +188,7 @@ def test_other_dtypes_and_devices_take_the_eager_path():
 
 
 def test_dequantizer_equals_the_eager_one(monkeypatch):
-    """dequantize_nvfp4 on the CPU (the native pass) against the eager one (native turned off): every byte value,
+    """nvfp4_cpu.dequantize_nvfp4 on the CPU (the native pass) against foursight.nvfp4's eager one: every byte value,
     scales over E4M3's range (subnormals, zero, 448), a scalar, a [1] and a per-row global scale, each dtype."""
     g = torch.Generator().manual_seed(4)
     packed = torch.randint(0, 256, (67, 128), generator=g, dtype=torch.uint8)
@@ -198,9 +198,9 @@ def test_dequantizer_equals_the_eager_one(monkeypatch):
     scale_bytes[2] = torch.tensor([0, 1, 2, 7, 8, 0x20, 0x7E, 0x7E, 1, 0, 3, 4, 5, 6, 9, 10], dtype=torch.uint8)
     scale = scale_bytes.view(torch.float8_e4m3fn)
     got = {}
-    for native in ("1", "0"):
-        monkeypatch.setenv(nvfp4_cpu.ENV_NATIVE_CPU_QUANT, native)
-        got[native] = [n.dequantize_nvfp4(packed, scale, gs, dtype)
+    monkeypatch.setenv(nvfp4_cpu.ENV_NATIVE_CPU_QUANT, "1")
+    for native, deq in (("1", nvfp4_cpu.dequantize_nvfp4), ("0", n.dequantize_nvfp4)):  # the native pass, the eager one
+        got[native] = [deq(packed, scale, gs, dtype)
                        for gs in (torch.tensor(3.5), torch.tensor([1e-3]), torch.rand(67, generator=torch.Generator().manual_seed(5)) * 900 + 0.01)
                        for dtype in (torch.float32, torch.bfloat16, torch.float64)]
     monkeypatch.delenv(nvfp4_cpu.ENV_NATIVE_CPU_QUANT)

@@ -171,7 +171,8 @@ def main() -> None:
     from foursight.quantize_config import QuantizeConfig
     from foursight.hf import load_reference_model
     from foursight.calibration import builtin_texts
-    from foursight.models import cache_dir, prepare_smollm2
+    from foursight.cache import cache_dir
+    from foursight.models import prepare_smollm2
     from foursight.trainer_bridge.scoring import sequence_logprobs
 
     Engine = ENGINES[args.engine]

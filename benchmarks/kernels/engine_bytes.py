@@ -34,7 +34,7 @@ Usage::
 32 / 8 heads of 128; N random-weight layers, a 512-token vocabulary, k = 128 BF16 channels per input group,
 calibrated on the built-in texts): their K needs no padding, so the engine's bytes at the shapes that issue 36's
 target names are measured, not derived from SmolLM2's by formula. The model and checkpoint are cached under
-``foursight.models.cache_dir()/bench``.
+``foursight.cache.cache_dir()/bench``.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def main() -> None:
 
     from foursight.checkpoint import quantize_model
     from foursight.quantize_config import QuantizeConfig
-    from foursight.models import build_tiny_model, cache_dir, prepare_smollm2
+    from foursight.cache import cache_dir
+    from foursight.models import build_tiny_model, prepare_smollm2
 
     if args.llama8b_layers:
         if args.ckpt:

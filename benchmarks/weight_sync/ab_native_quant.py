@@ -72,7 +72,8 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from foursight.models import cache_dir, prepare_smollm2
+    from foursight.cache import cache_dir
+    from foursight.models import prepare_smollm2
 
     model = prepare_smollm2()
     ckpt = cache_dir() / "bench" / "smollm2-fs32"
