@@ -46,9 +46,8 @@ import triton.language as tl
 from foursight.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8Error, quantize_activation_fp8
 from foursight.nvfp4 import FP8_E4M3_MAX
 
-from .act_quant import FEW_ROWS
 from .primitives import MAX_ONEPASS_K, rne_bf16
-from .producers import RMSNORM, SILU_MUL, produce_row, residual_sum, reference_rms_norm, reference_silu_mul
+from .producers import RMSNORM, SILU_MUL, produce_row, producer_warps, residual_sum, reference_rms_norm, reference_silu_mul
 from .runtime import interpreting
 
 #: the third producer kind of this module: no producer, the row itself (o_proj's standalone quantizer)
@@ -180,13 +179,7 @@ def fp8_producer(kind: str, a: torch.Tensor, *, weight: torch.Tensor | None = No
     y = torch.empty((m, k_dim), dtype=torch.bfloat16, device=dev) if write_y else None
     s = torch.empty((m, k_dim), dtype=torch.bfloat16, device=dev) if residual is not None else None
     block_k = triton.next_power_of_2(max(k_dim, 16))
-    nw = 4 if block_k <= 2048 else (8 if block_k <= 8192 else 16)
-    if m <= FEW_ROWS and block_k >= 4096:
-        nw = 32  # as the NVFP4 producers: at few rows the row's latency chain (two reductions) is the time
-    if num_warps is not None:
-        nw = num_warps
-    if interpreting():
-        nw = 4
+    nw = producer_warps(m, block_k, num_warps)  # the NVFP4 producers' rule: the row quantizes here too
     if m:
         _fp8_producer_kernel[(m,)](
             a, a.stride(0),

@@ -58,6 +58,21 @@ class ProducedInput:
     static_gs: bool = False
 
 
+def producer_warps(m: int, block_k: int, num_warps: int | None = None, few_rows: bool = True) -> int:
+    """Warps of one producer program (one row of ``block_k`` values): more for wider rows, 32 at few rows of a
+    wide K when the row quantizes (``few_rows``: as the standalone quantizer, the row's latency chain is the
+    time there), ``num_warps`` when given (the probes force it), 4 under the interpreter. The NVFP4 and the FP8
+    producers both take it."""
+    if interpreting():
+        return 4
+    if num_warps is not None:
+        return num_warps
+    nw = 4 if block_k <= 2048 else (8 if block_k <= 8192 else 16)
+    if few_rows and m <= FEW_ROWS and block_k >= 4096:
+        nw = 32
+    return nw
+
+
 @triton.jit
 def residual_sum(a_row, r_row, offs, mask, HAS_RES: tl.constexpr):
     """``bf16(x + r)`` as fp32 (``x`` alone without a residual) at columns ``offs``."""
@@ -157,13 +172,7 @@ def producer_launch(kind: int, a: torch.Tensor, k_dim: int, *, weight=None, resi
     dummy = a
     gs_in = static_global_scale(global_scale, dev) if (quant and global_scale is not None) else dummy
     block_k = triton.next_power_of_2(k_dim)
-    nw = 4 if block_k <= 2048 else (8 if block_k <= 8192 else 16)
-    if quant and m <= FEW_ROWS and block_k >= 4096:
-        nw = 32  # as the standalone quantizer: at few rows the row's latency chain is the time
-    if num_warps is not None:
-        nw = num_warps
-    if interpreting():
-        nw = 4
+    nw = producer_warps(m, block_k, num_warps, few_rows=quant)
     if m:
         _producer_kernel[(m,)](
             a, a.stride(0),
