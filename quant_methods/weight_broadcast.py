@@ -166,14 +166,7 @@ class BroadcastInitInfo:
             raise ValueError(f"init_info.nccl_unique_id_b64: {BACKEND} joins the group through its store; "
                              "send master_address and master_port")
         d.pop("nccl_unique_id_b64", None)
-        known = {f.name for f in fields(cls)}
-        extra = sorted(set(d) - known)
-        if extra:
-            raise ValueError(f"init_info.{extra[0]}: not a field of {BACKEND}'s init info ({', '.join(sorted(known))})")
-        try:
-            out = cls(**d)
-        except TypeError as e:
-            raise ValueError(f"init_info: {e}") from None
+        out = _construct(cls, d, "init_info", "init info")
         for name in ("master_port", "rank_offset", "world_size", "packed_buffer_size_bytes", "packed_num_buffers"):
             v = getattr(out, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "rank_offset" else 1):
@@ -198,15 +191,7 @@ class BroadcastUpdateInfo:
 
     @classmethod
     def parse(cls, info: dict[str, Any] | str) -> "BroadcastUpdateInfo":
-        d = _as_dict(info, "update_info")
-        known = {f.name for f in fields(cls)}
-        extra = sorted(set(d) - known)
-        if extra:
-            raise ValueError(f"update_info.{extra[0]}: not a field of {BACKEND}'s update info ({', '.join(sorted(known))})")
-        try:
-            out = cls(**d)
-        except TypeError as e:
-            raise ValueError(f"update_info: {e}") from None
+        out = _construct(cls, _as_dict(info, "update_info"), "update_info", "update info")
         if not (isinstance(out.names, list) and isinstance(out.dtype_names, list) and isinstance(out.shapes, list)):
             raise ValueError("update_info: names, dtype_names and shapes must be lists")
         if not len(out.names) == len(out.dtype_names) == len(out.shapes):
@@ -236,6 +221,19 @@ def _as_dict(info: dict[str, Any] | str, what: str) -> dict[str, Any]:
     if not isinstance(info, dict):
         raise ValueError(f"{what}: must be a JSON object, got {type(info).__name__}")
     return dict(info)
+
+
+def _construct(cls: Any, d: dict[str, Any], what: str, title: str) -> Any:
+    """``cls(**d)``, refusing a key that is not a field of ``cls`` and a missing or wrong argument with a
+    ValueError naming ``what`` (the field's path) and the fields there are."""
+    known = {f.name for f in fields(cls)}
+    extra = sorted(set(d) - known)
+    if extra:
+        raise ValueError(f"{what}.{extra[0]}: not a field of {BACKEND}'s {title} ({', '.join(sorted(known))})")
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 # ---- the wire: vLLM's packed chunks ----
