@@ -187,11 +187,6 @@ class HeldStream:
         assert self.answer.get("status") == 200 and self.answer.get("lines"), self.answer
 
 
-def long_stream(url: str) -> HeldStream:
-    """A stream the bridge holds open (an update started now waits for it) until ``.release()``."""
-    return HeldStream(url)
-
-
 def when_updating(url: str, done: dict, timeout_s: float = 60) -> None:
     """Wait until the bridge reports a weight update in progress (``done``: where the apply's answer lands)."""
     deadline = time.monotonic() + timeout_s
@@ -211,7 +206,7 @@ def test_a_truncating_put_during_an_apply_is_refused_and_both_processes_survive(
     data = policy_bytes(engine, seed=31)
     name = "policy-31.safetensors"
     upload(bridge.url, name, data)
-    stream = long_stream(bridge.url)  # holds the update in its drain for the length of the stream
+    stream = HeldStream(bridge.url)  # holds the update in its drain for the length of the stream
     done = {}
     applying = threading.Thread(target=lambda: done.setdefault("r", apply(bridge.url, name)), daemon=True)
     applying.start()
@@ -330,7 +325,7 @@ def test_a_refused_apply_keeps_the_upload_so_a_retry_works(engine, bridge):
     data = policy_bytes(engine, seed=35)
     upload(bridge.url, "first.safetensors", data)
     upload(bridge.url, "retried.safetensors", policy_bytes(engine, seed=36))
-    stream = long_stream(bridge.url)
+    stream = HeldStream(bridge.url)
     done = {}
     t = threading.Thread(target=lambda: done.setdefault("r", apply(bridge.url, "first.safetensors")), daemon=True)
     t.start()
