@@ -6,11 +6,14 @@
 #   source benchmarks/device/stage.sh --need all && STEPS=tests,update bash benchmarks/engine/device_engine.sh
 #
 # Steps (STEPS, comma-separated, run in this order):
-#   tests   pytest tests/test_vllm_gpu.py tests/test_vllm_gpu_server.py tests/test_kernels_tune_cache.py (needs the
-#           model parts: --need all); the correctness table goes to $OUT/correctness.md/json
+#   pretune benchmarks/engine/pretune.py: the autotuner's disk cache filled for the 8B shapes (k > 0, k = 0) and
+#           SmolLM2's, so the engines of the later steps and calls on this warm machine read their choices
+#   tests   pytest tests/test_vllm_gpu.py tests/test_vllm_gpu_server.py (needs the model parts: --need all), with
+#           the autotuner's disk cache on as an engine has it (the suite turns it off by default); the
+#           correctness table goes to $OUT/correctness.md/json
 #   bench   benchmarks/engine/bench_engine.py --rows $ROWS --workloads $WORKLOADS
 #   update  benchmarks/engine/bench_update.py --rows $UPDATE_ROWS
-# Caps: CAP_TESTS (540), CAP_BENCH (520), CAP_UPDATE (300); TOTAL_S (570) bounds the call: a step that would get
+# Caps: CAP_PRETUNE (300), CAP_TESTS (540), CAP_BENCH (520), CAP_UPDATE (300); TOTAL_S (570) bounds the call: a step that would get
 # under 30 s is skipped with a note. $OUT gets at most 7 files: engine_summary.md (card, commit, kernels sha256,
 # the step log and every table), correctness.json, engine.json, update.json, tests.log, engine_rest.tar.gz (every
 # step's full output and log). FOURSIGHT_COMMIT names the commit (the device's copy has no git).
@@ -22,7 +25,9 @@ ROWS=${ROWS:-bf16,fs128}
 WORKLOADS=${WORKLOADS:-c1,c16,c64,c256,c512}
 UPDATE_ROWS=${UPDATE_ROWS:-bf16,fs128}
 TOTAL_S=${TOTAL_S:-570}
+CAP_PRETUNE=${CAP_PRETUNE:-300}
 CAP_TESTS=${CAP_TESTS:-540}
+TUNE_CACHE=${FOURSIGHT_TUNE_CACHE_DIR:-$HOME/.cache/foursight/autotune}
 CAP_BENCH=${CAP_BENCH:-520}
 CAP_UPDATE=${CAP_UPDATE:-300}
 PY=${PY:-python3}
@@ -51,9 +56,15 @@ run_step() {  # run_step <name> <cap> <command...>
   tail -5 "$W/$name.out" | sed "s/^/    /" | tee -a "$LOG"
 }
 
+if want pretune && [ -z "$DRY" ]; then
+  run_step pretune "$CAP_PRETUNE" env FOURSIGHT_TUNE_CACHE="$TUNE_CACHE" $PY benchmarks/engine/pretune.py \
+    --config benchmarks/engine/llama-3.1-8b-config.json --config "benchmarks/engine/smollm2-135m-config.json" \
+    --budget-s $(( $(cap "$CAP_PRETUNE") - 40 )) --out "$W/pretune.json"
+  [ -f "$W/pretune.json" ] && cp "$W/pretune.json" "$OUT/"
+fi
 if want tests && [ -z "$DRY" ]; then
-  run_step tests "$CAP_TESTS" env FOURSIGHT_GPU_RESULTS="$W" $PY -m pytest -v -p no:cacheprovider -rfE --durations=10 \
-    tests/test_vllm_gpu.py tests/test_vllm_gpu_server.py tests/test_kernels_tune_cache.py
+  run_step tests "$CAP_TESTS" env FOURSIGHT_GPU_RESULTS="$W" FOURSIGHT_TUNE_CACHE="$TUNE_CACHE" $PY -m pytest -v -p no:cacheprovider -rfE --durations=10 \
+    tests/test_vllm_gpu.py tests/test_vllm_gpu_server.py
   grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$W/tests.out" | sed 's#^tests/##' > "$OUT/tests.log"
 fi
 if want bench; then
