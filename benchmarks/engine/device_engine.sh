@@ -14,7 +14,7 @@
 #   bench   benchmarks/engine/bench_engine.py --rows $ROWS --workloads $WORKLOADS
 #   update  benchmarks/engine/bench_update.py --rows $UPDATE_ROWS
 # Caps: CAP_PRETUNE (300), CAP_TESTS (540), CAP_BENCH (520), CAP_UPDATE (300); TOTAL_S (570) bounds the call: a step that would get
-# under 30 s is skipped with a note. $OUT gets at most 7 files: engine_summary.md (card, commit, kernels sha256,
+# under 30 s is skipped with a note. $OUT gets at most 9 files: engine_summary.md (card, commit, kernels sha256,
 # the step log and every table), correctness.json, engine.json, update.json, tests.log, engine_rest.tar.gz (every
 # step's full output and log). FOURSIGHT_COMMIT names the commit (the device's copy has no git).
 set -u
@@ -57,10 +57,12 @@ run_step() {  # run_step <name> <cap> <command...>
 }
 
 if want pretune && [ -z "$DRY" ]; then
-  run_step pretune "$CAP_PRETUNE" env FOURSIGHT_TUNE_CACHE="$TUNE_CACHE" $PY benchmarks/engine/pretune.py \
-    --config benchmarks/engine/llama-3.1-8b-config.json --config "benchmarks/engine/smollm2-135m-config.json" \
-    --budget-s $(( $(cap "$CAP_PRETUNE") - 40 )) --out "$W/pretune.json"
-  [ -f "$W/pretune.json" ] && cp "$W/pretune.json" "$OUT/"
+  # k > 0 for the 8B (the bench's fs128) and SmolLM2 (the tests' k = 32 / 128 engines share the key), then SmolLM2's k = 0
+  run_step pretune "$CAP_PRETUNE" env FOURSIGHT_TUNE_CACHE="$TUNE_CACHE" bash -c "$PY benchmarks/engine/pretune.py \
+    --config benchmarks/engine/llama-3.1-8b-config.json --config benchmarks/engine/smollm2-135m-config.json --channels 128 \
+    --budget-s $(( $(cap "$CAP_PRETUNE") - 60 )) --out $W/pretune.json && $PY benchmarks/engine/pretune.py \
+    --config benchmarks/engine/smollm2-135m-config.json --channels 0 --budget-s 20 --out $W/pretune_k0.json"
+  cp "$W"/pretune*.json "$OUT/" 2>/dev/null
 fi
 if want tests && [ -z "$DRY" ]; then
   run_step tests "$CAP_TESTS" env FOURSIGHT_GPU_RESULTS="$W" FOURSIGHT_TUNE_CACHE="$TUNE_CACHE" $PY -m pytest -v -p no:cacheprovider -rfE --durations=10 \
