@@ -121,6 +121,10 @@ class FragmentConfig(_Config):
       memory *before* the loop's first copies, so every program's FP4 stream waited for them
       (docs/kernels.md, "Why the columns cost more than their bytes"). Left out of ``str()`` when off, so
       the tags of the other tiles stay as the benchmarks recorded them.
+    * ``zfill`` (issue 52 item 2): the activation tile's rows >= M are masked loads that zero-fill shared memory,
+      so the tile goes by asynchronous copies straight into the MMA operand: no per-step store of a narrow
+      row into ``block_m`` shared rows and no barrier of its own. ``block_m`` may then be 8 (an ``n = 8`` wgmma).
+      Not with ``narrow`` or ``quant_in``; left out of ``str()`` when off, as ``cols_late``.
     """
 
     form: ClassVar[str] = "fragment"
@@ -138,18 +142,28 @@ class FragmentConfig(_Config):
     persistent: bool = False
     q_split: int = 1
     cols_late: bool = False
+    zfill: bool = False
+
+    #: trailing fields left out of ``str()`` while off (added after the benchmarks recorded tags)
+    _TAIL: ClassVar[tuple] = ("cols_late", "zfill")
 
     def __str__(self) -> str:
-        tag = super().__str__()
-        return tag if self.cols_late else tag.rsplit("/", 1)[0]
+        tag = super().__str__().split("/")
+        for name in reversed(self._TAIL):
+            if getattr(self, name):
+                break
+            tag.pop()
+        return "/".join(tag)
 
     def __post_init__(self):
-        if (self.block_n % 64 or self.block_k not in (128, 256) or self.block_m not in (16, 32, 64, 128, 256)
+        if (self.block_n % 64 or self.block_k not in (128, 256) or self.block_m not in (8, 16, 32, 64, 128, 256)
                 or self.max_regs not in (0, *range(64, 256, 8)) or self.num_warps not in (4, 8)
-                or self.q_split not in (1, 2, 4, 8, 16)):
+                or self.q_split not in (1, 2, 4, 8, 16) or (self.block_m == 8 and not self.zfill)
+                or (self.zfill and (self.narrow or self.quant_in))):
             raise ValueError(
-                f"FragmentConfig: block_n a multiple of 64, block_k 128 or 256, block_m in 16..256 (a power of two), max_regs 0 or a "
-                f"multiple of 8 in 64..248, num_warps 4 or 8 and q_split 1..16 (a power of two), got {self}"
+                f"FragmentConfig: block_n a multiple of 64, block_k 128 or 256, block_m in 16..256 (a power of two; 8 with zfill), "
+                f"max_regs 0 or a multiple of 8 in 64..248, num_warps 4 or 8, q_split 1..16 (a power of two), and zfill not with "
+                f"narrow or quant_in, got {self}"
             )
 
 
@@ -247,6 +261,16 @@ COLUMNS_LATE_CONFIGS: tuple = (
     FragmentConfig(64, 64, q_split=8, cols_late=True),
 )
 
+#: The activation rows by zero-filling copies (``zfill``, issue 52 item 2) on the H100's M = 16 decode tile
+#: (instead of its narrow row; uncapped: at 128 registers it spills) and as an 8-row tile (M <= 4 only:
+#: :func:`.forms.candidates`), one with the BF16 columns after the loop. The MMA then reads the pipelined
+#: buffer, so Triton keeps one wgmma in flight across steps. Unmeasured: autotune candidates after the measured tiles.
+ZFILL_CONFIGS: tuple = (
+    FragmentConfig(16, 64, 256, 3, q_split=8, zfill=True),
+    FragmentConfig(8, 64, 256, 3, max_regs=128, q_split=8, zfill=True),
+    FragmentConfig(8, 64, 256, 3, max_regs=128, q_split=8, cols_late=True, zfill=True),
+)
+
 # The v3 tiles kept below are those the H200 grid chose somewhere (benchmarks/results/h200-2026-12-05/
 # splice_gemm.json, "*_config"); the ones it never chose left the lists (fewer compilations and timings
 # per key). Each list starts with a tile that grid chose.
@@ -269,6 +293,7 @@ DECODE_CONFIGS: tuple = (
     FragmentConfig(16, 64, 256, 3, max_regs=128, narrow=True, q_split=8),
     *RECIPE_CONFIGS,
     COLUMNS_LATE_CONFIGS[0],
+    *ZFILL_CONFIGS,
 )
 #: Mid datapath (DECODE_MAX_M < M <= 128), bf16 activations. ``split_k`` 4 and 2 spread the BF16 columns
 #: (and K) over several programs per tile where the automatic plan gives one (M = 64: 9-17 µs of serial

@@ -248,7 +248,9 @@ def candidates(path: str, m: int, form: str, bf16: bool = True) -> list:
     ``q*s`` of splice_gemm take :data:`~.configs.FP16_CONFIGS`."""
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if (mx := form_of(c).max_m) is None or m <= mx]
-    base = BF16_CANDIDATES[path]
+    # an 8-row token tile only where M <= 4: the autotuner's decode buckets up to 4 are one M each, while the
+    # bucket of M 5..16 would run it as two or more token tiles, each reading the whole weight (tuning.m_bucket)
+    base = [c for c in BF16_CANDIDATES[path] if getattr(c, "block_m", 16) >= 16 or m <= 4]
     state = switches().forms
     for f in EXPERIMENTAL:
         got = f.candidates_when(*state[f.name], path, m, base)

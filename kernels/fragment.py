@@ -35,15 +35,20 @@ from .tile_steps import split_k_epilogue
 
 
 @triton.jit
-def _a_tile(a_ptr, stride_am, smask_ptr, q_gs, k0, K, rm, ok, M, BLOCK_M: tl.constexpr, A_ROWS: tl.constexpr,
-            QUANT_IN: tl.constexpr, DIV6_RECIP: tl.constexpr):
+def _a_tile(a_ptr, stride_am, smask_ptr, q_gs, k0, K, rm, offs_m, ok, M, BLOCK_M: tl.constexpr, A_ROWS: tl.constexpr,
+            QUANT_IN: tl.constexpr, DIV6_RECIP: tl.constexpr, A_ZFILL: tl.constexpr):
     """The activation tile [BLOCK_M, BLOCK_K] of columns ``k0 + ok``: ``BLOCK_M`` rows loaded (``A_ROWS``
     0), or only ``A_ROWS`` rows (the first ``A_ROWS`` >= M) loaded and repeated to ``BLOCK_M`` (row r is
     row r % A_ROWS; rows >= M are never stored). ``QUANT_IN``: ``a_ptr`` is X and the rows are
     quantized here with the static global scale ``q_gs``, with the standalone quantizer's primitives
-    (bit-identical ``q * s``), S columns zeroed from ``smask_ptr``."""
+    (bit-identical ``q * s``), S columns zeroed from ``smask_ptr``. ``A_ZFILL`` (with ``A_ROWS`` 0): the
+    rows ``offs_m`` >= M are masked, so their copies zero-fill shared memory instead of re-reading row 0;
+    the tile goes straight from the loads into the MMA operand (no store of its own, no extra barrier)."""
     kmask = (k0 + ok) < K
-    if A_ROWS == 0:
+    if A_ZFILL:
+        a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + ok)[None, :], mask=(offs_m < M)[:, None] & kmask[None, :],
+                    other=0.0)
+    elif A_ROWS == 0:
         a = tl.load(a_ptr + rm[:, None] * stride_am + (k0 + ok)[None, :], mask=kmask[None, :], other=0.0)
     else:
         rr = tl.arange(0, A_ROWS)
@@ -65,18 +70,21 @@ def _a_tile(a_ptr, stride_am, smask_ptr, q_gs, k0, K, rm, ok, M, BLOCK_M: tl.con
 
 
 @triton.jit
-def _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, hi, M, BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr, A_ROWS: tl.constexpr,
-             DENSE: tl.constexpr = False):
+def _xs_tile(x_ptr, stride_xm, ch_ptr, rm, offs_m, k0, hi, M, BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr,
+             A_ROWS: tl.constexpr, DENSE: tl.constexpr, A_ZFILL: tl.constexpr):
     """``X[:, S]`` columns ``k0 .. k0 + BLOCK_KS`` (< ``hi``) gathered from X by channel index: [BLOCK_M, BLOCK_KS]
     (``A_ROWS`` > 0: those rows loaded and repeated, as :func:`_a_tile`). ``DENSE``: ``x_ptr`` is ``X[:, S]``
-    itself, contiguous [M, KS] (the quantizer's copy): read by column, no channel index."""
+    itself, contiguous [M, KS] (the quantizer's copy): read by column, no channel index. ``A_ZFILL``: rows
+    ``offs_m`` >= M masked (zero-filled), as :func:`_a_tile`'s."""
     offs_c = tl.arange(0, BLOCK_KS)
     cm = (k0 + offs_c) < hi
     if DENSE:
         ch = (k0 + offs_c).to(tl.int64)
     else:
         ch = tl.load(ch_ptr + k0 + offs_c, mask=cm, other=0).to(tl.int64)
-    if A_ROWS == 0:
+    if A_ZFILL:
+        xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=(offs_m < M)[:, None] & cm[None, :], other=0.0)
+    elif A_ROWS == 0:
         xs = tl.load(x_ptr + rm[:, None] * stride_xm + ch[None, :], mask=cm[None, :], other=0.0)
     else:
         rr = tl.arange(0, A_ROWS)
@@ -128,6 +136,7 @@ def _fragment_gemm_kernel(
     PERSISTENT: tl.constexpr = False,  # grid axis 0 walks the TILES x SPLITS work items with stride num_programs
     SEG_LATE: tl.constexpr = False,  # the BF16 columns' loads follow the FP4 loop (W[:, S] prefetched into L2 before it)
     XS_DENSE: tl.constexpr = False,  # x_ptr is X[:, S] contiguous [M, KS] (the quantizer's copy), not X
+    A_ZFILL: tl.constexpr = False,  # the activation rows >= M masked: zero-filled copies (see _a_tile)
 ):
     if PERSISTENT:
         for work in range(tl.program_id(0), TILES * SPLITS, tl.num_programs(0)):
@@ -136,14 +145,14 @@ def _fragment_gemm_kernel(
                            w_gs_ptr, wb_ptr, stride_wbn, bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLITS,
                            M, N, K, KS, CHUNKS_PER_SPLIT, FIRST_CHUNKS, KCP, NP, smask_ptr, SEG_PER_SPLIT,
                            A_QUANT, HAS_BIAS, HAS_KS, SPLIT, SCALE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_KS, GROUP_M,
-                           INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP, SEG_LATE, XS_DENSE)
+                           INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP, SEG_LATE, XS_DENSE, A_ZFILL)
     else:
         _fragment_work(tl.program_id(0), tl.program_id(1),
                        a_ptr, stride_am, a_gs_ptr, x_ptr, stride_xm, ch_ptr, wf_ptr, stride_wfn, sf_ptr, stride_sfn,
                        w_gs_ptr, wb_ptr, stride_wbn, bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr, SPLITS,
                        M, N, K, KS, CHUNKS_PER_SPLIT, FIRST_CHUNKS, KCP, NP, smask_ptr, SEG_PER_SPLIT,
                        A_QUANT, HAS_BIAS, HAS_KS, SPLIT, SCALE_BF16, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_KS, GROUP_M,
-                       INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP, SEG_LATE, XS_DENSE)
+                       INTERP, GDC_WAIT, PREFETCH_CHUNKS, A_ROWS, QUANT_IN, DIV6_RECIP, SEG_LATE, XS_DENSE, A_ZFILL)
 
 
 @triton.jit
@@ -156,7 +165,7 @@ def _fragment_work(
     SCALE_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_KS: tl.constexpr, GROUP_M: tl.constexpr, INTERP: tl.constexpr, GDC_WAIT: tl.constexpr,
     PREFETCH_CHUNKS: tl.constexpr, A_ROWS: tl.constexpr, QUANT_IN: tl.constexpr, DIV6_RECIP: tl.constexpr,
-    SEG_LATE: tl.constexpr, XS_DENSE: tl.constexpr,
+    SEG_LATE: tl.constexpr, XS_DENSE: tl.constexpr, A_ZFILL: tl.constexpr,
 ):
     """One (output tile ``pid``, split ``pid_k``) of :func:`_fragment_gemm_kernel`."""
     pid_m, pid_n = tile_ids(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -204,7 +213,7 @@ def _fragment_work(
         else:
             wb0 = tl.load(wb_ptr + rn[:, None] * stride_wbn + (seg_lo + offs_c)[None, :],
                           mask=((seg_lo + offs_c) < seg_hi)[None, :], other=0.0)
-            xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE)
+            xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, offs_m, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE, A_ZFILL)
 
     if QUANT_IN:
         q_gs = tl.load(a_gs_ptr)
@@ -230,14 +239,15 @@ def _fragment_work(
         wq = tl.load(w_ptrs, mask=rmask, other=0)
         sc = tl.load(s_ptrs, mask=rmask, other=0).to(tl.int32)  # [BN, G] int16 -> int32 (rows in load order)
         w = fragment_tile(wq, sc, BLOCK_N, BLOCK_K, SCALE_BF16, INTERP)
-        a = _a_tile(a_ptr, stride_am, smask_ptr, q_gs, c0 * 128, K, rm, ok, M, BLOCK_M, A_ROWS, QUANT_IN, DIV6_RECIP)
+        a = _a_tile(a_ptr, stride_am, smask_ptr, q_gs, c0 * 128, K, rm, offs_m, ok, M, BLOCK_M, A_ROWS, QUANT_IN, DIV6_RECIP,
+                    A_ZFILL)
         acc = mma(w, tl.trans(a), acc, INTERP)
         w_ptrs += WB
         s_ptrs += G
 
     if HAS_KS:
         if SEG_LATE:  # issued together with the global scales' loads below: one round trip for all
-            xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE)
+            xs0 = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, offs_m, seg_lo, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE, A_ZFILL)
             wb0 = tl.load(wb_ptr + rn[:, None] * stride_wbn + (seg_lo + offs_c)[None, :],
                           mask=((seg_lo + offs_c) < seg_hi)[None, :], other=0.0)
     wgs = tl.load(w_gs_ptr + rn)
@@ -253,7 +263,7 @@ def _fragment_work(
         acc = mma(wb0, tl.trans(xs0), acc, INTERP)
         for k0 in range(seg_lo + BLOCK_KS, seg_hi, BLOCK_KS):
             cm = (k0 + offs_c) < seg_hi
-            xs = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, k0, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE)
+            xs = _xs_tile(x_ptr, stride_xm, ch_ptr, rm, offs_m, k0, seg_hi, M, BLOCK_M, BLOCK_KS, A_ROWS, XS_DENSE, A_ZFILL)
             wb = tl.load(wb_ptr + rn[:, None] * stride_wbn + (k0 + offs_c)[None, :], mask=cm[None, :], other=0.0)
             acc = mma(wb, tl.trans(xs), acc, INTERP)
 
@@ -302,7 +312,8 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
     ``pdl`` (opt-in, ``FOURSIGHT_PDL=1``): launched with programmatic dependent launch right after the
     activation quantizer (which called ``gdc_launch_dependents``): each program prefetches its first
     weight chunks into L2 and then waits for the quantizer (``gdc_wait``) before it reads ``a``.
-    ``cfg.narrow``: only ``a_rows_for(M)`` activation rows are loaded; ``cfg.persistent``: as many
+    ``cfg.narrow``: only ``a_rows_for(M)`` activation rows are loaded; ``cfg.zfill``: the rows >= M are masked
+    loads (zero-filled copies straight into the MMA operand); ``cfg.persistent``: as many
     programs as fit at once walk the (tile, split) work items. ``cfg.cols_late``: the BF16 columns are
     loaded after the FP4 loop, their W[:, S] rows prefetched into L2 before it, one step per split where
     the share allows (:func:`~.split_k.segment_plan`). ``xs``: ``X[:, S]`` contiguous [M, k] (the
@@ -330,6 +341,8 @@ def fragment_launch(cfg, a, a_gs, x, pw, bias, out, a_quant: bool, pdl: bool = F
                   DIV6_RECIP=DIV6_RECIP_ON_CUDA if x.is_cuda else False, PERSISTENT=cfg.persistent)
     if cfg.cols_late or xs_dense:  # only then: the other tiles' compiled variants keep their cache keys
         consts.update(SEG_LATE=cfg.cols_late, XS_DENSE=xs_dense)
+    if cfg.zfill:
+        consts["A_ZFILL"] = True
     nw = cfg.num_warps
     opts = dict(num_warps=nw, num_stages=cfg.num_stages)
     if cfg.max_regs and not interpreting():

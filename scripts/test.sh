@@ -14,7 +14,7 @@ SGL_VENV="${SGLANG_VENV:-$REPO/.venv-sglang}"
 # which must not leak into the engines that later tests start. The interpreter is single-threaded
 # Python, so that process runs beside the main suite (on 2 cores it hides its ~3 min); its output
 # is printed once it ends.
-KERNEL_TESTS=(tests/test_kernels.py tests/test_kernels_actq.py tests/test_act_quant_xs_split.py tests/test_blackwell_kernels.py tests/test_kernels_ws.py tests/test_kernels_v4.py tests/test_producers.py tests/test_engine_weight_release.py tests/test_fp8_producers.py tests/test_kernels_forms.py)
+KERNEL_TESTS=(tests/test_kernels.py tests/test_kernels_actq.py tests/test_act_quant_xs_split.py tests/test_blackwell_kernels.py tests/test_kernels_ws.py tests/test_kernels_v4.py tests/test_producers.py tests/test_engine_weight_release.py tests/test_fp8_producers.py tests/test_kernels_forms.py tests/test_kernels_zfill.py)
 IGNORE=()
 for t in "${KERNEL_TESTS[@]}"; do IGNORE+=("--ignore=$t"); done
 KLOG=$(mktemp /tmp/foursight-kernel-tests.XXXX)

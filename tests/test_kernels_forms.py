@@ -173,6 +173,7 @@ def expected_candidates(ws: str, stream: str, avail: bool, path: str, m: int, fo
     if form == "deq" or not bf16:
         return [c for c in FP16_CONFIGS[path] if not (isinstance(c, GemvConfig) and m != 1)]
     base = {"decode": DECODE_CONFIGS, "mid": MID_CONFIGS, "prefill": PREFILL_CONFIGS}[path]
+    base = [c for c in base if getattr(c, "block_m", 16) >= 16 or m <= 4]  # issue 52: 8-row (zfill) tiles only at M <= 4
     if stream != "0" and path == "decode":
         if avail:
             if stream == "only":

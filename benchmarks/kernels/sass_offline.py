@@ -16,6 +16,7 @@ Usage::
     python benchmarks/kernels/sass_offline.py --table --label after --out benchmarks/results/sass_v3 \\
         [--before benchmarks/results/sass_v3/before.json]
     python benchmarks/kernels/sass_offline.py --stream --label triton-3.6 --out benchmarks/results/sass_stream
+    python benchmarks/kernels/sass_offline.py --decode --label triton-3.9 --out benchmarks/results/sass-quickwins-2026-12-07
 
 ``--table`` compiles **every configuration of the default candidate lists** (``DECODE_CONFIGS``,
 ``MID_CONFIGS``, ``PREFILL_CONFIGS`` of :mod:`foursight.kernels.configs`, whatever forms the imported
@@ -28,7 +29,9 @@ decode (M = 1 and 16, the decode form) and at prefill (M = 256, the prefill form
 ``--before``, ``<out>/sass_table.md`` with the two side by side. The BEFORE file is made by running
 this same script with ``PYTHONPATH`` pointing at a copy of the older package (docs/kernels.md says
 how). ``--stream`` compiles the Gluon tiles alone, writes ``<out>/<label>.json`` and rewrites
-``<out>/stream_table.md`` from every such JSON in ``<out>`` (one section per run). ``--gluon-renames``
+``<out>/stream_table.md`` from every such JSON in ``<out>`` (one section per run); ``--decode`` does the same for
+the fragment tiles of ``DECODE_CONFIGS`` alone (``decode_table.md``, with the main loop's ``LDG``/``LDS``/``STS``/
+``BAR``/``HGMMA`` counts, the wgmma left in flight, registers, spills and shared memory). ``--gluon-renames``
 first maps the Gluon names Triton 3.6 has and later Tritons renamed onto their new ones, in this
 process only (:data:`GLUON_RENAMES`), so a newer Triton compiles the unedited kernel as it would
 after the rename: a preview of that fix, recorded as such (``gluon_renames`` in the JSON).
@@ -217,6 +220,7 @@ def form_case(cfg, scale_bf16: bool):
                           QUANT_IN=bool(getattr(cfg, "quant_in", False)) and cfg.block_m == 16, DIV6_RECIP=True,
                           PERSISTENT=bool(getattr(cfg, "persistent", False)))
             consts["XS_DENSE"] = not consts["QUANT_IN"]  # no quantizer launch, no copy: the tile gathers X[:, S]
+            consts["A_ZFILL"] = bool(getattr(cfg, "zfill", False))  # issue 52: rows >= M by zero-filled copies
         elif hasattr(frag, "PDL_PREFETCH_CHUNKS"):  # v3's W4A4 default: launched with PDL after the quantizer
             consts.update(GDC_WAIT=True, PREFETCH_CHUNKS=frag.PDL_PREFETCH_CHUNKS)
         return fn, _fragment_ptrs(scale_bf16), consts, nw, cfg.num_stages, getattr(cfg, "max_regs", 0), cfg.block_n * cfg.block_k / (32 * nw)
@@ -269,13 +273,14 @@ def _scale_bf16() -> bool:
     return False
 
 
-def gemm_rows() -> list[dict]:
+def gemm_rows(decode_only: bool = False) -> list[dict]:
     from foursight.kernels import configs
 
     scale_bf16 = _scale_bf16()
     rows, seen = [], set()
-    lists = [(lst, getattr(configs, lst)) for lst in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS")]
-    lists += [(f"FP16_CONFIGS[{p}]", cs) for p, cs in getattr(configs, "FP16_CONFIGS", {}).items()]  # v3: fp16 activations
+    lists = [(lst, getattr(configs, lst)) for lst in ("DECODE_CONFIGS", "MID_CONFIGS", "PREFILL_CONFIGS")[:1 if decode_only else 3]]
+    if not decode_only:
+        lists += [(f"FP16_CONFIGS[{p}]", cs) for p, cs in getattr(configs, "FP16_CONFIGS", {}).items()]  # v3: fp16 activations
     for lst, cfgs in lists:
         for cfg in cfgs:
             if str(cfg) in seen:
@@ -444,6 +449,44 @@ def stream_table(label: str, out: str, renames: list[str]) -> None:
                            "Written by `benchmarks/kernels/sass_offline.py --stream` (its docstring defines every metric). "
                            "Static SASS counts, a guide to issue cost, not a timing.", ""]
                           + [line for d in runs for line in stream_md(d)]) + "\n")
+    print(f"wrote {path}")
+
+
+def decode_table(label: str, out: str) -> None:
+    """``--decode``: the decode list's tiles alone (the narrow and zero-fill activation tiles of issue 52 item 2
+    among them) -> ``<out>/<label>.json`` and ``<out>/decode_table.md`` rewritten from every such JSON in ``<out>``."""
+    os.makedirs(out, exist_ok=True)
+    print(f"[{label}] DECODE_CONFIGS, Triton {triton.__version__}:", flush=True)
+    res = {**_header(label), "decode": gemm_rows(decode_only=True)}
+    path = os.path.join(out, f"{label}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path}")
+    lines = ["# SASS offline: the decode tiles (sm_90a, compiled on the CPU machine)", "",
+             "Written by `benchmarks/kernels/sass_offline.py --decode` (its docstring defines every metric; each tile as it "
+             "runs at M = 1, W4A4 k > 0 with the quantizer's dense X[:, S]). Static SASS counts, a guide to issue cost, "
+             "not a timing.", ""]
+    for p in sorted(Path(out).glob("*.json")):
+        with open(p) as f:
+            d = json.load(f)
+        if not d.get("decode"):
+            continue
+        lines += [f"## Triton {d['triton']} (`{d['label']}`)", "",
+                  f"Commit `{d['commit'][:12]}`, kernels sha256 `{d['kernels_sha256'][:16]}`.", "",
+                  "| configuration | per weight value | loop instructions | LDG | LDS | STS | BAR | HGMMA | wgmma in flight "
+                  "(DEPBAR.LE gsb0, 0x1) | registers | spills (STL/LDL) | shared B |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in d["decode"]:
+            if "error" in r:
+                lines.append(f"| `{r['config']}` | failed: {r['error']} |||||||||||")
+                continue
+            ops = r.get("main_loop_ops", {})
+            lines.append(f"| `{r['config']}` | {r['per_weight']} | {r.get('loop_instructions')} | "
+                         + " | ".join(str(ops.get(op, "")) for op in _MAIN_LOOP_OPS)
+                         + f" | {'yes' if r.get('async_mma_wait') else 'no'} | {r['registers']} | {r['spill_instructions']} | {r['shared_bytes']} |")
+        lines.append("")
+    path = os.path.join(out, "decode_table.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
 
 
@@ -663,6 +706,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("names", nargs="*")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--stream", action="store_true", help="the register-streaming Gluon tiles alone (see the docstring)")
+    ap.add_argument("--decode", action="store_true", help="the decode list's tiles alone (see the docstring)")
     ap.add_argument("--gluon-renames", action="store_true", help="apply GLUON_RENAMES first (see the docstring)")
     ap.add_argument("--label", default="after")
     ap.add_argument("--out", default="benchmarks/results/sass_v3")
@@ -674,6 +718,9 @@ def main(argv: list[str]) -> None:
     renames = apply_gluon_renames() if args.gluon_renames else []
     if args.stream:
         stream_table(args.label, args.out, renames)
+        return
+    if args.decode:
+        decode_table(args.label, args.out)
         return
     if args.table:
         table(args.label, args.out, args.before, args.decode1, args.decode16, args.prefill)
