@@ -1,4 +1,4 @@
-"""The engine-neutral adapter modules (quant_methods/plan.py, sharding.py, online.py, config.py) against the PyTorch reference.
+"""The engine-neutral adapter modules (quant_methods/plan.py, layer_loading.py, param_kinds.py, sharding.py, online.py, config.py) against the PyTorch reference.
 
 No engine is started here: the loaders are driven by a small stand-in for an engine's
 column/row loader (narrow along the sharded dim, copy), exactly the contract vLLM/SGLang use.
@@ -15,9 +15,10 @@ import torch
 from foursight.channels import weight_based_channels as calib_weight_channels
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
 from foursight.quant_methods import sharding
-from foursight.quant_methods import plan as plan_mod
+from foursight.quant_methods import online as online_mod
 from foursight.quant_methods.online import OnlineSettings
-from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
+from foursight.quant_methods.layer_state import apply_linear
+from foursight.quant_methods.plan import CheckpointPlan, LayerPlan, OnlinePlan, layer_params
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_quantized_weight
 from foursight.channels_file import ChannelsFile
 from foursight.schema import CheckpointError, FourSightConfig
@@ -63,25 +64,25 @@ class FakeLayer(torch.nn.Module):
         self.plan = plan
         self.loaders = {}
         for spec in plan.param_specs(torch.bfloat16):
-            t = torch.full(spec.shape, plan.init_value(spec)).to(spec.dtype) if spec.dtype != torch.float8_e4m3fn else torch.zeros(spec.shape, dtype=spec.dtype)
+            t = torch.full(spec.shape, spec.fill).to(spec.dtype) if spec.dtype != torch.float8_e4m3fn else torch.zeros(spec.shape, dtype=spec.dtype)
             p = torch.nn.Parameter(t, requires_grad=False)
             for a, v in spec.attrs.items():
                 setattr(p, a, v)
             self.register_parameter(spec.name, p)
-            self.loaders[spec.name] = plan.make_loader(spec, self._engine_loader)
+            self.loaders[spec.name] = plan.loader.make_loader(spec, self._engine_loader)
 
     def _engine_loader(self, param, w, shard_id=None):
         """Column loader for fused shards (offset along N) + row loader (narrow along K)."""
-        plan = self.plan
+        lay = self.plan.layout
         data = param.data
         if shard_id is not None:
-            i = sharding.shard_index(shard_id, plan.num_shards)
-            off = sum(plan.shard_sizes[:i])
-            data = data.narrow(0, off, plan.shard_sizes[i])
+            i = sharding.shard_index(shard_id, lay.num_shards)
+            off = sum(lay.shard_sizes[:i])
+            data = data.narrow(0, off, lay.shard_sizes[i])
         in_dim = getattr(param, "input_dim", None)
-        if in_dim is not None and plan.k_split:
+        if in_dim is not None and lay.k_split:
             size = data.shape[in_dim]
-            w = w.narrow(in_dim, plan.tp_rank * size, size)
+            w = w.narrow(in_dim, lay.tp_rank * size, size)
         assert data.shape == w.shape
         data.copy_(w)
 
@@ -95,7 +96,8 @@ def _plan(names_sizes, k, mode="checkpoint", tp_rank=0, tp_size=1, k_split=False
     prefix = names[0] if len(names) == 1 else "model.layers.0.self_attn.qkv_proj"
     mapping = {"qkv_proj": [n.rsplit(".", 1)[1] for n in names]} if len(names) > 1 else {}
     kl = K // tp_size if k_split else K
-    return LayerPlan.for_layer(prefix, [s for _, s in names_sizes], K, kl, cfg, mapping, tp_rank, tp_size, mode, online)
+    args = (prefix, [s for _, s in names_sizes], K, kl, cfg, mapping, tp_rank, tp_size)
+    return OnlinePlan.for_layer(*args, settings=online) if mode == "online" else CheckpointPlan.for_layer(*args)
 
 
 def test_fused_shards_match_separate_reference_layers():
@@ -234,7 +236,7 @@ def test_online_quantization_with_channels_file(tmp_path):
 
 
 def test_online_fallback_warns_and_uses_weight_channels(caplog):
-    plan_mod._warned_fallback.clear()
+    online_mod.warned_fallback.clear()
     ws = [_w(64), _w(32, seed=1)]
     plan = _plan([("model.layers.0.self_attn.q_proj", 64), ("model.layers.0.self_attn.k_proj", 32)], k=0, mode="online", online=OnlineSettings(budget="16"))
     layer = FakeLayer(plan)
