@@ -1,7 +1,8 @@
 """Online (load-time) quantization settings: a BF16 model served with ``--quantization foursight``.
 
 The channels file (:class:`foursight.channels_file.ChannelsFile`), the ``FOURSIGHT_*`` environment
-variables every engine process inherits, and the weight-based channel fallback.
+variables every engine process inherits, and the channel set of a layer quantized at load
+(:func:`resolve_channels`: the channels file's, or the weight-based fallback).
 """
 
 from __future__ import annotations
@@ -9,16 +10,24 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from foursight.channels import select_channels
 from foursight.channels_file import ChannelsFile
+from foursight.layer import check_channels
 from foursight.quant_methods.sharding import TPContext
 from foursight.schema import (ENV_ACTIVATION_DTYPE, ENV_ACTIVATION_SCALE, ENV_CHANNEL_BUDGET, ENV_CHANNELS_FILE, ENV_IGNORE, ENV_ONLINE_KEEP_BF16,
-                              CheckpointError, FourSightConfig)
+                              CheckpointError, FourSightConfig, parse_channel_budget)
+
+if TYPE_CHECKING:  # annotations only: resolve_channels reads a layout's names and sizes
+    from foursight.quant_methods.layer_layout import LayerLayout
 
 logger = logging.getLogger("foursight.quant_methods")
+#: the weight-based channel fallback warns once per channels file (and once when there is none): the keys warned
+#: of so far (``"missing:<path>"``, ``"nofile"``); a test clears it to see the warning again
+warned_fallback: set[str] = set()
 
 #: The online path reads :mod:`foursight.schema`'s ``ENV_*`` variables (every engine process inherits them).
 #: Budget used when neither a channels file nor ``FOURSIGHT_CHANNEL_BUDGET`` is given.
@@ -79,6 +88,36 @@ class OnlineSettings:
         )
 
 
+def resolve_channels(settings: OnlineSettings | None, layout: LayerLayout, weight: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Global channel set (int32 [k], sorted) of a layer quantized at load, from its local BF16 ``weight``.
+
+    From the channels file when it lists the layer's shards (they must agree), else the
+    weight-based fallback with the budget, with a warning logged once per process.
+    """
+    st = settings or OnlineSettings()
+    cf = st.channels_file
+    if cf is not None:
+        sets = [cf.channels.get(n) for n in layout.shard_names]
+        if all(s is not None for s in sets):
+            if any(s != sets[0] for s in sets[1:]):
+                raise CheckpointError(f"{layout.prefix}: channels file {cf.path} lists different channels for the fused shards {layout.shard_names}")
+            return check_channels(cf.channel_tensor(layout.shard_names[0]), layout.input_size, layout.prefix)
+        missing = [n for n, s in zip(layout.shard_names, sets) if s is None]
+        key = f"missing:{cf.path}"
+        if key not in warned_fallback:
+            warned_fallback.add(key)
+            logger.warning("FourSight: channels file %s has no entry for %s (and maybe others); using weight-based channel selection for those layers", cf.path, missing[0])
+    else:
+        if "nofile" not in warned_fallback:
+            warned_fallback.add("nofile")
+            logger.warning(
+                "FourSight: no channels file (set %s or pass one to the quantization config); selecting BF16 channels from the weights "
+                "(largest column amax, budget %s). Calibrated channels from `foursight calibrate` are better.",
+                ENV_CHANNELS_FILE,
+                st.budget,
+            )
+    k = parse_channel_budget(st.budget, layout.input_size, layout.prefix)
+    return weight_based_channels(weight, k, tp, layout.k_split)
 
 
 def weight_based_channels(weight_rows: torch.Tensor, k: int, tp: TPContext | None = None, k_split: bool = False) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Quantizing a learner's BF16 shard into a FourSight layer during a weight sync, on the device it lives on.
 
-An RL weight sync re-quantizes every FourSight linear of the engine (``plan.LayerPlan``: online
-mode from the layer's BF16 ``weight``, checkpoint mode from the BF16 shard the trainer hands over).
+An RL weight sync re-quantizes every FourSight linear of the engine (``plan.OnlinePlan``
+from the layer's BF16 ``weight``, ``plan.CheckpointPlan`` from the BF16 shard the trainer hands over).
 :func:`quantize_shard` is that one step:
 
 * on CUDA (with Triton), the fused Triton quantizer of :mod:`foursight.kernels.act_quant` with the

@@ -2,7 +2,7 @@
 
 Thin glue between SGLang's quantization interface and the engine-neutral modules: the config
 base :mod:`foursight.quant_methods.config`, the per-layer plan :mod:`foursight.quant_methods.plan`
-(``LayerPlan`` / ``apply_linear``) and :mod:`foursight.schema`, shared with the vLLM adapter, so
+(``LayerPlan`` / ``FourSightLinearMethodBase``) and :mod:`foursight.schema`, shared with the vLLM adapter, so
 the same checkpoint loads unchanged on both engines and a bad one fails with the same message.
 
 What is SGLang-specific here:
@@ -25,7 +25,7 @@ What is SGLang-specific here:
   runs it too); the core's processing is idempotent and never touches the loaded parameters,
   so this simply rebuilds the execution state. A BF16 ``<module>.weight`` reaches a
   checkpoint-mode layer through its empty ``weight`` parameter and is quantized with the layer's
-  channels (:meth:`~foursight.quant_methods.plan.LayerPlan.load_bf16_shard`). For code that calls
+  channels (:meth:`~foursight.quant_methods.param_kinds.BF16UpdateParam.load`). For code that calls
   ``model.load_weights`` directly, every loader marks its layer stale, a layer whose every shard
   got a new weight is rebuilt at once, and ``apply`` rebuilds a stale one before use
   (:func:`refresh_foursight_layers` does it eagerly); the same shared code as the vLLM adapter
@@ -161,14 +161,14 @@ class FourSightSGLangLinearMethod(FourSightLinearMethodBase, LinearMethodBase):
         # released the codes (one weight copy, plan.py) they come back now, as the session may write them
         # without their loaders; the layer is rebuilt at the session's end (process_weights_after_loading).
         restore_layer(layer)
-        layer.foursight_plan.stale = True
+        layer.foursight_plan.loader.stale = True
 
 
 def refresh_foursight_layers(model: torch.nn.Module, only_stale: bool = True) -> int:
     """Rebuild the execution state of (stale) FourSight layers now; returns how many were rebuilt."""
     n = 0
     for m in foursight_layers(model).values():
-        if m.foursight_plan.stale or not only_stale:
+        if m.foursight_plan.loader.stale or not only_stale:
             refresh_layer(m, m.quant_method.tp_context(m))
             n += 1
     return n

@@ -46,17 +46,19 @@ from foursight.schema import (
     finite_flag,
 )
 
-def _shards(model: torch.nn.Module) -> tuple[dict[str, tuple[LayerLayout, int]], int]:
-    """Checkpoint module name of every FourSight shard -> (its layer's layout, shard index); the TP size."""
-    shards: dict[str, tuple[LayerLayout, int]] = {}
+def _shards(model: torch.nn.Module) -> tuple[dict[str, tuple[LayerLayout, int, bool]], int]:
+    """Checkpoint module name of every FourSight shard -> (its layer's layout, shard index, whether the layer
+    quantizes its BF16 weight at load); the TP size."""
+    shards: dict[str, tuple[LayerLayout, int, bool]] = {}
     tp = 1
     for m in model.modules():
         plan = getattr(m, "foursight_plan", None)
         if plan is None:
             continue
-        tp = max(tp, plan.tp_size)
-        for i, n in enumerate(plan.shard_names):
-            shards[n] = (plan, i)
+        lay = plan.layout
+        tp = max(tp, lay.tp_size)
+        for i, n in enumerate(lay.shard_names):
+            shards[n] = (lay, i, plan.quantizes_at_load)
     return shards, tp
 
 
@@ -117,8 +119,8 @@ class UpdateChecker:
         mod, _, leaf = name.rpartition(".")
         if mod in shards and checkpoint_tensors and leaf in (WEIGHT_PACKED, WEIGHT_SCALE, WEIGHT_BF16, WEIGHT_GLOBAL_SCALE,
                                                              INPUT_GLOBAL_SCALE, BF16_CHANNELS):
-            plan, i = shards[mod]
-            if plan.mode != "checkpoint":
+            plan, i, at_load = shards[mod]
+            if at_load:
                 raise CheckpointError(f"unexpected tensor {name}{where}: layer {plan.prefix} quantizes its BF16 weight "
                                       f"at load (online mode) and takes only {mod}.weight")
             _check_shard_tensor(name + where, t, plan, i, leaf)
@@ -127,7 +129,7 @@ class UpdateChecker:
         if not t.is_floating_point() and not checkpoint_tensors:
             raise CheckpointError(f"tensor {name}{where} has dtype {t.dtype}, expected a floating-point weight")
         if mod in shards and leaf == WEIGHT:
-            plan, i = shards[mod]
+            plan, i, _ = shards[mod]
             if not t.is_floating_point():
                 raise CheckpointError(f"tensor {name}{where} has dtype {t.dtype}, expected a floating-point weight")
             rows = _shard_rows(plan, i)

@@ -1,7 +1,8 @@
 """vLLM glue for FourSight: the ``foursight`` QuantizationConfig and its LinearMethodBase.
 
 Everything numeric and every check lives in :mod:`foursight.quant_methods.plan` (with
-:mod:`~foursight.quant_methods.layer_layout` and :mod:`~foursight.quant_methods.layer_loading`) and
+:mod:`~foursight.quant_methods.layer_layout`, :mod:`~foursight.quant_methods.param_kinds`,
+:mod:`~foursight.quant_methods.layer_loading` and :mod:`~foursight.quant_methods.layer_state`) and
 :mod:`foursight.quant_methods.config` (shared with SGLang) and :mod:`foursight.schema`; this
 module only maps vLLM's hooks onto them:
 
@@ -9,8 +10,8 @@ module only maps vLLM's hooks onto them:
   loaders wrapped around vLLM's own (column / row / QKV / merged) weight loaders;
 * ``process_weights_after_loading`` → ``LayerPlan.process`` (idempotent: the execution state is rebuilt
   from the loaded parameters, whose values never change; where the execution form gives them back
-  exactly their codes are then released, and rebuilt before the next write: ``LayerPlan.release``);
-* ``apply`` → ``plan.apply_linear`` (SpliceGEMM on CUDA, the PyTorch reference on CPU).
+  exactly their codes are then released, and rebuilt before the next write: ``CheckpointPlan.release``);
+* ``apply`` → ``layer_state.apply_linear`` (SpliceGEMM on CUDA, the PyTorch reference on CPU).
 
 A trainer's BF16 weight sync through vLLM's own ``model.load_weights`` (TRL colocate: one tensor
 at a time, no post-load step; verl: per bucket, then the post-load step once) reaches every

@@ -228,7 +228,7 @@ def begin_update(model: torch.nn.Module) -> LoadProgress:
     layers = foursight_layers(model)
     packed = cpu_packed_linears(model)
     _open_packed_for_reload(packed)
-    return LoadProgress(layers=layers, before={n: m.foursight_plan.load_events for n, m in layers.items()},
+    return LoadProgress(layers=layers, before={n: m.foursight_plan.loader.load_events for n, m in layers.items()},
                         packed=packed, gate=FusedShardGate(model, only=packed))
 
 
@@ -252,10 +252,10 @@ def finish_update(model: torch.nn.Module, progress: LoadProgress) -> dict:
     load, and the CPU embedding re-pack (step 4). Returns ``{"updated_tensors", "requantized_layers"}``."""
     partial = progress.gate.incomplete() + _close_packed_reload(progress.packed)
     layers, before = progress.layers, progress.before
-    touched = [n for n, m in layers.items() if m.foursight_plan.load_events != before[n]]
+    touched = [n for n, m in layers.items() if m.foursight_plan.loader.load_events != before[n]]
     for n in touched:
         m = layers[n]
-        if m.foursight_plan.stale:  # a layer whose every shard arrived was re-quantized in its loader
+        if m.foursight_plan.loader.stale:  # a layer whose every shard arrived was re-quantized in its loader
             m.quant_method.process_weights_after_loading(m)  # refresh_layer with the layer's TP group (its method's tp_context)
     refresh_unquantized_embeddings(model)
     if partial:

@@ -112,10 +112,10 @@ def _fresh(weights):
 
 def _storage_bytes(layer) -> int:
     """Bytes of every storage the layer's parameters and execution state hold, each counted once."""
-    from foursight.quant_methods.plan import _state_tensors
+    from foursight.quant_methods.layer_state import state_tensors
 
     ts: list[torch.Tensor] = list(layer.parameters())
-    _state_tensors(layer.foursight_state, ts, set())
+    state_tensors(layer.foursight_state, ts, set())
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
 
 
@@ -130,7 +130,7 @@ def _assert_same_form(layer, ref):
 
 
 def _assert_released(layer):
-    n = layer.foursight_plan.out_local
+    n = layer.foursight_plan.layout.out_local
     for name, shape in (("weight_packed", (n, K // 2)), ("weight_scale", (n, K // 16))):
         p = getattr(layer, name)
         assert p.untyped_storage().nbytes() == 0, f"{name} still holds {p.untyped_storage().nbytes()} bytes"
@@ -173,7 +173,7 @@ def test_release_update_and_fresh_load_agree(x):
     rows_q = SHARDS["q"][1]
     assert torch.equal(layer.weight_packed[rows_q:], packed0[rows_q:])
     assert torch.equal(layer.weight_scale[rows_q:].view(torch.uint8), scale0[rows_q:].view(torch.uint8))
-    assert layer.foursight_plan.stale
+    assert layer.foursight_plan.loader.stale
     y_q = layer.quant_method.apply(layer, x)  # a stale layer rebuilds before its forward
     _assert_released(layer)
     ref_q = _fresh({"q": new["q"], "k": old["k"], "v": old["v"]})
@@ -193,7 +193,7 @@ def test_release_update_and_fresh_load_agree(x):
     newer = _weights(3)
     for sid in SHARDS:
         wparam.weight_loader(wparam, newer[sid], sid)
-    assert not layer.foursight_plan.stale
+    assert not layer.foursight_plan.loader.stale
     _assert_released(layer)
     ref_newer = _fresh(newer)
     _assert_same_form(layer, ref_newer)
@@ -213,4 +213,4 @@ def test_reference_backend_keeps_the_params(x):
     _load_checkpoint(layer, _weights(1))
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.weight_packed.untyped_storage().nbytes() == layer.weight_packed.numel()
-    assert layer.foursight_plan.released is None
+    assert layer.foursight_plan.loader.released is None

@@ -119,7 +119,8 @@ def test_one_calibration_gives_one_static_scale_both_ways(tiny_llama_dir, tmp_pa
     from foursight.quantize_config import QuantizeConfig
     from foursight.hf import load_reference_model
     from foursight.quant_methods.online import OnlineSettings
-    from foursight.quant_methods.plan import LayerPlan, apply_linear
+    from foursight.quant_methods.layer_state import apply_linear
+    from foursight.quant_methods.plan import OnlinePlan
     from transformers import AutoModelForCausalLM
 
     ckpt = quantize_model(tiny_llama_dir, tmp_path / "ckpt", QuantizeConfig(channels="16", activation_scale="static"), progress=False).out_dir
@@ -133,9 +134,8 @@ def test_one_calibration_gives_one_static_scale_both_ways(tiny_llama_dir, tmp_pa
     ws = [bf16.get_submodule(n).weight.detach() for n in (Q, K_, V)]
     k_dim = ws[0].shape[1]
     config = schema.FourSightConfig(activation_scale="static")
-    plan = LayerPlan.for_layer("model.layers.0.self_attn.qkv_proj", [w.shape[0] for w in ws], k_dim, k_dim, config,
-                               {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, mode="online",
-                               online=OnlineSettings(channels_file=cf, static_act_scale=True))
+    plan = OnlinePlan.for_layer("model.layers.0.self_attn.qkv_proj", [w.shape[0] for w in ws], k_dim, k_dim, config,
+                                {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, settings=OnlineSettings(channels_file=cf, static_act_scale=True))
     state = plan.process({"weight": torch.cat(ws)})
 
     for n in (Q, K_, V):

@@ -1,7 +1,7 @@
 """The FourSight linear on the engine's real road on a GPU: captured as the vLLM method calls it, under
 ``torch.compile`` and in a CUDA graph, bit-identical to eager (issue 36 item 5).
 
-vLLM's ``FourSightLinearMethod.apply`` calls ``foursight.quant_methods.plan.apply_linear(layer.foursight_state,
+vLLM's ``FourSightLinearMethod.apply`` calls ``foursight.quant_methods.layer_state.apply_linear(layer.foursight_state,
 x, bias)``, which calls the layer's ``PreparedLinear`` (``foursight.dispatch``: the Triton backend's
 ``splice_linear``). vLLM compiles the model with ``torch.compile`` (fullgraph, batch dimension dynamic)
 and then captures CUDA graphs per batch size, after a warm-up run at each size (where our autotuner
@@ -49,7 +49,7 @@ from foursight.kernels.tuning import TUNED  # noqa: E402
 from foursight.layer import quantize_weight  # noqa: E402
 
 try:
-    from foursight.quant_methods.plan import LayerState, apply_linear
+    from foursight.quant_methods.layer_state import LayerState, apply_linear
 except ImportError:  # the device copy without the engine layer's dependencies (pydantic): the same call, spelled here
     from dataclasses import dataclass
 
@@ -63,7 +63,7 @@ except ImportError:  # the device copy without the engine layer's dependencies (
         generation: int
 
     def apply_linear(state, x, bias=None):
-        """``foursight.quant_methods.plan.apply_linear``'s body: the call vLLM's apply() makes."""
+        """``foursight.quant_methods.layer_state.apply_linear``'s body: the call vLLM's apply() makes."""
         return state.prepared(x, bias, state.input_global_scale, state.act_quant)
 
 DEV = "cuda"

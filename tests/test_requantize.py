@@ -99,12 +99,12 @@ def test_a_requantized_shard_skips_the_checkpoint_checks_until_a_checkpoint_tens
     load of ``quantize_weight(new W, channels)``, and process() trusts what our quantizer wrote; a
     checkpoint tensor loaded directly afterwards (a negative block scale in k_proj) is checked again
     and refused by name."""
-    from foursight.quant_methods.plan import LayerPlan
+    from foursight.quant_methods.plan import CheckpointPlan
     from foursight.schema import CheckpointError, FourSightConfig, encode_module
 
     names = [f"model.layers.0.self_attn.{n}_proj" for n in "qkv"]
     rows, k_dim = [64, 32, 32], 128
-    plan = LayerPlan.for_layer("model.layers.0.self_attn.qkv_proj", rows, k_dim, k_dim, FourSightConfig(channels={n: 4 for n in names}),
+    plan = CheckpointPlan.for_layer("model.layers.0.self_attn.qkv_proj", rows, k_dim, k_dim, FourSightConfig(channels={n: 4 for n in names}),
                                {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
     params: dict[str, torch.nn.Parameter] = {}
 
@@ -113,8 +113,8 @@ def test_a_requantized_shard_skips_the_checkpoint_checks_until_a_checkpoint_tens
         param.data.narrow(0, sum(rows[:i]), rows[i]).copy_(w)
 
     for spec in plan.param_specs():
-        p = torch.nn.Parameter(plan.initial_tensor(spec), requires_grad=False)
-        p.weight_loader = plan.make_loader(spec, engine_loader, lambda: params)
+        p = torch.nn.Parameter(spec.initial_tensor(), requires_grad=False)
+        p.weight_loader = plan.loader.make_loader(spec, engine_loader, lambda: params)
         params[spec.name] = p
     ch = torch.tensor([3, 17, 64, 100], dtype=torch.int32)
     g = torch.Generator().manual_seed(0)
@@ -126,12 +126,12 @@ def test_a_requantized_shard_skips_the_checkpoint_checks_until_a_checkpoint_tens
     plan.process(params)
     for sid, w in zip("qkv", w1):
         params["weight"].weight_loader(params["weight"], w, sid)
-    assert plan.requantized == {0, 1, 2}
+    assert plan.loader.requantized == {0, 1, 2}
     want = concat_shards([quantize_weight(w, ch, name=n) for w, n in zip(w1, names)], "qkv")
     assert _same(plan.process(params).qw, want)
     bad = quantize_weight(w1[1], ch).weight_scale.clone()
     bad.view(torch.uint8)[0, 0] = 0xB8  # -1.0 in E4M3
     params["weight_scale"].weight_loader(params["weight_scale"], bad, "k")
-    assert plan.requantized == {0, 2}
+    assert plan.loader.requantized == {0, 2}
     with pytest.raises(CheckpointError, match="k_proj.weight_scale holds negative block scales"):
         plan.process(params)

@@ -1,4 +1,4 @@
-"""The engine-neutral adapter modules (quant_methods/plan.py, sharding.py, online.py, config.py) against the PyTorch reference.
+"""The engine-neutral adapter modules (quant_methods/plan.py, layer_loading.py, param_kinds.py, sharding.py, online.py, config.py) against the PyTorch reference.
 
 No engine is started here: the loaders are driven by a small stand-in for an engine's
 column/row loader (narrow along the sharded dim, copy), exactly the contract vLLM/SGLang use.
@@ -15,9 +15,10 @@ import torch
 from foursight.channels import weight_based_channels as calib_weight_channels
 from foursight.layer import QuantizedWeight, quantize_weight, reference_linear
 from foursight.quant_methods import sharding
-from foursight.quant_methods import plan as plan_mod
+from foursight.quant_methods import online as online_mod
 from foursight.quant_methods.online import OnlineSettings
-from foursight.quant_methods.plan import LayerPlan, apply_linear, layer_params
+from foursight.quant_methods.layer_state import apply_linear
+from foursight.quant_methods.plan import CheckpointPlan, LayerPlan, OnlinePlan, layer_params, plan_for_layer
 from foursight.quant_methods.sharding import TPContext, concat_shards, localize_channels, shard_quantized_weight
 from foursight.channels_file import ChannelsFile
 from foursight.schema import CheckpointError, FourSightConfig
@@ -63,25 +64,25 @@ class FakeLayer(torch.nn.Module):
         self.plan = plan
         self.loaders = {}
         for spec in plan.param_specs(torch.bfloat16):
-            t = torch.full(spec.shape, plan.init_value(spec)).to(spec.dtype) if spec.dtype != torch.float8_e4m3fn else torch.zeros(spec.shape, dtype=spec.dtype)
+            t = torch.full(spec.shape, spec.fill).to(spec.dtype) if spec.dtype != torch.float8_e4m3fn else torch.zeros(spec.shape, dtype=spec.dtype)
             p = torch.nn.Parameter(t, requires_grad=False)
             for a, v in spec.attrs.items():
                 setattr(p, a, v)
             self.register_parameter(spec.name, p)
-            self.loaders[spec.name] = plan.make_loader(spec, self._engine_loader)
+            self.loaders[spec.name] = plan.loader.make_loader(spec, self._engine_loader)
 
     def _engine_loader(self, param, w, shard_id=None):
         """Column loader for fused shards (offset along N) + row loader (narrow along K)."""
-        plan = self.plan
+        lay = self.plan.layout
         data = param.data
         if shard_id is not None:
-            i = sharding.shard_index(shard_id, plan.num_shards)
-            off = sum(plan.shard_sizes[:i])
-            data = data.narrow(0, off, plan.shard_sizes[i])
+            i = sharding.shard_index(shard_id, lay.num_shards)
+            off = sum(lay.shard_sizes[:i])
+            data = data.narrow(0, off, lay.shard_sizes[i])
         in_dim = getattr(param, "input_dim", None)
-        if in_dim is not None and plan.k_split:
+        if in_dim is not None and lay.k_split:
             size = data.shape[in_dim]
-            w = w.narrow(in_dim, plan.tp_rank * size, size)
+            w = w.narrow(in_dim, lay.tp_rank * size, size)
         assert data.shape == w.shape
         data.copy_(w)
 
@@ -89,13 +90,16 @@ class FakeLayer(torch.nn.Module):
         self.loaders[name](getattr(self, name), w, shard_id)
 
 
-def _plan(names_sizes, k, mode="checkpoint", tp_rank=0, tp_size=1, k_split=False, act="dynamic", online=None):
+def _plan(names_sizes, k, tp_rank=0, tp_size=1, k_split=False, act="dynamic", online=None):
+    """A CheckpointPlan, or with ``online`` settings an OnlinePlan (``plan_for_layer`` chooses, as the engines' method does)."""
     names = [n for n, _ in names_sizes]
     cfg = FourSightConfig(channels={n: k for n in names}, activation_scale=act)
     prefix = names[0] if len(names) == 1 else "model.layers.0.self_attn.qkv_proj"
     mapping = {"qkv_proj": [n.rsplit(".", 1)[1] for n in names]} if len(names) > 1 else {}
     kl = K // tp_size if k_split else K
-    return LayerPlan.for_layer(prefix, [s for _, s in names_sizes], K, kl, cfg, mapping, tp_rank, tp_size, mode, online)
+    plan = plan_for_layer(prefix, [s for _, s in names_sizes], K, kl, cfg, mapping, tp_rank, tp_size, online)
+    assert isinstance(plan, OnlinePlan if online is not None else CheckpointPlan)
+    return plan
 
 
 def test_fused_shards_match_separate_reference_layers():
@@ -118,6 +122,25 @@ def test_fused_shards_match_separate_reference_layers():
     y32 = apply_linear(state, x.float())
     y32_ref = torch.cat([reference_linear(x.float(), qw) for qw in qws.values()], dim=-1)
     assert (y32 - y32_ref).abs().max() <= 1e-4 * y32_ref.abs().max()
+
+
+def test_each_parameter_is_a_kind_with_its_loading_rule():
+    """A checkpoint plan registers the BF16 update weight, three engine-loaded row tensors and three per-shard ones
+    (the input scale required only when static); an online plan one BF16 weight. The kind, not a flag, says how each loads."""
+    from foursight.quant_methods.param_kinds import BF16UpdateParam, BF16WeightParam, PerShardParam, RowsParam
+
+    names = [("model.layers.0.self_attn.q_proj", 64), ("model.layers.0.self_attn.k_proj", 32)]
+    ckpt = _plan(names, k=4)
+    kinds = {s.name: type(s) for s in ckpt.param_specs()}
+    assert kinds == {"weight": BF16UpdateParam, "weight_packed": RowsParam, "weight_scale": RowsParam, "weight_bf16": RowsParam,
+                     "weight_global_scale": PerShardParam, "input_global_scale": PerShardParam, "bf16_channels": PerShardParam}
+    shapes = {s.name: (s.shape, s.fill) for s in ckpt.param_specs()}
+    assert shapes["bf16_channels"] == ((2, 4), 0.0) and shapes["weight_global_scale"] == ((2,), 1.0) and shapes["weight"] == ((0,), 0.0)
+    assert [s.name for s in ckpt.param_specs() if s.required(False)] == ["weight_packed", "weight_scale", "weight_bf16", "weight_global_scale", "bf16_channels"]
+    assert not ckpt.quantizes_at_load
+    online = _plan(names, k=0, online=OnlineSettings(budget="16"))
+    (spec,) = online.param_specs(torch.float16)
+    assert type(spec) is BF16WeightParam and spec.shape == (96, K) and spec.dtype == torch.float16 and online.quantizes_at_load
 
 
 def test_process_is_idempotent_and_leaves_params_untouched():
@@ -222,7 +245,7 @@ def test_online_quantization_with_channels_file(tmp_path):
     f = tmp_path / "foursight_channels.json"
     f.write_text(json.dumps({"format_version": 1, "channels": {n: CH.tolist() for n in names}, "input_amax": {n: 9.0 for n in names}}))
     st = OnlineSettings(channels_file=ChannelsFile.read(f))
-    plan = _plan([(n, w.shape[0]) for n, w in zip(names, ws)], k=0, mode="online", online=st)
+    plan = _plan([(n, w.shape[0]) for n, w in zip(names, ws)], k=0, online=st)
     layer = FakeLayer(plan)
     layer.load("weight", ws[0], "q")
     layer.load("weight", ws[1], "k")
@@ -234,9 +257,9 @@ def test_online_quantization_with_channels_file(tmp_path):
 
 
 def test_online_fallback_warns_and_uses_weight_channels(caplog):
-    plan_mod._warned_fallback.clear()
+    online_mod.warned_fallback.clear()
     ws = [_w(64), _w(32, seed=1)]
-    plan = _plan([("model.layers.0.self_attn.q_proj", 64), ("model.layers.0.self_attn.k_proj", 32)], k=0, mode="online", online=OnlineSettings(budget="16"))
+    plan = _plan([("model.layers.0.self_attn.q_proj", 64), ("model.layers.0.self_attn.k_proj", 32)], k=0, online=OnlineSettings(budget="16"))
     layer = FakeLayer(plan)
     layer.load("weight", ws[0], "q")
     layer.load("weight", ws[1], "k")
@@ -252,7 +275,7 @@ def test_online_tp_uses_shared_scale_and_global_channels():
     w = _w(48)
     plans, layers = [], []
     for r in range(2):
-        p = _plan([("model.layers.0.mlp.down_proj", 48)], k=0, mode="online", tp_rank=r, tp_size=2, k_split=True, online=OnlineSettings(budget="16"))
+        p = _plan([("model.layers.0.mlp.down_proj", 48)], k=0, tp_rank=r, tp_size=2, k_split=True, online=OnlineSettings(budget="16"))
         lay = FakeLayer(p)
         lay.load("weight", w)
         plans.append(p)

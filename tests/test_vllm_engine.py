@@ -96,7 +96,7 @@ def test_checkpoint_generates_and_every_layer_matches_reference(llm_fs, tiny_ckp
     for name, (x, y, mod) in rec.items():
         plan = mod.foursight_plan
         with torch.no_grad():
-            y_ref = torch.cat([ref.get_submodule(n)(x) for n in plan.shard_names], dim=-1)
+            y_ref = torch.cat([ref.get_submodule(n)(x) for n in plan.layout.shard_names], dim=-1)
         assert y.shape == y_ref.shape, name
         d = (y.float() - y_ref.float()).abs()
         # identical math; fused vs separate fp32 GEMMs may flip the last bf16 bit of a few outputs
@@ -154,12 +154,12 @@ def test_weight_update_in_checkpoint_mode(llm_fs, tiny_llama_dir, tmp_path):
         if plan is None:
             continue
         st = mod.foursight_state
-        parts = [quantize_weight(sd[f"{n}.weight"], st.channels) for n in plan.shard_names]
+        parts = [quantize_weight(sd[f"{n}.weight"], st.channels) for n in plan.layout.shard_names]
         exp_packed = torch.cat([p.weight_packed for p in parts])
-        assert torch.equal(st.qw.weight_packed, exp_packed), plan.prefix
+        assert torch.equal(st.qw.weight_packed, exp_packed), plan.layout.prefix
         exp_gs = torch.cat([p.weight_global_scale.expand(p.out_features) for p in parts])
-        assert torch.equal(st.qw.weight_global_scale.reshape(-1).expand(exp_gs.numel()), exp_gs), plan.prefix
-        assert torch.equal(st.qw.weight_bf16, torch.cat([p.weight_bf16 for p in parts])), plan.prefix
+        assert torch.equal(st.qw.weight_global_scale.reshape(-1).expand(exp_gs.numel()), exp_gs), plan.layout.prefix
+        assert torch.equal(st.qw.weight_bf16, torch.cat([p.weight_bf16 for p in parts])), plan.layout.prefix
 
 
 def test_online_quantization_update_matches_fresh_load(tiny_llama_dir, tiny_ckpt, seqs, tmp_path, monkeypatch):
@@ -198,8 +198,8 @@ def test_online_fallback_without_channels_file(tiny_llama_dir, seqs, monkeypatch
     for mod in engine_model(llm).modules():
         plan = getattr(mod, "foursight_plan", None)
         if plan is not None:
-            exp = weight_based_channels([sd[f"{n}.weight"] for n in plan.shard_names], 16)
-            assert mod.foursight_state.channels.tolist() == exp.tolist(), plan.prefix
+            exp = weight_based_channels([sd[f"{n}.weight"] for n in plan.layout.shard_names], 16)
+            assert mod.foursight_state.channels.tolist() == exp.tolist(), plan.layout.prefix
     close(llm)
 
 
@@ -215,8 +215,8 @@ def test_zero_channels_is_plain_nvfp4(tiny_llama_dir, tmp_path):
         if plan is not None:
             st = mod.foursight_state
             assert st.qw.bf16_channels.numel() == 0 and st.qw.weight_bf16.shape[1] == 0
-            exp = torch.cat([quantize_weight(sd[f"{n}.weight"], torch.zeros(0, dtype=torch.int32)).weight_packed for n in plan.shard_names])
-            assert torch.equal(st.qw.weight_packed, exp), plan.prefix
+            exp = torch.cat([quantize_weight(sd[f"{n}.weight"], torch.zeros(0, dtype=torch.int32)).weight_packed for n in plan.layout.shard_names])
+            assert torch.equal(st.qw.weight_packed, exp), plan.layout.prefix
     close(llm)
 
 
@@ -258,7 +258,7 @@ def test_qwen2_biases_w4a16(tiny_qwen2_dir, tmp_path):
     assert any(getattr(m, "bias", None) is not None for _, _, m in rec.values())
     for name, (x, y, mod) in rec.items():
         with torch.no_grad():
-            y_ref = torch.cat([ref.get_submodule(n)(x) for n in mod.foursight_plan.shard_names], dim=-1)
+            y_ref = torch.cat([ref.get_submodule(n)(x) for n in mod.foursight_plan.layout.shard_names], dim=-1)
         assert float((y.float() - y_ref.float()).abs().max()) <= 2**-7 * float(y_ref.float().abs().max()), name
         assert not mod.foursight_state.act_quant
     gap = abs_diff_summary(engine_prompt_logprobs(llm, seqs), hf_prompt_logprobs(ref, seqs))

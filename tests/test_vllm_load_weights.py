@@ -170,7 +170,7 @@ def test_trl_per_tensor_sync_twice_equals_a_fresh_load(engine, setup):
         got = engine_prompt_logprobs(llm, setup["seqs"])
         assert _same(got, ref[key]), f"{mode} after {key}: |d| {_gap(got, ref[key]):.4f} from a fresh load"
     assert _gap(got, before) > 0.1
-    assert not any(m.foursight_plan.stale for m in engine_model(llm).modules() if getattr(m, "foursight_plan", None))
+    assert not any(m.foursight_plan.loader.stale for m in engine_model(llm).modules() if getattr(m, "foursight_plan", None))
 
 
 def test_half_a_fused_layer_is_requantized_before_its_next_forward(engine, setup):
@@ -184,13 +184,13 @@ def test_half_a_fused_layer_is_requantized_before_its_next_forward(engine, setup
     def load_q(model):
         model.load_weights([(Q0, setup["new2"][Q0])])
         layer = model.get_submodule(QKV0)
-        return layer.foursight_plan.stale, sorted(layer.foursight_plan.pending_weight)
+        return layer.foursight_plan.loader.stale, sorted(layer.foursight_plan.loader.pending_weight)
 
     assert llm.apply_model(load_q) == [(True, [0])]
     llm.reset_prefix_cache()
     got = engine_prompt_logprobs(llm, setup["seqs"])
     assert _same(got, ref["mixed"]), f"{mode}: |d| {_gap(got, ref['mixed']):.4f} from a fresh load of the mix"
-    assert not engine_model(llm).get_submodule(QKV0).foursight_plan.stale
+    assert not engine_model(llm).get_submodule(QKV0).foursight_plan.loader.stale
 
 
 def test_verl_bucketed_sync_then_post_load_equals_a_fresh_load(engine, setup):
@@ -209,13 +209,13 @@ def test_sync_updates_the_execution_state_in_place(engine, setup):
     mode, llm = engine
 
     def ptrs(model):
-        from foursight.quant_methods.plan import _state_tensors
+        from foursight.quant_methods.layer_state import state_tensors
 
         out = {}
         for n, m in model.named_modules():
             if getattr(m, "foursight_plan", None) is not None:
                 ts: list[torch.Tensor] = []
-                _state_tensors(m.foursight_state, ts, set())
+                state_tensors(m.foursight_state, ts, set())
                 out[n] = [t.data_ptr() for t in ts]
         return out
 
@@ -370,7 +370,7 @@ def test_the_engine_holds_one_copy_of_each_layers_weight(engine, setup):
     each fused layer's checkpoint tensors beside the parameters: about 2x). Online mode: the BF16
     ``weight`` (the source every sync writes) plus at most one quantized copy."""
     from foursight.kernels.prepared import prepare_weight, resident_bytes
-    from foursight.quant_methods.plan import _state_tensors
+    from foursight.quant_methods.layer_state import state_tensors
 
     mode, llm = engine
 
@@ -384,7 +384,7 @@ def test_the_engine_holds_one_copy_of_each_layers_weight(engine, setup):
             st = m.foursight_state
             cache = st.prepared.state[1] if st.prepared.backend.name == "reference" else None
             ts: list[torch.Tensor] = []
-            _state_tensors(st, ts, set())
+            state_tensors(st, ts, set())
             state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts
                      if t.numel() and (cache is None or t.untyped_storage().data_ptr() != cache.untyped_storage().data_ptr())}
             extra = sum(b for p, b in state.items() if p not in params)

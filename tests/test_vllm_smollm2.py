@@ -72,7 +72,7 @@ def test_offline_llm_generates_and_matches_reference(smol_ckpt, smol_seqs, smoll
     assert len(rec) == 30 * 4
     for name, (x, y, mod) in rec.items():
         with torch.no_grad():
-            y_ref = torch.cat([ref_model.get_submodule(n)(x) for n in mod.foursight_plan.shard_names], dim=-1)
+            y_ref = torch.cat([ref_model.get_submodule(n)(x) for n in mod.foursight_plan.layout.shard_names], dim=-1)
         d = (y.float() - y_ref.float()).abs()
         assert float(d.max()) <= 2**-7 * float(y_ref.float().abs().max()), name
     eng = engine_prompt_logprobs(llm, smol_seqs)

@@ -47,8 +47,8 @@ def _expected_form(m, weights: dict[str, torch.Tensor]):
 
     plan = m.foursight_plan
     ch = m.bf16_channels.data[0].clone()
-    parts = [quantize_weight(weights[f"{s}.weight"].bfloat16(), ch) for s in plan.shard_names]
-    return prepare_weight(concat_shards(parts, plan.prefix), plan.prefix)
+    parts = [quantize_weight(weights[f"{s}.weight"].bfloat16(), ch) for s in plan.layout.shard_names]
+    return prepare_weight(concat_shards(parts, plan.layout.prefix), plan.layout.prefix)
 
 
 def _assert_form(m, expected, name):
@@ -60,7 +60,7 @@ def _assert_form(m, expected, name):
 
 
 def _released(m) -> bool:
-    return (m.foursight_plan.released is not None and m.weight_packed.untyped_storage().nbytes() == 0
+    return (m.foursight_plan.loader.released is not None and m.weight_packed.untyped_storage().nbytes() == 0
             and m.weight_scale.untyped_storage().nbytes() == 0)
 
 
@@ -79,14 +79,14 @@ def test_trl_sync_into_a_released_engine_equals_a_fresh_load(tiny_ckpt, tiny_lla
             for name, t in new.items():
                 model.load_weights(weights=[(name, t)])
         for n, m in layers.items():
-            assert not m.foursight_plan.stale and _released(m), n  # every shard arrived: rebuilt in its loader, released again
+            assert not m.foursight_plan.loader.stale and _released(m), n  # every shard arrived: rebuilt in its loader, released again
             _assert_form(m, _expected_form(m, new), n)
 
         # q_proj alone: the fused qkv_proj gets its checkpoint tensors back before the write, so k/v keep theirs
         qkv = layers["model.layers.0.self_attn.qkv_proj"]
         with torch.no_grad():
             model.load_weights(weights=[(q0, q_new)])
-        assert qkv.foursight_plan.stale and not _released(qkv)
+        assert qkv.foursight_plan.loader.stale and not _released(qkv)
         qkv.quant_method.process_weights_after_loading(qkv)  # the post-load step (vLLM's reload, finish_update)
         assert _released(qkv)
         _assert_form(qkv, _expected_form(qkv, {**new, q0: q_new}), "qkv_proj after q_proj alone")
@@ -101,7 +101,7 @@ def test_trl_sync_into_a_released_engine_equals_a_fresh_load(tiny_ckpt, tiny_lla
         set_offloader(UVAOffloader(cpu_offload_max_bytes=1 << 30))
         try:
             qkv.quant_method.process_weights_after_loading(qkv)
-            assert qkv.weight_packed.untyped_storage().nbytes() > 0 and qkv.foursight_plan.released is None
+            assert qkv.weight_packed.untyped_storage().nbytes() > 0 and qkv.foursight_plan.loader.released is None
         finally:
             set_offloader(None)
         _assert_form(qkv, _expected_form(qkv, new), "qkv_proj with an offloader")

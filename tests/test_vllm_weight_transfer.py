@@ -73,8 +73,8 @@ def test_native_update_equals_the_collective_rpc_route(tiny_llama_dir, tmp_path)
             if plan is None:
                 continue
             st = mod.foursight_state
-            exp = torch.cat([quantize_weight(sd[f"{s}.weight"], st.channels).weight_packed for s in plan.shard_names])
-            assert torch.equal(st.qw.weight_packed, exp), plan.prefix
+            exp = torch.cat([quantize_weight(sd[f"{s}.weight"], st.channels).weight_packed for s in plan.layout.shard_names])
+            assert torch.equal(st.qw.weight_packed, exp), plan.layout.prefix
             n += 1
         assert n == 8
         # back to the original weights, then the same update through the other route

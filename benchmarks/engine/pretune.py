@@ -8,7 +8,7 @@ capture: on the H100 an 8B-shaped model spent about 90 s there on top of vLLM's 
 session's FourSight row never reached its workloads (benchmarks/results/engine-h100-2026-12-07). The choices are
 kept on disk per card, kernels source, Triton and torch (``foursight.kernels.tuning.DiskCache``), so the same
 timing done here, outside the engine, is what the engine then reads instead of timing. Each shape runs the layer's
-own call (``foursight.dispatch.prepare_linear`` and ``PreparedLinear.__call__``, as ``quant_methods.plan.apply_linear``
+own call (``foursight.dispatch.prepare_linear`` and ``PreparedLinear.__call__``, as ``quant_methods.layer_state.apply_linear``
 does) at one M per bucket of ``foursight.kernels.tuning.m_bucket``, so the keys are the engine's: (path, bucket,
 N, K, channels > 0, W4A4, dynamic activation scale, bf16, no bias). Random weights: the choice depends on the shape,
 not the values. Shapes (fused as vLLM fuses them): qkv, o, gate_up, down of the decoder config.

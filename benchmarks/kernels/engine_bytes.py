@@ -97,7 +97,7 @@ def count(model) -> dict:
         state = mod.foursight_state
         layers += 1
         backends.add(type(state.prepared.backend).__name__)
-        released += mod.foursight_plan.released is not None
+        released += mod.foursight_plan.loader.released is not None
         p = _storages([*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
         q = _storages(_tensors(state.qw))
         r = _storages(_tensors(state.prepared.state))

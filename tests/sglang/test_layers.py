@@ -140,7 +140,7 @@ def test_processing_is_idempotent_and_reload_refreshes(ckpt, tiny_ckpt_b):
     # RL weight update through the loaders only (what update_weights_from_tensor does):
     # the next forward must use the new weights without an explicit process call
     _load_qkv(qkv, mods_b)
-    assert qkv.foursight_plan.stale
+    assert qkv.foursight_plan.loader.stale
     assert torch.equal(_out(qkv(x)), _ref_qkv(mods_b, x))
     assert not torch.equal(_out(qkv(x)), y1)
 
@@ -298,4 +298,4 @@ def test_checkpoint_codes_released_unless_sglang_offloads_weights(ckpt, offload)
     finally:
         set_offloader(before)
     held = qkv.weight_packed.untyped_storage().nbytes()
-    assert (held > 0) == offload and (qkv.foursight_plan.released is None) == offload
+    assert (held > 0) == offload and (qkv.foursight_plan.loader.released is None) == offload

@@ -4,7 +4,7 @@
 slime's SGLang rollouts call; SGLang 0.5.23 requires it inside a ``begin_weight_update`` /
 ``end_weight_update`` session, whose end runs the post-load step) reaches every FourSight layer through
 its empty ``weight`` parameter, which quantizes each shard with the checkpoint's own channel set
-(:meth:`foursight.quant_methods.plan.LayerPlan.load_bf16_shard`). Before, SGLang's loader found no
+(:meth:`foursight.quant_methods.param_kinds.BF16UpdateParam.load`). Before, SGLang's loader found no
 ``qkv_proj.weight`` parameter in a checkpoint-mode layer and the update failed.
 
 Oracle: the PyTorch reference model of the new weights quantized with the checkpoint's channels
