@@ -320,17 +320,25 @@ class OnlinePlan(LayerPlan):
         return qw, igs, channels.to(torch.int32)
 
     def release(self, params: dict[str, torch.Tensor], state: LayerState) -> int:
-        """With ``keep_bf16`` off (``FOURSIGHT_ONLINE_KEEP_BF16=0``): free the BF16 ``weight``'s storage once the
-        execution form holds the quantized layer (it keeps its own copy of ``W[:, S]``); the parameter object and
-        its shape stay, and its loader refuses further writes (:class:`~foursight.quant_methods.layer_loading.LayerLoader`).
-        Returns the bytes freed."""
+        """With ``keep_bf16`` off (``FOURSIGHT_ONLINE_KEEP_BF16=0``): free the BF16 ``weight`` once the execution form
+        holds the layer (it keeps its own ``W[:, S]``), and the quantizer's codes and scales where the form rebuilds
+        them (as :meth:`CheckpointPlan.release`); the parameter and its shape stay, its loader refuses writes."""
         if self.settings is None or self.settings.keep_bf16 or self.keep_checkpoint or self.loader.bf16_released:
             return 0
+        from foursight.kernels.backends import rebuilds_checkpoint  # plain Python: no Triton import
+
+        form = state.prepared.state
         st = params[WEIGHT].untyped_storage()
-        if shares_storage(state.prepared.state, [st]) or not st.resizable():
+        if shares_storage(form, [st]) or not st.resizable():
             return 0  # the execution form reads it, or the engine mapped it itself
-        n = st.nbytes()
-        st.resize_(0)
+        freed = [st]
+        # the quantizer's codes and scales: a second copy where the form rebuilds them (engine-h100-2026-12-07b)
+        codes = [state.qw.weight_packed.untyped_storage(), state.qw.weight_scale.untyped_storage()]
+        if rebuilds_checkpoint(form) and not shares_storage(form, codes) and all(c.resizable() for c in codes):
+            freed += codes
+        n = sum(c.nbytes() for c in freed)
+        for c in freed:
+            c.resize_(0)
         self.loader.bf16_released = True
         return n
 

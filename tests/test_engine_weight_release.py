@@ -214,3 +214,37 @@ def test_reference_backend_keeps_the_params(x):
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.weight_packed.untyped_storage().nbytes() == layer.weight_packed.numel()
     assert layer.foursight_plan.loader.released is None
+
+
+def _new_online_layer(keep_bf16: bool):
+    """The same fused layer on a BF16 checkpoint (``--quantization foursight``, online mode, the weight-based
+    channels of KS per input), the BF16 weights kept or freed (``FOURSIGHT_ONLINE_KEEP_BF16``)."""
+    from foursight.quant_methods.online import OnlineSettings
+
+    cfg = FourSightMethodConfig()
+    cfg._init_foursight(None, OnlineSettings(budget=str(KS), keep_bf16=keep_bf16))
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    method = Method(cfg, PREFIX)
+    layer = torch.nn.Module()
+    sizes = [r for _, r in SHARDS.values()]
+    method.create_weights(layer, K, sizes, K, sum(sizes), torch.bfloat16, weight_loader=_engine_loader(sizes))
+    layer.foursight_plan.backend = TritonBackend()
+    layer.quant_method = method
+    weights = _weights(3)
+    for sid in SHARDS:
+        layer.weight.weight_loader(layer.weight, weights[sid], sid)
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+def test_an_online_serving_layer_holds_one_copy_of_the_codes(x):
+    """Online mode with the BF16 weights freed (a serving engine) holds the prepared form and nothing more: on the
+    H100 the 8B-shaped serving row held 1.25 bytes per weight value, where one copy is 0.61
+    (benchmarks/results/engine-h100-2026-12-07b): the layer's QuantizedWeight codes stayed beside the form's own.
+    Its output equals the same layer's with the BF16 weights kept (which frees nothing), bit for bit."""
+    served, kept = _new_online_layer(keep_bf16=False), _new_online_layer(keep_bf16=True)
+    assert served.weight.untyped_storage().nbytes() == 0
+    n = served.foursight_plan.layout.out_local
+    extra = _storage_bytes(served) - fk.resident_bytes(served.foursight_state.prepared.state)
+    assert 0 <= extra < n * K // 16, f"{extra} bytes beside the prepared form: a second copy of the codes"
+    assert torch.equal(served.quant_method.apply(served, x), kept.quant_method.apply(kept, x))

@@ -6,8 +6,8 @@
 #   source benchmarks/device/stage.sh --need all && STEPS=tests,update bash benchmarks/engine/device_engine.sh
 #
 # Steps (STEPS, comma-separated, run in this order):
-#   pretune benchmarks/engine/pretune.py: the autotuner's disk cache filled for the 8B shapes (k > 0, k = 0) and
-#           SmolLM2's, so the engines of the later steps and calls on this warm machine read their choices
+#   pretune benchmarks/engine/pretune.py: the autotuner's disk cache filled for SmolLM2's shapes (k > 0, k = 0) and
+#           the 8B's (k > 0), so the engines of the later steps and calls on this warm machine read their choices
 #   tests   pytest tests/test_vllm_gpu.py tests/test_vllm_gpu_server.py (needs the model parts: --need all), with
 #           the autotuner's disk cache on as an engine has it (the suite turns it off by default); the
 #           correctness table goes to $OUT/correctness.md/json
@@ -57,11 +57,12 @@ run_step() {  # run_step <name> <cap> <command...>
 }
 
 if want pretune && [ -z "$DRY" ]; then
-  # k > 0 for the 8B (the bench's fs128) and SmolLM2 (the tests' k = 32 / 128 engines share the key), then SmolLM2's k = 0
+  # SmolLM2 first (the tests' engines: k = 32 / 128 share the k > 0 key, then k = 0; the first shape also pays the
+  # Triton compiles, ~100 s on the H100), then the 8B shapes with channels (the bench's fs128) with what is left
   run_step pretune "$CAP_PRETUNE" env FOURSIGHT_TUNE_CACHE="$TUNE_CACHE" bash -c "$PY benchmarks/engine/pretune.py \
-    --config benchmarks/engine/llama-3.1-8b-config.json --config benchmarks/engine/smollm2-135m-config.json --channels 128 \
-    --budget-s $(( $(cap "$CAP_PRETUNE") - 60 )) --out $W/pretune.json && $PY benchmarks/engine/pretune.py \
-    --config benchmarks/engine/smollm2-135m-config.json --channels 0 --budget-s 20 --out $W/pretune_k0.json"
+    --config benchmarks/engine/smollm2-135m-config.json --channels 128,0 --budget-s 60 --out $W/pretune_smollm2.json && \
+    $PY benchmarks/engine/pretune.py --config benchmarks/engine/llama-3.1-8b-config.json --channels 128 \
+    --budget-s $(( $(cap "$CAP_PRETUNE") - 200 )) --out $W/pretune.json"
   cp "$W"/pretune*.json "$OUT/" 2>/dev/null
 fi
 if want tests && [ -z "$DRY" ]; then
