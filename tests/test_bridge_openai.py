@@ -142,7 +142,9 @@ def test_streaming_as_the_openai_client_reads_it(served, client, model, tok):
             d["lps"] += c.logprobs.token_logprobs if c.logprobs else []
             d["finish"] = c.finish_reason or d["finish"]
     assert sorted(joined) == [0, 1, 2, 3]
-    assert all(d["n"] >= 24 // 4 for d in joined.values())  # a piece per turn of slice_tokens=4, not one chunk per sample
+    # pieces before the sample ends, not one chunk per finished sample: up to one a scheduler turn (slice_tokens=4), fewer
+    # when the event loop wakes after several turns (CI under load got fewer than 24 / 4), so the bound is two
+    assert all(d["n"] >= 2 for d in joined.values()), {i: d["n"] for i, d in joined.items()}
     for ref in full.choices:
         got = joined[ref.index]
         assert got["text"] == ref.text and got["lps"] == ref.logprobs.token_logprobs and got["finish"] == ref.finish_reason
