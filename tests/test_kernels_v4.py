@@ -24,7 +24,6 @@ Small shapes: the whole file takes about a minute in the interpreter.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -38,6 +37,7 @@ from foursight.kernels import configs  # noqa: E402
 from foursight.kernels.configs import FragmentConfig  # noqa: E402
 from foursight.kernels.fragment import fragment_launch  # noqa: E402
 from foursight.kernels.split_k import segment_plan, split_plan  # noqa: E402
+from helpers.kernel_cases import activation, assert_close_to_reference, quantized_layer  # noqa: E402
 from foursight.layer import channel_mask, quantize_activation, quantize_weight, reference_linear  # noqa: E402
 
 pytestmark = interpreted_only
@@ -47,21 +47,11 @@ N, K, KS = 130, 400, 128
 
 @pytest.fixture(scope="module")
 def layer():
-    g = torch.Generator().manual_seed(36)
-    w = torch.randn(N, K, generator=g) * 0.05
-    ch = torch.sort(torch.randperm(K, generator=g)[:KS]).values.to(torch.int32)
-    qw = quantize_weight(w, ch)
-    return qw, fk.prepare_weight(qw), g
+    return quantized_layer(N, K, KS, seed=36)
 
 
 def _act(m: int, g: torch.Generator) -> torch.Tensor:
-    x = torch.randn(m, K, generator=g) * torch.exp(torch.randn(1, K, generator=g))
-    x[:, ::7] *= 20.0
-    return x.bfloat16()
-
-
-def _close(y, ref):
-    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+    return activation(m, K, g)
 
 
 PLAIN = FragmentConfig(16, 64, 128, 1, 0)
@@ -88,7 +78,7 @@ def test_new_fragment_forms_equal_the_plain_tile(layer, cfg, m):
         y0 = fk.splice_linear(x, pw, bias=bias, config=plain, **kw)
         y = fk.splice_linear(x, pw, bias=bias, config=cfg, **kw)
         assert torch.equal(y, y0), f"{cfg} differs from {plain} ({kw})"
-        _close(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32, **ref_kw))
+        assert_close_to_reference(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32, **ref_kw))
     y16 = fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=cfg)  # W4A16: narrow/persistent apply too
     assert torch.equal(y16, fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=plain))
 
@@ -107,7 +97,7 @@ def test_cols_late_prefill_tiles(layer, cfg):
         x = _act(m, g)
         bias = torch.randn(N, generator=g).bfloat16()
         y = fk.splice_linear(x, pw, bias=bias, config=cfg)
-        _close(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32))
+        assert_close_to_reference(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32))
         assert torch.equal(fk.splice_linear(x, pw, bias=bias, config=one), fk.splice_linear(x, pw, bias=bias, config=plain)), (cfg, m)
     assert torch.equal(fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=one),
                        fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=plain))
@@ -143,7 +133,7 @@ def test_bf16_columns_preloaded_cover_every_column(split_k, late):
     x = (torch.randn(2, 1024, generator=g) * 3).bfloat16()
     cfg = FragmentConfig(16, 64, 128, 1, split_k, cols_late=late)
     y = fk.splice_linear(x, pw, config=cfg)
-    _close(y, reference_linear(x, qw, out_dtype=torch.float32))
+    assert_close_to_reference(y, reference_linear(x, qw, out_dtype=torch.float32))
     y16 = fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=cfg)
     ref16 = reference_linear(x, qw, act_quant=False, out_dtype=torch.float32)
     assert (y16 - ref16).abs().max() <= 2e-5 * ref16.abs().max()
@@ -250,7 +240,7 @@ def test_cols_late_equals_the_preloaded_tile(layer, split_k, m):
         y0, y = run(plain), run(late)
         if same:
             assert torch.equal(y, y0), f"{late} differs from {plain} (W4A{4 if a_quant else 16}, M = {m})"
-        _close(y, reference_linear(x, qw, bias=bias, act_quant=a_quant, out_dtype=torch.float32))
+        assert_close_to_reference(y, reference_linear(x, qw, bias=bias, act_quant=a_quant, out_dtype=torch.float32))
     assert same == (split_k == 4), "the plans of this shape: split_k 4 gives one 32-column step each in both"
 
 
@@ -278,7 +268,7 @@ def test_splice_linear_gives_every_fragment_tile_the_dense_copy(layer, monkeypat
     y = fk.splice_linear(x, pw, config=FragmentConfig(16, 64, 128, 1, 3, cols_late=late))
     assert len(got) == 1 and got[0] is not None
     assert torch.equal(got[0], x[:, pw.bf16_channels.long()])
-    _close(y, reference_linear(x, qw, out_dtype=torch.float32))
+    assert_close_to_reference(y, reference_linear(x, qw, out_dtype=torch.float32))
     gs = torch.tensor([17.0])
     fk.splice_linear(x, pw, config=FragmentConfig(16, 64, 128, 1, 3, narrow=True, quant_in=True, cols_late=late),
                      input_global_scale=gs)
@@ -300,7 +290,7 @@ def test_dense_xs_equals_the_gather(layer, cfg):
         fragment_launch(cfg, a, a_gs, x, pw, None, y0, a_quant)
         fragment_launch(cfg, a, a_gs, x, pw, None, y1, a_quant, xs=xs)
         assert torch.equal(y0, y1), f"dense X[:, S] differs from the gather ({cfg}, W4A{4 if a_quant else 16})"
-    _close(y0, reference_linear(x, qw, act_quant=False, out_dtype=torch.float32))
+    assert_close_to_reference(y0, reference_linear(x, qw, act_quant=False, out_dtype=torch.float32))
     with pytest.raises(ValueError, match="xs must be"):
         fragment_launch(cfg, deq, gs, x, pw, None, y0, True, xs=xs[:, :64])
 

@@ -26,7 +26,8 @@ from helpers.interpreter import interpreted_only  # first: sets TRITON_INTERPRET
 import foursight.kernels.api as fk  # noqa: E402
 from foursight.kernels import configs  # noqa: E402
 from foursight.kernels.configs import FragmentConfig  # noqa: E402
-from foursight.layer import quantize_weight, reference_linear  # noqa: E402
+from helpers.kernel_cases import activation, assert_close_to_reference, quantized_layer  # noqa: E402
+from foursight.layer import reference_linear  # noqa: E402
 
 pytestmark = interpreted_only
 
@@ -35,21 +36,11 @@ N, K = 130, 400
 
 @pytest.fixture(scope="module", params=[0, 96], ids=["k0", "k96"])
 def layer(request):
-    g = torch.Generator().manual_seed(52)
-    w = torch.randn(N, K, generator=g) * 0.05
-    ch = torch.sort(torch.randperm(K, generator=g)[:request.param]).values.to(torch.int32)
-    qw = quantize_weight(w, ch)
-    return qw, fk.prepare_weight(qw), g
+    return quantized_layer(N, K, request.param, seed=52)
 
 
 def _act(m: int, g: torch.Generator) -> torch.Tensor:
-    x = torch.randn(m, K, generator=g) * torch.exp(torch.randn(1, K, generator=g))
-    x[:, ::7] *= 20.0
-    return x.bfloat16()
-
-
-def _close(y, ref):
-    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+    return activation(m, K, g)
 
 
 ZFILL16 = FragmentConfig(16, 64, 128, 1, 0, zfill=True)
@@ -70,11 +61,11 @@ def test_zfill_tiles_against_the_reference(layer, cfg, m):
     plain = FragmentConfig(16, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.split_k, cols_late=cfg.cols_late)
     for kw in ({}, {"input_global_scale": gs}):  # dynamic, static activation scale
         y = fk.splice_linear(x, pw, bias=bias, config=cfg, **kw)
-        _close(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32, **kw))
+        assert_close_to_reference(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32, **kw))
         if cfg.block_m == 16:
             assert torch.equal(y, fk.splice_linear(x, pw, bias=bias, config=plain, **kw)), f"{cfg} differs from {plain} ({kw})"
     y16 = fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=cfg)  # W4A16
-    _close(y16, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
+    assert_close_to_reference(y16, reference_linear(x, qw, bias=bias, act_quant=False, out_dtype=torch.float32))
     if cfg.block_m == 16:
         assert torch.equal(y16, fk.splice_gemm(x, pw, None, bias=bias, out_dtype=torch.float32, config=plain))
 
