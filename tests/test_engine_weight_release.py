@@ -69,9 +69,10 @@ def _engine_loader(sizes):
     return load
 
 
-def _new_layer():
+def _new_layer(online=None):
+    """The fused layer on a FourSight checkpoint, or with ``online`` settings on a BF16 one (``--quantization foursight``)."""
     cfg = FourSightMethodConfig()
-    cfg._init_foursight(FourSightConfig(channels={n: KS for n, _ in SHARDS.values()}), None)
+    cfg._init_foursight(None if online else FourSightConfig(channels={n: KS for n, _ in SHARDS.values()}), online)
     cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     method = Method(cfg, PREFIX)
     layer = torch.nn.Module()
@@ -221,19 +222,11 @@ def _new_online_layer(keep_bf16: bool):
     channels of KS per input), the BF16 weights kept or freed (``FOURSIGHT_ONLINE_KEEP_BF16``)."""
     from foursight.quant_methods.online import OnlineSettings
 
-    cfg = FourSightMethodConfig()
-    cfg._init_foursight(None, OnlineSettings(budget=str(KS), keep_bf16=keep_bf16))
-    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    method = Method(cfg, PREFIX)
-    layer = torch.nn.Module()
-    sizes = [r for _, r in SHARDS.values()]
-    method.create_weights(layer, K, sizes, K, sum(sizes), torch.bfloat16, weight_loader=_engine_loader(sizes))
-    layer.foursight_plan.backend = TritonBackend()
-    layer.quant_method = method
+    layer = _new_layer(OnlineSettings(budget=str(KS), keep_bf16=keep_bf16))
     weights = _weights(3)
     for sid in SHARDS:
         layer.weight.weight_loader(layer.weight, weights[sid], sid)
-    method.process_weights_after_loading(layer)
+    layer.quant_method.process_weights_after_loading(layer)
     return layer
 
 
