@@ -16,14 +16,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_weight_sync import _git_commit  # noqa: E402  (sets the in-process engine's environment)
+from bench_weight_sync import _git_commit, run_summary  # noqa: E402  (sets the in-process engine's environment)
 from common import cpu_model  # noqa: E402
 
 
@@ -49,9 +48,7 @@ def measure(model_path: str, weights: list, repeats: int) -> dict:
                 if i:  # the first round is the warm-up (the native library is built or loaded there)
                     runs[arm].append({"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0, "loadavg_1m_before": load})
         os.environ.pop(nvfp4_cpu.ENV_NATIVE_CPU_QUANT)
-        return {arm: {"runs": r, "median_wall_s": statistics.median(x["wall_s"] for x in r), "min_wall_s": min(x["wall_s"] for x in r),
-                      "median_cpu_s": statistics.median(x["cpu_s"] for x in r), "min_cpu_s": min(x["cpu_s"] for x in r)}
-                for arm, r in runs.items()}
+        return {arm: run_summary(r) for arm, r in runs.items()}
 
     try:
         (out,) = llm.apply_model(run)

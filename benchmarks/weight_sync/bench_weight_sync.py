@@ -55,6 +55,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
+def run_summary(runs: list[dict]) -> dict:
+    """The timed repeats of one arm (each with ``wall_s`` and ``cpu_s``) with their medians and minima."""
+    return {"runs": runs, "median_wall_s": statistics.median(r["wall_s"] for r in runs), "min_wall_s": min(r["wall_s"] for r in runs),
+            "median_cpu_s": statistics.median(r["cpu_s"] for r in runs), "min_cpu_s": min(r["cpu_s"] for r in runs)}
+
+
 def _git_commit() -> tuple[str, list[str]]:
     """HEAD (with ``-dirty`` when the measured folders differ from it) and the differing paths."""
     try:
@@ -176,10 +182,7 @@ def measure(model_path: str, quantization: str | None, weights: list, repeats: i
             runs = [_timed_in_worker(llm, fn) for _ in range(repeats)]
             if route == "trl" or (routes and "trl" not in routes and route == routes[0]):  # one profiled road per engine
                 out[f"profile_{route}"] = _profile_in_worker(llm, fn)
-            out[route] = {"runs": runs, "median_wall_s": statistics.median(r["wall_s"] for r in runs),
-                          "median_cpu_s": statistics.median(r["cpu_s"] for r in runs),
-                          "min_wall_s": min(r["wall_s"] for r in runs), "min_cpu_s": min(r["cpu_s"] for r in runs),
-                          "loadavg_after": list(os.getloadavg())}
+            out[route] = {**run_summary(runs), "loadavg_after": list(os.getloadavg())}
             print(f"{model_path} {quantization} {route}: median {out[route]['median_wall_s']:.3f} s wall, "
                   f"min {out[route]['min_wall_s']:.3f} s", flush=True)
     finally:
