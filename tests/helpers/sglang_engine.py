@@ -172,13 +172,43 @@ def within_floor(d: torch.Tensor, floor: torch.Tensor) -> tuple[bool, str]:
 def running_engine(model: str | Path, **kw):
     """An in-process ``sglang.Engine(model_path=model, quantization="foursight")`` with :data:`ENGINE_KW`
     (``kw`` adds or overrides); shut down on exit."""
+    import psutil
     import sglang as sgl
 
+    before = {p.pid for p in psutil.Process().children()}
     eng = sgl.Engine(model_path=str(model), **{"quantization": "foursight", **ENGINE_KW, **kw})
     try:
         yield eng
     finally:
-        eng.shutdown()
+        with _killing_only_children_since(before):
+            eng.shutdown()
+
+
+@contextlib.contextmanager
+def _killing_only_children_since(before: set[int]):
+    """``sglang.Engine.shutdown`` ends with ``kill_process_tree(os.getpid(), include_parent=False)``: it
+    SIGKILLs *every* child of this process, among them the session's shared SGLang server
+    (conftest.py's ``shared_sglang``), which then had to start again (60-75 s) in the next file or, when
+    the kill had not finished yet, looked alive and dropped the bridge's first connection (CI of
+    49526c8). While the engine shuts down, that call kills only the children started since ``before``."""
+    from sglang.srt.entrypoints import engine as engine_module
+
+    kill_tree = engine_module.kill_process_tree
+
+    def own_children_only(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+        if parent_pid != os.getpid() or include_parent:
+            return kill_tree(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+        import psutil
+
+        for child in psutil.Process().children():
+            if child.pid not in before and child.pid != skip_pid:
+                kill_tree(child.pid, include_parent=True, wait_timeout=wait_timeout)
+
+    engine_module.kill_process_tree = own_children_only
+    try:
+        yield
+    finally:
+        engine_module.kill_process_tree = kill_tree
 
 
 # ---- SGLang HTTP servers (python -m sglang.launch_server --quantization foursight) -------------

@@ -35,12 +35,21 @@ if not _sglang_installed():
 STOPS_SHARED = "stops_shared_server"
 
 
+#: tests that look at the shared server after every other test used it (and before those that stop it)
+AFTER_THE_REST = "after_the_rest"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{STOPS_SHARED}: stops the session's shared SGLang server; runs last")
+    config.addinivalue_line("markers", f"{AFTER_THE_REST}: runs after every other test but those that stop the shared server")
+
+
+def _rank(item) -> int:
+    return 2 if item.get_closest_marker(STOPS_SHARED) else 1 if item.get_closest_marker(AFTER_THE_REST) else 0
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.get_closest_marker(STOPS_SHARED) is not None)  # stable: the rest keep their order
+    items.sort(key=_rank)  # stable: the rest keep their order
 
 # tiny_ckpt (FourSight k=16 of the tiny Llama) and the quantize_tiny builder are in tests/conftest.py.
 

@@ -226,3 +226,15 @@ def test_bridge_refuses_a_prompt_beyond_the_sglang_context_naming_the_field(serv
         assert ok.status_code == 200 and ok.text.count('"type":"sample"') == 1, ok.text[-500:]
     finally:
         b.stop()
+
+
+@pytest.mark.after_the_rest
+def test_the_shared_server_outlives_the_in_process_engines(shared_sglang):
+    """Every file sharing the session's server ran before this test, and the in-process ``sglang.Engine``
+    of the files between them was shut down: ``Engine.shutdown`` kills every child process of pytest, so
+    before helpers.sglang_engine kept it to the engine's own, each shutdown killed the shared server and
+    the next file started it again (three starts in a full run; on CI of 49526c8 one was still dying
+    when the bridge connected: six errors)."""
+    srv = shared_sglang.running()
+    assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+    assert shared_sglang.starts == 1, f"the shared SGLang server was started {shared_sglang.starts} times in this session"
