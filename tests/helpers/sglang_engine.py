@@ -40,6 +40,9 @@ ENGINE_KW = dict(
     disable_cuda_graph=True,
     random_seed=0,
     enable_fp32_lm_head=True,
+    # an idle SGLang scheduler polls its sockets without sleeping: the session's shared server held 0.66
+    # of the 2 CI cores for its whole life (ps, 2026-12-08) while the other suites ran beside it
+    sleep_on_idle=True,
 )
 
 #: The same as ``python -m sglang.launch_server`` flags.
@@ -52,6 +55,7 @@ SERVER_ARGS = [
     "--disable-cuda-graph",
     "--random-seed", "0",
     "--enable-fp32-lm-head",
+    "--sleep-on-idle",
 ]
 
 
