@@ -3,7 +3,7 @@
 # kernels under TRITON_INTERPRET=1, vLLM CPU engine, trainer bridge, compare) and, beside it, the
 # SGLang suite in .venv-sglang. Every run names its slowest tests (--durations). GPU-only tests
 # are marked `gpu` and skip on a machine without CUDA.
-# Extra arguments go to both pytest runs (e.g. -x, -k expr).
+# Extra arguments go to every pytest run (e.g. -x, -k expr).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -30,9 +30,24 @@ else
     "$SGL_VENV/bin/python" -m pytest tests/sglang -p no:cacheprovider --timeout=900 --durations=30 "$@" >"$SLOG" 2>&1 &
     spid=$!
 fi
+# The main suite runs as two processes, side by side: the engine road (the bridge's and vLLM's tests:
+# engine servers, the shared BF16 vLLM server of test_bridge_vllm.py and test_bridge_openai_vllm.py) and
+# the rest. After the interpreter and SGLang suites end (13-17 min), one pytest process alone left the
+# second core mostly idle while it waited on its engines: as one process the main suite took 33 min.
+ROAD=(tests/test_bridge_*.py tests/test_vllm_*.py)
+for t in "${ROAD[@]}"; do IGNORE+=("--ignore=$t"); done
+RLOG=$(mktemp /tmp/foursight-rest-tests.XXXX)
 "$VENV/bin/python" -m pytest tests "${IGNORE[@]}" --ignore=tests/sglang --ignore=tests/sglang_harness \
-    -p no:cacheprovider --timeout=1800 --durations=30 "$@"
+    -p no:cacheprovider --timeout=1800 --durations=30 "$@" >"$RLOG" 2>&1 &
+rpid=$!
+"$VENV/bin/python" -m pytest "${ROAD[@]}" -p no:cacheprovider --timeout=1800 --durations=30 "$@"
 rc_main=$?
+wait "$rpid"
+rc_rest=$?
+echo "[test] the rest of the main suite, run beside the engine road:"
+cat "$RLOG"
+rm -f "$RLOG"
+[ "$rc_rest" -eq 0 ] || rc_main=$rc_rest
 wait "$kpid"
 rc_kernels=$?
 echo "[test] kernel tests (interpreter), run beside the main suite:"
