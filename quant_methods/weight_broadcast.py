@@ -11,7 +11,7 @@ packed into uint8 chunks (vLLM's ``packed_tensor`` wire format; one broadcast pe
   (:func:`~foursight.quant_methods.broadcast_communicators.open_communicator`), receives one update message's
   tensors (:func:`receive_tensors`: every broadcast of the message is consumed before anything is
   checked, so a refused tensor leaves the group in step with the trainer) and hands them to the file road's
-  update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`, the one every road runs):
+  update session (:class:`foursight.quant_methods.vllm_weight_update.UpdateSession`, the one every road runs):
   each message's tensors checked once as they arrive (names, dtypes, shapes, finiteness; a refusal names the
   tensor and starts with :data:`foursight.schema.REFUSED_PREFIX`) and kept; at the end of the update every part
   loaded and re-quantized at once, with the same "a refused update changes nothing" as the file road. The
@@ -235,7 +235,7 @@ class BroadcastReceiver:
 
     def __init__(self, device: torch.device | str | int, new_session: Callable[[torch.nn.Module], UpdateSessionLike]):
         """``new_session(model)``: the file road's update session for one update
-        (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`: each message's tensors checked once as they
+        (:class:`foursight.quant_methods.vllm_weight_update.UpdateSession`: each message's tensors checked once as they
         arrive, then every part loaded and re-quantized at once). Passed in, so that this module stays the
         transport and imports nothing of the engine's update code."""
         self.device = torch.device(device) if not isinstance(device, torch.device) else device
@@ -317,7 +317,7 @@ class BroadcastReceiver:
 
 
 class UpdateSessionLike(Protocol):
-    """What the receiver needs of an update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`)."""
+    """What the receiver needs of an update session (:class:`foursight.quant_methods.vllm_weight_update.UpdateSession`)."""
 
     refused: str | None
 
@@ -337,7 +337,7 @@ class BroadcastWorkerMixin:
     ``foursight_broadcast_close()``. ``init_info``/``update_info`` may come as JSON text."""
 
     #: the host class's update session (:class:`BroadcastReceiver`'s ``new_session``), as a ``staticmethod``: the
-    #: worker extension gives the file road's :class:`~foursight.quant_methods.vllm_weight_sync.UpdateSession`
+    #: worker extension gives the file road's :class:`~foursight.quant_methods.vllm_weight_update.UpdateSession`
     _broadcast_session: Callable[[torch.nn.Module], UpdateSessionLike] | None = None
 
     def _foursight_receiver(self) -> BroadcastReceiver:
