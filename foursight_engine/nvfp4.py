@@ -76,7 +76,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     Returns:
         uint8 tensor of the same shape holding codes 0..15 (sign in bit 3).
     """
-    return _e2m1_codes_f32(x.float().contiguous())
+    return e2m1_codes_f32(x.float().contiguous())
 
 
 def _bf16_key(b: float) -> int:
@@ -85,11 +85,11 @@ def _bf16_key(b: float) -> int:
 
 
 # The decision boundaries as 16-bit keys (each boundary has at most 2 significant bits, so it is exact
-# in its upper 16 bits, and the lowest bit of each key is 0: see _e2m1_codes_f32).
+# in its upper 16 bits, and the lowest bit of each key is 0: see e2m1_codes_f32).
 _BOUND_KEYS: list[tuple[int, bool]] = [(_bf16_key(b), up) for b, up in zip(_BOUNDS_LIST, _TIE_UP_LIST)]
 
 
-def _e2m1_codes_f32(xf: torch.Tensor) -> torch.Tensor:
+def e2m1_codes_f32(xf: torch.Tensor) -> torch.Tensor:
     """:func:`e2m1_codes` of a contiguous float32 tensor, read as 16-bit halves.
 
     The code is the number of decision boundaries below ``|x|``, a tie counting on a tie-up
@@ -118,16 +118,16 @@ def _e2m1_codes_f32(xf: torch.Tensor) -> torch.Tensor:
 
 def _code_table() -> torch.Tensor:
     """uint8 [65536]: the E2M1 code (after clamping to ±6) of every float32 whose 16-bit key
-    (:func:`_e2m1_codes_lut`) is the index, computed once by :func:`_e2m1_codes_f32` on one
+    (:func:`e2m1_codes_lut`) is the index, computed once by :func:`e2m1_codes_f32` on one
     representative float per key (upper half = key, lower half 0); NaN keys map to 7 | sign."""
     rep = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
-    codes = _e2m1_codes_f32(torch.clamp(rep, -FP4_MAX, FP4_MAX).contiguous())
+    codes = e2m1_codes_f32(torch.clamp(rep, -FP4_MAX, FP4_MAX).contiguous())
     nan = torch.isnan(rep)
     codes[nan] = 7 | (torch.signbit(rep[nan]).to(torch.uint8) << 3)
     return codes
 
 
-#: E2M1 code of each 16-bit key ``upper16(x) | sticky(lower16(x))`` (see :func:`_e2m1_codes_lut`).
+#: E2M1 code of each 16-bit key ``upper16(x) | sticky(lower16(x))`` (see :func:`e2m1_codes_lut`).
 CODE_TABLE: torch.Tensor = _code_table()
 
 
@@ -144,16 +144,16 @@ def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _TABLES_ON[key]
 
 
-def _e2m1_codes_lut(xf: torch.Tensor) -> torch.Tensor:
+def e2m1_codes_lut(xf: torch.Tensor) -> torch.Tensor:
     """E2M1 codes of ``clamp(xf, -6, 6)`` for a contiguous float32 tensor ``xf``, by one table lookup.
 
     The key of a float32 is its upper 16 bits (sign, exponent, 7 mantissa bits) with bit 0 set when
-    the lower 16 bits are not zero (the sticky bit of :func:`_e2m1_codes_f32`). Every decision
+    the lower 16 bits are not zero (the sticky bit of :func:`e2m1_codes_f32`). Every decision
     boundary, and the clamp edge 6, is exact in its upper half with bit 0 clear, so all floats of one
     key round to the same code, and :data:`CODE_TABLE` holds it. The key is four int32 passes:
     ``((u & 0xFFFF) + 0xFFFF)`` has bit 16 set iff the lower half is not zero; OR-ed into ``u`` and
     shifted down it is the key (masked to 16 bits: the shift keeps the sign). Bit-identical to
-    ``_e2m1_codes_f32(clamp(xf, -6, 6))`` for every float32 (tests/test_nvfp4.py checks all 2**16
+    ``e2m1_codes_f32(clamp(xf, -6, 6))`` for every float32 (tests/test_nvfp4.py checks all 2**16
     keys with both lower halves); no clamp pass and no compare chain."""
     u = xf.view(torch.int32)
     key = (u & 0xFFFF).add_(0xFFFF).bitwise_or_(u).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
@@ -271,7 +271,7 @@ def quantize_nvfp4(
     # against the block's divisor broadcast (no [R, K] copy of it); the clamp to ±6 is in the code table
     eff = (scale.float() / gs).unsqueeze(-1)
     scaled = torch.div(xb, eff).reshape(r, k)
-    codes = _e2m1_codes_lut(scaled)
+    codes = e2m1_codes_lut(scaled)
     return (_pack_nibbles(codes) if sys.byteorder == "little" else pack_fp4(codes)), scale
 
 

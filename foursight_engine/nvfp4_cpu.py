@@ -14,7 +14,7 @@ system's C compiler and called through :mod:`ctypes` (no PyTorch headers: compil
    a few scalars);
 3. ``fs_encode``: per block the E4M3 scale ``fp8(clamp(gs * (amax / 6), max=448))`` (a zero byte becomes 0.125),
    the divisor ``scale / gs``, and per value ``x / divisor``, its E2M1 code through the same 65,536-entry table
-   as :func:`foursight.nvfp4._e2m1_codes_lut` (the float32's upper 16 bits with a sticky bit for the lower 16),
+   as :func:`foursight.nvfp4.e2m1_codes_lut` (the float32's upper 16 bits with a sticky bit for the lower 16),
    two codes per byte.
 
 Every float operation is the one PyTorch runs, in the same order, in IEEE float32 (compiled without fast-math

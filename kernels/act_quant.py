@@ -98,6 +98,11 @@ def _act_quant_kernel(
         )
 
 
+#: the kernel itself, public for the tests that launch it with their own grid (one program's share of
+#: a row, the reference launch); its compiled name (ncu, SASS) stays ``_act_quant_kernel``
+act_quant_kernel = _act_quant_kernel
+
+
 @triton.jit
 def _act_quant_row(
     x_ptr, stride_xm, stride_xk, smask_ptr, ch_ptr, gs_in_ptr, packed_ptr, scale_ptr, deq_ptr,

@@ -237,7 +237,7 @@ CASES: list[Case] = [
          "`model.norm.weight` vLLM answers `'ikipedia\\n\\n,,,,…'`); a compressed-tensors folder missing a norm passes "
          "`inspect` and is imported", "fixed",
          (f"{CP}::test_vllm_refuses_to_serve_a_bad_checkpoint_naming_the_tensor",
-          f"{SC}::test_sglang_refuses_a_bad_checkpoint_at_load_naming_it",
+          f"{SC}::test_sglang_refuses_a_checkpoint_without_its_norm_at_load_naming_it",
           f"{CP}::test_incomplete_compressed_tensors_folder_is_refused_by_inspect_and_import",
           f"{CP}::test_incomplete_foursight_folder_is_refused_by_inspect"),
          "every reader compares the tensors with the model: inspect/import with the model config.json describes "
@@ -249,7 +249,7 @@ CASES: list[Case] = [
          (f"{CP}::test_global_scale_out_of_range_is_refused_by_inspect_naming_it",
           f"{CP}::test_the_scale_range_is_where_the_dequantized_weight_is_finite",
           f"{CP}::test_vllm_refuses_to_serve_a_bad_checkpoint_naming_the_tensor",
-          f"{SC}::test_sglang_refuses_a_bad_checkpoint_at_load_naming_it"),
+          f"{SC}::test_the_layer_check_refuses_a_subnormal_global_scale_naming_it"),
          "weight and input global scales must lie in [448·6/max(BF16) ≈ 7.9e-36, max(float32)]: zero, negative, "
          "subnormal, NaN/Inf and scales whose 448·6/scale overflows BF16 are refused naming the tensor "
          "(`schema.check_global_scale`, in the one codec every reader uses)", "28"),
@@ -425,7 +425,7 @@ CASES: list[Case] = [
     Case("low", "server guards (loopback unless `--allow-remote` with a key) only in the CLI", "fixed",
          (f"{BE}::test_serve_itself_refuses_remote_binds_without_a_key", "tests/test_bridge_cli.py::test_serve_rejects_bad_options")),
     Case("build", "SGLang: non-finite checkpoint tensors at load and in its own update path", "fixed",
-         ("tests/sglang/test_server.py::test_non_finite_checkpoint_fails_at_load_naming_the_tensor",
+         (f"{SC}::test_the_loader_check_refuses_a_non_finite_tensor_naming_it",
           "tests/sglang/test_server.py::test_non_finite_update_from_disk_is_refused_and_previous_weights_keep_serving"),
          "the plugin checks every tensor SGLang's weight iterator yields, and a local folder whole before any weight "
          "is written (SGLang's own rollback re-reads the new path); run in .venv-sglang"),

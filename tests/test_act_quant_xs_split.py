@@ -89,7 +89,7 @@ def test_part_zero_alone_writes_only_its_share():
     gs = torch.empty(m)
     xs = torch.full((m, ks), float("nan"), dtype=x.dtype)
     dummy = torch.empty(1)
-    fk_aq._act_quant_kernel[(m, 1)](
+    fk_aq.act_quant_kernel[(m, 1)](
         x, x.stride(0), x.stride(1), channel_mask(ch, k), ch, gs,
         dummy, dummy, dummy, gs, xs, k, ks,
         BLOCK_K=triton.next_power_of_2(k), ONE_PASS=True, HAS_CH=True, STATIC_GS=False,

@@ -21,7 +21,7 @@ from foursight.trainer_bridge.detokenizer import IncrementalDetokenizer
 from foursight.trainer_bridge.protocol import Rollout
 from foursight.trainer_bridge.openai_requests import ChatCompletionRequest, CompletionRequest
 from foursight.trainer_bridge.openai_logprobs import TokenNames
-from foursight.trainer_bridge.routes.openai import _Choice
+from foursight.trainer_bridge.routes.openai import OpenAIChoice
 
 TEXTS = ["héllo 日本語 😀 naïve — “quote” 🤖🤖 ok", "Ünïcödé: ζ, ж, 한국어, emoji 👩‍👩‍👧 and ½ of ∑.", "plain ascii, then Ü at the end é"]
 
@@ -133,7 +133,7 @@ def _stream_choice(req, tok, ids: list[int], finish_reason: str) -> tuple[list[s
     """A sample streamed through the route's choice one token at a time (as vLLM's stream sends it),
     then its last piece; returns the texts of the chunks and the non-streamed choice of the same sample."""
     counting = _Counting(tok)
-    ch = _Choice(req, counting, TokenNames(tok, False), 0, [1, 2, 3], None)
+    ch = OpenAIChoice(req, counting, TokenNames(tok, False), 0, [1, 2, 3], None)
     texts = []
     for t in ids[:-1]:
         c = ch.piece(Delta(token_ids=[t], logprobs=[-0.5]), None)
@@ -141,7 +141,7 @@ def _stream_choice(req, tok, ids: list[int], finish_reason: str) -> tuple[list[s
     r = Rollout(prompt_ids=[1, 2, 3], token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish_reason)
     c = ch.piece(ch.rest(r), r)
     texts.append(c["delta"].get("content", "") if req.kind == "chat" else c["text"])
-    whole = _Choice(req, tok, TokenNames(tok, False), 0, [1, 2, 3], None).whole(r)
+    whole = OpenAIChoice(req, tok, TokenNames(tok, False), 0, [1, 2, 3], None).whole(r)
     return texts, {"whole": whole, "decoded": counting.decoded}
 
 

@@ -86,9 +86,9 @@ def test_failed_samples_and_metrics():
 
 def test_client_detects_a_cut_stream():
     """A stream without its end event (bridge died) raises instead of returning short."""
-    from foursight.trainer_bridge.client import _Tracker
+    from foursight.trainer_bridge.client import EventTracker
 
-    tr = _Tracker(raise_on_error=True)
+    tr = EventTracker(raise_on_error=True)
     tr.handle(json.dumps({"type": "sample", "request_id": "r", "prompt_index": 0, "sample_index": 0, "prompt_ids": [1],
                           "token_ids": [2], "logprobs": [-1.0], "finish_reason": "length", "engine": "e", "weight_version": 0}))
     with pytest.raises(RolloutStreamError, match="without its end event after 1"):

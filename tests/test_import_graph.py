@@ -241,12 +241,12 @@ def test_experimental_kernels_stay_off_the_default_path():
     assert importers == set()
 
 
-def private_imports() -> list[str]:
+def private_imports(files: dict[str, Path] | None = None) -> list[str]:
     """``module: from X import _name`` (or ``x._name``, ``x`` a module of ours it imported) for every
-    ``_private`` name (not a dunder) one module of the product takes from another module of the product."""
+    ``_private`` name (not a dunder) one module of the product (or each of ``files``) takes from a module of the product."""
     private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
     out = []
-    for name, f in _modules().items():
+    for name, f in (_modules() if files is None else files).items():
         tree = ast.parse(f.read_text(), str(f))
         ours: set[str] = set()  # local names bound to our modules (or to names imported from them)
         for node in _imports(tree):
@@ -267,3 +267,11 @@ def test_no_private_name_is_imported_across_modules():
     """A name that another module needs is public: ``from foursight.x import _helper`` hides a
     dependency the reader of ``x`` does not see (issue 39 found 15 in the kernels alone)."""
     assert private_imports() == []
+
+
+def test_no_test_imports_a_private_name_of_the_product():
+    """Issue 54: the tests, too, reach the product through public names only (a test that needs an
+    inner piece names why it is public where it is defined)."""
+    tests = Path(__file__).resolve().parent
+    files = {str(f.relative_to(tests)): f for f in sorted(tests.rglob("*.py"))}
+    assert private_imports(files) == []

@@ -25,7 +25,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import foursight.kernels.api as fk  # noqa: E402
-from foursight.kernels.act_quant import _act_quant_kernel  # noqa: E402
+from foursight.kernels.act_quant import act_quant_kernel  # noqa: E402
 from foursight.kernels.primitives import (  # noqa: E402
     MAX_ONEPASS_K,
     e2m1_code,
@@ -263,7 +263,7 @@ def _launch(x, channels, global_scale=None, rows=1, max_onepass=MAX_ONEPASS_K):
     one_pass = k_dim <= max_onepass
     block_k = triton.next_power_of_2(k_dim) if one_pass else 4096
     extra = {} if rows == 1 else {"M": m, "ROWS": rows}
-    _act_quant_kernel[(triton.cdiv(m, rows),)](
+    act_quant_kernel[(triton.cdiv(m, rows),)](
         x, x.stride(0), x.stride(1),
         mask, ch if kk else mask, gs_in,
         packed, scale, deq, gs_out, xs if kk else gs_out,

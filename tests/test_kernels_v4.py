@@ -18,7 +18,7 @@ tile and the PyTorch reference.
 * the timer's flush modes, PDL off by default, the experimental Gluon form out of the default
   candidates, the first-candidate rule, configuration tags that parse back.
 
-Small shapes: the whole file takes about a minute in the interpreter.
+Small shapes (rows of a 16-row tile or two): the interpreter's cost grows with the programs a launch runs.
 """
 
 from __future__ import annotations
@@ -89,16 +89,24 @@ def test_cols_late_prefill_tiles(layer, cfg):
     row): within tolerance of the reference with their automatic split plan, and with one split
     bit-identical to the plain 16-row tile with one split and the same column plan (each output's K order
     is the same whatever the tile's shape, and the split quantizer is bit-exact), at M below one tile's
-    rows and above them; W4A4 k = 128 (the BF16 columns after the FP4 part) and W4A16."""
+    rows and above them; W4A4 k = 128 (the BF16 columns after the FP4 part) and W4A16.
+
+    Above one tile's rows the same form runs with 16-row tiles (M = 21: two row tiles, the second partial),
+    the same code with a smaller ``block_m``: the 128-row tile at M = 133 took 324 s of the interpreter
+    with the quantizer over 8 programs a row (1,064 programs a call), the largest test of the suite."""
     qw, pw, g = layer
+    for m, tile in ((3, cfg), (21, dataclasses.replace(cfg, block_m=16))):
+        _cols_late_case(qw, pw, g, tile, m)
+
+
+def _cols_late_case(qw, pw, g, cfg, m):
     one = dataclasses.replace(cfg, split_k=1)
     plain = FragmentConfig(16, 64, 128, 1, 1, cols_late=cfg.cols_late)  # one split: the same column steps
-    for m in (3, cfg.block_m + 5):
-        x = _act(m, g)
-        bias = torch.randn(N, generator=g).bfloat16()
-        y = fk.splice_linear(x, pw, bias=bias, config=cfg)
-        assert_close_to_reference(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32))
-        assert torch.equal(fk.splice_linear(x, pw, bias=bias, config=one), fk.splice_linear(x, pw, bias=bias, config=plain)), (cfg, m)
+    x = _act(m, g)
+    bias = torch.randn(N, generator=g).bfloat16()
+    y = fk.splice_linear(x, pw, bias=bias, config=cfg)
+    assert_close_to_reference(y, reference_linear(x, qw, bias=bias, out_dtype=torch.float32))
+    assert torch.equal(fk.splice_linear(x, pw, bias=bias, config=one), fk.splice_linear(x, pw, bias=bias, config=plain)), (cfg, m)
     assert torch.equal(fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=one),
                        fk.splice_gemm(x, pw, None, out_dtype=torch.float32, config=plain))
 

@@ -25,3 +25,15 @@ def test_every_top_level_module_and_package_is_in_the_index():
     listed = column | set(re.findall(r"\b([a-z_][a-z0-9_]*) \(", doc))  # names given in passing: "cli_util (shared options, ...)"
     assert sorted(names - listed) == []
     assert sorted(column - names) == []  # and no entry names a module that is gone
+
+
+def test_the_tests_index_names_every_test_file():
+    """tests/README.md is the index of the tests (issue 54 item 6): it names every ``test_*.py`` of tests/ and
+    tests/sglang/, and no file that is gone."""
+    import re
+
+    tests = Path(__file__).resolve().parent
+    have = {str(f.relative_to(tests)) for f in [*tests.glob("test_*.py"), *tests.glob("sglang/test_*.py")]}
+    named = set(re.findall(r"^\| `([\w/]+\.py)` \|", (tests / "README.md").read_text(), flags=re.M))
+    assert have - named == set(), f"tests/README.md does not name {sorted(have - named)}"
+    assert named - have == set(), f"tests/README.md names files that are gone: {sorted(named - have)}"

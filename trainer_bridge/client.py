@@ -83,7 +83,7 @@ def build_request(prompts: Iterable[PromptLike], params: SamplingParams | dict |
     return req.model_dump(exclude_none=True)
 
 
-class _Tracker:
+class EventTracker:
     """Shared event handling of the sync and async clients."""
 
     def __init__(self, raise_on_error: bool):
@@ -177,7 +177,7 @@ class RolloutClient:
                raise_on_error: bool = True, **extra) -> Iterator[Rollout | ErrorEvent]:
         """Yield each finished sample as a :class:`Rollout` (see the module doc for errors)."""
         body = build_request(prompts, params, n, **extra)
-        tr = _Tracker(raise_on_error)
+        tr = EventTracker(raise_on_error)
         with tr.reading(), self._client.stream("POST", "/v1/rollouts", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -223,7 +223,7 @@ class AsyncRolloutClient:
     async def stream(self, prompts: Iterable[PromptLike], params: SamplingParams | dict | None = None, n: int = 1,
                      raise_on_error: bool = True, **extra) -> AsyncIterator[Rollout | ErrorEvent]:
         body = build_request(prompts, params, n, **extra)
-        tr = _Tracker(raise_on_error)
+        tr = EventTracker(raise_on_error)
         with tr.reading():
             async with self._client.stream("POST", "/v1/rollouts", json=body) as r:
                 if r.status_code != 200:

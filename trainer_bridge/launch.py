@@ -153,7 +153,8 @@ class VLLMServer(ServerProcess):
 
 
 class SGLangServer(ServerProcess):
-    """``python -m sglang.launch_server`` on the CPU, with the SGLang venv's ``python`` (docs/sglang.md)."""
+    """``python -m sglang.launch_server`` on the CPU, with the SGLang venv's ``python`` (docs/sglang.md).
+    ``--sleep-on-idle``: an idle scheduler otherwise polls without sleeping, holding a CPU core."""
 
     what = "SGLang server"
 
@@ -162,7 +163,7 @@ class SGLangServer(ServerProcess):
         port = port or free_port()
         cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--device", "cpu", "--attention-backend", "torch_native", "--dtype", "bfloat16", "--mem-fraction-static", "0.05",
-               "--disable-cuda-graph", "--random-seed", "0", *extra_args]
+               "--disable-cuda-graph", "--random-seed", "0", "--sleep-on-idle", *extra_args]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         super().__init__(cmd, env, port, log_path)
 

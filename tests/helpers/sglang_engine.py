@@ -40,6 +40,9 @@ ENGINE_KW = dict(
     disable_cuda_graph=True,
     random_seed=0,
     enable_fp32_lm_head=True,
+    # an idle SGLang scheduler polls its sockets without sleeping: the session's shared server held 0.66
+    # of the 2 CI cores for its whole life (ps, 2026-12-08) while the other suites ran beside it
+    sleep_on_idle=True,
 )
 
 #: The same as ``python -m sglang.launch_server`` flags.
@@ -52,6 +55,7 @@ SERVER_ARGS = [
     "--disable-cuda-graph",
     "--random-seed", "0",
     "--enable-fp32-lm-head",
+    "--sleep-on-idle",
 ]
 
 
@@ -177,20 +181,22 @@ def running_engine(model: str | Path, **kw):
 
     before = {p.pid for p in psutil.Process().children()}
     eng = sgl.Engine(model_path=str(model), **{"quantization": "foursight", **ENGINE_KW, **kw})
+    own = {p.pid for p in psutil.Process().children()} - before  # its scheduler and detokenizer
     try:
         yield eng
     finally:
-        with _killing_only_children_since(before):
+        with _killing_only(own):
             eng.shutdown()
 
 
 @contextlib.contextmanager
-def _killing_only_children_since(before: set[int]):
+def _killing_only(own: set[int]):
     """``sglang.Engine.shutdown`` ends with ``kill_process_tree(os.getpid(), include_parent=False)``: it
     SIGKILLs *every* child of this process, among them the session's shared SGLang server
     (conftest.py's ``shared_sglang``), which then had to start again (60-75 s) in the next file or, when
     the kill had not finished yet, looked alive and dropped the bridge's first connection (CI of
-    49526c8). While the engine shuts down, that call kills only the children started since ``before``."""
+    49526c8). While the engine shuts down, that call kills only ``own``, the children the engine
+    started (a server a test started while the engine was up is not one of them)."""
     from sglang.srt.entrypoints import engine as engine_module
 
     kill_tree = engine_module.kill_process_tree
@@ -201,7 +207,7 @@ def _killing_only_children_since(before: set[int]):
         import psutil
 
         for child in psutil.Process().children():
-            if child.pid not in before and child.pid != skip_pid:
+            if child.pid in own and child.pid != skip_pid:
                 kill_tree(child.pid, include_parent=True, wait_timeout=wait_timeout)
 
     engine_module.kill_process_tree = own_children_only

@@ -1,9 +1,16 @@
 """SGLang's loader compares a FourSight checkpoint with the model (issue 28): a checkpoint without
-``model.norm.weight`` (which SGLang served before, reporting healthy) stops the server at load with
-a CheckpointError naming the tensor; so does the incomplete-run marker. A subnormal global scale is
-refused by the FourSight layer's own check (``schema.decode_module``, which SGLang's FourSight layers
-run on every module they load: test_server.py's missing-shard refusal is that check stopping a real
-server); it is checked here at that function, without starting a third server (30-45 s on 2 cores)."""
+``model.norm.weight`` (which SGLang served before, reporting healthy) stops a real server at load with
+a CheckpointError naming the tensor. That is the one real-engine refusal kept for the loader's road
+(FourSight's wrappers of ``DefaultModelLoader``; test_server.py keeps the one of the layer's road, a
+missing shard); the loader's other checks are checked here at the function the wrapper calls, without
+starting a server each (60-120 s on 2 cores; issue 54 item 1):
+
+* a folder a writer left incomplete (the marker): :func:`foursight.quant_methods.config.check_folder`;
+* a non-finite tensor: :func:`foursight.quant_methods.config.served_weights`, which the wrapped weight
+  iterator returns (test_plugin_side_effects.py checks that ``register`` wraps both loader methods);
+* a subnormal global scale: the FourSight layer's own check (``schema.decode_module``), which SGLang's
+  FourSight layers run on every module they load.
+"""
 
 from __future__ import annotations
 
@@ -32,17 +39,56 @@ def _marked(dst):
     (dst / INCOMPLETE_MARKER).write_text("killed")
 
 
-@pytest.mark.parametrize("case, edit, message", [
-    ("no-norm", _no_norm, "CheckpointError: missing tensor model.norm.weight"),
-    ("marked", _marked, ".foursight-incomplete is present"),
-])
-def test_sglang_refuses_a_bad_checkpoint_at_load_naming_it(tiny_ckpt, tmp_path, case, edit, message):
-    bad = tmp_path / case
+def test_sglang_refuses_a_checkpoint_without_its_norm_at_load_naming_it(tiny_ckpt, tmp_path):
+    bad = tmp_path / "no-norm"
     shutil.copytree(tiny_ckpt, bad)
-    edit(bad)
+    _no_norm(bad)
     returncode, text = refused_at_load(bad, tmp_path / "bad.log")
     assert returncode != 0
-    assert message in " ".join(text.split()), text[-3000:]
+    assert "CheckpointError: missing tensor model.norm.weight" in " ".join(text.split()), text[-3000:]
+
+
+def test_the_loader_check_refuses_a_folder_left_incomplete_naming_the_marker(tiny_ckpt, tmp_path):
+    """What the wrapped weight iterator runs first on the folder SGLang loads (``check_folder``): the
+    folder as written passes; with the incomplete-run marker it is refused naming the marker."""
+    from foursight.quant_methods.config import check_folder
+    from foursight.schema import CheckpointError
+
+    bad = tmp_path / "marked"
+    shutil.copytree(tiny_ckpt, bad)
+    check_folder(bad)
+    _marked(bad)
+    with pytest.raises(CheckpointError) as ei:
+        check_folder(bad)
+    assert ".foursight-incomplete is present" in " ".join(str(ei.value).split()), ei.value
+
+
+def test_the_loader_check_refuses_a_non_finite_tensor_naming_it(tiny_ckpt, tmp_path):
+    """The stream the wrapped weight iterator gives SGLang (``served_weights``): the checkpoint as written
+    passes whole; with a NaN in ``model.embed_tokens.weight`` it stops naming the tensor (as the
+    server's log did when a real server was started on it)."""
+    import json
+
+    from foursight.quant_methods.config import served_weights
+    from foursight.schema import CheckpointError
+    from foursight.tensor_io import iter_safetensors
+
+    qc = json.loads((tiny_ckpt / "config.json").read_text())["quantization_config"]
+    assert sum(1 for _ in served_weights(iter_safetensors(tiny_ckpt, check=False), qc)) > 0
+    bad = tmp_path / "nan-embed"
+    shutil.copytree(tiny_ckpt, bad)
+    name = "model.embed_tokens.weight"
+    edit_tensors(bad, lambda t: t.__setitem__(name, _with_nan(t[name])))
+    with pytest.raises(CheckpointError) as ei:
+        for _ in served_weights(iter_safetensors(bad, check=False), qc, f" in {bad}"):
+            pass
+    assert f"tensor {name}" in str(ei.value) and "non-finite" in str(ei.value), ei.value
+
+
+def _with_nan(t):
+    out = t.clone()
+    out[3, 0] = float("nan")
+    return out
 
 
 def test_the_layer_check_refuses_a_subnormal_global_scale_naming_it(tiny_ckpt, tmp_path):

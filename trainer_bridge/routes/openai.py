@@ -136,7 +136,7 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     return text[:cut] if cut >= 0 else text
 
 
-class _Choice:
+class OpenAIChoice:
     """One sample as a choice of the answer: its text (special tokens skipped, cut before a stop
     string that ended it), logprobs in the route's shape, and, streamed, the part not yet sent."""
 
@@ -302,7 +302,7 @@ async def _sample(state: BridgeState, req: SamplingFields, tok, got) -> dict[str
     choices = []
     for pi, ids in enumerate(prompt_ids):
         for j in range(req.n):
-            choices.append(_Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi], _stop_ids(req, tok)).whole(out[(pi, j)]))
+            choices.append(OpenAIChoice(req, tok.tok, names, pi * req.n + j, ids, texts[pi], _stop_ids(req, tok)).whole(out[(pi, j)]))
     p = sum(len(ids) for ids in prompt_ids)
     c = sum(len(r.token_ids) for r in out.values())
     return {"id": rid, "object": "chat.completion" if req.kind == "chat" else "text_completion", "created": int(time.time()),
@@ -326,7 +326,7 @@ async def _stream(state: BridgeState, req: SamplingFields, tok, got) -> AsyncIte
     names = TokenNames(tok.tok, req.return_tokens_as_token_ids)
     texts = req.prompt_texts() if isinstance(req, CompletionRequest) else [None]
     stop_ids = _stop_ids(req, tok)
-    choices = {(pi, j): _Choice(req, tok.tok, names, pi * req.n + j, ids, texts[pi], stop_ids)
+    choices = {(pi, j): OpenAIChoice(req, tok.tok, names, pi * req.n + j, ids, texts[pi], stop_ids)
                for pi, ids in enumerate(prompt_ids) for j in range(req.n)}
     n_prompt = sum(len(p) for p in prompt_ids)
     n_done = 0
