@@ -10,7 +10,9 @@ place), ``online`` (load-time quantization settings and channels), ``sharding (f
 names -> engine parameter names), ``update_check`` (the whole-update check), ``requantize`` (the
 sync's quantizer), ``weight_authority`` (who may load weights into a served engine), ``engine_hooks``
 (how an engine's method is wrapped).
-vLLM: ``vllm_plugin`` (entry point), ``vllm_method``, ``vllm_weight_sync``, ``vllm_weight_transfer``.
+vLLM: ``vllm_plugin`` (entry point), ``vllm_method``, ``vllm_weight_sync`` (the worker extension, the guards of vLLM's
+weight RPCs), ``vllm_weight_update`` (how an update is applied), ``vllm_weight_transfer``, the broadcast
+road ``weight_broadcast`` with its communicators ``broadcast_communicators``.
 SGLang: ``sglang_plugin`` (entry point), ``sglang_method``.
 Nothing is imported here, so that importing the package needs no engine.
 """

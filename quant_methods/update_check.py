@@ -5,7 +5,7 @@ A weight update is atomic only if it is refused *before* its first tensor is wri
 it applied (and, later, served under the next version tag). :func:`check_update` therefore reads
 the names, dtypes, shapes and values of the WHOLE update against the served model and raises
 :class:`~foursight.schema.CheckpointError` naming the first bad tensor; the route loads nothing
-unless it passes. Used by vLLM's routes (:mod:`foursight.quant_methods.vllm_weight_sync`,
+unless it passes. Used by vLLM's routes (:mod:`foursight.quant_methods.vllm_weight_update`,
 :mod:`foursight.quant_methods.vllm_weight_transfer`) and SGLang's
 (:mod:`foursight.quant_methods.sglang_plugin`).
 

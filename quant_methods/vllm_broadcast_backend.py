@@ -1,7 +1,7 @@
 """``foursight_nccl``: vLLM 0.32's weight-transfer backend for the broadcast road (docs/scale-out.md,
 "Weights over a broadcast group"): the messages of vLLM's own ``nccl`` backend, received by
 :class:`foursight.quant_methods.weight_broadcast.BroadcastReceiver` (the transport), checked and applied
-in the file road's update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`). Registered
+in the file road's update session (:class:`foursight.quant_methods.vllm_weight_update.UpdateSession`). Registered
 with vLLM's weight-transfer factory by the plugin (:func:`register`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from foursight.quant_methods.vllm_compat import worker_global_rank
-from foursight.quant_methods.vllm_weight_sync import UpdateSession
+from foursight.quant_methods.vllm_weight_update import UpdateSession
 from foursight.quant_methods.weight_broadcast import BACKEND, BroadcastReceiver
 
 

@@ -19,13 +19,13 @@ and only from its weights folders, and a refusal names no other path. It then re
 whole, once, checks the tensors it read once (every tensor finite; names, dtypes and shapes against
 the model) and keeps **those tensors**, not the path (issue 38 item 2: a file rewritten before
 ``finish_weight_update``, or a path reused for the next bucket, changes nothing of what was checked):
-:meth:`foursight.quant_methods.vllm_weight_sync.UpdateSession.receive`. ``finish_weight_update``
+:meth:`foursight.quant_methods.vllm_weight_update.UpdateSession.receive`. ``finish_weight_update``
 loads every kept bucket, in order, through the model's own ``load_weights`` and runs the idempotent
 FourSight post-processing once per update however many files came in
-(:meth:`~foursight.quant_methods.vllm_weight_sync.UpdateSession.apply`). The tensors are held in host memory from ``update_weights`` to
+(:meth:`~foursight.quant_methods.vllm_weight_update.UpdateSession.apply`). The tensors are held in host memory from ``update_weights`` to
 ``finish_weight_update`` (the size of the update). An update with a refused file loads nothing, so nothing of it is ever
 served, and vLLM keeps its weight version (issue 28). It is the same code the ``/collective_rpc`` route (``FourSightWorkerExtension``) runs,
-so both routes give bit-identical engines (the session :func:`~foursight.quant_methods.vllm_weight_sync.run_update` runs there) (``tests/test_vllm_weight_transfer.py``).
+so both routes give bit-identical engines (the session :func:`~foursight.quant_methods.vllm_weight_update.run_update` runs there) (``tests/test_vllm_weight_transfer.py``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         pass
 
     def start_weight_update(self) -> None:
-        from foursight.quant_methods.vllm_weight_sync import UpdateSession
+        from foursight.quant_methods.vllm_weight_update import UpdateSession
 
         self._session = UpdateSession(self.model)
 
@@ -78,7 +78,7 @@ class FourSightFileEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
         """Authorize the file (:func:`~foursight.quant_methods.weight_authority.authorize_update`), read
         it whole once, check the tensors read once (every tensor finite, names, dtypes and shapes) and keep
-        them for ``finish_weight_update`` (:meth:`~foursight.quant_methods.vllm_weight_sync.UpdateSession.receive`);
+        them for ``finish_weight_update`` (:meth:`~foursight.quant_methods.vllm_weight_update.UpdateSession.receive`);
         nothing is loaded yet. A refused file refuses the whole update."""
         from foursight.quant_methods.weight_authority import RefusedUpdate, authorize_update
         from foursight.schema import REFUSED_PREFIX

@@ -7,10 +7,11 @@ announces each update as ``{"names", "dtype_names", "shapes"}`` and broadcasts t
 packed into uint8 chunks (vLLM's ``packed_tensor`` wire format; one broadcast per tensor when
 ``packed`` is false). This module is the receiving side of that road for a FourSight engine:
 
-* :class:`BroadcastReceiver` joins the group (:func:`open_communicator`), receives one update message's
+* :class:`BroadcastReceiver` joins the group
+  (:func:`~foursight.quant_methods.broadcast_communicators.open_communicator`), receives one update message's
   tensors (:func:`receive_tensors`: every broadcast of the message is consumed before anything is
   checked, so a refused tensor leaves the group in step with the trainer) and hands them to the file road's
-  update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`, the one every road runs):
+  update session (:class:`foursight.quant_methods.vllm_weight_update.UpdateSession`, the one every road runs):
   each message's tensors checked once as they arrive (names, dtypes, shapes, finiteness; a refusal names the
   tensor and starts with :data:`foursight.schema.REFUSED_PREFIX`) and kept; at the end of the update every part
   loaded and re-quantized at once, with the same "a refused update changes nothing" as the file road. The
@@ -26,12 +27,11 @@ packed into uint8 chunks (vLLM's ``packed_tensor`` wire format; one broadcast pe
   ``collective_rpc`` (``foursight_broadcast_init`` / ``_start`` / ``_receive`` / ``_finish`` /
   ``_close``; any vLLM release with the worker extension, 0.26 on the device), which tag the
   worker's weight version and weights id as ``foursight_update_weights`` does;
-* the communicator is the only part that depends on the transport (:class:`Communicator`:
-  ``broadcast(tensor, src)``, ``close()``): :class:`NcclCommunicator` is vLLM's ``PyNcclCommunicator``
-  (CUDA), :class:`GlooCommunicator` is torch's Gloo process group over the same store (CPU; what the
-  tests run). An engine on CUDA takes ``nccl`` and one on the CPU ``gloo`` unless the init info names
-  ``communicator``. The trainer side for the tests and for CPU learners is :func:`open_trainer_group`
-  and :func:`broadcast_packed` (the argument list of vLLM's ``packed_nccl_broadcast_producer``,
+* the communicator is the only part that depends on the transport; it has its own module,
+  :mod:`foursight.quant_methods.broadcast_communicators` (``Communicator``: ``broadcast(tensor, src)``,
+  ``close()``; NCCL on CUDA, Gloo on the CPU, what the tests run). An engine on CUDA takes ``nccl`` and one
+  on the CPU ``gloo`` unless the init info names ``communicator``. The trainer side for the tests and for
+  CPU learners is :func:`open_trainer_group` and :func:`broadcast_packed` (the argument list of vLLM's ``packed_nccl_broadcast_producer``,
   without its CUDA streams).
 
 An engine served over HTTP (``VLLM_SERVER_DEV_MODE=1``) joins a group only with its
@@ -46,97 +46,18 @@ import json
 import math
 import time
 from dataclasses import dataclass, fields
-from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
+from foursight.quant_methods.broadcast_communicators import COMMUNICATORS, Communicator, open_communicator
 from foursight.quant_methods.vllm_compat import worker_global_rank
 
 #: the vLLM weight-transfer backend name (``--weight-transfer-config '{"backend": "foursight_nccl"}'``)
 BACKEND = "foursight_nccl"
-#: the communicators a group can use: NCCL (CUDA) and Gloo (CPU; the tests' stand-in)
-COMMUNICATORS = ("nccl", "gloo")
 #: vLLM's packed wire defaults (``vllm.distributed.weight_transfer.packed_tensor``): 1 GiB chunks, 2 buffers
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
 DEFAULT_PACKED_NUM_BUFFERS = 2
-
-
-class Communicator(Protocol):
-    """What the road needs of a group: a broadcast from ``src`` into ``tensor`` (in place on the
-    receivers), and a close. Ranks: the trainer is 0, the engine's workers follow."""
-
-    rank: int
-    world_size: int
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NcclCommunicator:
-    """vLLM's ``PyNcclCommunicator`` on the group's store (the communicator of vLLM's ``nccl`` backend and
-    of TRL's client), broadcasting on the current CUDA stream. CUDA only; not run on the CPU machine."""
-
-    def __init__(self, group: Any, device: torch.device | int):
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-
-        self.group, self.rank, self.world_size = group, group.rank, group.world_size
-        try:  # vLLM 0.32: NCCL must not inherit the engine's pinned NCCL settings
-            from vllm.utils.nccl import unpinned_nccl_env
-        except ImportError:
-            self.comm = PyNcclCommunicator(group, device=device)
-        else:
-            with unpinned_nccl_env():
-                self.comm = PyNcclCommunicator(group, device=device)
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self.comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
-
-    def close(self) -> None:
-        destroy = getattr(self.comm, "destroy", None)
-        if callable(destroy):
-            destroy()
-
-
-class GlooCommunicator:
-    """torch's Gloo process group on the group's store (a prefix of its own), outside torch's global group:
-    the CPU stand-in for NCCL. Tensors travel as their bytes (Gloo has no bfloat16 on every build)."""
-
-    def __init__(self, group: Any, timeout_s: float = 300.0):
-        from torch.distributed import PrefixStore, ProcessGroupGloo
-
-        self.group, self.rank, self.world_size = group, group.rank, group.world_size
-        self._pg = ProcessGroupGloo(PrefixStore("foursight-gloo/", group.store), group.rank, group.world_size,
-                                    timedelta(seconds=timeout_s))
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        from torch.distributed import BroadcastOptions
-
-        if not tensor.is_contiguous():
-            raise ValueError("gloo broadcast: the tensor must be contiguous (it travels as its bytes)")
-        opts = BroadcastOptions()
-        opts.rootRank, opts.rootTensor = src, 0
-        self._pg.broadcast([tensor.view(-1).view(torch.uint8)], opts).wait()
-
-    def close(self) -> None:
-        self._pg = None
-
-
-def open_communicator(kind: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      device: torch.device | int | None = None, timeout_s: float = 300.0) -> Communicator:
-    """Join the group at ``master_address:master_port`` as ``rank`` of ``world_size`` (rank 0 hosts the
-    store: the trainer) through vLLM's ``StatelessProcessGroup`` (outside torch's global group, as vLLM's
-    ``nccl`` backend does), then build the ``kind`` communicator on it. Blocks until every rank joined."""
-    from vllm.distributed.utils import StatelessProcessGroup
-
-    if kind not in COMMUNICATORS:
-        raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)}, got {kind!r}")
-    group = StatelessProcessGroup.create(host=master_address, port=int(master_port), rank=rank, world_size=world_size,
-                                         store_timeout=int(timeout_s))
-    if kind == "nccl":
-        return NcclCommunicator(group, device if device is not None else torch.cuda.current_device())
-    return GlooCommunicator(group, timeout_s)
 
 
 # ---- the messages (vLLM's nccl backend's, field for field) ----
@@ -314,7 +235,7 @@ class BroadcastReceiver:
 
     def __init__(self, device: torch.device | str | int, new_session: Callable[[torch.nn.Module], UpdateSessionLike]):
         """``new_session(model)``: the file road's update session for one update
-        (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`: each message's tensors checked once as they
+        (:class:`foursight.quant_methods.vllm_weight_update.UpdateSession`: each message's tensors checked once as they
         arrive, then every part loaded and re-quantized at once). Passed in, so that this module stays the
         transport and imports nothing of the engine's update code."""
         self.device = torch.device(device) if not isinstance(device, torch.device) else device
@@ -396,7 +317,7 @@ class BroadcastReceiver:
 
 
 class UpdateSessionLike(Protocol):
-    """What the receiver needs of an update session (:class:`foursight.quant_methods.vllm_weight_sync.UpdateSession`)."""
+    """What the receiver needs of an update session (:class:`foursight.quant_methods.vllm_weight_update.UpdateSession`)."""
 
     refused: str | None
 
@@ -416,7 +337,7 @@ class BroadcastWorkerMixin:
     ``foursight_broadcast_close()``. ``init_info``/``update_info`` may come as JSON text."""
 
     #: the host class's update session (:class:`BroadcastReceiver`'s ``new_session``), as a ``staticmethod``: the
-    #: worker extension gives the file road's :class:`~foursight.quant_methods.vllm_weight_sync.UpdateSession`
+    #: worker extension gives the file road's :class:`~foursight.quant_methods.vllm_weight_update.UpdateSession`
     _broadcast_session: Callable[[torch.nn.Module], UpdateSessionLike] | None = None
 
     def _foursight_receiver(self) -> BroadcastReceiver:

@@ -262,7 +262,7 @@ CASES: list[Case] = [
           "tests/test_hf_update_refusals.py::test_an_int32_update_through_the_bridge_is_refused_naming_it_and_changes_nothing"),
          "vLLM, in memory (`apply_weight_update`), native (`foursight_file`: each file checked on arrival, loaded only at "
          "`finish_weight_update`) and `/collective_rpc`: the whole update (names, float dtypes, shapes, finiteness) is "
-         "checked before anything loads (`vllm_weight_sync.check_update`); a bad shape, NaN, int32 or unknown name as the "
+         "checked before anything loads (`vllm_weight_update.check_update`); a bad shape, NaN, int32 or unknown name as the "
          "last tensor leaves the logprobs bit-identical and the version unchanged, and the next good update equals a fresh "
          "load. SGLang (`update_weights_from_tensor`, flattened buckets, `update_weights_from_distributed`, "
          "`update_weights_from_disk` and the bridge's route to it): the plugin checks the whole update the same way "

@@ -15,7 +15,8 @@ import torch
 from foursight.rl import RLConfig, RLError, run_rl
 from foursight.rl import tasks as rl_tasks
 from foursight.rl.evaluation import generate_answers, score_answers
-from foursight.rl.loop import build_run, eval_and_log, filter_batch, sample, score
+from foursight.rl.loop import eval_and_log, filter_batch, sample, score
+from foursight.rl.run_setup import build_run
 
 
 def _read(path):

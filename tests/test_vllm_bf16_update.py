@@ -32,7 +32,7 @@ def test_bf16_engine_update_equals_a_fresh_load_and_handles_half_a_fused_layer(t
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from foursight.quant_methods.vllm_weight_sync import cpu_packed_linears
+    from foursight.quant_methods.vllm_weight_update import cpu_packed_linears
 
     new = perturbed_state(tiny_llama_dir, seed=5)
     save_file(new, str(tmp_path / "update.safetensors"))

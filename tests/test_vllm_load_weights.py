@@ -270,7 +270,7 @@ def test_a_refused_update_changes_nothing_and_is_never_served_later(engine, setu
     from safetensors.torch import save_file
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
-    from foursight.quant_methods.vllm_weight_sync import apply_weight_update
+    from foursight.quant_methods.vllm_weight_update import apply_weight_update
 
     mode, llm = engine
     _trl_sync(llm, setup["new1"])

@@ -1,6 +1,6 @@
 """One weight update, one check (issue 54 item 4): every vLLM road (the in-memory ``apply_weight_update``, the
 worker's file route ``foursight_update_weights``, the native ``foursight_file`` transfer) runs one
-:class:`~foursight.quant_methods.vllm_weight_sync.UpdateSession`, which reads each tensor once and checks it
+:class:`~foursight.quant_methods.vllm_weight_update.UpdateSession`, which reads each tensor once and checks it
 once before anything loads. Before, the file route checked every tensor three times (the reader's float32
 finiteness pass, the worker's ``check_update``, ``apply_weight_update``'s ``check_update`` again).
 
@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 pytest.importorskip("vllm")
 
 from foursight.quant_methods import update_check  # noqa: E402
-from foursight.quant_methods.vllm_weight_sync import FourSightWorkerExtension, UpdateSession, apply_weight_update, run_update  # noqa: E402
+from foursight.quant_methods.vllm_weight_sync import FourSightWorkerExtension  # noqa: E402
+from foursight.quant_methods.vllm_weight_update import UpdateSession, apply_weight_update, run_update  # noqa: E402
 from foursight.quant_methods.weight_authority import RefusedUpdate  # noqa: E402
 from foursight.schema import REFUSED_PREFIX, CheckpointError  # noqa: E402
 from foursight import tensor_io  # noqa: E402

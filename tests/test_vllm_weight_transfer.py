@@ -222,7 +222,7 @@ def test_native_route_loads_the_tensors_it_checked(tiny_llama_dir, tiny_ckpt, tm
 def test_fused_shard_gate_holds_shards_until_the_fused_layer_is_complete():
     """The gate lets a fused layer's shards through only together (in the mapping's order, across
     several calls), passes every other tensor at once, and names what is left incomplete."""
-    from foursight.quant_methods.vllm_weight_sync import FusedShardGate, check_fused_complete
+    from foursight.quant_methods.vllm_weight_update import FusedShardGate, check_fused_complete
 
     class Model(torch.nn.Module):
         packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

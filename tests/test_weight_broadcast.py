@@ -188,7 +188,7 @@ def test_a_join_is_refused_before_any_connection(monkeypatch):
     from foursight.schema import ENV_WEIGHTS_TOKEN, REFUSED_PREFIX
 
     info = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 2}  # port 9: nothing listens
-    from foursight.quant_methods.vllm_weight_sync import UpdateSession
+    from foursight.quant_methods.vllm_weight_update import UpdateSession
 
     r = BroadcastReceiver("cpu", UpdateSession)
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")

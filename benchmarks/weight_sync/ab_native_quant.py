@@ -35,7 +35,7 @@ def measure(model_path: str, weights: list, repeats: int) -> dict:
         import torch
 
         from foursight import nvfp4_cpu
-        from foursight.quant_methods.vllm_weight_sync import apply_weight_update
+        from foursight.quant_methods.vllm_weight_update import apply_weight_update
 
         runs: dict[str, list] = {"native": [], "eager": []}
         for i in range(repeats + 1):

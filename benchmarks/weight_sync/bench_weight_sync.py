@@ -6,7 +6,7 @@ tensor of the model (HF names), in memory, through the trainers' own loops:
 * ``trl``: TRL colocate, ``model.load_weights([(name, tensor)])`` once per tensor, no post-load step;
 * ``verl``: verl, ``model.load_weights(bucket)`` per bucket (``--buckets``, cutting through fused
   layers), then vLLM's ``process_weights_after_loading`` once;
-* ``apply_weight_update``: the documented in-memory route (:mod:`foursight.quant_methods.vllm_weight_sync`);
+* ``apply_weight_update``: the documented in-memory route (:mod:`foursight.quant_methods.vllm_weight_update`);
 * ``file``: the ``/collective_rpc`` route, ``FourSightWorkerExtension.foursight_update_weights`` of a safetensors
   file holding the same tensors (written once before the runs, so it is in the page cache): the file read, the
   checks and the load, as an engine's worker runs them for the bridge.
@@ -130,7 +130,7 @@ def _routes(llm, weights: list, buckets: int, bf16: bool, file: str) -> dict:
     """route name -> fn(model), the trainers' loops and the file route (module docstring)."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from foursight.quant_methods.vllm_weight_sync import apply_weight_update
+    from foursight.quant_methods.vllm_weight_update import apply_weight_update
 
     model_config = llm.llm_engine.vllm_config.model_config
     step = -(-len(weights) // buckets)

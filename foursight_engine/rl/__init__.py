@@ -22,7 +22,8 @@ bridge backends: :class:`~foursight.trainer_bridge.backends.hf_rollout.HFRollout
 :func:`foursight.channels.calibrate_channel_sets`.
 
 Modules: ``config`` (RLConfig), ``grpo`` (advantages, loss), ``loop`` (run_rl and its steps),
-``evaluation`` (prompts, the held-out eval), ``records`` (the log, checkpoints, provenance, memory),
+``run_setup`` (what a run builds before its first step: RLRun, build_run), ``evaluation`` (prompts, the
+held-out eval), ``records`` (the log, checkpoints, provenance, memory),
 ``tasks`` (the verifiable tasks), ``follow``, ``cli`` (the command).
 
 Every ``eval_every`` steps the learner answers the held-out eval set greedily. One JSON line is
