@@ -42,26 +42,20 @@ RLOG=$(mktemp /tmp/foursight-rest-tests.XXXX)
 rpid=$!
 "$VENV/bin/python" -m pytest "${ROAD[@]}" -p no:cacheprovider --timeout=1800 --durations=30 "$@"
 rc_main=$?
-wait "$rpid"
-rc_rest=$?
-echo "[test] the rest of the main suite, run beside the engine road:"
-cat "$RLOG"
-rm -f "$RLOG"
-[ "$rc_rest" -eq 0 ] || rc_main=$rc_rest
-wait "$kpid"
-rc_kernels=$?
-echo "[test] kernel tests (interpreter), run beside the main suite:"
-cat "$KLOG"
-rm -f "$KLOG"
-[ "$rc_kernels" -eq 0 ] || rc_main=$rc_kernels
 
+# collect PID LOG TITLE: wait for a suite run in the background (none when PID is empty), print its
+# output under TITLE and remove its log; its exit status
+collect() {
+    local rc=0
+    [ -z "$1" ] || wait "$1" || rc=$?
+    echo "[test] $3:"
+    cat "$2"
+    rm -f "$2"
+    return "$rc"
+}
+collect "$rpid" "$RLOG" "the rest of the main suite, run beside the engine road" || rc_main=$?
+collect "$kpid" "$KLOG" "kernel tests (interpreter), run beside the main suite" || rc_main=$?
 rc_sgl=0
-if [ -n "$spid" ]; then
-    wait "$spid"
-    rc_sgl=$?
-fi
-echo "[test] SGLang suite, run beside the main suite:"
-cat "$SLOG"
-rm -f "$SLOG"
+collect "$spid" "$SLOG" "SGLang suite, run beside the main suite" || rc_sgl=$?
 echo "[test] main suite exit $rc_main, SGLang suite exit $rc_sgl"
 [ "$rc_main" -eq 0 ] && [ "$rc_sgl" -eq 0 ]

@@ -53,6 +53,17 @@ def edited_copy(src: Path, dst: Path, fn: Callable[[dict], Any]) -> Path:
     return dst
 
 
+def nan_copy(src: Path, dst: Path, name: str) -> Path:
+    """A copy of ``src`` at ``dst`` whose tensor ``name`` holds NaN at index 3 (an element of a vector, a row of
+    a matrix): a checkpoint or update every FourSight reader must refuse naming ``name``."""
+
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name][3] = float("nan")
+
+    return edited_copy(src, dst, edit)
+
+
 def folder_with(src: Path, dst: Path, tensors: dict) -> Path:
     """A copy of model folder ``src`` at ``dst`` with ``tensors`` (HF names) replacing or adding to its own."""
     return edited_copy(src, dst, lambda t: t.update(tensors))

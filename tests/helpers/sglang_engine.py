@@ -197,6 +197,7 @@ def _killing_only(own: set[int]):
     the kill had not finished yet, looked alive and dropped the bridge's first connection (CI of
     49526c8). While the engine shuts down, that call kills only ``own``, the children the engine
     started (a server a test started while the engine was up is not one of them)."""
+    import psutil
     from sglang.srt.entrypoints import engine as engine_module
 
     kill_tree = engine_module.kill_process_tree
@@ -204,8 +205,6 @@ def _killing_only(own: set[int]):
     def own_children_only(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
         if parent_pid != os.getpid() or include_parent:
             return kill_tree(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
-        import psutil
-
         for child in psutil.Process().children():
             if child.pid in own and child.pid != skip_pid:
                 kill_tree(child.pid, include_parent=True, wait_timeout=wait_timeout)

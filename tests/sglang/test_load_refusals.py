@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from helpers.checkpoints import edit_tensors
+from helpers.checkpoints import edit_tensors, nan_copy
 from helpers.sglang_engine import refused_at_load
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -75,20 +75,12 @@ def test_the_loader_check_refuses_a_non_finite_tensor_naming_it(tiny_ckpt, tmp_p
 
     qc = json.loads((tiny_ckpt / "config.json").read_text())["quantization_config"]
     assert sum(1 for _ in served_weights(iter_safetensors(tiny_ckpt, check=False), qc)) > 0
-    bad = tmp_path / "nan-embed"
-    shutil.copytree(tiny_ckpt, bad)
     name = "model.embed_tokens.weight"
-    edit_tensors(bad, lambda t: t.__setitem__(name, _with_nan(t[name])))
+    bad = nan_copy(tiny_ckpt, tmp_path / "nan-embed", name)
     with pytest.raises(CheckpointError) as ei:
         for _ in served_weights(iter_safetensors(bad, check=False), qc, f" in {bad}"):
             pass
     assert f"tensor {name}" in str(ei.value) and "non-finite" in str(ei.value), ei.value
-
-
-def _with_nan(t):
-    out = t.clone()
-    out[3, 0] = float("nan")
-    return out
 
 
 def test_the_layer_check_refuses_a_subnormal_global_scale_naming_it(tiny_ckpt, tmp_path):

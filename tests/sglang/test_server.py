@@ -26,12 +26,11 @@ of the same model.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers.checkpoints import edited_copy
+from helpers.checkpoints import edited_copy, nan_copy
 from helpers.sglang_engine import (abs_diffs, floor_check, free_port, generate_logprobs, hf_prompt_logprobs, launch_server, prompt_ids,
                                    reference_model, refused_at_load, server_prompt_logprobs, sglang_prompt_logprobs,
                                    stop_server, wait_ready)
@@ -102,20 +101,12 @@ def test_missing_tensor_fails_at_load_naming_it(tiny_ckpt, tmp_path):
     assert "CheckpointError: missing tensor model.layers.1.self_attn.k_proj.weight_scale" in text, text[-3000:]
 
 
-def _nan_norm_copy(src: Path, dst: Path, name: str = "model.norm.weight") -> Path:
-    def edit(t):
-        t[name] = t[name].clone()
-        t[name][3] = float("nan")
-
-    return edited_copy(src, dst, edit)
-
-
 def test_non_finite_update_from_disk_is_refused_and_previous_weights_keep_serving(server, tiny_ckpt, tmp_path):
     """An update whose model.norm.weight holds a NaN fails naming the tensor; SGLang then reloads the
     weights it served, and the logprobs are bit-equal to those before."""
     prompts = prompt_ids(tiny_ckpt, n=2)
     before = server_prompt_logprobs(server, prompts)
-    bad = _nan_norm_copy(tiny_ckpt, tmp_path / "nan_norm")
+    bad = nan_copy(tiny_ckpt, tmp_path / "nan_norm", "model.norm.weight")
     r = httpx.post(f"{server}/update_weights_from_disk", json={"model_path": str(bad)}, timeout=300)
     body = r.json()
     assert not body["success"], r.text
